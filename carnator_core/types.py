@@ -1,0 +1,259 @@
+"""Immutable values passed between Carnator nodes (CARNATOR_* socket types) and stored in the cache.
+
+Contract: every value here is a frozen dataclass. Arrays inside are never modified after construction
+(producers pass fresh arrays; consumers copy before changing). Everything serialises to
+safetensors-compatible tensors + JSON-able metadata (``to_tensors``/``to_meta`` and ``from_parts``):
+cache files may come from someone else, so no pickle anywhere.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def stable_digest(obj: Any, n: int = 16) -> str:
+    """Short sha256 hex digest of a JSON-able object (sorted keys), used for fingerprints."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    """The generation configuration that must match for a cache entry to be reusable.
+
+    Two requests may share cached computation only if every field here is equal (the seed is *not* part
+    of the namespace: different seeds of the same config are exactly what cross-request reuse serves).
+    """
+
+    arch: str  # "wan21" | "wan22" | "ltxv" | "embedded"
+    latent_shape: tuple[int, ...]  # (C, T, H, W) without batch
+    steps: int
+    sampler: str
+    scheduler: str
+    cfg: float
+    sigmas_digest: str  # digest of the full sigma schedule (captures shift / model sampling / denoise)
+    probe_steps: int
+
+    def fingerprint(self) -> str:
+        return stable_digest(
+            {
+                "arch": self.arch,
+                "latent_shape": list(self.latent_shape),
+                "steps": self.steps,
+                "sampler": self.sampler,
+                "scheduler": self.scheduler,
+                "cfg": round(float(self.cfg), 6),
+                "sigmas": self.sigmas_digest,
+                "probe_steps": self.probe_steps,
+            }
+        )
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "latent_shape": list(self.latent_shape),
+            "steps": self.steps,
+            "sampler": self.sampler,
+            "scheduler": self.scheduler,
+            "cfg": float(self.cfg),
+            "sigmas_digest": self.sigmas_digest,
+            "probe_steps": self.probe_steps,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "GenConfig":
+        return cls(
+            arch=str(meta["arch"]),
+            latent_shape=tuple(int(x) for x in meta["latent_shape"]),
+            steps=int(meta["steps"]),
+            sampler=str(meta["sampler"]),
+            scheduler=str(meta["scheduler"]),
+            cfg=float(meta["cfg"]),
+            sigmas_digest=str(meta["sigmas_digest"]),
+            probe_steps=int(meta["probe_steps"]),
+        )
+
+
+def namespace_key(model_fingerprint: str, config: GenConfig) -> str:
+    """The cache namespace: model x generation config. Entries are only ever reused within one namespace."""
+    return f"{model_fingerprint[:16]}-{config.fingerprint()}"
+
+
+@dataclass(frozen=True)
+class ObjectSignature:
+    """Early-signature facts about one named object.
+
+    mask: float32 [T, H, W] in [0, 1] over the latent *token* grid (after patchify), the object's soft
+          spatiotemporal support from cross-attention.
+    size: relative size = mask mass / number of grid cells, in [0, 1].
+    lab:  mean CIELAB colour (L, a, b) of the x0 prediction under the mask.
+    """
+
+    name: str
+    mask: np.ndarray
+    size: float
+    lab: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The Early Signature of one request.
+
+    objects:     one entry per named object (may be empty: a context-only signature).
+    context_lab: float32 [gh, gw, 3] CIELAB means of the non-object region on a coarse grid (cells with no
+                 context pixels hold the global context mean).
+    grid:        (T, H, W) of the token grid the masks live on.
+    note:        human-readable remark (e.g. "no recognisable objects: context-only signature").
+    """
+
+    objects: tuple[ObjectSignature, ...]
+    context_lab: np.ndarray
+    grid: tuple[int, int, int]
+    note: str = ""
+
+    def object_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.objects)
+
+    def get(self, name: str) -> ObjectSignature | None:
+        for o in self.objects:
+            if o.name == name:
+                return o
+        return None
+
+    def to_tensors(self, prefix: str = "sig.") -> dict[str, np.ndarray]:
+        out = {f"{prefix}context_lab": np.ascontiguousarray(self.context_lab, dtype=np.float32)}
+        for i, o in enumerate(self.objects):
+            out[f"{prefix}mask.{i}"] = np.ascontiguousarray(o.mask, dtype=np.float32)
+        return out
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "grid": list(self.grid),
+            "note": self.note,
+            "objects": [{"name": o.name, "size": float(o.size), "lab": [float(v) for v in o.lab]} for o in self.objects],
+        }
+
+    @classmethod
+    def from_parts(cls, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray], prefix: str = "sig.") -> "Signature":
+        objs = []
+        for i, om in enumerate(meta["objects"]):
+            key = f"{prefix}mask.{i}"
+            if key not in tensors:
+                raise ValueError(f"signature is missing tensor {key!r}: the cache entry is incomplete or corrupt")
+            objs.append(
+                ObjectSignature(
+                    name=str(om["name"]),
+                    mask=np.asarray(tensors[key], dtype=np.float32),
+                    size=float(om["size"]),
+                    lab=tuple(float(v) for v in om["lab"]),  # type: ignore[arg-type]
+                )
+            )
+        return cls(
+            objects=tuple(objs),
+            context_lab=np.asarray(tensors[f"{prefix}context_lab"], dtype=np.float32),
+            grid=tuple(int(x) for x in meta["grid"]),  # type: ignore[arg-type]
+            note=str(meta.get("note", "")),
+        )
+
+    def nbytes(self) -> int:
+        """Serialized size in bytes (tensors + JSON metadata)."""
+        return sum(a.nbytes for a in self.to_tensors().values()) + len(json.dumps(self.to_meta()).encode())
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One recalled cache entry, as the Risk Filter and the sampler see it."""
+
+    entry_id: str
+    similarity: float
+    prompt: str
+    signature: Signature
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Top-K recall result for one request (same namespace only; may be empty)."""
+
+    namespace: str
+    items: tuple[Candidate, ...]
+    retrieval_ms: float = 0.0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class AxisCheck:
+    axis: str  # "context" | "size" | "shape" | "appearance"
+    value: float
+    threshold: float
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.threshold
+
+
+@dataclass(frozen=True)
+class CandidateVerdict:
+    entry_id: str
+    similarity: float
+    accepted: bool
+    reason: str
+    checks: tuple[AxisCheck, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The Risk Filter's verdict for one request: the accepted candidate (or None) and why, per candidate."""
+
+    accepted: bool
+    candidate: Candidate | None
+    verdicts: tuple[CandidateVerdict, ...]
+    mode: str  # "signature" | "prompt_only" | "never"
+    rule_id: str = ""
+    filter_ms: float = 0.0
+    summary: str = ""
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "entry_id": self.candidate.entry_id if self.candidate else None,
+            "mode": self.mode,
+            "rule_id": self.rule_id,
+            "filter_ms": self.filter_ms,
+            "summary": self.summary,
+            "verdicts": [
+                {
+                    "entry_id": v.entry_id,
+                    "similarity": v.similarity,
+                    "accepted": v.accepted,
+                    "reason": v.reason,
+                    "checks": [{"axis": c.axis, "value": c.value, "threshold": c.threshold, "passed": c.passed} for c in v.checks],
+                }
+                for v in self.verdicts
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class BlockStructure:
+    """Recorded attention block structure of a dense run (structure, not values).
+
+    keep: bool [L, Hh, Qb, Kb] — for each recorded middle layer (L), head (Hh, or 1 if head-averaged),
+          query block, which key blocks carry the attention mass.
+    layers: the transformer block indices the rows refer to.
+    block_size: tokens per block; n_tokens: sequence length the blocks tile.
+    """
+
+    keep: np.ndarray
+    layers: tuple[int, ...]
+    block_size: int
+    n_tokens: int
+    steps: tuple[int, ...] = ()
+
+    @property
+    def density(self) -> float:
+        return float(self.keep.mean()) if self.keep.size else 1.0

@@ -1,0 +1,27 @@
+"""Carnator's ComfyUI nodes (V3 schema).
+
+Every module in this folder exports ``NODES``: a list of ``io.ComfyNode`` subclasses. They are discovered
+here so that adding a node module needs no edit to a shared registry. An import error in a node module is
+raised, not swallowed: a half-loaded extension is worse than a clear failure at start-up.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from comfy_api.latest import ComfyExtension, io
+
+
+def all_nodes() -> list[type[io.ComfyNode]]:
+    found: list[type[io.ComfyNode]] = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found.extend(getattr(module, "NODES", []))
+    return found
+
+
+class CarnatorExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return all_nodes()

