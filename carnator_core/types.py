@@ -257,3 +257,46 @@ class BlockStructure:
     @property
     def density(self) -> float:
         return float(self.keep.mean()) if self.keep.size else 1.0
+
+
+@dataclass(frozen=True)
+class ObjectTokens:
+    """A named object and the positions of its word tokens (noun + its modifiers) in the conditioning."""
+
+    name: str
+    words: tuple[str, ...]
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Result of the Early Probe: the first k steps of the real schedule of one request.
+
+    Tensors are batch item 0 unless stated. ``replay`` holds the sampler-level denoised outputs of the first
+    k model calls (full batch), so generation resumes *exactly* (any deterministic one-call-per-step sampler):
+    the resumed sampler re-runs the schedule from step 0 and gets these outputs back instead of model calls.
+    """
+
+    arch: str
+    model_fingerprint: str
+    config: GenConfig
+    prompt: str
+    seed: int
+    objects: tuple[ObjectTokens, ...]
+    object_source: str  # "user" | "spacy" | "vocabulary" | "none"
+    object_maps: Mapping[str, np.ndarray]  # name -> float32 [T, H, W] cross-attention mass on the token grid
+    grid: tuple[int, int, int]  # token grid (T, H, W) after patchify
+    patch: tuple[int, int, int]  # latent cells per token (t, h, w)
+    x0_probe: Any  # torch.Tensor [C, T, H, W] model-space x0 prediction at the last probe call
+    latent_probe: Any  # torch.Tensor [C, T, H, W] sampler state entering step k
+    latent_rgb_factors: np.ndarray | None  # [C, 3] latent -> RGB (ComfyUI latent format), or None
+    latent_rgb_bias: np.ndarray | None  # [3]
+    embedding: np.ndarray  # float32 [D] L2-normalised retrieval embedding of the positive conditioning
+    replay: tuple[Any, ...] = ()  # torch.Tensor per probe call: denoised (after CFG), full batch
+    sigmas: tuple[float, ...] = ()  # the full schedule
+    timings: Mapping[str, float] = field(default_factory=dict)  # ms per stage
+    note: str = ""
+
+    @property
+    def probe_steps(self) -> int:
+        return self.config.probe_steps
