@@ -1,0 +1,798 @@
+"""Historical sparse-connectivity reuse: record attention block structure, run block-sparse attention.
+
+Pure torch (no ComfyUI import). Two halves:
+
+* **Recording** (dense runs): :func:`record_block_structure` estimates, per query block, which key blocks carry
+  the attention mass, *without* the full ``L x L`` softmax: one representative query per block (the mean of the
+  block's queries, or a few sampled queries) is scored against the keys, its softmax is summed per key block,
+  and the smallest set of key blocks reaching ``mass`` is kept (the diagonal block always). :class:`BlockRecorder`
+  accumulates this over a few (layer, step) observations into a :class:`~.types.BlockStructure` for the cache.
+* **Block-sparse attention** (reuse runs): :func:`block_sparse_attention` computes attention restricted to the
+  kept blocks, optionally for an active subset of query tokens only (``query_index``). It is exactly equal (up to
+  float rounding) to dense attention with a ``-inf`` additive mask outside the kept blocks. Backends: a
+  gather-based kernel (CPU default), FlexAttention with a ``BlockMask`` (CUDA default, compiled), and the dense
+  masked reference.
+
+Conventions used throughout:
+
+* Tensors are ``[B, H, L, D]`` ("document layout"); ComfyUI's ``optimized_attention`` layout ``[B, L, H*D]`` is
+  served by :func:`block_sparse_attention_bld`.
+* Tokens are tiled into blocks of ``block_size`` consecutive positions; ``n_blocks = ceil(n_tokens /
+  block_size)`` and the last block may be partial. ``keep`` is bool ``[Hk, Qb, Kb]`` (or ``[Qb, Kb]``) with
+  ``Hk`` either 1 (one pattern shared by all heads) or ``H`` (one pattern per head); ``keep[h, i, j]`` means
+  queries of block ``i`` attend to keys of block ``j``.
+* Query block of a query token = its *sequence position* // block_size. With ``query_index`` the rows of ``q``
+  are the tokens at positions ``query_index`` (the active region), while ``k``/``v`` cover the whole sequence.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .types import BlockStructure
+
+Backend = Literal["auto", "gather", "flex", "dense_masked"]
+Strategy = Literal["grouped", "padded"]
+
+__all__ = [
+    "estimate_block_mass",
+    "select_blocks",
+    "record_block_structure",
+    "BlockRecorder",
+    "keep_for_layer",
+    "keep_to_dense_mask",
+    "BlockSparsePlan",
+    "plan_block_sparse",
+    "block_sparse_attention",
+    "block_sparse_attention_bld",
+    "build_flex_block_mask",
+    "flex_available",
+]
+
+
+def n_blocks(n_tokens: int, block_size: int) -> int:
+    """Number of blocks tiling ``n_tokens`` (the last one may be partial)."""
+    return (int(n_tokens) + int(block_size) - 1) // int(block_size)
+
+
+def _check_block_size(block_size: int) -> int:
+    if int(block_size) != block_size or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    return int(block_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _as_bhld(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() == 3:
+        return x.unsqueeze(0)
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be [B, H, L, D] or [H, L, D], got shape {tuple(x.shape)}")
+    return x
+
+
+def _block_sum_last(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Sum the last dimension over consecutive blocks (last block partial): [..., L] -> [..., ceil(L/bs)]."""
+    L = x.shape[-1]
+    nb = n_blocks(L, block_size)
+    pad = nb * block_size - L
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], nb, block_size).sum(-1)
+
+
+def _query_representatives(q: torch.Tensor, block_size: int, sample_queries: int) -> torch.Tensor:
+    """Representative queries per block: [B, H, L, D] -> [B, H, Qb, S, D] (S = 1 for the mean-pooled query)."""
+    B, H, L, D = q.shape
+    nb = n_blocks(L, block_size)
+    if sample_queries <= 0:
+        pad = nb * block_size - L
+        qp = F.pad(q, (0, 0, 0, pad)) if pad else q
+        sums = qp.reshape(B, H, nb, block_size, D).sum(3)
+        counts = torch.full((nb,), float(block_size), device=q.device, dtype=sums.dtype)
+        counts[-1] = L - (nb - 1) * block_size  # the partial last block averages over its real tokens only
+        return (sums / counts[:, None]).unsqueeze(3)
+    # Evenly spaced rows inside each block (deterministic: recording must be reproducible), clipped to the real
+    # length of the partial last block.
+    s = int(sample_queries)
+    starts = torch.arange(nb, device=q.device) * block_size
+    lens = torch.clamp(L - starts, max=block_size)
+    offs = (torch.arange(s, device=q.device, dtype=torch.float32) + 0.5) / s  # in (0, 1)
+    rows = starts[:, None] + (offs[None, :] * lens[:, None].float()).long().clamp(max=block_size - 1)
+    rows = torch.minimum(rows, (starts + lens - 1)[:, None])
+    return q[:, :, rows.reshape(-1), :].reshape(B, H, nb, s, D)
+
+
+@torch.no_grad()
+def estimate_block_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_size: int,
+    *,
+    sample_queries: int = 0,
+    key_pooling: Literal["none", "mean"] = "none",
+    head_average: bool = False,
+    scale: float | None = None,
+    max_chunk_elems: int = 1 << 24,
+) -> torch.Tensor:
+    """Estimated attention probability mass per (query block, key block), without the full softmax.
+
+    q, k: [B, H, L, D] (or [H, L, D]) of one self-attention call (same L). For each query block a representative
+    query (``sample_queries=0``: the mean of the block's queries; ``n > 0``: the mean of the softmax rows of ``n``
+    evenly spaced queries of the block) is scored against all keys (``key_pooling="none"``) or against the
+    mean-pooled key of each block (``"mean"``, with ``log(block length)`` added so a block counts for its size).
+    The softmax is summed per key block and averaged over the batch (and over heads if ``head_average``).
+
+    Returns float32 [Hh, Qb, Kb], Hh = 1 if head_average else H; every row sums to 1.
+    Cost: O(Qb * S * L * D) per head with all keys (1/block_size of the dense QK^T for S = 1).
+    """
+    block_size = _check_block_size(block_size)
+    q = _as_bhld(q, "q")
+    k = _as_bhld(k, "k")
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"record expects self-attention q and k of the same shape [B, H, L, D], got q {tuple(q.shape)} and "
+            f"k {tuple(k.shape)}"
+        )
+    B, H, L, D = q.shape
+    scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+    reps = _query_representatives(q.float(), block_size, sample_queries)  # [B, H, Qb, S, D]
+    Qb, S = reps.shape[2], reps.shape[3]
+    kf = k.float()
+    if key_pooling == "mean":
+        nb = n_blocks(L, block_size)
+        pad = nb * block_size - L
+        kp = F.pad(kf, (0, 0, 0, pad)) if pad else kf
+        counts = torch.full((nb,), float(block_size), device=k.device)
+        counts[-1] = L - (nb - 1) * block_size
+        keys = kp.reshape(B, H, nb, block_size, D).sum(3) / counts[:, None]
+        bias = counts.log()  # a block of n similar keys holds ~n times the mass of one
+    elif key_pooling == "none":
+        keys, bias = kf, None
+    else:
+        raise ValueError(f"key_pooling must be 'none' or 'mean', got {key_pooling!r}")
+    out = torch.empty(B, H, Qb, n_blocks(L, block_size), device=q.device, dtype=torch.float32)
+    # Chunk over heads so the [Qb*S, L] score matrix stays bounded in memory at long sequence lengths.
+    per_head = B * Qb * S * keys.shape[2]
+    hc = max(1, int(max_chunk_elems // max(per_head, 1)))
+    for h0 in range(0, H, hc):
+        h1 = min(H, h0 + hc)
+        r = reps[:, h0:h1].reshape(B, h1 - h0, Qb * S, D)
+        logits = torch.matmul(r, keys[:, h0:h1].transpose(-1, -2)) * scale
+        if bias is not None:
+            logits = logits + bias
+        p = torch.softmax(logits, dim=-1)
+        if key_pooling == "none":
+            p = _block_sum_last(p, block_size)
+        out[:, h0:h1] = p.reshape(B, h1 - h0, Qb, S, -1).mean(3)
+    out = out.mean(0)
+    if head_average:
+        out = out.mean(0, keepdim=True)
+    return out
+
+
+@torch.no_grad()
+def select_blocks(
+    probs: torch.Tensor,
+    mass: float = 0.9,
+    max_density: float | None = None,
+    keep_diagonal: bool = True,
+) -> torch.Tensor:
+    """Per query block, the smallest set of key blocks whose summed probability reaches ``mass``.
+
+    probs: [..., Qb, Kb], rows summing to 1. Ties are broken towards the lower key block index (stable sort).
+    ``max_density`` (0, 1] caps the number of key blocks per query block at ``ceil(max_density * Kb)`` (the cap
+    wins over ``mass``); the diagonal block (``keep_diagonal``, needs Qb == Kb) is then added on top, so a row
+    may hold one block more than the cap. Returns bool of the same shape.
+    """
+    if not 0.0 < mass <= 1.0:
+        raise ValueError(f"mass must be in (0, 1], got {mass}")
+    Kb = probs.shape[-1]
+    sp, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sp, dim=-1) - sp  # mass of strictly higher-ranked blocks
+    # A block is needed while the blocks ranked above it do not reach `mass`; the small tolerance keeps a row
+    # whose float cumsum lands a hair below 1.0 from dragging in zero-probability blocks when mass == 1.
+    take = before < (mass - 1e-6 if mass < 1.0 else 1.0 - 1e-6)
+    take[..., 0] = True
+    if max_density is not None:
+        if not 0.0 < max_density <= 1.0:
+            raise ValueError(f"max_density must be in (0, 1], got {max_density}")
+        cap = max(1, math.ceil(max_density * Kb))
+        take[..., cap:] = False
+    keep = torch.zeros_like(take).scatter_(-1, order, take)
+    if keep_diagonal:
+        Qb = probs.shape[-2]
+        if Qb != Kb:
+            raise ValueError(f"keep_diagonal needs a square block grid, got {Qb} query x {Kb} key blocks")
+        keep |= torch.eye(Qb, dtype=torch.bool, device=keep.device)
+    return keep
+
+
+@torch.no_grad()
+def record_block_structure(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_size: int,
+    mass: float = 0.9,
+    max_density: float | None = None,
+    sample_queries: int = 0,
+    *,
+    key_pooling: Literal["none", "mean"] = "none",
+    head_average: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Which key blocks carry the attention mass of each query block, for one self-attention call.
+
+    q, k: [B, H, L, D] (or [H, L, D]). Returns bool [H, Qb, Kb] ([1, Qb, Kb] with ``head_average``) on q's
+    device: per query block the smallest set of key blocks whose estimated block-pooled probability mass is
+    ``>= mass`` (see :func:`estimate_block_mass` for the estimate and :func:`select_blocks` for the selection),
+    plus the diagonal block. The batch (e.g. cond + uncond) is averaged before selection.
+    """
+    probs = estimate_block_mass(
+        q, k, block_size, sample_queries=sample_queries, key_pooling=key_pooling, head_average=head_average, scale=scale
+    )
+    return select_blocks(probs, mass=mass, max_density=max_density, keep_diagonal=True)
+
+
+class BlockRecorder:
+    """Accumulates recorded block structure over a few (layer, step) observations of a dense run.
+
+    Usage (from an attention override, per self-attention call)::
+
+        rec = BlockRecorder(block_size=128, layers=range(5, 25), steps=(3, 10, 20))
+        if rec.wants(layer, step):
+            rec.observe(layer, step, q, k)          # or rec.observe_bld(layer, step, q, k, heads)
+        ...
+        structure = rec.result()                    # types.BlockStructure for the Cache Writer
+
+    ``layers``/``steps``: which observations to take (None = any). ``combine``: ``"union"`` keeps a block if any
+    observation of that layer kept it; ``"frequency"`` keeps it if at least ``min_frequency`` of that layer's
+    observations did (the diagonal is always kept). All observations must share n_tokens and head count.
+    ``seconds`` is the wall time spent inside observe (on CUDA without synchronisation: an underestimate).
+    """
+
+    def __init__(
+        self,
+        block_size: int = 128,
+        layers: Iterable[int] | None = None,
+        steps: Iterable[int] | None = None,
+        *,
+        mass: float = 0.9,
+        max_density: float | None = None,
+        sample_queries: int = 0,
+        key_pooling: Literal["none", "mean"] = "none",
+        head_average: bool = False,
+        combine: Literal["union", "frequency"] = "union",
+        min_frequency: float = 0.5,
+    ) -> None:
+        self.block_size = _check_block_size(block_size)
+        self.layers = None if layers is None else frozenset(int(x) for x in layers)
+        self.steps = None if steps is None else frozenset(int(x) for x in steps)
+        if combine not in ("union", "frequency"):
+            raise ValueError(f"combine must be 'union' or 'frequency', got {combine!r}")
+        if not 0.0 < min_frequency <= 1.0:
+            raise ValueError(f"min_frequency must be in (0, 1], got {min_frequency}")
+        self.mass = float(mass)
+        self.max_density = max_density
+        self.sample_queries = int(sample_queries)
+        self.key_pooling = key_pooling
+        self.head_average = bool(head_average)
+        self.combine = combine
+        self.min_frequency = float(min_frequency)
+        self._counts: dict[int, torch.Tensor] = {}
+        self._n_obs: dict[int, int] = {}
+        self._steps_seen: set[int] = set()
+        self._n_tokens: int | None = None
+        self._n_heads: int | None = None
+        self.seconds = 0.0
+
+    def wants(self, layer: int, step: int) -> bool:
+        """True if an observation at (layer, step) is part of the recording plan."""
+        return (self.layers is None or int(layer) in self.layers) and (self.steps is None or int(step) in self.steps)
+
+    @torch.no_grad()
+    def observe(self, layer: int, step: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Record one self-attention call; q, k: [B, H, L, D]."""
+        t0 = time.perf_counter()
+        q = _as_bhld(q, "q")
+        L = q.shape[2]
+        if self._n_tokens is None:
+            self._n_tokens = L
+        elif L != self._n_tokens:
+            raise ValueError(
+                f"BlockRecorder got {L} tokens at layer {layer} step {step} but {self._n_tokens} before: one "
+                "recorder records one request (one latent shape); make a new BlockRecorder per run"
+            )
+        keep = record_block_structure(
+            q,
+            k,
+            self.block_size,
+            mass=self.mass,
+            max_density=self.max_density,
+            sample_queries=self.sample_queries,
+            key_pooling=self.key_pooling,
+            head_average=self.head_average,
+        )
+        if self._n_heads is None:
+            self._n_heads = keep.shape[0]
+        elif keep.shape[0] != self._n_heads:
+            raise ValueError(f"BlockRecorder got {keep.shape[0]} head patterns, expected {self._n_heads}")
+        layer = int(layer)
+        cnt = keep.to("cpu", torch.int32)
+        if layer in self._counts:
+            self._counts[layer] += cnt
+            self._n_obs[layer] += 1
+        else:
+            self._counts[layer] = cnt
+            self._n_obs[layer] = 1
+        self._steps_seen.add(int(step))
+        self.seconds += time.perf_counter() - t0
+
+    def observe_bld(self, layer: int, step: int, q: torch.Tensor, k: torch.Tensor, heads: int) -> None:
+        """Record one call in ComfyUI's layout: q, k [B, L, heads*D]."""
+        self.observe(layer, step, _bld_to_bhld(q, heads), _bld_to_bhld(k, heads))
+
+    @property
+    def n_observations(self) -> int:
+        return sum(self._n_obs.values())
+
+    def result(self) -> BlockStructure:
+        """The accumulated structure: keep bool [n_layers, Hh, Qb, Kb], layers sorted ascending."""
+        if not self._counts:
+            raise ValueError(
+                "BlockRecorder has no observations: no self-attention call matched its layers/steps "
+                f"(layers={sorted(self.layers) if self.layers is not None else 'any'}, "
+                f"steps={sorted(self.steps) if self.steps is not None else 'any'})"
+            )
+        layers = tuple(sorted(self._counts))
+        rows = []
+        for layer in layers:
+            c, n = self._counts[layer], self._n_obs[layer]
+            if self.combine == "union":
+                keep = c > 0
+            else:
+                keep = c >= math.ceil(self.min_frequency * n - 1e-9)
+            keep |= torch.eye(keep.shape[-1], dtype=torch.bool)
+            rows.append(keep.numpy())
+        return BlockStructure(
+            keep=np.ascontiguousarray(np.stack(rows, axis=0)),
+            layers=layers,
+            block_size=self.block_size,
+            n_tokens=int(self._n_tokens or 0),
+            steps=tuple(sorted(self._steps_seen)),
+        )
+
+
+def keep_for_layer(structure: BlockStructure, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The recorded bool [Hh, Qb, Kb] pattern of one layer as a torch tensor (KeyError-style message if absent)."""
+    try:
+        i = structure.layers.index(int(layer))
+    except ValueError:
+        raise ValueError(f"layer {layer} was not recorded; recorded layers: {list(structure.layers)}") from None
+    return torch.from_numpy(np.ascontiguousarray(structure.keep[i])).to(device=device, dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-sparse attention
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bld_to_bhld(x: torch.Tensor, heads: int) -> torch.Tensor:
+    B, L, HD = x.shape
+    if HD % heads:
+        raise ValueError(f"last dim {HD} is not divisible by heads={heads}")
+    return x.view(B, L, heads, HD // heads).transpose(1, 2)
+
+
+def _normalize_keep(keep: torch.Tensor, n_heads: int | None, n_tokens: int, block_size: int) -> torch.Tensor:
+    if keep.dtype != torch.bool:
+        raise ValueError(f"keep must be a bool tensor, got {keep.dtype}")
+    if keep.dim() == 2:
+        keep = keep.unsqueeze(0)
+    if keep.dim() != 3:
+        raise ValueError(f"keep must be [Hk, Qb, Kb] or [Qb, Kb], got shape {tuple(keep.shape)}")
+    nb = n_blocks(n_tokens, block_size)
+    if keep.shape[1] != nb or keep.shape[2] != nb:
+        raise ValueError(
+            f"keep covers {keep.shape[1]}x{keep.shape[2]} blocks but {n_tokens} tokens in blocks of {block_size} "
+            f"need {nb}x{nb}: the recorded structure is for a different latent shape or block size"
+        )
+    if n_heads is not None and keep.shape[0] not in (1, n_heads):
+        raise ValueError(f"keep has {keep.shape[0]} head patterns; expected 1 (shared) or {n_heads} (per head)")
+    return keep
+
+
+def keep_to_dense_mask(
+    keep: torch.Tensor, block_size: int, n_tokens: int, query_index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Token-level bool mask [Hk, Lq, n_tokens] (True = attend) equivalent to a block pattern. O(Lq * L) memory."""
+    block_size = _check_block_size(block_size)
+    keep = _normalize_keep(keep, None, n_tokens, block_size)
+    kpos = torch.arange(n_tokens, device=keep.device)
+    qpos = kpos if query_index is None else query_index.to(keep.device).long()
+    return keep[:, (qpos // block_size)[:, None], (kpos // block_size)[None, :]]
+
+
+@dataclass
+class _Group:
+    head_idx: torch.Tensor  # [G] pattern-head of each element
+    q_rows: torch.Tensor  # [G, m] flat rows (head * Lq + row) to gather queries from; padding clamped
+    out_rows: torch.Tensor  # [G * m] flat rows (head * (Lq + 1) + row) to write to; padding -> dummy row
+    k_rows: torch.Tensor  # [G, n * bs] flat rows (head * L + pos) to gather keys/values from; clamped
+    k_valid: torch.Tensor | None  # [G, n * bs] bool, None if all valid
+    m: int
+    n_keys: int
+
+
+@dataclass
+class BlockSparsePlan:
+    """Precomputed gather indices for one (keep, block_size, n_tokens, query_index): reusable across steps.
+
+    Build with :func:`plan_block_sparse`. ``dense`` means every needed block is kept (plain SDPA is exact).
+    """
+
+    block_size: int
+    n_tokens: int
+    n_queries: int
+    n_pattern_heads: int
+    device: torch.device
+    groups: list[_Group] = field(default_factory=list)
+    dense: bool = False
+    density: float = 1.0  # fraction of (query row, key) pairs computed, over active rows
+
+    def compatible(self, n_heads: int, n_queries: int, n_tokens: int, device: torch.device) -> bool:
+        return (
+            self.n_tokens == n_tokens
+            and self.n_queries == n_queries
+            and self.n_pattern_heads in (1, n_heads)
+            and n_heads % self.n_pattern_heads == 0
+            and torch.device(device) == self.device
+        )
+
+
+@torch.no_grad()
+def plan_block_sparse(
+    keep: torch.Tensor,
+    block_size: int,
+    n_tokens: int,
+    query_index: torch.Tensor | None = None,
+    *,
+    strategy: Strategy = "grouped",
+    device: torch.device | str | None = None,
+) -> BlockSparsePlan:
+    """Index plan for the gather kernel.
+
+    Work items are (pattern head, query block) pairs that have at least one query row. ``"grouped"`` batches
+    items with the same number of kept key blocks (and the same "includes the partial last key block" flag) into
+    one SDPA call without a mask; ``"padded"`` pads every item to the maximum kept count and masks the padding.
+    Query rows of an item are padded to the item group's maximum row count; padded rows are computed into a
+    dummy output row and discarded.
+    """
+    block_size = _check_block_size(block_size)
+    device = torch.device(device) if device is not None else keep.device
+    keep = _normalize_keep(keep, None, n_tokens, block_size).to("cpu")
+    Hk, Qb, Kb = keep.shape
+    L = int(n_tokens)
+    if query_index is None:
+        qpos = torch.arange(L)
+    else:
+        qpos = query_index.detach().to("cpu").long().reshape(-1)
+        if qpos.numel() and (int(qpos.min()) < 0 or int(qpos.max()) >= L):
+            raise ValueError(f"query_index must hold positions in [0, {L}), got range [{int(qpos.min())}, {int(qpos.max())}]")
+    Lq = int(qpos.numel())
+    plan = BlockSparsePlan(block_size=block_size, n_tokens=L, n_queries=Lq, n_pattern_heads=Hk, device=device)
+    if Lq == 0:
+        plan.density = 0.0
+        return plan
+    qblk = qpos // block_size
+    rows_per_block = torch.bincount(qblk, minlength=Qb)  # [Qb]
+    used = rows_per_block > 0
+    n_kept = keep.sum(-1)  # [Hk, Qb]
+    empty = (n_kept == 0) & used[None, :]
+    if bool(empty.any()):
+        h, i = [int(x) for x in empty.nonzero()[0]]
+        raise ValueError(
+            f"keep has no key block for query block {i} (head pattern {h}) although it has query rows: every "
+            "query needs at least one key (recorded structures always keep the diagonal block)"
+        )
+    # Fraction of computed (row, key) pairs, for reporting.
+    block_len = torch.full((Kb,), block_size)
+    block_len[-1] = L - (Kb - 1) * block_size
+    keys_per_qblock = (keep.long() * block_len).sum(-1).float()  # [Hk, Qb]
+    plan.density = float((keys_per_qblock * rows_per_block[None].float()).sum() / (Hk * Lq * L))
+    if bool(keep[:, used].all()):
+        plan.dense = True
+        return plan
+
+    # Rows of q per query block, in q's row order (stable).
+    order = torch.argsort(qblk, stable=True)
+    starts = torch.zeros(Qb + 1, dtype=torch.long)
+    starts[1:] = torch.cumsum(rows_per_block, 0)
+    partial_last = (L % block_size) != 0
+    last_kept = keep[:, :, Kb - 1] if partial_last else torch.zeros(Hk, Qb, dtype=torch.bool)
+
+    items_h, items_i = used[None, :].expand(Hk, Qb).nonzero(as_tuple=True)
+    cnt = n_kept[items_h, items_i]
+    has_last = last_kept[items_h, items_i]
+    if strategy == "grouped":
+        keys = cnt * 2 + has_last.long()
+        group_keys = torch.unique(keys).tolist()
+        selections = [(keys == gk).nonzero(as_tuple=True)[0] for gk in group_keys]
+    elif strategy == "padded":
+        selections = [torch.arange(items_h.numel())]
+    else:
+        raise ValueError(f"strategy must be 'grouped' or 'padded', got {strategy!r}")
+
+    ar_bs = torch.arange(block_size)
+    for sel in selections:
+        hs, qs = items_h[sel], items_i[sel]
+        G = int(sel.numel())
+        m = int(rows_per_block[qs].max())
+        n = int(cnt[sel].max())
+        # Query rows: the q-rows of each item's block, padded by repeating the first row.
+        j = torch.arange(m)
+        cnt_rows = rows_per_block[qs]
+        valid_rows = j[None, :] < cnt_rows[:, None]
+        src = starts[qs][:, None] + torch.where(valid_rows, j[None, :], torch.zeros_like(j)[None, :])
+        rows = order[src]  # [G, m] row numbers in q
+        q_rows = hs[:, None] * Lq + rows
+        out_rows = torch.where(valid_rows, hs[:, None] * (Lq + 1) + rows, hs[:, None] * (Lq + 1) + Lq)
+        # Kept key blocks per item, kept ones first (ascending index), padded with the first kept block.
+        kk = keep[hs, qs]  # [G, Kb]
+        kb_sorted = torch.argsort((~kk).to(torch.int8), dim=-1, stable=True)[:, :n]
+        kb_valid = torch.arange(n)[None, :] < kk.sum(-1)[:, None]
+        kb_sorted = torch.where(kb_valid, kb_sorted, kb_sorted[:, :1])
+        pos = kb_sorted[:, :, None] * block_size + ar_bs  # [G, n, bs]
+        valid = (pos < L) & kb_valid[:, :, None]
+        pos = pos.clamp(max=L - 1).reshape(G, n * block_size)
+        valid = valid.reshape(G, n * block_size)
+        k_rows = hs[:, None] * L + pos
+        plan.groups.append(
+            _Group(
+                head_idx=hs.to(device),
+                q_rows=q_rows.to(device),
+                out_rows=out_rows.reshape(-1).to(device),
+                k_rows=k_rows.to(device),
+                k_valid=None if bool(valid.all()) else valid.to(device),
+                m=m,
+                n_keys=n * block_size,
+            )
+        )
+    return plan
+
+
+def _sdpa(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _gather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockSparsePlan, scale: float, chunk_bytes: int
+) -> torch.Tensor:
+    """Gather kernel on [B, H, Lq, D] / [B, H, L, D] inputs; see plan_block_sparse for the work items."""
+    B, H, Lq, D = q.shape
+    L = k.shape[2]
+    Hk = plan.n_pattern_heads
+    Hg = H // Hk
+    N = B * Hg
+    # Flatten to [N, Hk*len, D]: heads sharing one pattern (Hg) become batch rows, pattern heads (Hk) are folded
+    # into the row index, so one index_select gathers any (head, row) set. A view when Hk == H or Hk == 1.
+    def flat(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.reshape(B, Hk, Hg, n, D).transpose(1, 2).reshape(N, Hk * n, x.shape[-1])
+
+    qf, kf, vf = flat(q, Lq), flat(k, L), flat(v, L)
+    out = q.new_empty(N, Hk * (Lq + 1), D)
+    elem = q.element_size()
+    for g in plan.groups:
+        G = g.q_rows.shape[0]
+        per_item = N * (g.m + 2 * g.n_keys) * D * elem
+        step = max(1, int(chunk_bytes // max(per_item, 1)))
+        for a in range(0, G, step):
+            b = min(G, a + step)
+            gq = qf.index_select(1, g.q_rows[a:b].reshape(-1)).view(N, b - a, g.m, D)
+            kr = g.k_rows[a:b].reshape(-1)
+            gk = kf.index_select(1, kr).view(N, b - a, g.n_keys, D)
+            gv = vf.index_select(1, kr).view(N, b - a, g.n_keys, D)
+            mask = None if g.k_valid is None else g.k_valid[a:b][None, :, None, :]
+            res = _sdpa(gq, gk, gv, mask, scale)
+            out.index_copy_(1, g.out_rows[a * g.m : b * g.m], res.reshape(N, (b - a) * g.m, D))
+    out = out.view(N, Hk, Lq + 1, D)[:, :, :Lq]
+    return out.reshape(B, Hg, Hk, Lq, D).transpose(1, 2).reshape(B, H, Lq, D)
+
+
+def flex_available() -> bool:
+    """True if torch.nn.attention.flex_attention (with BlockMask.from_kv_blocks) can be imported."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the torch build
+        return False
+    return hasattr(BlockMask, "from_kv_blocks")
+
+
+@torch.no_grad()
+def build_flex_block_mask(
+    keep: torch.Tensor,
+    block_size: int,
+    n_tokens: int,
+    query_index: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+):
+    """A FlexAttention ``BlockMask`` equal to ``keep`` (tiles of ``block_size`` x ``block_size``).
+
+    Without ``query_index`` the q tiles are the query blocks: kept blocks are "full" (no per-element mask work in
+    the compiled kernel) except the partial last key block. With ``query_index`` q tile t holds q rows
+    [t*bs, (t+1)*bs), which may span several query blocks: the tile lists the union of their kept key blocks, as
+    "full" blocks when the tile lies in one query block and as partial ones (exact ``mask_mod``) otherwise. The
+    ``mask_mod`` encodes ``keep`` element-wise, which is what eager (uncompiled) flex_attention evaluates: eager
+    mode ignores block sparsity and would otherwise compute dense attention.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    block_size = _check_block_size(block_size)
+    device = torch.device(device) if device is not None else keep.device
+    keep = _normalize_keep(keep, None, n_tokens, block_size).to(device)
+    Hk, Qb, Kb = keep.shape
+    L = int(n_tokens)
+    qpos = torch.arange(L, device=device) if query_index is None else query_index.to(device).long().reshape(-1)
+    Lq = int(qpos.numel())
+    qblk = (qpos // block_size).contiguous()
+    n_tiles = n_blocks(Lq, block_size)
+    tile = torch.arange(Lq, device=device) // block_size
+    pair = torch.unique(tile * Qb + qblk)  # distinct (tile, query block) pairs
+    p_tile, p_qb = pair // Qb, pair % Qb
+    union = torch.zeros(Hk, n_tiles, Kb, dtype=torch.int32, device=device)
+    union.index_add_(1, p_tile, keep[:, p_qb].to(torch.int32))
+    union = union > 0
+    single = torch.bincount(p_tile, minlength=n_tiles) == 1  # tile inside one query block
+    full = union & single[None, :, None]
+    if L % block_size:
+        full[:, :, Kb - 1] = False  # the partial last key block keeps the bounds check of mask_mod
+    partial = union & ~full
+
+    def to_idx(b: torch.Tensor):
+        num = b.sum(-1).to(torch.int32)
+        idx = torch.argsort((~b).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num[None], idx[None]
+
+    kv_num, kv_idx = to_idx(partial)
+    full_num, full_idx = to_idx(full)
+    keep_c = keep.contiguous()
+    shared = Hk == 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        hh = h * 0 if shared else h
+        return keep_c[hh, qblk[q_idx], kv_idx // block_size] & (kv_idx < L)
+
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(Lq, L),
+    )
+
+
+_COMPILED_FLEX: Callable | None = None
+
+
+def _flex_fn(compiled: bool) -> Callable:
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    query_index: torch.Tensor | None = None,
+    *,
+    backend: Backend = "auto",
+    plan: BlockSparsePlan | None = None,
+    block_mask=None,
+    flex_compiled: bool | None = None,
+    strategy: Strategy = "grouped",
+    scale: float | None = None,
+    chunk_bytes: int = 64 << 20,
+) -> torch.Tensor:
+    """Attention restricted to kept blocks: [B, H, Lq, D] x [B, H, L, D] -> [B, H, Lq, D].
+
+    Equal (float tolerance) to softmax(q k^T * scale + M) v with M = 0 where ``keep[h, pos(q)//bs, pos(k)//bs]``
+    and -inf elsewhere; pos(q) is the row index, or ``query_index[row]`` when given (then q holds only those rows
+    and k/v the whole sequence). keep: bool [Hk, Qb, Kb] / [Qb, Kb], Hk in {1, H}. Every query block that has
+    rows must keep at least one key block (ValueError otherwise).
+
+    backend: ``"gather"`` (gather the kept key blocks of each query block, SDPA per group of equal size; CPU
+    default), ``"flex"`` (FlexAttention with a BlockMask; compiled on CUDA, eager elsewhere unless
+    ``flex_compiled``), ``"dense_masked"`` (the reference: dense SDPA with a token-level mask), ``"auto"``
+    (flex on CUDA when available, gather otherwise). ``plan`` / ``block_mask``: precomputed by
+    :func:`plan_block_sparse` / :func:`build_flex_block_mask` for the same arguments (reuse across steps).
+    """
+    block_size = _check_block_size(block_size)
+    q, k, v = _as_bhld(q, "q"), _as_bhld(k, "k"), _as_bhld(v, "v")
+    B, H, Lq, D = q.shape
+    L = k.shape[2]
+    if k.shape[:2] != (B, H) or v.shape[:3] != k.shape[:3] or k.shape[-1] != D:
+        raise ValueError(f"k and v must be [B, H, L, D] matching q's B, H; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if query_index is None and Lq != L:
+        raise ValueError(
+            f"q has {Lq} rows but k has {L}: pass query_index (the positions of q's rows) when q holds only the "
+            "active tokens"
+        )
+    if query_index is not None and query_index.numel() != Lq:
+        raise ValueError(f"query_index has {query_index.numel()} entries but q has {Lq} rows")
+    if v.shape[-1] != D:
+        # SDPA supports a different value dim; the gather kernel's output buffer assumes D_v == D.
+        raise ValueError(f"value head dim {v.shape[-1]} differs from query head dim {D}; not supported")
+    keep = _normalize_keep(keep, H, L, block_size)
+    scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+
+    if backend == "auto":
+        backend = "flex" if (q.is_cuda and flex_available()) else "gather"
+    if backend == "dense_masked":
+        mask = keep_to_dense_mask(keep.to(q.device), block_size, L, query_index)  # [Hk, Lq, L]
+        if bool((~mask.any(-1)).any()):
+            raise ValueError("keep leaves a query row without any key block: every query needs at least one key")
+        return _sdpa(q, k, v, mask.unsqueeze(0), scale)
+    if backend == "gather":
+        if plan is None:
+            plan = plan_block_sparse(keep, block_size, L, query_index, strategy=strategy, device=q.device)
+        elif not plan.compatible(H, Lq, L, q.device):
+            raise ValueError("the given plan was built for other shapes/device than these q/k/v; rebuild it")
+        if Lq == 0:
+            return q.new_empty(B, H, 0, D)
+        if plan.dense:
+            return _sdpa(q, k, v, None, scale)
+        return _gather_attention(q, k, v, plan, scale, chunk_bytes)
+    if backend == "flex":
+        if not flex_available():
+            raise RuntimeError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use 'gather'")
+        if block_mask is None:
+            block_mask = build_flex_block_mask(keep, block_size, L, query_index, device=q.device)
+        compiled = q.is_cuda if flex_compiled is None else bool(flex_compiled)
+        return _flex_fn(compiled)(q, k, v, block_mask=block_mask, scale=scale)
+    raise ValueError(f"backend must be one of 'auto', 'gather', 'flex', 'dense_masked'; got {backend!r}")
+
+
+def block_sparse_attention_bld(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: int,
+    keep: torch.Tensor,
+    block_size: int,
+    query_index: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """ComfyUI ``optimized_attention`` layout: q [B, Lq, heads*D], k/v [B, L, heads*D] -> [B, Lq, heads*D].
+
+    Same semantics and keyword options as :func:`block_sparse_attention`.
+    """
+    B, Lq, HD = q.shape
+    out = block_sparse_attention(
+        _bld_to_bhld(q, heads),
+        _bld_to_bhld(k, heads),
+        _bld_to_bhld(v, heads),
+        keep,
+        block_size,
+        query_index,
+        **kwargs,
+    )
+    return out.transpose(1, 2).reshape(B, Lq, HD)
