@@ -1,0 +1,185 @@
+"""The Risk Filter: accept the best recalled candidate that passes the rule, or none — and always say why.
+
+Modes
+-----
+* ``"signature"``   — the four discrepancies of each candidate against the target signature, each against the
+                      certified rule's threshold (+ the rule's optional min prompt similarity); a named object on
+                      only one side rejects. The best passing candidate is accepted (highest similarity; ties:
+                      smallest normalised discrepancy, then entry id) — the same choice calibration evaluated.
+* ``"prompt_only"`` — NIRVANA-style baseline for comparison: the most similar candidate is accepted if its
+                      similarity ≥ ``prompt_threshold``. Signatures are not looked at; no certificate applies.
+* ``"never"``       — always dense (every candidate rejected); a control for measurements.
+
+Every decision carries one :class:`~carnator_core.types.CandidateVerdict` per candidate (per-axis value vs
+threshold and a reason), a one-line summary, and the time the filter took (``filter_ms``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from ..types import AxisCheck, Candidate, CandidateVerdict, Candidates, Decision, Signature
+from .discrepancy import AXES, Discrepancies, discrepancies
+from .rule import RiskRule, RuleError
+from .thresholds import Thresholds, prompt_check, select_best
+
+MODES: tuple[str, ...] = ("signature", "prompt_only", "never")
+UNCERTIFIED_BANNER = "!! UNCERTIFIED RULE (experiment only, risk NOT bounded) !! "
+
+
+def _fmt_failed(checks: Sequence[AxisCheck]) -> str:
+    return ", ".join(f"{c.axis} {c.value:.4g} > {c.threshold:.4g}" for c in checks if not c.passed)
+
+
+def _signature_mode(
+    target: Signature, items: Sequence[Candidate], rule: RiskRule
+) -> tuple[int | None, list[CandidateVerdict]]:
+    th: Thresholds = rule.thresholds
+    discs: list[Discrepancies] = [discrepancies(target, c.signature) for c in items]
+    checks = [th.checks(d.vector(), c.similarity) for d, c in zip(discs, items)]
+    passing = [
+        (i, c.similarity, th.normalised(d.vector()), c.entry_id)
+        for i, (c, d, ch) in enumerate(zip(items, discs, checks))
+        if not d.missing and all(x.passed for x in ch)
+    ]
+    best = select_best(passing)
+    n_pass = len(passing)
+    verdicts = []
+    for i, (c, d, ch) in enumerate(zip(items, discs, checks)):
+        if d.missing:
+            reason = "rejected: named object on one side only: " + ", ".join(d.missing_objects)
+        elif not all(x.passed for x in ch):
+            worst = [f"{x.axis} (worst object {d.worst_object(x.axis)!r})" for x in ch if not x.passed and d.worst_object(x.axis)]
+            reason = "rejected: " + _fmt_failed(ch) + (f" — {'; '.join(worst)}" if worst else "")
+        elif i == best:
+            reason = f"accepted: passes all {len(ch)} checks; best of {n_pass} passing by similarity"
+        else:
+            reason = f"passes the rule but not chosen: {items[best].entry_id!r} ranks higher (similarity, then discrepancy)"  # type: ignore[index]
+        verdicts.append(CandidateVerdict(c.entry_id, float(c.similarity), i == best, reason, ch))
+    return best, verdicts
+
+
+def _prompt_mode(items: Sequence[Candidate], threshold: float) -> tuple[int | None, list[CandidateVerdict]]:
+    top = select_best((i, c.similarity, 0.0, c.entry_id) for i, c in enumerate(items))
+    verdicts = []
+    best = None
+    for i, c in enumerate(items):
+        ch = prompt_check(c.similarity, threshold)
+        if i != top:
+            reason = f"rejected: prompt-only mode considers only the most similar candidate ({items[top].entry_id!r})"  # type: ignore[index]
+            ok = False
+        elif ch.passed:
+            reason, ok, best = f"accepted: similarity {c.similarity:.4g} ≥ threshold {threshold:.4g} (prompt only, no certificate)", True, i
+        else:
+            reason, ok = f"rejected: similarity {c.similarity:.4g} < threshold {threshold:.4g}", False
+        verdicts.append(CandidateVerdict(c.entry_id, float(c.similarity), ok, reason, (ch,)))
+    return best, verdicts
+
+
+def decide(
+    target: Signature | None,
+    candidates: Candidates,
+    rule: RiskRule | None,
+    mode: str = "signature",
+    prompt_threshold: float = 0.9,
+    *,
+    model_fingerprint: str | None = None,
+    config_fingerprint: str | None = None,
+    allow_uncertified: bool = False,
+) -> Decision:
+    """Decide whether (and which) recalled candidate the request reuses.
+
+    Contract:
+    * ``mode="signature"`` needs ``target`` and ``rule``. The rule must apply to this request: checked against
+      ``model_fingerprint``/``config_fingerprint`` when given (the probe's), otherwise against
+      ``candidates.namespace``; a mismatch raises :class:`~.rule.RuleMismatchError`. A rule whose certificate
+      fails raises :class:`~.rule.UncertifiedRuleError` unless ``allow_uncertified`` (then the summary starts
+      with a loud UNCERTIFIED banner).
+    * ``mode="prompt_only"`` uses only similarities and ``prompt_threshold``; ``"never"`` rejects everything.
+    * Signatures from different grids raise :class:`~.discrepancy.SignatureMismatchError` (never silently
+      broadcast).
+    Returns a :class:`~carnator_core.types.Decision` with one verdict per candidate, in recall order.
+    """
+    t0 = time.perf_counter()
+    if mode not in MODES:
+        raise ValueError(f"unknown Risk Filter mode {mode!r}; choose one of {list(MODES)}")
+    items = tuple(candidates.items)
+    rule_id = ""
+    banner = ""
+    best: int | None = None
+    if mode == "signature":
+        if rule is None:
+            raise RuleError(
+                "mode 'signature' needs a certified risk rule; load one (rules/README.md) or pick mode "
+                "'prompt_only'/'never'"
+            )
+        if target is None:
+            raise ValueError("mode 'signature' needs the target signature (connect the Signature Builder output)")
+        if not rule.certificate.passed:
+            if not allow_uncertified:
+                rule.check_certified()  # raises with the full explanation
+            banner = UNCERTIFIED_BANNER
+        if model_fingerprint is not None or config_fingerprint is not None:
+            if model_fingerprint is None or config_fingerprint is None:
+                raise ValueError("give both model_fingerprint and config_fingerprint, or neither")
+            rule.check_applicable(model_fingerprint, config_fingerprint)
+        elif candidates.namespace:
+            rule.check_namespace(candidates.namespace)
+        else:
+            raise RuleError(
+                "cannot check that the risk rule applies to this request: no probe fingerprints were given and "
+                "the candidates carry no cache namespace; connect the probe to the Risk Filter"
+            )
+        rule_id = rule.rule_id
+        best, verdicts = _signature_mode(target, items, rule)
+    elif mode == "prompt_only":
+        best, verdicts = _prompt_mode(items, float(prompt_threshold))
+    else:
+        verdicts = [
+            CandidateVerdict(c.entry_id, float(c.similarity), False, "rejected: mode 'never' (always dense)") for c in items
+        ]
+    chosen = items[best] if best is not None else None
+    ms = (time.perf_counter() - t0) * 1000.0
+    summary = banner + _summary(mode, chosen, verdicts, candidates, rule, prompt_threshold, ms)
+    return Decision(
+        accepted=chosen is not None,
+        candidate=chosen,
+        verdicts=tuple(verdicts),
+        mode=mode,
+        rule_id=rule_id,
+        filter_ms=ms,
+        summary=summary,
+    )
+
+
+def _summary(
+    mode: str,
+    chosen: Candidate | None,
+    verdicts: Sequence[CandidateVerdict],
+    candidates: Candidates,
+    rule: RiskRule | None,
+    prompt_threshold: float,
+    ms: float,
+) -> str:
+    n = len(verdicts)
+    if mode == "signature" and rule is not None:
+        c = rule.certificate
+        how = f"rule {rule.rule_id} (U={c.upper_bound:.4f}, α={c.alpha}, δ={c.delta})"
+    elif mode == "prompt_only":
+        how = f"prompt-only, similarity ≥ {prompt_threshold:.4g} (no certificate)"
+    else:
+        how = "mode never"
+    if n == 0:
+        extra = f" ({candidates.note})" if candidates.note else ""
+        return f"REJECT → dense: no candidates recalled{extra}; {how}; filter {ms:.2f} ms"
+    if chosen is not None:
+        return (
+            f"ACCEPT {chosen.entry_id!r} (similarity {chosen.similarity:.4g}) of {n} candidate(s); {how}; "
+            f"filter {ms:.2f} ms"
+        )
+    reasons = "; ".join(f"{v.entry_id!r}: {v.reason.removeprefix('rejected: ')}" for v in verdicts[:3])
+    more = f"; … {n - 3} more" if n > 3 else ""
+    return f"REJECT → dense: none of {n} candidate(s) passes; {how}; {reasons}{more}; filter {ms:.2f} ms"
+
+
+__all__ = ["MODES", "decide", "UNCERTIFIED_BANNER", "AXES"]

@@ -1,0 +1,229 @@
+"""Labelled pairs → calibrated, certified :class:`~.rule.RiskRule` (shared by the CLI and the node).
+
+One call, :func:`calibrate_rule_file`, does it all: read pairs, split by request, calibrate on one split,
+certify on the other, measure the prompt-only baseline on the same splits, and (if certified, or if asked)
+write the rule. The model/config fingerprints come from the pairs file's header row or from the caller; when
+both are present they must agree.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .. import __version__
+from ..types import GenConfig
+from .certify import (
+    CalibrationError,
+    Certificate,
+    Calibration,
+    Constraint,
+    LabelledPair,
+    calibrate,
+    calibrate_prompt_only,
+    certify,
+    clopper_pearson_upper,
+    evaluate_prompt_only,
+    read_pairs_jsonl,
+    split_pairs,
+)
+from .rule import RiskRule
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """What a calibration run produced. ``written`` is the rule path, or None if it was not written."""
+
+    rule: RiskRule
+    calibration: Calibration
+    written: Path | None
+
+    @property
+    def certificate(self) -> Certificate:
+        return self.rule.certificate
+
+    def text(self) -> str:
+        """Multi-line human-readable report (what the CLI prints and the node returns)."""
+        r, cal, c = self.rule, self.calibration, self.rule.certificate
+        th = r.thresholds
+        lines = [
+            ("CERTIFIED" if c.passed else "NOT CERTIFIED") + f" — rule {r.rule_id} for {r.describe_target()}",
+            "thresholds: "
+            + ", ".join(f"{k}={v:.4g}" for k, v in th.to_dict().items() if v is not None)
+            + ("" if th.min_similarity is not None else " (no min similarity)"),
+            f"calibration ({cal.constraint} constraint): {cal.evaluation.k_unsafe} unsafe of "
+            f"{cal.evaluation.n_accepted} accepted / {cal.evaluation.n_requests} requests "
+            f"(coverage {cal.evaluation.coverage:.1%}), {cal.combinations} threshold settings searched",
+            c.line(),
+        ]
+        po = r.comparison.get("prompt_only")
+        if isinstance(po, dict) and "cert" in po:
+            pc = po["cert"]
+            lines.append(
+                f"prompt-only baseline (threshold {po['threshold']:.4g}, calibrated the same way): "
+                f"{pc['k']} unsafe of {pc['n']} accepted (coverage {pc['coverage']:.1%}), U = {pc['upper_bound']:.4f}"
+            )
+        elif isinstance(po, dict) and "error" in po:
+            lines.append(f"prompt-only baseline: {po['error']}")
+        lines.append(f"written to {self.written}" if self.written else "rule NOT written (certificate fails)")
+        return "\n".join(lines)
+
+
+def _resolve_fingerprints(
+    header: Mapping[str, Any], model_fingerprint: str | None, config_fingerprint: str | None
+) -> tuple[str, str, str, dict[str, Any]]:
+    meta = header.get("config") or {}
+    if meta and not isinstance(meta, dict):
+        raise CalibrationError("pairs header 'config' must be an object (GenConfig.to_meta())")
+    cfg_from_meta = None
+    if meta:
+        try:
+            cfg_from_meta = GenConfig.from_meta(meta).fingerprint()
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"pairs header 'config' is not a valid GenConfig description: {e!r}") from None
+    out = {}
+    for key, given in (("model_fingerprint", model_fingerprint), ("config_fingerprint", config_fingerprint)):
+        in_header = header.get(key)
+        if key == "config_fingerprint" and in_header is None:
+            in_header = cfg_from_meta
+        if given and in_header and str(given) != str(in_header):
+            raise CalibrationError(
+                f"{key} given as {given!r} but the pairs file header says {in_header!r}: the pairs were made with "
+                "another model/config; calibrate with the fingerprints of the run that produced them"
+            )
+        value = given or in_header
+        if not value:
+            raise CalibrationError(
+                f"no {key}: put it in the pairs file header row ({{\"type\": \"header\", \"{key}\": ...}}) or pass "
+                f"--{key.replace('_', '-')}; a rule must name the model and config it certifies"
+            )
+        out[key] = str(value)
+    if cfg_from_meta and cfg_from_meta != out["config_fingerprint"]:
+        raise CalibrationError(
+            f"pairs header 'config' describes config {cfg_from_meta!r} but config_fingerprint is "
+            f"{out['config_fingerprint']!r}: inconsistent header"
+        )
+    arch = str(header.get("arch") or meta.get("arch") or "")
+    return out["model_fingerprint"], out["config_fingerprint"], arch, dict(meta)
+
+
+def calibrate_rule(
+    pairs: Sequence[LabelledPair],
+    header: Mapping[str, Any] | None = None,
+    *,
+    alpha: float = 0.05,
+    delta: float = 0.1,
+    calib_frac: float = 0.5,
+    seed: int = 0,
+    model_fingerprint: str | None = None,
+    config_fingerprint: str | None = None,
+    constraint: Constraint = "bound",
+    levels: int = 12,
+    search_similarity: bool = False,
+    provenance: Mapping[str, Any] | None = None,
+) -> tuple[RiskRule, Calibration]:
+    """Split, calibrate, certify; return the rule (certified or not — check ``rule.certificate.passed``)."""
+    header = dict(header or {})
+    model_fp, config_fp, arch, meta = _resolve_fingerprints(header, model_fingerprint, config_fingerprint)
+    calib, cert = split_pairs(pairs, calib_frac, seed)
+    cal = calibrate(calib, alpha, delta, constraint=constraint, levels=levels, search_similarity=search_similarity)
+    certificate = certify(cal.thresholds, cert, alpha, delta)
+
+    comparison: dict[str, Any] = {}
+    try:
+        pt, pcal = calibrate_prompt_only(calib, alpha, delta, constraint=constraint)
+        pev = evaluate_prompt_only(pt, cert)
+        comparison["prompt_only"] = {
+            "threshold": pt,
+            "calib": pcal.to_dict(),
+            "cert": {
+                "n": pev.n_accepted,
+                "k": pev.k_unsafe,
+                "coverage": pev.coverage,
+                "unsafe_rate": pev.unsafe_rate,
+                "upper_bound": clopper_pearson_upper(pev.k_unsafe, pev.n_accepted, delta),
+            },
+        }
+    except CalibrationError as e:
+        comparison["prompt_only"] = {"error": f"no prompt-only threshold qualifies: {e}"}
+
+    prov: dict[str, Any] = {
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "carnator_version": __version__,
+        "dataset": header.get("dataset", ""),
+        "seeds": header.get("seeds", ""),
+        "unsafe_definition": header.get("unsafe_definition", ""),
+        "generator": header.get("generator", ""),
+        "split": {
+            "method": "rows' split field" if pairs and pairs[0].split is not None else "seeded shuffle of request ids",
+            "calib_frac": calib_frac,
+            "seed": seed,
+            "calib_requests": len({p.request_id for p in calib}),
+            "cert_requests": len({p.request_id for p in cert}),
+            "calib_pairs": len(calib),
+            "cert_pairs": len(cert),
+        },
+    }
+    prov.update(dict(provenance or {}))
+    rule = RiskRule(
+        thresholds=cal.thresholds,
+        certificate=certificate,
+        model_fingerprint=model_fp,
+        config_fingerprint=config_fp,
+        arch=arch,
+        config_meta=meta,
+        calibration=cal.to_dict(),
+        provenance=prov,
+        comparison=comparison,
+    )
+    return rule, cal
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def calibrate_rule_file(
+    pairs_path: str | Path,
+    out_path: str | Path,
+    *,
+    alpha: float = 0.05,
+    delta: float = 0.1,
+    calib_frac: float = 0.5,
+    seed: int = 0,
+    model_fingerprint: str | None = None,
+    config_fingerprint: str | None = None,
+    constraint: Constraint = "bound",
+    levels: int = 12,
+    search_similarity: bool = False,
+    write_uncertified: bool = False,
+    command: str = "",
+) -> CalibrationReport:
+    """Read a pairs JSONL file, calibrate + certify, write the rule to ``out_path`` if it is certified (or if
+    ``write_uncertified``), and return the report. Raises CalibrationError on unusable data."""
+    pairs_path = Path(pairs_path)
+    header, pairs = read_pairs_jsonl(pairs_path)
+    rule, cal = calibrate_rule(
+        pairs,
+        header,
+        alpha=alpha,
+        delta=delta,
+        calib_frac=calib_frac,
+        seed=seed,
+        model_fingerprint=model_fingerprint,
+        config_fingerprint=config_fingerprint,
+        constraint=constraint,
+        levels=levels,
+        search_similarity=search_similarity,
+        provenance={"pairs_file": pairs_path.name, "pairs_sha256": _file_digest(pairs_path), "command": command},
+    )
+    written = None
+    if rule.certificate.passed or write_uncertified:
+        written = rule.save(out_path)
+    return CalibrationReport(rule=rule, calibration=cal, written=written)

@@ -1,0 +1,245 @@
+"""Risk rule files: thresholds + certificate + what they were calibrated for, as validated JSON.
+
+A rule certifies the unsafe-reuse rate only for the model and generation config it was calibrated on, so it
+records both fingerprints and :meth:`RiskRule.check_applicable` refuses any other. Loading a rule whose
+certificate does not hold (U > α) raises :class:`UncertifiedRuleError` unless the caller explicitly allows it
+for an experiment. The file format is documented in rules/README.md and docs/CALIBRATION.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..types import stable_digest
+from .certify import Certificate, clopper_pearson_upper
+from .thresholds import Thresholds
+
+RULE_FORMAT = "carnator-risk-rule"
+SCHEMA_VERSION = 1
+
+#: How to make a rule, quoted in every refusal so the user knows the way out.
+CALIBRATE_HINT = (
+    "Calibrate a rule for this model and config: write labelled pairs (docs/CALIBRATION.md), then run "
+    "`python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
+    "folder (or use the 'Carnator Calibrate Rule' node)."
+)
+
+
+class RuleError(ValueError):
+    """Base class of risk-rule problems."""
+
+
+class RuleFormatError(RuleError):
+    """The rule file is unreadable, corrupt, or of an unknown schema."""
+
+
+class RuleMismatchError(RuleError):
+    """The rule was calibrated for another model or generation config."""
+
+
+class UncertifiedRuleError(RuleError):
+    """The rule's certificate does not hold (U > α)."""
+
+
+@dataclass(frozen=True)
+class RiskRule:
+    """A calibrated, certified risk rule.
+
+    thresholds:         per-axis maxima (+ optional min prompt similarity).
+    certificate:        the disjoint-split Clopper–Pearson certificate; ``certificate.passed`` ⇔ U ≤ α.
+    model_fingerprint:  fingerprint of the model the pairs were generated with (as the probe reports it).
+    config_fingerprint: :meth:`types.GenConfig.fingerprint` of the generation config.
+    arch / config_meta: human-readable description of the above (GenConfig.to_meta()), for messages.
+    calibration:        calibration-split outcome and search settings (certify.Calibration.to_dict()).
+    provenance:         dataset, seeds, split sizes, date, command, definition of "unsafe".
+    comparison:         optional extra measurements (e.g. the prompt-only baseline on the same splits).
+    """
+
+    thresholds: Thresholds
+    certificate: Certificate
+    model_fingerprint: str
+    config_fingerprint: str
+    arch: str = ""
+    config_meta: Mapping[str, Any] = field(default_factory=dict)
+    calibration: Mapping[str, Any] = field(default_factory=dict)
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+    comparison: Mapping[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)  # the file it was loaded from (not serialised)
+
+    # ------------------------------------------------------------------ identity and applicability
+
+    @property
+    def rule_id(self) -> str:
+        """Content digest: two files with the same rule content have the same id."""
+        return "rule-" + stable_digest(self.to_json(), 12)
+
+    @property
+    def namespace(self) -> str:
+        """The cache namespace this rule applies to (same formula as types.namespace_key)."""
+        return f"{self.model_fingerprint[:16]}-{self.config_fingerprint}"
+
+    def describe_target(self) -> str:
+        cfg = dict(self.config_meta)
+        bits = [f"model {self.model_fingerprint}"]
+        if self.arch:
+            bits.append(f"arch {self.arch}")
+        bits.append(f"config {self.config_fingerprint}")
+        if cfg:
+            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps") if k in cfg}
+            bits.append(str(shown))
+        return ", ".join(bits)
+
+    def _name(self) -> str:
+        return f"risk rule {Path(self.source).name!r}" if self.source else f"risk rule {self.rule_id}"
+
+    def check_applicable(self, model_fingerprint: str, config_fingerprint: str) -> None:
+        """Raise :class:`RuleMismatchError` unless the rule was calibrated for this model and config."""
+        problems = []
+        if str(model_fingerprint) != self.model_fingerprint:
+            problems.append(f"model {model_fingerprint!r} (rule: {self.model_fingerprint!r})")
+        if str(config_fingerprint) != self.config_fingerprint:
+            problems.append(f"generation config {config_fingerprint!r} (rule: {self.config_fingerprint!r})")
+        if problems:
+            raise RuleMismatchError(
+                f"{self._name()} does not apply to this request: it differs in {' and '.join(problems)}. "
+                f"It was calibrated for {self.describe_target()}. Its certificate bounds the risk only for that "
+                f"model and config (discrepancy scales change with model, resolution, steps and sampler). "
+                + CALIBRATE_HINT
+            )
+
+    def check_namespace(self, namespace: str) -> None:
+        """Like :meth:`check_applicable`, from a cache namespace string (model_fp[:16]-config_fp)."""
+        if str(namespace) != self.namespace:
+            raise RuleMismatchError(
+                f"{self._name()} does not apply to cache namespace {namespace!r}: it was calibrated for namespace "
+                f"{self.namespace!r} ({self.describe_target()}). Its certificate bounds the risk only for that "
+                "model and config. " + CALIBRATE_HINT
+            )
+
+    def check_certified(self) -> None:
+        """Raise :class:`UncertifiedRuleError` unless U ≤ α."""
+        c = self.certificate
+        if not c.passed:
+            raise UncertifiedRuleError(
+                f"{self._name()} is not certified: U = {c.upper_bound:.4f} > α = {c.alpha} "
+                f"({c.k} unsafe of {c.n} accepted on {c.n_requests} certification requests, δ = {c.delta}). "
+                "The filter refuses it because its risk is not bounded. Recalibrate with more labelled requests "
+                "or stricter thresholds (docs/CALIBRATION.md); for experiments only, allow_uncertified=True "
+                "accepts it and marks every decision as UNCERTIFIED."
+            )
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RULE_FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "thresholds": self.thresholds.to_dict(),
+            "certificate": self.certificate.to_dict(),
+            "model": {"fingerprint": self.model_fingerprint, "arch": self.arch},
+            "config": {"fingerprint": self.config_fingerprint, "meta": dict(self.config_meta)},
+            "calibration": dict(self.calibration),
+            "provenance": dict(self.provenance),
+            "comparison": dict(self.comparison),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the rule as JSON (atomically: a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "", allow_uncertified: bool = False) -> "RiskRule":
+        """Validate a parsed rule document. Raises RuleFormatError / UncertifiedRuleError with clear messages."""
+        where = f"risk rule {source!r}" if source else "risk rule"
+
+        def bad(msg: str) -> RuleFormatError:
+            return RuleFormatError(f"{where} is invalid: {msg}. Re-create it with the calibration CLI or node.")
+
+        if not isinstance(data, dict):
+            raise bad(f"expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != RULE_FORMAT:
+            raise bad(f"'format' must be {RULE_FORMAT!r}, got {data.get('format')!r} (is this a Carnator rule file?)")
+        ver = data.get("schema_version")
+        if ver != SCHEMA_VERSION:
+            raise bad(f"schema_version {ver!r} is not supported by this Carnator (expects {SCHEMA_VERSION})")
+        for key in ("thresholds", "certificate", "model", "config"):
+            if not isinstance(data.get(key), dict):
+                raise bad(f"missing or non-object section {key!r}")
+        try:
+            thresholds = Thresholds.from_dict(data["thresholds"])
+        except (ValueError, TypeError) as e:
+            raise bad(str(e)) from None
+
+        c = data["certificate"]
+        for key in ("n", "k", "n_requests"):
+            if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 0:
+                raise bad(f"certificate.{key} must be an integer ≥ 0, got {c.get(key)!r}")
+        for key in ("upper_bound", "alpha", "delta"):
+            v = c.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(f"certificate.{key} must be a number, got {v!r}")
+        if not (c["k"] <= c["n"] <= c["n_requests"]):
+            raise bad(f"certificate needs k ≤ n ≤ n_requests, got k={c['k']}, n={c['n']}, n_requests={c['n_requests']}")
+        if not (0 < c["alpha"] < 1 and 0 < c["delta"] < 1):
+            raise bad(f"certificate α and δ must be in (0, 1), got α={c['alpha']}, δ={c['delta']}")
+        # The bound is recomputed, not trusted: a hand-edited number must not pass as a certificate.
+        expect = clopper_pearson_upper(c["k"], c["n"], c["delta"])
+        if abs(float(c["upper_bound"]) - expect) > 1e-9:
+            raise bad(
+                f"certificate.upper_bound {c['upper_bound']} does not match Beta^-1(1-δ; k+1, n-k) = {expect:.6f} "
+                f"for k={c['k']}, n={c['n']}, δ={c['delta']} (edited by hand or corrupted)"
+            )
+        cert = Certificate(
+            n=c["n"], k=c["k"], upper_bound=expect, alpha=float(c["alpha"]), delta=float(c["delta"]), n_requests=c["n_requests"]
+        )
+        if "passed" in c and bool(c["passed"]) != cert.passed:
+            raise bad(f"certificate.passed is {c['passed']} but U = {expect:.4f} vs α = {cert.alpha} says {cert.passed}")
+
+        model, config = data["model"], data["config"]
+        for sec, name in ((model, "model"), (config, "config")):
+            if not isinstance(sec.get("fingerprint"), str) or not sec["fingerprint"]:
+                raise bad(f"{name}.fingerprint must be a non-empty string")
+        for key in ("calibration", "provenance", "comparison"):
+            if key in data and not isinstance(data[key], dict):
+                raise bad(f"{key!r} must be an object")
+        meta = config.get("meta", {})
+        if not isinstance(meta, dict):
+            raise bad("config.meta must be an object")
+        rule = cls(
+            thresholds=thresholds,
+            certificate=cert,
+            model_fingerprint=model["fingerprint"],
+            config_fingerprint=config["fingerprint"],
+            arch=str(model.get("arch", "")),
+            config_meta=meta,
+            calibration=data.get("calibration", {}),
+            provenance=data.get("provenance", {}),
+            comparison=data.get("comparison", {}),
+            source=source,
+        )
+        if not allow_uncertified:
+            rule.check_certified()
+        return rule
+
+    @classmethod
+    def load(cls, path: str | Path, allow_uncertified: bool = False) -> "RiskRule":
+        """Read and validate a rule file (see :meth:`from_json`)."""
+        path = Path(path)
+        if not path.is_file():
+            raise RuleFormatError(f"risk rule file not found: {path}. " + CALIBRATE_HINT)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RuleFormatError(
+                f"risk rule {str(path)!r} is not valid JSON ({e}); the file is corrupt. Re-create it with the "
+                "calibration CLI or node."
+            ) from None
+        return cls.from_json(data, source=str(path), allow_uncertified=allow_uncertified)
