@@ -77,8 +77,8 @@ class Discrepancies:
         return dict(zip(AXES, self.vector()))
 
     def worst_object(self, axis: str) -> str | None:
-        """Name of the object that sets the value of an object axis (None for context / no objects)."""
-        if axis == "context" or not self.objects:
+        """Name of the object that sets the value of an object axis (None for context, other axes, no objects)."""
+        if axis not in ("size", "shape", "appearance") or not self.objects:
             return None
         return max(self.objects, key=lambda o: getattr(o, axis)).name
 

@@ -16,10 +16,12 @@ threshold and a reason), a one-line summary, and the time the filter took (``fil
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from ..types import AxisCheck, Candidate, CandidateVerdict, Candidates, Decision, Signature
 from .discrepancy import AXES, Discrepancies, discrepancies
+from .paths import resolve_confined
 from .rule import RiskRule, RuleError
 from .thresholds import Thresholds, prompt_check, select_best
 
@@ -182,4 +184,50 @@ def _summary(
     return f"REJECT → dense: none of {n} candidate(s) passes; {how}; {reasons}{more}; filter {ms:.2f} ms"
 
 
-__all__ = ["MODES", "decide", "UNCERTIFIED_BANNER", "AXES"]
+def probe_fingerprints(probe: Any) -> tuple[str, str]:
+    """(model fingerprint, config fingerprint) of a probe (``types.Probe`` or anything with
+    ``model_fingerprint: str`` and ``config.fingerprint()``)."""
+    model_fp = getattr(probe, "model_fingerprint", None)
+    config = getattr(probe, "config", None)
+    if not isinstance(model_fp, str) or not model_fp or not callable(getattr(config, "fingerprint", None)):
+        raise TypeError(
+            f"the probe input ({type(probe).__name__}) lacks model_fingerprint/config.fingerprint(); connect the "
+            "output of 'Carnator Early Probe' (CARNATOR_PROBE)"
+        )
+    return model_fp, str(config.fingerprint())
+
+
+def decide_with_rule_file(
+    target: Signature | None,
+    candidates: Candidates,
+    *,
+    rule_file: str,
+    rule_roots: Sequence[str | Path],
+    mode: str = "signature",
+    prompt_threshold: float = 0.9,
+    probe: Any = None,
+    allow_uncertified: bool = False,
+) -> Decision:
+    """What the Risk Filter node runs: resolve ``rule_file`` inside ``rule_roots`` (first match wins; absolute
+    paths must lie inside a root), load and validate it (signature mode only), check it applies to the probe's
+    model/config (or to the candidates' namespace without a probe), and :func:`decide`."""
+    rule = None
+    if mode == "signature":
+        path = resolve_confined(rule_file, rule_roots, must_exist=True, what="risk rule file")
+        rule = RiskRule.load(path, allow_uncertified=allow_uncertified)
+    model_fp = config_fp = None
+    if probe is not None and mode == "signature":
+        model_fp, config_fp = probe_fingerprints(probe)
+    return decide(
+        target,
+        candidates,
+        rule,
+        mode,
+        prompt_threshold,
+        model_fingerprint=model_fp,
+        config_fingerprint=config_fp,
+        allow_uncertified=allow_uncertified,
+    )
+
+
+__all__ = ["MODES", "UNCERTIFIED_BANNER", "decide", "decide_with_rule_file", "probe_fingerprints"]

@@ -227,3 +227,27 @@ def calibrate_rule_file(
     if rule.certificate.passed or write_uncertified:
         written = rule.save(out_path)
     return CalibrationReport(rule=rule, calibration=cal, written=written)
+
+
+def calibrate_rule_in_dirs(
+    pairs_file: str,
+    pairs_roots: Sequence[str | Path],
+    rule_name: str,
+    rules_dir: str | Path,
+    *,
+    probe: Any = None,
+    **kwargs: Any,
+) -> CalibrationReport:
+    """What the Calibrate Rule node runs: resolve the pairs file inside ``pairs_roots`` and the output name
+    inside ``rules_dir`` (no escaping either), take fingerprints from ``probe`` if given, then
+    :func:`calibrate_rule_file` (``kwargs`` are passed on)."""
+    from .filter import probe_fingerprints
+    from .paths import resolve_confined
+
+    pairs = resolve_confined(pairs_file, pairs_roots, must_exist=True, what="pairs file")
+    name = rule_name.strip()
+    name = name if name.endswith(".json") else name + ".json"
+    out = resolve_confined(name, [rules_dir], must_exist=False, what="rule file")
+    if probe is not None:
+        kwargs["model_fingerprint"], kwargs["config_fingerprint"] = probe_fingerprints(probe)
+    return calibrate_rule_file(pairs, out, **kwargs)

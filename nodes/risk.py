@@ -1,0 +1,220 @@
+"""Risk Filter and rule calibration nodes (thin: each execute is one call into carnator_core.risk).
+
+File inputs are names, confined to known folders (a shared workflow must not be able to read or write
+arbitrary paths):
+* rule files: ``<ComfyUI user dir>/carnator/rules/`` (rules you calibrate; searched first), then the
+  extension's shipped ``rules/`` folder;
+* pairs files: ``<ComfyUI user dir>/carnator/pairs/``, the ComfyUI input folder, the ComfyUI output folder;
+* calibrated rules are written to ``<ComfyUI user dir>/carnator/rules/``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import folder_paths
+from comfy_api.latest import io
+
+from ..carnator_core.risk.filter import MODES, decide_with_rule_file
+from ..carnator_core.risk.paths import PathNotAllowedError, resolve_confined
+from ..carnator_core.risk.pipeline import calibrate_rule_in_dirs
+
+SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
+
+Signature = io.Custom("CARNATOR_SIGNATURE")
+Candidates = io.Custom("CARNATOR_CANDIDATES")
+ProbeT = io.Custom("CARNATOR_PROBE")
+DecisionT = io.Custom("CARNATOR_DECISION")
+
+
+def _advanced(inp: Any) -> Any:
+    """Mark a tuning knob as advanced (the frontend folds such widgets away). ComfyUI 0.3.75's V3 widget
+    constructors have no ``advanced`` argument, so the flag goes into the input's extra dict."""
+    inp.extra_dict["advanced"] = True
+    return inp
+
+
+def user_rules_dir() -> Path:
+    return Path(folder_paths.get_user_directory()) / "carnator" / "rules"
+
+
+def rule_roots() -> list[Path]:
+    return [user_rules_dir(), SHIPPED_RULES]
+
+
+def pairs_roots() -> list[Path]:
+    return [
+        Path(folder_paths.get_user_directory()) / "carnator" / "pairs",
+        Path(folder_paths.get_input_directory()),
+        Path(folder_paths.get_output_directory()),
+    ]
+
+
+class CarnatorRiskFilter(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorRiskFilter",
+            display_name="Carnator Risk Filter",
+            category="Carnator",
+            description=(
+                "Compares the request's Early Signature with each recalled cache entry on four discrepancies "
+                "(context appearance, object size, spatiotemporal shape, object appearance) and accepts the best "
+                "entry that passes a calibrated, certified rule — or none, so the request runs dense. Every "
+                "candidate gets a per-axis verdict."
+            ),
+            inputs=[
+                Signature.Input(
+                    "signature", optional=True,
+                    tooltip="Early Signature of this request (Carnator Signature Builder). Needed in 'signature' mode.",
+                ),
+                Candidates.Input("candidates", tooltip="Recalled cache entries (Carnator Cache Retriever)."),
+                io.String.Input(
+                    "rule_file", default="embedded.json",
+                    tooltip="Risk rule file name, looked up in <ComfyUI user dir>/carnator/rules/ then in the "
+                    "extension's rules/ folder. Must be calibrated for this model and generation config.",
+                ),
+                io.Combo.Input(
+                    "mode", options=list(MODES), default="signature",
+                    tooltip="signature: certified four-axis rule. prompt_only: accept the most similar entry above "
+                    "prompt_threshold (baseline, no certificate). never: always dense.",
+                ),
+                io.Custom("CARNATOR_PROBE").Input(
+                    "probe", optional=True,
+                    tooltip="Early Probe of this request: lets the filter check the rule was calibrated for this "
+                    "model and config (without it, the candidates' cache namespace is checked).",
+                ),
+                _advanced(io.Float.Input(
+                    "prompt_threshold", default=0.9, min=-1.0, max=1.0, step=0.001,
+                    tooltip="prompt_only mode: minimum prompt similarity for reuse.",
+                )),
+                _advanced(io.Boolean.Input(
+                    "allow_uncertified", default=False,
+                    tooltip="EXPERIMENTS ONLY: accept a rule whose certificate fails (U > α). Decisions are then "
+                    "marked UNCERTIFIED; the risk is not bounded.",
+                )),
+            ],
+            outputs=[
+                DecisionT.Output(display_name="decision", tooltip="Accepted entry (or none) with per-candidate reasons."),
+                io.String.Output(display_name="summary", tooltip="One-line human-readable verdict."),
+            ],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, rule_file: str = "", mode: str = "signature", **kwargs: Any) -> Any:
+        # Re-run when the rule file changes on disk under the same name (e.g. after recalibration).
+        if mode != "signature":
+            return mode
+        try:
+            p = resolve_confined(rule_file, rule_roots(), must_exist=True, what="risk rule file")
+            st = p.stat()
+            return f"{p}:{st.st_mtime_ns}:{st.st_size}"
+        except (PathNotAllowedError, OSError):
+            return math.nan  # never equal: execute, and let execute report the problem
+
+    @classmethod
+    def execute(
+        cls,
+        candidates: Any,
+        rule_file: str,
+        mode: str,
+        prompt_threshold: float,
+        allow_uncertified: bool,
+        signature: Any = None,
+        probe: Any = None,
+    ) -> io.NodeOutput:
+        decision = decide_with_rule_file(
+            signature,
+            candidates,
+            rule_file=rule_file,
+            rule_roots=rule_roots(),
+            mode=mode,
+            prompt_threshold=prompt_threshold,
+            probe=probe,
+            allow_uncertified=allow_uncertified,
+        )
+        return io.NodeOutput(decision, decision.summary)
+
+
+class CarnatorCalibrateRule(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorCalibrateRule",
+            display_name="Carnator Calibrate Rule",
+            category="Carnator",
+            description=(
+                "Calibrates the Risk Filter's thresholds on labelled (request, cache entry) pairs and certifies them "
+                "on a disjoint split with a one-sided Clopper–Pearson bound. Writes the rule to "
+                "<ComfyUI user dir>/carnator/rules/ if the certificate holds. See docs/CALIBRATION.md."
+            ),
+            is_output_node=True,
+            inputs=[
+                io.String.Input(
+                    "pairs_file", default="pairs.jsonl",
+                    tooltip="Labelled pairs JSONL (format in docs/CALIBRATION.md), looked up in "
+                    "<ComfyUI user dir>/carnator/pairs/, then the input and output folders.",
+                ),
+                io.String.Input(
+                    "rule_name", default="my_model.json",
+                    tooltip="File name of the rule to write into <ComfyUI user dir>/carnator/rules/.",
+                ),
+                io.Float.Input(
+                    "alpha", default=0.05, min=0.001, max=0.5, step=0.001,
+                    tooltip="Risk level α: the certified bound on the unsafe rate among accepted reuses.",
+                ),
+                io.Float.Input(
+                    "delta", default=0.1, min=0.001, max=0.5, step=0.001,
+                    tooltip="δ: the certificate holds with probability at least 1 − δ.",
+                ),
+                _advanced(io.Float.Input(
+                    "calib_frac", default=0.5, min=0.05, max=0.95, step=0.05,
+                    tooltip="Fraction of requests used to search thresholds; the rest certify them.",
+                )),
+                _advanced(io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Seed of the request split.")),
+                _advanced(io.Combo.Input(
+                    "constraint", options=["bound", "empirical"], default="bound",
+                    tooltip="bound: calibration split's own Clopper–Pearson bound ≤ α (likely to certify). "
+                    "empirical: unsafe rate ≤ α on the calibration split.",
+                )),
+                _advanced(io.Boolean.Input(
+                    "search_similarity", default=False,
+                    tooltip="Also search a minimum prompt similarity as a fifth threshold.",
+                )),
+                io.Custom("CARNATOR_PROBE").Input(
+                    "probe", optional=True,
+                    tooltip="A probe of the model/config the pairs were made with; supplies the fingerprints if "
+                    "the pairs file has no header row.",
+                ),
+            ],
+            outputs=[io.String.Output(display_name="certificate", tooltip="Calibration and certification report.")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
+        return math.nan  # writes a file from a file that may have changed: always run
+
+    @classmethod
+    def execute(
+        cls,
+        pairs_file: str,
+        rule_name: str,
+        alpha: float,
+        delta: float,
+        calib_frac: float,
+        seed: int,
+        constraint: str,
+        search_similarity: bool,
+        probe: Any = None,
+    ) -> io.NodeOutput:
+        report = calibrate_rule_in_dirs(
+            pairs_file, pairs_roots(), rule_name, user_rules_dir(), probe=probe,
+            alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed, constraint=constraint,
+            search_similarity=search_similarity, command=f"CarnatorCalibrateRule(pairs_file={pairs_file!r})",
+        )
+        text = report.text()
+        return io.NodeOutput(text, ui={"text": [text]})
+
+
+NODES = [CarnatorRiskFilter, CarnatorCalibrateRule]

@@ -1,0 +1,268 @@
+"""Clopper–Pearson bound, calibration under α, certification, splits, pairs files."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from scipy.stats import beta
+
+from carnator.carnator_core.risk.certify import (
+    CalibrationError,
+    LabelledPair,
+    _levels,
+    calibrate,
+    calibrate_prompt_only,
+    certify,
+    clopper_pearson_upper,
+    evaluate,
+    evaluate_prompt_only,
+    min_accepted_for_certificate,
+    read_pairs_jsonl,
+    split_pairs,
+    write_pairs_jsonl,
+)
+from carnator.carnator_core.risk.synthetic import synthetic_pairs
+from carnator.carnator_core.risk.thresholds import Thresholds
+
+
+# ----------------------------------------------------------------------------------------- the bound
+
+
+def test_seed_reference_value():
+    # The seed's certificate: 0 unsafe of 50 accepted, δ = 0.1 → U = 4.50%.
+    assert round(clopper_pearson_upper(0, 50, 0.1), 4) == 0.0450
+
+
+@pytest.mark.parametrize(
+    "k,n,delta",
+    [(0, 1, 0.1), (0, 10, 0.05), (1, 50, 0.1), (3, 70, 0.1), (5, 100, 0.05), (10, 200, 0.01), (49, 50, 0.1), (7, 9, 0.3)],
+)
+def test_bound_matches_scipy(k, n, delta):
+    assert clopper_pearson_upper(k, n, delta) == pytest.approx(beta.ppf(1 - delta, k + 1, n - k), rel=1e-12)
+
+
+def test_bound_k_zero_closed_form_and_edges():
+    for n in (1, 5, 45, 50, 300):
+        assert clopper_pearson_upper(0, n, 0.1) == pytest.approx(1 - 0.1 ** (1 / n), rel=1e-10)
+    assert clopper_pearson_upper(0, 0, 0.1) == 1.0  # no evidence at all
+    assert clopper_pearson_upper(4, 4, 0.1) == 1.0
+    for bad in [(-1, 5, 0.1), (6, 5, 0.1), (0, 5, 0.0), (0, 5, 1.0)]:
+        with pytest.raises(ValueError):
+            clopper_pearson_upper(*bad)
+
+
+def test_bound_is_monotone():
+    us = [clopper_pearson_upper(k, 100, 0.1) for k in range(0, 20)]
+    assert all(b > a for a, b in zip(us, us[1:]))
+    assert all(clopper_pearson_upper(k, 100, 0.1) >= k / 100 for k in range(0, 100))
+
+
+def test_min_accepted_for_certificate():
+    assert min_accepted_for_certificate(0.05, 0.1) == 45
+    for a, d in [(0.05, 0.1), (0.1, 0.05), (0.01, 0.2)]:
+        n = min_accepted_for_certificate(a, d)
+        assert clopper_pearson_upper(0, n, d) <= a < clopper_pearson_upper(0, n - 1, d)
+
+
+# ----------------------------------------------------------------------------------------- calibration
+
+
+def _random_dataset(rng: np.random.Generator, i: int) -> list[LabelledPair]:
+    return synthetic_pairs(
+        int(rng.integers(30, 160)),
+        seed=1000 + i,
+        max_candidates=int(rng.integers(1, 5)),
+        z_unsafe=float(rng.uniform(0.2, 0.9)),
+        steepness=float(rng.uniform(3, 40)),
+        noise=float(rng.uniform(0.0, 0.5)),
+        p_missing=float(rng.uniform(0.0, 0.3)),
+        base_unsafe=float(rng.choice([0.0, 0.0, 0.02, 0.1])),
+        similarity_decimals=int(rng.choice([2, 6])),  # 2 decimals → many exact similarity ties
+    )
+
+
+def test_calibration_never_violates_alpha_on_the_calibration_split():
+    """Property test over many seeded random datasets: whatever comes back satisfies the constraint exactly."""
+    rng = np.random.default_rng(20261129)
+    returned = refused = 0
+    for i in range(80):
+        pairs = _random_dataset(rng, i)
+        alpha = float(rng.choice([0.05, 0.1, 0.2]))
+        delta = float(rng.choice([0.05, 0.1, 0.2]))
+        constraint = ["bound", "empirical"][i % 2]
+        try:
+            cal = calibrate(pairs, alpha, delta, constraint=constraint, levels=int(rng.integers(3, 9)),
+                            search_similarity=bool(i % 3 == 0))
+        except CalibrationError:
+            refused += 1
+            continue
+        returned += 1
+        ev = evaluate(cal.thresholds, pairs)  # independent re-evaluation
+        assert ev == cal.evaluation
+        assert ev.n_accepted > 0
+        assert ev.k_unsafe / ev.n_accepted <= alpha, (i, ev)
+        assert ev.n_accepted >= min_accepted_for_certificate(alpha, delta)
+        if constraint == "bound":
+            assert clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, delta) <= alpha
+    # the loop must exercise both outcomes to mean anything
+    assert returned >= 20 and refused >= 3, (returned, refused)
+
+
+def test_calibration_finds_the_max_coverage_setting_of_its_grid():
+    """Brute force over the same grid with the exact evaluator: nothing feasible covers more."""
+    pairs = synthetic_pairs(120, seed=7, max_candidates=2)
+    alpha, delta, levels = 0.1, 0.1, 4
+    cal = calibrate(pairs, alpha, delta, constraint="empirical", levels=levels, min_accepted=10)
+    usable = [p for p in pairs if not p.missing]
+    grids = [_levels(np.array([p.vector()[d] for p in usable]), levels) for d in range(4)]
+    best = 0
+    for combo in itertools.product(*grids):
+        ev = evaluate(Thresholds(*map(float, combo)), pairs)
+        if ev.n_accepted >= 10 and ev.unsafe_rate <= alpha:
+            best = max(best, ev.n_accepted)
+    assert cal.evaluation.n_accepted == best
+
+
+def test_exact_recheck_skips_a_setting_whose_similarity_tie_break_differs():
+    """Two candidates of one request with equal similarity: the filter breaks the tie by normalised discrepancy.
+    The vectorised search does not; the exact re-check must catch the setting where that matters."""
+    safe = [LabelledPair(f"s{i}", "e", 0.9, 1, 0.1, 0.1, 1, missing=False, unsafe=False) for i in range(60)]
+    wide = LabelledPair("w", "e", 0.9, 1, 0.3, 0.1, 1, missing=False, unsafe=False)
+    tie = [
+        LabelledPair("t", "a", 0.8, 9, 0.1, 0.1, 1, missing=False, unsafe=False),
+        LabelledPair("t", "b", 0.8, 1, 0.3, 0.1, 1, missing=False, unsafe=True),
+    ]
+    pairs = safe + [wide] + tie
+    loose = evaluate(Thresholds(9, 0.3, 0.1, 1), pairs)
+    assert (loose.n_accepted, loose.k_unsafe) == (62, 1)  # the filter would pick the unsafe "b" here
+    cal = calibrate(pairs, 0.01, 0.1, constraint="empirical", levels=8, min_accepted=10)
+    assert cal.evaluation.k_unsafe == 0 and cal.evaluation.n_accepted == 61
+
+
+def test_calibration_refuses_hopeless_data_with_a_clear_message():
+    pairs = synthetic_pairs(60, seed=3, base_unsafe=0.5)
+    with pytest.raises(CalibrationError, match="no threshold setting satisfies"):
+        calibrate(pairs, 0.05, 0.1)
+    all_missing = [LabelledPair("r", "e", 0.9, 0, 0, 0, 0, missing=True, unsafe=False)]
+    with pytest.raises(CalibrationError, match="missing on one side"):
+        calibrate(all_missing)
+
+
+def test_missing_object_pairs_are_never_accepted():
+    pairs = [
+        LabelledPair(f"r{i}", "e", 0.99, 0.0, 0.0, 0.0, 0.0, missing=(i % 2 == 0), unsafe=False) for i in range(200)
+    ]
+    cal = calibrate(pairs, 0.05, 0.1)
+    assert cal.evaluation.n_accepted == 100
+
+
+def test_per_request_acceptance_takes_the_most_similar_passing_candidate():
+    th = Thresholds(10, 1, 1, 10)
+    pairs = [
+        LabelledPair("r1", "a", 0.95, 50, 0, 0, 0, missing=False, unsafe=True),  # most similar but fails context
+        LabelledPair("r1", "b", 0.90, 1, 0, 0, 0, missing=False, unsafe=False),  # chosen
+        LabelledPair("r1", "c", 0.80, 1, 0, 0, 0, missing=False, unsafe=True),  # passes, less similar
+        LabelledPair("r2", "d", 0.99, 99, 0, 0, 0, missing=False, unsafe=True),  # nothing passes
+    ]
+    ev = evaluate(th, pairs)
+    assert (ev.n_requests, ev.n_accepted, ev.k_unsafe) == (2, 1, 0)
+    po = evaluate_prompt_only(0.9, pairs)  # top candidate only: a (unsafe) and d (unsafe)
+    assert (po.n_accepted, po.k_unsafe) == (2, 2)
+
+
+# ----------------------------------------------------------------------------------------- certification
+
+
+def test_certify_counts_and_bound():
+    th = Thresholds(10, 1, 1, 10)
+    safe = [LabelledPair(f"s{i}", "e", 0.9, 1, 0.1, 0.1, 1, missing=False, unsafe=False) for i in range(50)]
+    rejected = [LabelledPair(f"x{i}", "e", 0.9, 99, 0.1, 0.1, 1, missing=False, unsafe=True) for i in range(20)]
+    c = certify(th, safe + rejected, 0.05, 0.1)
+    assert (c.n, c.k, c.n_requests) == (50, 0, 70)
+    assert round(c.upper_bound, 4) == 0.0450 and c.passed
+    bad = certify(th, safe + [LabelledPair("u", "e", 0.9, 1, 0, 0, 0, missing=False, unsafe=True)], 0.05, 0.1)
+    assert bad.k == 1 and not bad.passed and bad.upper_bound > 0.05
+    assert "FAILS" in bad.line() and "HOLDS" in c.line()
+
+
+def test_calibrated_rule_holds_on_a_fresh_synthetic_stream_and_prompt_only_is_riskier():
+    """Synthetic stand-in for the embedded-world stream test (which needs the real pipeline)."""
+    pairs = synthetic_pairs(400, seed=11)
+    calib, cert = split_pairs(pairs, 0.5, seed=0)
+    cal = calibrate(calib, 0.05, 0.1)
+    c = certify(cal.thresholds, cert, 0.05, 0.1)
+    assert c.passed, c.line()
+    fresh = synthetic_pairs(2000, seed=12345, request_prefix="f")
+    ev = evaluate(cal.thresholds, fresh)
+    assert ev.unsafe_rate <= 0.05, ev
+    # prompt-only at the threshold that gives (at least) the same coverage on the fresh stream: the
+    # ceil(coverage · R)-th highest top-candidate similarity
+    top: dict[str, float] = {}
+    for p in fresh:
+        top[p.request_id] = max(top.get(p.request_id, -np.inf), p.similarity)
+    ranked = sorted(top.values(), reverse=True)
+    t = ranked[int(np.ceil(ev.coverage * len(ranked))) - 1]
+    po = evaluate_prompt_only(t, fresh)
+    assert po.coverage >= ev.coverage
+    assert po.unsafe_rate > ev.unsafe_rate, (po, ev)
+
+
+def test_calibrate_prompt_only():
+    pairs = synthetic_pairs(400, seed=11, prompt_corr=0.95, p_missing=0.0)
+    t, ev = calibrate_prompt_only(pairs, 0.05, 0.1)
+    assert ev.unsafe_rate <= 0.05 and clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, 0.1) <= 0.05
+    assert evaluate_prompt_only(t, pairs) == ev
+
+
+# ----------------------------------------------------------------------------------------- splits and files
+
+
+def test_split_keeps_requests_together_and_is_seeded():
+    pairs = synthetic_pairs(100, seed=2, max_candidates=4)
+    a1, b1 = split_pairs(pairs, 0.5, seed=5)
+    a2, b2 = split_pairs(pairs, 0.5, seed=5)
+    a3, _ = split_pairs(pairs, 0.5, seed=6)
+    assert a1 == a2 and b1 == b2 and a1 != a3
+    ra, rb = {p.request_id for p in a1}, {p.request_id for p in b1}
+    assert not ra & rb and len(ra) == 50 and len(rb) == 50
+    assert len(a1) + len(b1) == len(pairs)
+
+
+def test_split_field_is_respected_and_validated():
+    mk = lambda r, s: LabelledPair(r, "e", 0.9, 0, 0, 0, 0, missing=False, unsafe=False, split=s)  # noqa: E731
+    calib, cert = split_pairs([mk("a", "calib"), mk("b", "cert"), mk("c", "cert")])
+    assert [p.request_id for p in calib] == ["a"] and len(cert) == 2
+    with pytest.raises(CalibrationError, match="every row or on none"):
+        split_pairs([mk("a", "calib"), mk("b", None)])
+    with pytest.raises(CalibrationError, match="both splits"):
+        split_pairs([mk("a", "calib"), mk("a", "cert")])
+    with pytest.raises(CalibrationError, match="both splits need requests"):
+        split_pairs([mk("a", "calib")])
+
+
+def test_pairs_jsonl_round_trip_and_errors(tmp_path):
+    pairs = synthetic_pairs(10, seed=1)
+    path = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(path, pairs, header={"model_fingerprint": "m", "config_fingerprint": "c"})
+    header, back = read_pairs_jsonl(path)
+    assert header == {"model_fingerprint": "m", "config_fingerprint": "c"} and back == pairs
+
+    def bad(lines, match):
+        p = tmp_path / "bad.jsonl"
+        p.write_text("\n".join(lines) + "\n")
+        with pytest.raises(CalibrationError, match=match):
+            read_pairs_jsonl(p)
+
+    good = json.dumps(pairs[0].to_row())
+    bad(["{not json"], r"bad.jsonl:1: not valid JSON")
+    bad([good, json.dumps({**pairs[1].to_row(), "unsafe": "yes"})], r"bad.jsonl:2: field 'unsafe' must be true or false")
+    bad([json.dumps({**pairs[0].to_row(), "shape": -1})], r"'shape' must be a finite number ≥ 0")
+    bad([json.dumps({k: v for k, v in pairs[0].to_row().items() if k != "context"})], r"missing field 'context'")
+    bad([good, good], "duplicate pair")
+    bad([good, json.dumps({"type": "header"})], "header row must be the first")
+    bad([json.dumps({**pairs[0].to_row(), "split": "train"})], "'split' must be one of")
+    bad([""], "no labelled pairs")
+    with pytest.raises(CalibrationError, match="not found"):
+        read_pairs_jsonl(tmp_path / "nope.jsonl")

@@ -1,0 +1,95 @@
+"""The calibration CLI end to end on synthetic labelled pairs (the embedded-model pairs come later)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from carnator.carnator_core.risk.calibrate_cli import main
+from carnator.carnator_core.risk.certify import write_pairs_jsonl
+from carnator.carnator_core.risk.pipeline import calibrate_rule_in_dirs
+from carnator.carnator_core.risk.paths import PathNotAllowedError
+from carnator.carnator_core.risk.rule import RiskRule, UncertifiedRuleError
+from carnator.carnator_core.risk.synthetic import synthetic_pairs
+from carnator.carnator_core.types import GenConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = GenConfig("embedded", (16, 8, 16, 16), 20, "euler", "simple", 5.0, "abc123", 4)
+HEADER = {
+    "model_fingerprint": "m" * 32,
+    "config_fingerprint": CONFIG.fingerprint(),
+    "arch": "embedded",
+    "config": CONFIG.to_meta(),
+    "dataset": "synthetic (tests)",
+    "seeds": [11],
+    "unsafe_definition": "synthetic ground truth",
+}
+
+
+def test_cli_writes_certified_rule(tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, synthetic_pairs(400, seed=11), header=HEADER)
+    out = tmp_path / "rules" / "r.json"
+    rc = main(["--pairs", str(pairs), "--out", str(out), "--alpha", "0.05", "--delta", "0.1", "--seed", "0"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.startswith("CERTIFIED") and "certificate HOLDS" in text and "prompt-only baseline" in text
+    rule = RiskRule.load(out)
+    assert rule.certificate.passed and rule.model_fingerprint == "m" * 32 and rule.config_meta["steps"] == 20
+    p = rule.provenance
+    assert p["dataset"] == "synthetic (tests)" and p["split"]["calib_requests"] == 200 and p["split"]["cert_requests"] == 200
+    assert p["command"].startswith("python -m carnator_core.risk.calibrate_cli") and len(p["pairs_sha256"]) == 16
+    rule.check_applicable("m" * 32, CONFIG.fingerprint())
+
+
+def test_cli_does_not_write_a_failing_rule_unless_asked(tmp_path, capsys):
+    # plenty of low-risk pairs in calibration, a bad certification split: calibration passes, certification fails
+    rows = [p.__class__(**{**p.__dict__, "split": "calib"}) for p in synthetic_pairs(300, seed=1, request_prefix="c")]
+    rows += [p.__class__(**{**p.__dict__, "split": "cert"}) for p in synthetic_pairs(300, seed=2, request_prefix="t",
+                                                                                      base_unsafe=0.15)]
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, rows, header=HEADER)
+    out = tmp_path / "r.json"
+    rc = main(["--pairs", str(pairs), "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 3 and "certificate FAILS" in text and "NOT written" in text and not out.exists()
+    rc = main(["--pairs", str(pairs), "--out", str(out), "--write-uncertified"])
+    assert rc == 3 and out.exists()
+    with pytest.raises(UncertifiedRuleError):
+        RiskRule.load(out)
+
+
+def test_cli_input_errors(tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, synthetic_pairs(50, seed=1))  # no header
+    assert main(["--pairs", str(pairs), "--out", str(tmp_path / "r.json")]) == 2
+    assert "no model_fingerprint" in capsys.readouterr().err
+    write_pairs_jsonl(pairs, synthetic_pairs(50, seed=1), header=HEADER)
+    assert main(["--pairs", str(pairs), "--out", str(tmp_path / "r.json"), "--model-fingerprint", "other"]) == 2
+    assert "pairs file header says" in capsys.readouterr().err
+
+
+def test_module_entry_point_runs(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, synthetic_pairs(300, seed=11), header=HEADER)
+    res = subprocess.run(
+        [sys.executable, "-m", "carnator_core.risk.calibrate_cli", "--pairs", str(pairs), "--out", str(tmp_path / "r.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode in (0, 3), res.stderr
+    assert "certificate" in res.stdout
+
+
+def test_calibrate_rule_in_dirs_confines_names(tmp_path):
+    pairs_dir, rules_dir = tmp_path / "pairs", tmp_path / "rules"
+    pairs_dir.mkdir()
+    write_pairs_jsonl(pairs_dir / "p.jsonl", synthetic_pairs(400, seed=11), header=HEADER)
+    rep = calibrate_rule_in_dirs("p.jsonl", [pairs_dir], "mine", rules_dir)
+    assert rep.written == (rules_dir / "mine.json").resolve() and json.loads(rep.written.read_text())["certificate"]["passed"]
+    with pytest.raises(PathNotAllowedError):
+        calibrate_rule_in_dirs("p.jsonl", [pairs_dir], "../escape", rules_dir)
+    with pytest.raises(PathNotAllowedError):
+        calibrate_rule_in_dirs(str(tmp_path / "elsewhere.jsonl"), [pairs_dir], "x", rules_dir)
