@@ -7,6 +7,7 @@ certificate mean something: calibration and certification evaluate exactly the d
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -35,14 +36,17 @@ class Thresholds:
     min_similarity: float | None = None
 
     def __post_init__(self) -> None:
+        # Accept any real number (numpy scalars included) but store plain floats, so JSON and equality behave.
         for axis in AXES:
             v = getattr(self, axis)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"threshold {axis!r} must be a finite number ≥ 0, got {v!r}")
-        if self.min_similarity is not None and (
-            not isinstance(self.min_similarity, (int, float)) or not math.isfinite(self.min_similarity)
-        ):
-            raise ValueError(f"min_similarity must be a finite number or null, got {self.min_similarity!r}")
+            object.__setattr__(self, axis, float(v))
+        ms = self.min_similarity
+        if ms is not None:
+            if not isinstance(ms, numbers.Real) or isinstance(ms, bool) or not math.isfinite(ms):
+                raise ValueError(f"min_similarity must be a finite number or null, got {ms!r}")
+            object.__setattr__(self, "min_similarity", float(ms))
 
     def vector(self) -> tuple[float, float, float, float]:
         return (self.context, self.size, self.shape, self.appearance)
