@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..types import AxisCheck, Candidate, CandidateVerdict, Candidates, Decision, Signature
-from .discrepancy import AXES, Discrepancies, discrepancies
+from .discrepancy import Discrepancies, discrepancies
 from .paths import resolve_confined
 from .rule import RiskRule, RuleError
 from .thresholds import Thresholds, prompt_check, select_best
