@@ -1,0 +1,536 @@
+"""The one module that patches ComfyUI models. Everything here works on ``model.clone()`` through ModelPatcher
+APIs (a PREDICT_NOISE wrapper, ``("dit", "double_block", i)`` block replacements and the
+``optimized_attention_override``); no module attribute of the caller's MODEL is ever touched, and all per-run
+state lives in a ``_Run`` object created for one sampling call and reset in ``finally``.
+
+Two sampling entry points:
+
+* :func:`probe_sample` runs the *real* schedule (any supported sampler/scheduler) and stops after the first
+  ``k`` model calls. It records the sampler-level denoised output of each call (the "replay"), the latent entering
+  step ``k``, and the cross-attention of object tokens in the chosen layers.
+* :func:`resume_sample` runs the same schedule again from step 0 with the same noise, but answers the first
+  ``k`` model calls from the replay instead of the model. For a deterministic sampler this rebuilds exactly the
+  state (including multistep history) a plain run has at step ``k`` — so probe + dense resume equals plain
+  sampling — and from then on the model is called normally, or with joint reuse (``ReusePlan``).
+
+Inside the model nothing raises because reuse is impossible: a block that cannot be restricted falls back to
+the original block, and the reason is logged once per run.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import comfy.model_management
+import comfy.patcher_extension
+import comfy.sample
+import comfy.samplers
+
+from .adapters import ArchAdapter, adapter_for
+from .sparse_attention import BlockRecorder, block_sparse_attention_bld, keep_for_layer
+from .types import BlockStructure, ObjectTokens
+
+log = logging.getLogger("carnator")
+KEY = "carnator"
+
+# One model call per step and deterministic given (noise, seed): resuming by replaying the first k calls
+# reproduces a plain run exactly. Two-call-per-step samplers (heun, dpm_2, dpmpp_2s/sde, ...) would need the
+# replay split mid-step; they are refused with a clear message instead of silently differing.
+RESUMABLE_SAMPLERS = (
+    "euler", "euler_ancestral", "euler_cfg_pp", "euler_ancestral_cfg_pp", "lms", "dpmpp_2m", "dpmpp_2m_cfg_pp",
+    "dpmpp_2m_sde", "dpmpp_3m_sde", "ddpm", "lcm", "ipndm", "ipndm_v", "deis", "res_multistep",
+    "res_multistep_cfg_pp", "ddim", "uni_pc", "uni_pc_bh2", "gradient_estimation",
+)
+
+
+class UnsupportedSamplerError(ValueError):
+    pass
+
+
+def check_sampler(sampler_name: str) -> None:
+    if sampler_name not in RESUMABLE_SAMPLERS:
+        raise UnsupportedSamplerError(
+            f"sampler {sampler_name!r} cannot be probed and resumed exactly (it calls the model more than once per "
+            f"step or keeps state Carnator cannot replay). Use one of: {', '.join(RESUMABLE_SAMPLERS)}."
+        )
+
+
+class _ProbeStop(Exception):
+    """Raised inside the sampler once the probe has its k calls; caught by probe_sample."""
+
+
+def compute_sigmas(model: Any, steps: int, sampler_name: str, scheduler: str, denoise: float = 1.0) -> torch.Tensor:
+    ks = comfy.samplers.KSampler(model, steps=steps, device="cpu", sampler=sampler_name, scheduler=scheduler,
+                                 denoise=denoise, model_options=model.model_options)
+    return ks.sigmas.detach().float().cpu()
+
+
+def sigmas_digest(sigmas: torch.Tensor) -> str:
+    return hashlib.sha256(np.round(sigmas.numpy().astype(np.float64), 6).tobytes()).hexdigest()[:16]
+
+
+def model_fingerprint(model: Any, arch: str) -> str:
+    """Digest of the backbone weights (sampled bytes of every tensor), its config and the patches applied
+    (LoRA etc.: keys, strengths, shapes and sampled values), so reuse never crosses models or patch sets."""
+    h = hashlib.sha256(arch.encode())
+    dm = model.model.diffusion_model
+    for name, t in dm.state_dict().items():
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            idx = torch.linspace(0, flat.numel() - 1, steps=min(64, flat.numel())).long()
+            h.update(flat[idx].float().cpu().numpy().tobytes())
+    for key in sorted(getattr(model, "patches", {}) or {}):
+        h.update(key.encode())
+        for p in model.patches[key]:
+            h.update(repr(p[0]).encode())  # strength
+            v = p[1]
+            tensors = v if isinstance(v, (tuple, list)) else (v,)
+            for tv in tensors:
+                if torch.is_tensor(tv):
+                    h.update(str(tuple(tv.shape)).encode())
+                    f = tv.detach().reshape(-1)
+                    if f.numel():
+                        h.update(f[:: max(1, f.numel() // 32)].float().cpu().numpy().tobytes())
+                else:
+                    h.update(repr(type(tv)).encode())
+    ms = model.get_model_object("model_sampling")
+    for attr in ("shift", "multiplier"):
+        if hasattr(ms, attr):
+            h.update(f"{attr}={float(getattr(ms, attr)):.6f}".encode())
+    return h.hexdigest()[:24]
+
+
+def _cond_rows(transformer_options: dict, batch: int) -> torch.Tensor:
+    """Boolean mask over the model batch: rows that belong to the positive (cond) prompt."""
+    cou = transformer_options.get("cond_or_uncond") or [0]
+    per = max(1, batch // len(cou))
+    rows = []
+    for c in cou:
+        rows += [c == 0] * per
+    rows = rows[:batch] + [False] * max(0, batch - len(rows))
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@dataclass
+class CaptureConfig:
+    """What the probe records from cross-attention."""
+
+    objects: tuple[ObjectTokens, ...]
+    layers: tuple[int, ...]
+    heads: int | None = None
+
+
+@dataclass
+class ReusePlan:
+    """Joint reuse of one accepted cache entry, from step ``start_call`` on.
+
+    active_tokens:  LongTensor of token indices (flattened T*H*W grid) recomputed for the target (region A).
+    token_mask:     float [T, H, W] in {0,1} on the token grid (A); None = all active (attention-only mode).
+    cached_x0:      model-space final latent of the cached request [C, T, H, W].
+    noise:          the target's noise (same shape as the latent batch) used to re-noise the cached x0.
+    sparse_layers:  middle layers where only the needed tokens are computed.
+    structure:      recorded block structure of the cached run (None: no attention sparsity).
+    restrict_tokens: compute only active tokens (+ needed context) in the middle layers (latent/joint modes).
+    """
+
+    active_tokens: torch.Tensor
+    token_mask: torch.Tensor | None
+    cached_x0: torch.Tensor
+    noise: torch.Tensor
+    sparse_layers: tuple[int, ...]
+    structure: BlockStructure | None
+    restrict_tokens: bool
+    context_margin_blocks: int = 0
+
+
+@dataclass
+class _Run:
+    """Per-run mutable state (one sampling call). Reset in ``finally``."""
+
+    adapter: ArchAdapter
+    n_tokens: int
+    grid: tuple[int, int, int]
+    stop_at: int | None = None
+    replay: list = field(default_factory=list)
+    record_replay: bool = False
+    calls: int = 0
+    layer: int = -1
+    latent_at_stop: torch.Tensor | None = None
+    capture: CaptureConfig | None = None
+    maps: dict = field(default_factory=dict)
+    map_counts: dict = field(default_factory=dict)
+    reuse: ReusePlan | None = None
+    recorder: BlockRecorder | None = None
+    fallbacks: set = field(default_factory=set)
+    stats: dict = field(default_factory=lambda: {"model_calls": 0, "replayed_calls": 0, "skipped_calls": 0,
+                                                  "token_layer_evals": 0, "token_layer_dense": 0,
+                                                  "attn_pairs": 0, "attn_pairs_dense": 0, "record_s": 0.0})
+    progress: Callable[[int], None] | None = None
+    sigma_to_step: dict = field(default_factory=dict)
+    subset_cache: dict = field(default_factory=dict)
+
+    def fallback(self, reason: str) -> None:
+        if reason not in self.fallbacks:
+            self.fallbacks.add(reason)
+            log.warning("carnator: falling back to the original block: %s", reason)
+
+    def reset(self) -> None:
+        self.replay = list(self.replay) if self.record_replay else []
+        self.subset_cache.clear()
+        self.layer = -1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# patches
+
+
+def _predict_wrapper(run: _Run):
+    def wrapper(executor, x, timestep, model_options={}, seed=None):
+        i = run.calls
+        if run.stop_at is not None and i >= run.stop_at:
+            run.latent_at_stop = x.detach().clone()
+            raise _ProbeStop()
+        run.calls += 1
+        if run.progress is not None:
+            run.progress(i)
+        if not run.record_replay and i < len(run.replay):
+            run.stats["replayed_calls"] += 1
+            return run.replay[i].to(device=x.device, dtype=x.dtype)
+        plan = run.reuse
+        if plan is not None and plan.token_mask is not None:
+            # Region-guided latent reuse, as ComfyUI's inpainting does it: outside A the model sees the cached
+            # x0 re-noised to this sigma with the target's noise, and its prediction there is the cached x0.
+            ms = executor.class_obj.inner_model.model_sampling if hasattr(executor.class_obj, "inner_model") else None
+            m = _latent_mask(plan, run, x)
+            cached = plan.cached_x0.to(device=x.device, dtype=x.dtype).unsqueeze(0).expand_as(x)
+            sigma = timestep.reshape(-1)[:1]
+            noise = plan.noise.to(device=x.device, dtype=x.dtype)
+            renoised = ms.noise_scaling(sigma.reshape(-1, *([1] * (x.ndim - 1))), noise, cached) if ms is not None \
+                else cached
+            if plan.active_tokens.numel() == 0:
+                run.stats["skipped_calls"] += 1
+                return cached.clone()
+            x_in = x * m + renoised * (1 - m)
+            out = executor(x_in, timestep, model_options, seed)
+            run.stats["model_calls"] += 1
+            return out * m + cached * (1 - m)
+        out = executor(x, timestep, model_options, seed)
+        run.stats["model_calls"] += 1
+        if run.record_replay:
+            run.replay.append(out.detach().clone())
+        return out
+
+    return wrapper
+
+
+def _latent_mask(plan: ReusePlan, run: _Run, x: torch.Tensor) -> torch.Tensor:
+    key = ("latent_mask", tuple(x.shape))
+    if key not in run.subset_cache:
+        pt, ph, pw = run.adapter.patch
+        m = plan.token_mask.float()
+        m = m.repeat_interleave(pt, 0).repeat_interleave(ph, 1).repeat_interleave(pw, 2)
+        m = m[: x.shape[-3], : x.shape[-2], : x.shape[-1]]
+        run.subset_cache[key] = m.to(device=x.device, dtype=x.dtype).reshape(1, 1, *m.shape)
+    return run.subset_cache[key]
+
+
+def _gather_arg(value: Any, dim: int, idx: torch.Tensor, n_tokens: int) -> Any:
+    if torch.is_tensor(value):
+        if value.ndim > dim and value.shape[dim] == n_tokens:
+            return value.index_select(dim, idx.to(value.device))
+        return value
+    if isinstance(value, tuple):
+        return tuple(_gather_arg(v, dim, idx, n_tokens) for v in value)
+    if isinstance(value, list):
+        return [_gather_arg(v, dim, idx, n_tokens) for v in value]
+    return value
+
+
+def _subset_tokens(run: _Run, layer: int, plan: ReusePlan, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens to run through a middle layer: the active ones plus the context their attention needs.
+
+    Returns (subset indices, positions of the active tokens within the subset). With a recorded structure the
+    context is every token in a key block that some active query block keeps; without, a margin of
+    ``context_margin_blocks`` blocks around the active blocks (latent-only mode).
+    """
+    key = ("subset", layer)
+    if key in run.subset_cache:
+        return run.subset_cache[key]
+    active = plan.active_tokens
+    if plan.structure is not None:
+        bs = plan.structure.block_size
+        keep = keep_for_layer(plan.structure, layer).any(0)  # [Qb, Kb], union over heads
+        qblocks = torch.unique(active // bs)
+        kblocks = keep[qblocks].any(0).nonzero().flatten()
+    else:
+        bs = 64
+        qblocks = torch.unique(active // bs)
+        nb = -(-n_tokens // bs)
+        m = plan.context_margin_blocks
+        kblocks = torch.unique((qblocks.unsqueeze(1) + torch.arange(-m, m + 1).unsqueeze(0)).clamp(0, nb - 1).flatten())
+    ctx = (kblocks.unsqueeze(1) * bs + torch.arange(bs).unsqueeze(0)).flatten()
+    ctx = ctx[ctx < n_tokens]
+    subset = torch.unique(torch.cat([active, ctx]))
+    pos = torch.searchsorted(subset, active)
+    run.subset_cache[key] = (subset, pos)
+    return subset, pos
+
+
+def _block_patch(run: _Run, layer: int, previous: Callable | None):
+    def patch(args: dict, extra: dict) -> dict:
+        run.layer = layer
+        original = (lambda a: previous(a, extra)) if previous is not None else extra["original_block"]
+        plan = run.reuse
+        try:
+            if plan is None or not plan.restrict_tokens or layer not in plan.sparse_layers:
+                return original(args)
+            img = args["img"]
+            n = img.shape[1]
+            if n != run.n_tokens:
+                run.fallback(f"layer {layer}: {n} tokens in the block, expected {run.n_tokens}")
+                return original(args)
+            subset, pos = _subset_tokens(run, layer, plan, n)
+            if subset.numel() >= n:
+                run.stats["token_layer_evals"] += n
+                run.stats["token_layer_dense"] += n
+                return original(args)
+            sub_args = dict(args)
+            for name, dim in run.adapter.token_dims.items():
+                if name in sub_args:
+                    sub_args[name] = _gather_arg(sub_args[name], dim, subset, n)
+            topts = dict(args["transformer_options"])
+            topts[KEY + "_subset"] = subset
+            sub_args["transformer_options"] = topts
+            out = original(sub_args)["img"]
+            res = img.clone()
+            res[:, plan.active_tokens.to(img.device)] = out[:, pos.to(img.device)]
+            run.stats["token_layer_evals"] += int(subset.numel())
+            run.stats["token_layer_dense"] += n
+            return {"img": res}
+        finally:
+            run.layer = -1
+
+    return patch
+
+
+def _attention_override(run: _Run, previous: Callable | None):
+    def override(func, *args, **kwargs):
+        q, k, v = args[0], args[1], args[2]
+        heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        topts = kwargs.get("transformer_options") or {}
+        layer = run.layer
+        fall = (lambda: previous(func, *args, **kwargs)) if previous is not None else (lambda: func(*args, **kwargs))
+        skip_reshape = kwargs.get("skip_reshape", False)
+        if heads is None or skip_reshape or q.ndim != 3:
+            return fall()
+        is_cross = k.shape[1] != q.shape[1] or (topts.get(KEY + "_subset") is None and k.shape[1] != run.n_tokens)
+        # --- probe: cross-attention of object tokens -----------------------------------------------------
+        cap = run.capture
+        if cap is not None and is_cross and layer in cap.layers and q.shape[1] == run.n_tokens:
+            _capture_cross(run, q, k, heads, topts)
+        if is_cross:
+            return fall()
+        # --- dense run: record the self-attention block structure -----------------------------------------
+        rec = run.recorder
+        if rec is not None and q.shape[1] == run.n_tokens and rec.wants(layer, run.calls - 1):
+            t0 = time.perf_counter()
+            rows = _cond_rows(topts, q.shape[0])
+            rec.observe_bld(layer, run.calls - 1, q[rows][:1], k[rows][:1], heads)
+            run.stats["record_s"] += time.perf_counter() - t0
+        # --- reuse: block-sparse self-attention over the recorded structure --------------------------------
+        plan = run.reuse
+        if plan is not None and plan.structure is not None and layer in plan.sparse_layers and \
+                layer in plan.structure.layers:
+            subset = topts.get(KEY + "_subset")
+            try:
+                keep = keep_for_layer(plan.structure, layer, device=q.device)
+                bs = plan.structure.block_size
+                if subset is None and q.shape[1] == plan.structure.n_tokens:
+                    run.stats["attn_pairs"] += int(keep.float().mean().item() * q.shape[1] ** 2)
+                    run.stats["attn_pairs_dense"] += q.shape[1] ** 2
+                    return block_sparse_attention_bld(q, k, v, heads, keep, bs)
+                if subset is not None:
+                    return _subset_attention(run, q, k, v, heads, keep, bs, subset)
+            except Exception as e:  # never raise inside the model because reuse is impossible
+                run.fallback(f"layer {layer}: block-sparse attention unavailable ({e})")
+        if topts.get(KEY + "_subset") is not None:
+            run.stats["attn_pairs"] += q.shape[1] ** 2
+            run.stats["attn_pairs_dense"] += run.n_tokens ** 2
+        return fall()
+
+    return override
+
+
+def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: int, subset: torch.Tensor):
+    """Self-attention among a token subset, restricted to the recorded blocks (token-level mask)."""
+    key = ("submask", run.layer)
+    if key not in run.subset_cache:
+        kb = keep.any(0)  # [Qb, Kb] union over heads
+        sb = (subset // bs).to(kb.device)
+        mask = kb[sb][:, sb]  # [S, S]
+        run.subset_cache[key] = mask
+    mask = run.subset_cache[key]
+    run.stats["attn_pairs"] += int(mask.sum().item())
+    run.stats["attn_pairs_dense"] += run.n_tokens ** 2
+    B, S, HD = q.shape
+    d = HD // heads
+    qh, kh, vh = (t.reshape(B, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.to(q.device))
+    return out.transpose(1, 2).reshape(B, S, HD)
+
+
+def _capture_cross(run: _Run, q: torch.Tensor, k: torch.Tensor, heads: int, topts: dict) -> None:
+    """Accumulate softmax cross-attention mass of each object's tokens over the video tokens (cond rows)."""
+    rows = _cond_rows(topts, q.shape[0])
+    if not bool(rows.any()):
+        return
+    qc, kc = q[rows][:1].detach().float(), k[rows][:1].detach().float()
+    B, L, HD = qc.shape
+    d = HD // heads
+    qh = qc.reshape(B, L, heads, d).transpose(1, 2)
+    kh = kc.reshape(B, kc.shape[1], heads, d).transpose(1, 2)
+    probs = torch.softmax(qh @ kh.transpose(-1, -2) / math.sqrt(d), dim=-1)  # [1, H, L, Lt]
+    probs = probs.mean(1)[0]  # [L, Lt]
+    for obj in run.capture.objects:
+        pos = [p for p in obj.positions if p < probs.shape[1]]
+        if not pos:
+            continue
+        m = probs[:, pos].sum(-1).detach()
+        run.maps[obj.name] = run.maps.get(obj.name, 0) + m.cpu()
+        run.map_counts[obj.name] = run.map_counts.get(obj.name, 0) + 1
+
+
+def _install(model: Any, run: _Run, layers: tuple[int, ...]) -> Any:
+    """Clone the MODEL and install Carnator's wrapper, block patches and attention override on the clone."""
+    m = model.clone()
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREDICT_NOISE, KEY, _predict_wrapper(run))
+    topts = m.model_options.setdefault("transformer_options", {})
+    existing = topts.get("patches_replace", {}).get("dit", {})
+    for i in layers:
+        m.set_model_patch_replace(_block_patch(run, i, existing.get(("double_block", i))), "dit", "double_block", i)
+    previous = topts.get("optimized_attention_override")
+    m.model_options["transformer_options"]["optimized_attention_override"] = _attention_override(run, previous)
+    return m
+
+
+# ----------------------------------------------------------------------------------------------------------
+# entry points
+
+
+@dataclass
+class ProbeRaw:
+    replay: tuple[torch.Tensor, ...]
+    latent_at_k: torch.Tensor
+    object_maps: dict[str, np.ndarray]
+    grid: tuple[int, int, int]
+    sigmas: torch.Tensor
+    seconds: float
+    fallbacks: tuple[str, ...]
+
+
+def prepare_latent(model: Any, latent: dict) -> torch.Tensor:
+    samples = latent["samples"]
+    return comfy.sample.fix_empty_latent_channels(model, samples)
+
+
+def make_noise(latent_image: torch.Tensor, seed: int, latent: dict) -> torch.Tensor:
+    return comfy.sample.prepare_noise(latent_image, seed, latent.get("batch_index"))
+
+
+def probe_sample(model: Any, positive, negative, latent: dict, seed: int, steps: int, cfg: float,
+                 sampler_name: str, scheduler: str, probe_steps: int, capture: CaptureConfig,
+                 denoise: float = 1.0, progress: Callable[[int], None] | None = None) -> ProbeRaw:
+    """Run the first ``probe_steps`` model calls of the real schedule; see the module docstring."""
+    check_sampler(sampler_name)
+    adapter = adapter_for(model)
+    latent_image = prepare_latent(model, latent)
+    grid = adapter.token_grid(tuple(latent_image.shape))
+    run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), grid=grid, stop_at=probe_steps, record_replay=True,
+               capture=capture, progress=progress)
+    m = _install(model, run, tuple(range(adapter.num_layers(model))))
+    noise = make_noise(latent_image, seed, latent)
+    sigmas = compute_sigmas(model, steps, sampler_name, scheduler, denoise)
+    t0 = time.perf_counter()
+    try:
+        comfy.sample.sample(m, noise, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                            denoise=denoise, noise_mask=latent.get("noise_mask"), disable_pbar=True, seed=seed)
+        raise RuntimeError(f"the sampler finished before the probe's {probe_steps} model calls; "
+                           f"lower probe steps below the number of steps ({steps})")
+    except _ProbeStop:
+        pass
+    finally:
+        replay = tuple(run.replay)
+        maps = {name: (run.maps[name] / run.map_counts[name]).reshape(grid).numpy().astype(np.float32)
+                for name in run.maps}
+        latent_k = run.latent_at_stop
+        run.reset()
+    if latent_k is None or len(replay) != probe_steps:
+        raise RuntimeError(f"probe recorded {len(replay)} of {probe_steps} model calls")
+    return ProbeRaw(replay=replay, latent_at_k=latent_k, object_maps=maps, grid=grid, sigmas=sigmas,
+                    seconds=time.perf_counter() - t0, fallbacks=tuple(sorted(run.fallbacks)))
+
+
+@dataclass
+class ResumeResult:
+    samples: torch.Tensor
+    stats: dict
+    structure: BlockStructure | None
+    fallbacks: tuple[str, ...]
+    seconds: float
+
+
+def resume_sample(model: Any, positive, negative, latent: dict, seed: int, steps: int, cfg: float,
+                  sampler_name: str, scheduler: str, replay: tuple[torch.Tensor, ...], denoise: float = 1.0,
+                  reuse: ReusePlan | None = None, recorder: BlockRecorder | None = None,
+                  progress: Callable[[int], None] | None = None) -> ResumeResult:
+    """Finish a probed request: replay the probe's calls, then dense or joint-reuse sampling to the end.
+
+    Returns the final latent in ComfyUI's LATENT space (as KSampler returns it).
+    """
+    check_sampler(sampler_name)
+    adapter = adapter_for(model)
+    latent_image = prepare_latent(model, latent)
+    grid = adapter.token_grid(tuple(latent_image.shape))
+    run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), grid=grid, replay=list(replay), reuse=reuse,
+               recorder=recorder, progress=progress)
+    m = _install(model, run, tuple(range(adapter.num_layers(model))))
+    noise = make_noise(latent_image, seed, latent)
+    if reuse is not None:
+        reuse.noise = noise
+    t0 = time.perf_counter()
+    try:
+        samples = comfy.sample.sample(m, noise, steps, cfg, sampler_name, scheduler, positive, negative,
+                                      latent_image, denoise=denoise, noise_mask=latent.get("noise_mask"),
+                                      disable_pbar=True, seed=seed)
+        structure = recorder.result() if (recorder is not None and recorder.n_observations) else None
+    finally:
+        stats = dict(run.stats)
+        run.reset()
+    return ResumeResult(samples=samples, stats=stats, structure=structure, fallbacks=tuple(sorted(run.fallbacks)),
+                        seconds=time.perf_counter() - t0)
+
+
+def process_latent_in(model: Any, samples: torch.Tensor) -> torch.Tensor:
+    return model.model.process_latent_in(samples)
+
+
+def latent_rgb(model: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    fmt = model.model.latent_format
+    f = getattr(fmt, "latent_rgb_factors", None)
+    b = getattr(fmt, "latent_rgb_factors_bias", None)
+    return (np.asarray(f, dtype=np.float32) if f is not None else None,
+            np.asarray(b, dtype=np.float32) if b is not None else None)
+
+
+def interrupt_check() -> None:
+    comfy.model_management.throw_exception_if_processing_interrupted()

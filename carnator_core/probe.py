@@ -1,0 +1,160 @@
+"""Early Probe: the first k steps of a request's real schedule, captured so nothing is wasted.
+
+``run_probe`` runs the first ``k`` model calls of exactly the schedule the request will use (any resumable stock
+sampler/scheduler, see ``comfy_patch.RESUMABLE_SAMPLERS``), records what the Early Signature needs (object-token
+cross-attention in middle layers, the x0 prediction at step k) and what generation needs to resume exactly
+(the denoised outputs of those k calls). Contract (tested): probe + dense resume equals a plain KSampler run
+with the same seed and settings, and the input MODEL is unchanged.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .types import GenConfig, ObjectTokens, Probe
+
+
+class ProbeConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """How long the probe runs and where it looks.
+
+    probe_steps:    number of sampling steps to probe (k). 0 = use ``probe_fraction``.
+    probe_fraction: fraction of the schedule to probe when probe_steps is 0 (rounded, at least 1).
+    layers:         transformer blocks whose cross-attention is captured; empty = the middle layers
+                    (all but ``first_dense`` first and ``last_dense`` last blocks).
+    first_dense, last_dense: how many first/last blocks count as "outer" (not middle).
+    """
+
+    probe_steps: int = 0
+    probe_fraction: float = 0.2
+    layers: tuple[int, ...] = ()
+    first_dense: int = 1
+    last_dense: int = 1
+
+    def resolve_steps(self, steps: int) -> int:
+        if steps < 2:
+            raise ProbeConfigError(f"steps={steps}: a probed generation needs at least 2 steps")
+        if self.probe_steps < 0:
+            raise ProbeConfigError(f"probe_steps must be >= 0, got {self.probe_steps}")
+        k = self.probe_steps if self.probe_steps > 0 else max(1, int(round(self.probe_fraction * steps)))
+        if not 0.0 < self.probe_fraction < 1.0 and self.probe_steps == 0:
+            raise ProbeConfigError(f"probe_fraction must be in (0, 1), got {self.probe_fraction}")
+        if k >= steps:
+            raise ProbeConfigError(
+                f"probe steps ({k}) must be fewer than the total steps ({steps}): the probe is the *start* of the "
+                f"generation. Lower probe_steps (e.g. {max(1, steps // 5)}) or raise steps."
+            )
+        return k
+
+
+def conditioning_embedding(positive: Sequence) -> np.ndarray:
+    """Retrieval embedding from the workflow's own text conditioning: mean over valid tokens of the first
+    positive conditioning tensor (padding excluded when an attention mask is present), L2-normalised."""
+    if not positive:
+        raise ValueError("positive conditioning is empty: connect a text encoder's CONDITIONING output")
+    cond, extra = positive[0][0], positive[0][1]
+    c = cond[0].float()  # [L, D]
+    mask = extra.get("attention_mask") if isinstance(extra, dict) else None
+    if mask is not None:
+        w = mask.reshape(-1)[: c.shape[0]].float()
+    else:
+        w = (c.abs().sum(-1) > 0).float()  # zero rows are padding
+        if w.sum() == 0:
+            w = torch.ones(c.shape[0])
+    e = (c * w[:, None]).sum(0) / w.sum().clamp(min=1.0)
+    e = e / e.norm().clamp(min=1e-8)
+    return e.cpu().numpy().astype(np.float32)
+
+
+def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float, sampler_name: str,
+              scheduler: str, prompt: str, objects: tuple[ObjectTokens, ...], object_source: str,
+              config: ProbeConfig = ProbeConfig(), denoise: float = 1.0,
+              progress: Callable[[int], None] | None = None) -> Probe:
+    """Probe one request. Raises ProbeConfigError / UnsupportedModelError / UnsupportedSamplerError with a message
+    naming the problem. The input MODEL is only cloned, never modified."""
+    from . import comfy_patch as cp  # ComfyUI-dependent: imported only when a model is actually probed
+    from .adapters import adapter_for
+
+    t_all = time.perf_counter()
+    adapter = adapter_for(model)
+    cp.check_sampler(sampler_name)
+    k = config.resolve_steps(steps)
+    if not isinstance(latent, dict) or "samples" not in latent:
+        raise ProbeConfigError("latent must be a ComfyUI LATENT (a dict with 'samples')")
+    samples = latent["samples"]
+    if samples.ndim != 5:
+        raise ProbeConfigError(
+            f"latent has shape {tuple(samples.shape)}; a video model needs [B, C, T, H, W]. Use an empty video "
+            "latent node for this model (EmptyHunyuanLatentVideo / EmptyLTXVLatentVideo / Carnator Embedded Empty Latent)."
+        )
+    samples = cp.prepare_latent(model, latent)
+    n_layers = adapter.num_layers(model)
+    layers = config.layers or adapter.middle_layers(model, config.first_dense, config.last_dense) or tuple(range(n_layers))
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ProbeConfigError(f"capture layers {bad} do not exist: the model has {n_layers} blocks (0..{n_layers - 1})")
+    raw = cp.probe_sample(model, positive, negative, latent, seed, steps, cfg, sampler_name, scheduler, k,
+                          cp.CaptureConfig(objects=objects, layers=tuple(layers)), denoise=denoise, progress=progress)
+    t_fp = time.perf_counter()
+    fingerprint = cp.model_fingerprint(model, adapter.arch)
+    fp_ms = (time.perf_counter() - t_fp) * 1000
+    gen = GenConfig(arch=adapter.arch, latent_shape=tuple(int(x) for x in samples.shape[1:]), steps=int(steps),
+                    sampler=sampler_name, scheduler=scheduler, cfg=float(cfg),
+                    sigmas_digest=cp.sigmas_digest(raw.sigmas), probe_steps=k)
+    factors, bias = cp.latent_rgb(model)
+    maps = dict(raw.object_maps)
+    for o in objects:  # objects without tokens get an empty map (the signature says so)
+        maps.setdefault(o.name, np.zeros(raw.grid, dtype=np.float32))
+    x0 = raw.replay[-1]
+    note = "" if objects else "no recognisable objects in the prompt: the signature will be context-only"
+    if raw.fallbacks:
+        note = (note + "; " if note else "") + "; ".join(raw.fallbacks)
+    return Probe(
+        arch=adapter.arch, model_fingerprint=fingerprint, config=gen, prompt=prompt, seed=int(seed),
+        objects=tuple(objects), object_source=object_source, object_maps=maps, grid=raw.grid, patch=adapter.patch,
+        x0_probe=_first_cond_row(x0).detach().cpu(), latent_probe=raw.latent_at_k[0].detach().cpu(),
+        latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=conditioning_embedding(positive),
+        replay=tuple(r.detach().cpu() for r in raw.replay), sigmas=tuple(float(s) for s in raw.sigmas),
+        timings={"probe_ms": raw.seconds * 1000, "fingerprint_ms": fp_ms,
+                 "total_ms": (time.perf_counter() - t_all) * 1000},
+        note=note,
+    )
+
+
+def _first_cond_row(x: torch.Tensor) -> torch.Tensor:
+    """The sampler-level denoised output is per latent batch item (after CFG): take item 0."""
+    return x[0]
+
+
+def word_tokens_for(prompt: str, clip: Any | None) -> list[tuple[int, int]]:
+    """(conditioning position, 1-based whitespace word id) pairs for ``prompt`` under ``clip``'s tokenizer.
+
+    A text encoder may provide ``carnator_word_tokens(prompt)`` itself (the embedded model's does); a stock
+    ComfyUI CLIP is tokenized with ``return_word_ids=True``. Without a tokenizer nothing can be located: [].
+    """
+    if clip is None:
+        return []
+    own = getattr(clip, "carnator_word_tokens", None)
+    if callable(own):
+        return list(own(prompt))
+    from .comfy_tokens import comfy_word_tokens
+
+    return list(comfy_word_tokens(clip, prompt))
+
+
+def objects_for(prompt: str, clip: Any | None, override: str | None) -> tuple[tuple[ObjectTokens, ...], str]:
+    """Objects named by the prompt (or the user's override) with their conditioning token positions."""
+    from .objects import extract_objects, token_positions
+
+    phrases, source = extract_objects(prompt, override)
+    if not phrases:
+        return (), "none"
+    return token_positions(prompt, phrases, word_tokens_for(prompt, clip)), source

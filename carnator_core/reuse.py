@@ -1,0 +1,266 @@
+"""Joint reuse: finish a probed request densely, or by reusing an accepted cache entry.
+
+Accepted decision -> from step k on (``comfy_patch.resume_sample`` replays the probe's k calls first):
+
+* **region-guided latent reuse**: an active region A is derived from evidence (object masks of both signatures
+  where they differ or where the object's colour differs, plus where the two x0 predictions at step k disagree,
+  dilated). Outside A the model sees the cached final x0 re-noised to the current sigma with the target's noise
+  and its prediction there is the cached x0 (ComfyUI's inpainting rule), so inactive tokens follow the cached
+  trajectory and end exactly at the cached result.
+* **historical sparse-connectivity reuse**: in the middle layers only tokens of A (plus the context tokens their
+  recorded attention blocks need) go through the block, and self-attention is restricted to the blocks recorded
+  for the cached request (structure, not values). First/last layers stay dense.
+
+Modes: ``joint`` (both), ``latent`` (A + local context, full attention among them), ``attention`` (all tokens,
+block-sparse attention only), ``dense`` (no reuse; with recording of the block structure for the cache).
+Rejected decision -> plain dense resume (identical to KSampler).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .types import BlockStructure, Decision, Probe, Signature
+
+MODES = ("joint", "latent", "attention", "dense")
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """Knobs of the Joint Reuse Sampler.
+
+    mode:            "joint" | "latent" | "attention" | "dense" (ablations; see module docstring).
+    first_dense, last_dense: number of first/last transformer blocks always computed densely.
+    mask_threshold:  a token belongs to an object where its soft signature mask is >= this.
+    x0_threshold:    a token is active where the per-token mean |x0_target - x0_cached| at step k exceeds this
+                     multiple of the typical (median) per-token difference magnitude of the target's x0.
+    dilation:        tokens of dilation (space and time) around the evidence, so object borders are recomputed.
+    block_size:      tokens per attention block when recording structure in dense runs.
+    record_mass:     attention mass the recorded key blocks must cover per query block.
+    record_steps:    how many representative steps to record at (spread over the schedule after the probe).
+    context_margin_blocks: latent-only mode: blocks of context around active blocks.
+    """
+
+    mode: str = "joint"
+    first_dense: int = 1
+    last_dense: int = 1
+    mask_threshold: float = 0.5
+    x0_threshold: float = 1.0
+    dilation: int = 1
+    block_size: int = 64
+    record_mass: float = 0.9
+    record_steps: int = 3
+    context_margin_blocks: int = 1
+
+    def validate(self) -> "ReuseConfig":
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.block_size < 1 or self.dilation < 0 or self.record_steps < 0:
+            raise ValueError("block_size must be >= 1, dilation and record_steps >= 0")
+        return self
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """What reuse needs from a cache entry (loaded by the node from the store)."""
+
+    entry_id: str
+    final_latent: Any  # torch.Tensor [C, T, H, W] LATENT space (as KSampler returned it)
+    x0_probe: Any  # torch.Tensor [C, T, H, W] model space
+    signature: Signature
+    structure: BlockStructure | None
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Per-run report: what was decided, what was computed, and what every stage cost."""
+
+    decision: str  # "hit" | "miss" | "dense"
+    mode: str
+    entry_id: str | None
+    active_fraction: float
+    block_density: float | None
+    steps_total: int
+    steps_probe: int
+    model_calls: int
+    replayed_calls: int
+    skipped_calls: int
+    token_fraction: float  # tokens computed / tokens of a dense run, over middle-layer evaluations
+    attention_fraction: float  # attention pairs computed / dense pairs, over middle-layer self-attention
+    timings_ms: Mapping[str, float]
+    block_structure: BlockStructure | None = None
+    fallbacks: tuple[str, ...] = ()
+    reason: str = ""
+
+    def summary(self) -> str:
+        t = self.timings_ms
+        parts = [f"{self.decision.upper()}" + (f" {self.entry_id}" if self.entry_id else ""), f"mode={self.mode}",
+                 f"active={self.active_fraction:.1%}"]
+        if self.block_density is not None:
+            parts.append(f"density={self.block_density:.1%}")
+        parts.append(f"calls={self.model_calls}+{self.replayed_calls} replayed+{self.skipped_calls} skipped"
+                     f"/{self.steps_total}")
+        parts.append("ms: " + " ".join(f"{k}={v:.0f}" for k, v in t.items()))
+        if self.fallbacks:
+            parts.append("fallbacks: " + "; ".join(self.fallbacks))
+        if self.reason:
+            parts.append(self.reason)
+        return " | ".join(parts)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "decision": self.decision, "mode": self.mode, "entry_id": self.entry_id,
+            "active_fraction": self.active_fraction, "block_density": self.block_density,
+            "steps_total": self.steps_total, "steps_probe": self.steps_probe, "model_calls": self.model_calls,
+            "replayed_calls": self.replayed_calls, "skipped_calls": self.skipped_calls,
+            "token_fraction": self.token_fraction, "attention_fraction": self.attention_fraction,
+            "timings_ms": dict(self.timings_ms), "fallbacks": list(self.fallbacks), "reason": self.reason,
+            "has_block_structure": self.block_structure is not None,
+        }
+
+
+def _token_pool(x: np.ndarray, patch: tuple[int, int, int], grid: tuple[int, int, int]) -> np.ndarray:
+    """Mean over channels and over the latent cells of each token: [C, T, H, W] -> [T', H', W']."""
+    a = np.abs(x).mean(0) if x.ndim == 4 else x
+    pt, ph, pw = patch
+    T, H, W = grid
+    pad = [(0, T * pt - a.shape[0]), (0, H * ph - a.shape[1]), (0, W * pw - a.shape[2])]
+    a = np.pad(a, pad, mode="edge")
+    return a.reshape(T, pt, H, ph, W, pw).mean((1, 3, 5))
+
+
+def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, cached_x0: np.ndarray,
+                  patch: tuple[int, int, int], config: ReuseConfig, appearance_delta: float = 8.0) -> np.ndarray:
+    """The evidence-derived active region A: bool [T, H, W] on the token grid.
+
+    Tokens are active where an object's (thresholded) mask differs between the two signatures, where an
+    object's colour differs by more than ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or
+    where the x0 predictions at step k disagree; then dilated by ``config.dilation`` tokens.
+    """
+    from scipy.ndimage import binary_dilation
+
+    grid = tuple(target.grid)
+    if tuple(cached.grid) != grid:
+        raise ValueError(f"token grids differ ({grid} vs {tuple(cached.grid)}): the entry is from another config")
+    A = np.zeros(grid, dtype=bool)
+    t = config.mask_threshold
+    for obj in target.objects:
+        other = cached.get(obj.name)
+        mt = obj.mask >= t * max(float(obj.mask.max()), 1e-8)
+        if other is None:
+            A |= mt
+            continue
+        mc = other.mask >= t * max(float(other.mask.max()), 1e-8)
+        A |= mt ^ mc
+        if float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta:
+            A |= mt | mc
+    diff = _token_pool(np.asarray(target_x0, dtype=np.float32) - np.asarray(cached_x0, dtype=np.float32), patch, grid)
+    scale = float(np.median(_token_pool(np.asarray(target_x0, dtype=np.float32), patch, grid))) + 1e-6
+    A |= diff > config.x0_threshold * scale
+    if config.dilation > 0 and A.any():
+        A = binary_dilation(A, iterations=config.dilation)
+    return A
+
+
+def middle_layers(n_layers: int, config: ReuseConfig) -> tuple[int, ...]:
+    return tuple(range(min(config.first_dense, n_layers), max(n_layers - config.last_dense, 0)))
+
+
+def record_plan_steps(steps: int, probe_steps: int, n: int) -> tuple[int, ...]:
+    """Representative call indices (after the probe) at which dense runs record their block structure."""
+    if n <= 0 or steps <= probe_steps:
+        return ()
+    return tuple(sorted({int(round(x)) for x in np.linspace(probe_steps, steps - 1, n)}))
+
+
+def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision: Decision | None,
+           cached: CachedRun | None, config: ReuseConfig = ReuseConfig(), target_signature: Signature | None = None,
+           record: bool = True, progress: Callable[[int], None] | None = None,
+           upstream_ms: Mapping[str, float] | None = None) -> tuple[Any, RunReport]:
+    """Finish the request the probe started. Returns (LATENT samples tensor, RunReport).
+
+    Reuse happens only when ``decision.accepted`` and ``cached`` is given and the mode is not "dense";
+    otherwise this is a plain dense resume (bit-identical to KSampler) that records the block structure
+    (``record``) for the Cache Writer.
+    """
+    import torch
+
+    from . import comfy_patch as cp
+    from .adapters import adapter_for
+    from .sparse_attention import BlockRecorder
+
+    config.validate()
+    t0 = time.perf_counter()
+    adapter = adapter_for(model)
+    gen = probe.config
+    samples = cp.prepare_latent(model, latent)
+    if tuple(samples.shape[1:]) != tuple(gen.latent_shape):
+        raise ValueError(f"latent shape {tuple(samples.shape[1:])} differs from the probed one "
+                         f"{tuple(gen.latent_shape)}: connect the same latent to the probe and the sampler")
+    fp = cp.model_fingerprint(model, adapter.arch)
+    if fp != probe.model_fingerprint:
+        raise ValueError("the MODEL differs from the one the probe ran on (weights or patches changed): connect "
+                         "the same MODEL to the Early Probe and the Joint Reuse Sampler")
+    n_layers = adapter.num_layers(model)
+    mids = middle_layers(n_layers, config)
+    use = bool(decision is not None and decision.accepted and cached is not None and config.mode != "dense")
+    plan = None
+    recorder = None
+    active_fraction = 1.0
+    reason = ""
+    if use:
+        if decision.candidate is not None and decision.candidate.entry_id != cached.entry_id:
+            raise ValueError(f"the loaded entry {cached.entry_id} is not the accepted candidate "
+                             f"{decision.candidate.entry_id}")
+        tsig = target_signature
+        if tsig is None:
+            raise ValueError("joint/latent reuse needs the target's signature (connect the Signature Builder)")
+        structure = cached.structure if config.mode in ("joint", "attention") else None
+        if config.mode in ("joint", "attention") and structure is None:
+            reason = "entry has no recorded block structure: attention stays dense"
+        if config.mode == "attention":
+            token_mask = None
+            active = torch.arange(int(np.prod(probe.grid)))
+        else:
+            A = active_region(tsig, cached.signature, probe.x0_probe.float().numpy(),
+                              cached.x0_probe.float().numpy(), adapter.patch, config)
+            active_fraction = float(A.mean())
+            token_mask = torch.from_numpy(A.astype(np.float32))
+            active = torch.from_numpy(np.flatnonzero(A.reshape(-1))).long()
+        cached_x0 = cp.process_latent_in(model, cached.final_latent.unsqueeze(0).float())[0]
+        plan = cp.ReusePlan(active_tokens=active, token_mask=token_mask, cached_x0=cached_x0, noise=None,
+                            sparse_layers=mids, structure=structure,
+                            restrict_tokens=config.mode in ("joint", "latent"),
+                            context_margin_blocks=config.context_margin_blocks)
+    elif record:
+        recorder = BlockRecorder(block_size=config.block_size, layers=mids,
+                                 steps=record_plan_steps(gen.steps, gen.probe_steps, config.record_steps),
+                                 mass=config.record_mass, head_average=False)
+    res = cp.resume_sample(model, positive, negative, latent, probe.seed, gen.steps, gen.cfg, gen.sampler,
+                           gen.scheduler, probe.replay, reuse=plan, recorder=recorder, progress=progress)
+    st = res.stats
+    sampler_ms = (time.perf_counter() - t0) * 1000
+    timings = dict(upstream_ms or {})
+    timings["probe"] = float(probe.timings.get("probe_ms", 0.0))
+    timings["resume"] = sampler_ms
+    if recorder is not None:
+        timings["record"] = st["record_s"] * 1000
+    timings["total"] = sum(v for k, v in timings.items() if k != "total")
+    dense_tokens = st["token_layer_dense"] or 1
+    dense_pairs = st["attn_pairs_dense"] or 1
+    report = RunReport(
+        decision="hit" if use else ("miss" if decision is not None else "dense"),
+        mode=config.mode if use else "dense", entry_id=cached.entry_id if use else None,
+        active_fraction=active_fraction,
+        block_density=(plan.structure.density if plan is not None and plan.structure is not None else None),
+        steps_total=gen.steps, steps_probe=gen.probe_steps, model_calls=st["model_calls"],
+        replayed_calls=st["replayed_calls"], skipped_calls=st["skipped_calls"],
+        token_fraction=(st["token_layer_evals"] / dense_tokens) if st["token_layer_dense"] else 1.0,
+        attention_fraction=(st["attn_pairs"] / dense_pairs) if st["attn_pairs_dense"] else 1.0,
+        timings_ms=timings, block_structure=res.structure, fallbacks=res.fallbacks,
+        reason=reason or (decision.summary if decision is not None and not use else ""),
+    )
+    return res.samples, report

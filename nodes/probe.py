@@ -1,0 +1,88 @@
+"""Carnator Early Probe node: runs the first k steps of the request's real schedule (thin: one core call)."""
+from __future__ import annotations
+
+import comfy.samplers
+import comfy.utils
+from comfy_api.latest import io
+
+from ..carnator_core.probe import ProbeConfig, objects_for, run_probe
+
+PROBE = io.Custom("CARNATOR_PROBE")
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    text = (text or "").strip()
+    if not text:
+        return ()
+    try:
+        return tuple(int(t) for t in text.replace(";", ",").split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"capture_layers must be comma-separated block indices like '2,3,4' (got {text!r})") from None
+
+
+class CarnatorEarlyProbe(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorEarlyProbe",
+            display_name="Carnator Early Probe",
+            category="Carnator",
+            description="Runs the first steps of this request's real schedule and looks inside the model "
+                        "(object cross-attention, x0 prediction). The Joint Reuse Sampler resumes from it, so "
+                        "the probe is never wasted.",
+            inputs=[
+                io.Model.Input("model", tooltip="Wan 2.1, Wan 2.2 TI2V, LTX-Video or the Carnator embedded model."),
+                io.Conditioning.Input("positive", tooltip="Positive text conditioning of the request."),
+                io.Conditioning.Input("negative", tooltip="Negative text conditioning of the request."),
+                io.Latent.Input("latent_image", tooltip="The empty video latent to generate into."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
+                             tooltip="Noise seed (the same seed as a plain KSampler gives the same clip)."),
+                io.Int.Input("steps", default=20, min=2, max=10000, tooltip="Total sampling steps of the request."),
+                io.Float.Input("cfg", default=5.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                               tooltip="Classifier-free guidance scale."),
+                io.Combo.Input("sampler_name", options=comfy.samplers.SAMPLER_NAMES, default="euler",
+                               tooltip="Sampler; must be resumable (one model call per step)."),
+                io.Combo.Input("scheduler", options=comfy.samplers.SCHEDULER_NAMES, default="simple",
+                               tooltip="Sigma schedule."),
+                io.Int.Input("probe_steps", default=4, min=0, max=1000,
+                             tooltip="How many of the first steps to probe (0 = use probe_fraction)."),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="The prompt text (the same text the positive conditioning was encoded "
+                                        "from): objects are the nouns it names."),
+                io.Clip.Input("clip", optional=True,
+                              tooltip="The text encoder used for the positive prompt: maps object words to token "
+                                      "positions. Without it objects cannot be located."),
+                io.String.Input("objects", default="", optional=True,
+                                tooltip="Optional override: comma-separated objects (e.g. 'red ball, cube'). "
+                                        "Empty = extract nouns from the prompt."),
+                io.Float.Input("probe_fraction", default=0.2, min=0.01, max=0.95, step=0.01, advanced=True,
+                               tooltip="Fraction of the schedule to probe when probe_steps is 0."),
+                io.String.Input("capture_layers", default="", advanced=True,
+                                tooltip="Blocks whose cross-attention is captured, e.g. '1,2'. Empty = middle "
+                                        "layers."),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, advanced=True,
+                               tooltip="Denoise strength, as in KSampler."),
+            ],
+            outputs=[PROBE.Output(display_name="probe"), io.String.Output(display_name="summary")],
+        )
+
+    @classmethod
+    def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
+                probe_steps, prompt, clip=None, objects="", probe_fraction=0.2, capture_layers="",
+                denoise=1.0) -> io.NodeOutput:
+        config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction,
+                             layers=parse_layers(capture_layers))
+        k = config.resolve_steps(steps)
+        found, source = objects_for(prompt, clip, objects or None)
+        pbar = comfy.utils.ProgressBar(k)
+        probe = run_probe(model, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
+                          sampler_name=sampler_name, scheduler=scheduler, prompt=prompt, objects=found,
+                          object_source=source, config=config, denoise=denoise,
+                          progress=lambda i: pbar.update_absolute(i + 1, k))
+        names = ", ".join(f"{o.name}({len(o.positions)} tok)" for o in probe.objects) or "none"
+        summary = (f"probe {k}/{steps} steps on {probe.arch} in {probe.timings['probe_ms']:.0f} ms; "
+                   f"objects [{source}]: {names}" + (f"; {probe.note}" if probe.note else ""))
+        return io.NodeOutput(probe, summary)
+
+
+NODES = [CarnatorEarlyProbe]
