@@ -6,18 +6,10 @@ import comfy.utils
 from comfy_api.latest import io
 
 from ..carnator_core.probe import ProbeConfig, objects_for, run_probe
+from ._common import advanced, parse_int_list
 
 PROBE = io.Custom("CARNATOR_PROBE")
 
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    text = (text or "").strip()
-    if not text:
-        return ()
-    try:
-        return tuple(int(t) for t in text.replace(";", ",").split(",") if t.strip())
-    except ValueError:
-        raise ValueError(f"capture_layers must be comma-separated block indices like '2,3,4' (got {text!r})") from None
 
 
 class CarnatorEarlyProbe(io.ComfyNode):
@@ -55,13 +47,13 @@ class CarnatorEarlyProbe(io.ComfyNode):
                 io.String.Input("objects", default="", optional=True,
                                 tooltip="Optional override: comma-separated objects (e.g. 'red ball, cube'). "
                                         "Empty = extract nouns from the prompt."),
-                io.Float.Input("probe_fraction", default=0.2, min=0.01, max=0.95, step=0.01, advanced=True,
-                               tooltip="Fraction of the schedule to probe when probe_steps is 0."),
-                io.String.Input("capture_layers", default="", advanced=True,
+                advanced(io.Float.Input("probe_fraction", default=0.2, min=0.01, max=0.95, step=0.01,
+                               tooltip="Fraction of the schedule to probe when probe_steps is 0.")),
+                advanced(io.String.Input("capture_layers", default="",
                                 tooltip="Blocks whose cross-attention is captured, e.g. '1,2'. Empty = middle "
-                                        "layers."),
-                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, advanced=True,
-                               tooltip="Denoise strength, as in KSampler."),
+                                        "layers.")),
+                advanced(io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="Denoise strength, as in KSampler.")),
             ],
             outputs=[PROBE.Output(display_name="probe"), io.String.Output(display_name="summary")],
         )
@@ -71,7 +63,7 @@ class CarnatorEarlyProbe(io.ComfyNode):
                 probe_steps, prompt, clip=None, objects="", probe_fraction=0.2, capture_layers="",
                 denoise=1.0) -> io.NodeOutput:
         config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction,
-                             layers=parse_layers(capture_layers))
+                             layers=parse_int_list(capture_layers, "capture_layers"))
         k = config.resolve_steps(steps)
         found, source = objects_for(prompt, clip, objects or None)
         pbar = comfy.utils.ProgressBar(k)
