@@ -94,6 +94,11 @@ class RunReport:
     block_structure: BlockStructure | None = None
     fallbacks: tuple[str, ...] = ()
     reason: str = ""
+    compute_fraction: float = 1.0  # estimated model compute / dense compute (probe included), from counters
+
+    @property
+    def saving(self) -> float:
+        return 1.0 - self.compute_fraction
 
     def summary(self) -> str:
         t = self.timings_ms
@@ -101,6 +106,7 @@ class RunReport:
                  f"active={self.active_fraction:.1%}"]
         if self.block_density is not None:
             parts.append(f"density={self.block_density:.1%}")
+        parts.append(f"compute={self.compute_fraction:.0%} of dense")
         parts.append(f"calls={self.model_calls}+{self.replayed_calls} replayed+{self.skipped_calls} skipped"
                      f"/{self.steps_total}")
         parts.append("ms: " + " ".join(f"{k}={v:.0f}" for k, v in t.items()))
@@ -119,6 +125,7 @@ class RunReport:
             "token_fraction": self.token_fraction, "attention_fraction": self.attention_fraction,
             "timings_ms": dict(self.timings_ms), "fallbacks": list(self.fallbacks), "reason": self.reason,
             "has_block_structure": self.block_structure is not None,
+            "compute_fraction": self.compute_fraction, "saving": self.saving,
         }
 
 
@@ -251,6 +258,11 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
     dense_tokens = st["token_layer_dense"] or 1
     dense_pairs = st["attn_pairs_dense"] or 1
+    # Estimated compute relative to a dense run: the probe's k calls were paid in full; each later model call
+    # pays its outer layers densely and its middle layers at the measured token fraction.
+    token_fraction = (st["token_layer_evals"] / dense_tokens) if st["token_layer_dense"] else 1.0
+    per_call = (n_layers - len(mids) + len(mids) * token_fraction) / max(n_layers, 1)
+    compute_fraction = (gen.probe_steps + st["model_calls"] * per_call) / max(gen.steps, 1)
     report = RunReport(
         decision="hit" if use else ("miss" if decision is not None else "dense"),
         mode=config.mode if use else "dense", entry_id=cached.entry_id if use else None,
@@ -258,9 +270,28 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         block_density=(plan.structure.density if plan is not None and plan.structure is not None else None),
         steps_total=gen.steps, steps_probe=gen.probe_steps, model_calls=st["model_calls"],
         replayed_calls=st["replayed_calls"], skipped_calls=st["skipped_calls"],
-        token_fraction=(st["token_layer_evals"] / dense_tokens) if st["token_layer_dense"] else 1.0,
+        token_fraction=token_fraction, compute_fraction=compute_fraction,
         attention_fraction=(st["attn_pairs"] / dense_pairs) if st["attn_pairs_dense"] else 1.0,
         timings_ms=timings, block_structure=res.structure, fallbacks=res.fallbacks,
         reason=reason or (decision.summary if decision is not None and not use else ""),
     )
     return res.samples, report
+
+
+def cached_run_from_entry(entry: Any) -> CachedRun:
+    """Build what reuse needs from a loaded cache entry (``cache.Store.load``): its final latent, its x0 at the
+    probe step, its signature and its recorded block structure. Raises ValueError naming what is missing."""
+    tensors = getattr(entry, "tensors", None) or {}
+    missing = [k for k in ("latent_final", "x0_probe") if k not in tensors]
+    if missing or getattr(entry, "signature", None) is None:
+        raise ValueError(f"cache entry {getattr(entry, 'entry_id', '?')} lacks {missing or ['signature']}: it was "
+                         "not written by the Carnator Cache Writer; it cannot be reused")
+    import torch
+
+    def t(x: Any) -> Any:
+        return x if torch.is_tensor(x) else torch.from_numpy(np.asarray(x))
+
+    final = t(tensors["latent_final"])
+    return CachedRun(entry_id=str(entry.entry_id), final_latent=final[0] if final.ndim == 5 else final,
+                     x0_probe=t(tensors["x0_probe"]), signature=entry.signature,
+                     structure=getattr(entry, "block_structure", None))

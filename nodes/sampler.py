@@ -1,0 +1,98 @@
+"""Carnator Joint Reuse Sampler node: finishes the request the Early Probe started (thin: one core call)."""
+from __future__ import annotations
+
+import logging
+
+import comfy.utils
+from comfy_api.latest import io
+
+from ..carnator_core.reuse import MODES, ReuseConfig, cached_run_from_entry, sample
+from ._common import advanced
+
+log = logging.getLogger("carnator")
+PROBE = io.Custom("CARNATOR_PROBE")
+DECISION = io.Custom("CARNATOR_DECISION")
+SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
+CACHE = io.Custom("CARNATOR_CACHE")
+REPORT = io.Custom("CARNATOR_REPORT")
+
+
+def _load_entry(cache, entry_id: str):
+    store = cache.open() if hasattr(cache, "open") else getattr(cache, "store", None)
+    if store is None:
+        raise ValueError("the cache input is not a Carnator cache (connect a Carnator Cache loader)")
+    return store.load(entry_id)
+
+
+class CarnatorJointReuseSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorJointReuseSampler",
+            display_name="Carnator Joint Reuse Sampler",
+            category="Carnator",
+            description="Finishes a probed request. If the Risk Filter accepted a cache entry, only the region that "
+                        "differs is recomputed, over the attention structure of the cached run; otherwise it "
+                        "continues dense (identical to KSampler) and records the attention structure for the cache.",
+            inputs=[
+                io.Model.Input("model", tooltip="The same MODEL the Early Probe ran on."),
+                io.Conditioning.Input("positive", tooltip="The same positive conditioning as the probe."),
+                io.Conditioning.Input("negative", tooltip="The same negative conditioning as the probe."),
+                io.Latent.Input("latent_image", tooltip="The same latent as the probe."),
+                PROBE.Input("probe", tooltip="Early Probe output: the sampler resumes from it (the probe's steps "
+                                             "are replayed, not recomputed)."),
+                DECISION.Input("decision", optional=True,
+                               tooltip="Risk Filter decision. Not connected = dense generation."),
+                SIGNATURE.Input("signature", optional=True,
+                                tooltip="The request's Early Signature (needed to derive the active region)."),
+                CACHE.Input("cache", optional=True, tooltip="The cache the accepted entry comes from."),
+                io.Combo.Input("mode", options=list(MODES), default="joint",
+                               tooltip="joint = region + sparse attention; latent / attention = one axis only "
+                                       "(ablations); dense = never reuse."),
+                advanced(io.Int.Input("dense_first_layers", default=1, min=0, max=100,
+                                      tooltip="First transformer blocks always computed densely.")),
+                advanced(io.Int.Input("dense_last_layers", default=1, min=0, max=100,
+                                      tooltip="Last transformer blocks always computed densely.")),
+                advanced(io.Float.Input("x0_threshold", default=1.0, min=0.0, max=100.0, step=0.05,
+                                        tooltip="Tokens whose x0 predictions differ by more than this multiple "
+                                                "of the typical magnitude are recomputed.")),
+                advanced(io.Int.Input("dilation", default=1, min=0, max=16,
+                                      tooltip="Tokens of margin around the active region.")),
+                advanced(io.Int.Input("block_size", default=64, min=8, max=1024,
+                                      tooltip="Tokens per attention block when recording structure.")),
+                advanced(io.Float.Input("record_mass", default=0.9, min=0.5, max=1.0, step=0.01,
+                                        tooltip="Attention mass the recorded key blocks must cover.")),
+            ],
+            outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
+                     io.String.Output(display_name="summary")],
+        )
+
+    @classmethod
+    def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
+                mode="joint", dense_first_layers=1, dense_last_layers=1, x0_threshold=1.0, dilation=1,
+                block_size=64, record_mass=0.9) -> io.NodeOutput:
+        config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
+                             x0_threshold=x0_threshold, dilation=dilation, block_size=block_size,
+                             record_mass=record_mass).validate()
+        cached = None
+        if decision is not None and decision.accepted and mode != "dense":
+            if cache is None:
+                raise ValueError("the decision accepted a cache entry but no cache is connected to the sampler")
+            cached = cached_run_from_entry(_load_entry(cache, decision.candidate.entry_id))
+        total = probe.config.steps
+        pbar = comfy.utils.ProgressBar(total)
+        samples, report = sample(model, positive, negative, latent_image, probe, decision, cached, config,
+                                 target_signature=signature, progress=lambda i: pbar.update_absolute(i + 1, total),
+                                 upstream_ms={"filter": decision.filter_ms} if decision is not None else None)
+        log.info("carnator request: %s", report.summary())
+        out = latent_image.copy()
+        out["samples"] = samples
+        out.pop("noise_mask", None)
+        meta = report.to_meta()
+        if decision is not None:
+            meta["verdicts"] = decision.to_meta()["verdicts"]
+            meta["decision_summary"] = decision.summary
+        return io.NodeOutput(out, report, report.summary(), ui={"carnator_report": [meta]})
+
+
+NODES = [CarnatorJointReuseSampler]
