@@ -424,10 +424,8 @@ def keep_to_dense_mask(
 
 @dataclass
 class _Group:
-    head_idx: torch.Tensor  # [G] pattern-head of each element
-    q_rows: torch.Tensor  # [G, m] flat rows (head * Lq + row) to gather queries from; padding clamped
-    out_rows: torch.Tensor  # [G * m] flat rows (head * (Lq + 1) + row) to write to; padding -> dummy row
-    k_rows: torch.Tensor  # [G, n * bs] flat rows (head * L + pos) to gather keys/values from; clamped
+    q_rows: torch.Tensor  # [G, m] flat rows (pattern head * Lq + row) to gather queries from; padding clamped
+    k_rows: torch.Tensor  # [G, n * bs] flat rows (pattern head * L + pos) to gather keys/values from; clamped
     k_valid: torch.Tensor | None  # [G, n * bs] bool, None if all valid
     m: int
     n_keys: int
@@ -446,6 +444,8 @@ class BlockSparsePlan:
     n_pattern_heads: int
     device: torch.device
     groups: list[_Group] = field(default_factory=list)
+    # [Hk * Lq]: where each (pattern head, q row) lands in the concatenation of all groups' padded outputs.
+    out_perm: torch.Tensor | None = None
     dense: bool = False
     density: float = 1.0  # fraction of (query row, key) pairs computed, over active rows
 
@@ -474,8 +474,8 @@ def plan_block_sparse(
     Work items are (pattern head, query block) pairs that have at least one query row. ``"grouped"`` batches
     items with the same number of kept key blocks (and the same "includes the partial last key block" flag) into
     one SDPA call without a mask; ``"padded"`` pads every item to the maximum kept count and masks the padding.
-    Query rows of an item are padded to the item group's maximum row count; padded rows are computed into a
-    dummy output row and discarded.
+    Query rows of an item are padded to the item group's maximum row count; padded rows are computed and
+    discarded (``out_perm`` never selects them).
     """
     block_size = _check_block_size(block_size)
     device = torch.device(device) if device is not None else keep.device
@@ -533,20 +533,23 @@ def plan_block_sparse(
         raise ValueError(f"strategy must be 'grouped' or 'padded', got {strategy!r}")
 
     ar_bs = torch.arange(block_size)
+    out_perm = torch.empty(Hk * Lq, dtype=torch.long)
+    offset = 0  # rows of the concatenated group outputs written so far
     for sel in selections:
         hs, qs = items_h[sel], items_i[sel]
         G = int(sel.numel())
         m = int(rows_per_block[qs].max())
         n = int(cnt[sel].max())
-        # Query rows: the q-rows of each item's block, padded by repeating the first row.
+        # Query rows: the q-rows of each item's block, padded by repeating the first row (result discarded).
         j = torch.arange(m)
-        cnt_rows = rows_per_block[qs]
-        valid_rows = j[None, :] < cnt_rows[:, None]
+        valid_rows = j[None, :] < rows_per_block[qs][:, None]
         src = starts[qs][:, None] + torch.where(valid_rows, j[None, :], torch.zeros_like(j)[None, :])
         rows = order[src]  # [G, m] row numbers in q
-        q_rows = hs[:, None] * Lq + rows
-        out_rows = torch.where(valid_rows, hs[:, None] * (Lq + 1) + rows, hs[:, None] * (Lq + 1) + Lq)
-        # Kept key blocks per item, kept ones first (ascending index), padded with the first kept block.
+        flat_rows = hs[:, None] * Lq + rows
+        slot = offset + torch.arange(G * m).view(G, m)
+        out_perm[flat_rows[valid_rows]] = slot[valid_rows]
+        offset += G * m
+        # Kept key blocks per item, kept ones first (ascending index), padded with the first kept block (masked).
         kk = keep[hs, qs]  # [G, Kb]
         kb_sorted = torch.argsort((~kk).to(torch.int8), dim=-1, stable=True)[:, :n]
         kb_valid = torch.arange(n)[None, :] < kk.sum(-1)[:, None]
@@ -555,18 +558,16 @@ def plan_block_sparse(
         valid = (pos < L) & kb_valid[:, :, None]
         pos = pos.clamp(max=L - 1).reshape(G, n * block_size)
         valid = valid.reshape(G, n * block_size)
-        k_rows = hs[:, None] * L + pos
         plan.groups.append(
             _Group(
-                head_idx=hs.to(device),
-                q_rows=q_rows.to(device),
-                out_rows=out_rows.reshape(-1).to(device),
-                k_rows=k_rows.to(device),
+                q_rows=flat_rows.to(device),
+                k_rows=(hs[:, None] * L + pos).to(device),
                 k_valid=None if bool(valid.all()) else valid.to(device),
                 m=m,
                 n_keys=n * block_size,
             )
         )
+    plan.out_perm = out_perm.to(device)
     return plan
 
 
@@ -589,7 +590,7 @@ def _gather_attention(
         return x.reshape(B, Hk, Hg, n, D).transpose(1, 2).reshape(N, Hk * n, x.shape[-1])
 
     qf, kf, vf = flat(q, Lq), flat(k, L), flat(v, L)
-    out = q.new_empty(N, Hk * (Lq + 1), D)
+    outs = []
     elem = q.element_size()
     for g in plan.groups:
         G = g.q_rows.shape[0]
@@ -602,10 +603,10 @@ def _gather_attention(
             gk = kf.index_select(1, kr).view(N, b - a, g.n_keys, D)
             gv = vf.index_select(1, kr).view(N, b - a, g.n_keys, D)
             mask = None if g.k_valid is None else g.k_valid[a:b][None, :, None, :]
-            res = _sdpa(gq, gk, gv, mask, scale)
-            out.index_copy_(1, g.out_rows[a * g.m : b * g.m], res.reshape(N, (b - a) * g.m, D))
-    out = out.view(N, Hk, Lq + 1, D)[:, :, :Lq]
-    return out.reshape(B, Hg, Hk, Lq, D).transpose(1, 2).reshape(B, H, Lq, D)
+            outs.append(_sdpa(gq, gk, gv, mask, scale).reshape(N, (b - a) * g.m, D))
+    # One permuting gather back to (pattern head, row) order: measured faster on CPU than index_copy_ per group.
+    out = torch.cat(outs, dim=1).index_select(1, plan.out_perm)
+    return out.view(B, Hg, Hk, Lq, D).transpose(1, 2).reshape(B, H, Lq, D)
 
 
 def flex_available() -> bool:

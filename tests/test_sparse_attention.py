@@ -1,0 +1,341 @@
+"""Block-structure recording and block-sparse attention (carnator_core.sparse_attention). Pure torch, no ComfyUI.
+
+The reference for every backend is written here independently of the module: float64 softmax(q k^T * scale + M) v
+with M = -inf outside the kept blocks, the token-level mask built by repeat_interleave of the block pattern.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from carnator.carnator_core import sparse_attention as sa
+from carnator.carnator_core.types import BlockStructure
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _qkv(B: int, H: int, L: int, D: int, seed: int = 0):
+    g = _gen(seed)
+    return tuple(torch.randn(B, H, L, D, generator=g) for _ in range(3))
+
+
+def _random_keep(Hk: int, nb: int, density: float, seed: int = 0) -> torch.Tensor:
+    keep = torch.rand(Hk, nb, nb, generator=_gen(seed)) < density
+    return keep | torch.eye(nb, dtype=torch.bool)
+
+
+def _reference(q, k, v, keep, bs, query_index=None):
+    """Dense masked attention in float64, mask from the block pattern by repeat_interleave (not the module's helper)."""
+    L = k.shape[2]
+    keep3 = keep if keep.dim() == 3 else keep[None]
+    tok = keep3.repeat_interleave(bs, dim=1).repeat_interleave(bs, dim=2)[:, :L, :L]  # [Hk, L, L]
+    if query_index is not None:
+        tok = tok[:, query_index]
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~tok[None], float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.double()).float()
+
+
+def _structured_qk(H: int, grid: tuple[int, int, int], D: int, seed: int = 0, sharp: float = 10.0, sigma: float = 2.0):
+    """q, k [1, H, L, D] whose attention is mostly local on a (T, Hh, W) token grid, like video self-attention:
+    random Fourier features of a Gaussian kernel of width ``sigma`` tokens, so q_i . k_j / sqrt(D) ~
+    sharp * exp(-|p_i - p_j|^2 / (2 sigma^2)) plus the random-feature noise (which spreads some mass far away)."""
+    g = _gen(seed)
+    T, Hh, W = grid
+    pos = torch.stack(torch.meshgrid(torch.arange(T), torch.arange(Hh), torch.arange(W), indexing="ij"), -1)
+    pos = pos.reshape(-1, 3).float()
+    nf = D // 2
+    freqs = torch.randn(H, 3, nf, generator=g) / sigma
+    ang = torch.einsum("lc,hcf->hlf", pos, freqs)  # [H, L, nf]
+    feat = torch.cat([ang.cos(), ang.sin()], -1) * math.sqrt(sharp * math.sqrt(D) / nf)
+    q = feat + 0.1 * torch.randn(feat.shape, generator=g)
+    k = feat + 0.1 * torch.randn(feat.shape, generator=g)
+    return q[None], k[None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block-sparse attention
+# ---------------------------------------------------------------------------------------------------------------
+
+CASES = [
+    # B, H, L, D, block_size, pattern heads (Hk)
+    (1, 2, 256, 16, 64, 2),  # divisible, per-head patterns
+    (2, 4, 200, 8, 64, 4),  # partial last block (200 = 3*64 + 8)
+    (1, 4, 130, 16, 32, 1),  # partial last block of 2 tokens, one pattern shared by all heads
+]
+
+
+@pytest.mark.parametrize("strategy", ["grouped", "padded"])
+@pytest.mark.parametrize("B,H,L,D,bs,Hk", CASES[:3])
+@pytest.mark.parametrize("density", [0.2, 0.6])
+def test_gather_equals_dense_masked_reference(B, H, L, D, bs, Hk, strategy, density):
+    q, k, v = _qkv(B, H, L, D, seed=L + H)
+    keep = _random_keep(Hk, sa.n_blocks(L, bs), density, seed=B + bs)
+    ref = _reference(q, k, v, keep, bs)
+    out = sa.block_sparse_attention(q, k, v, keep, bs, backend="gather", strategy=strategy)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    masked = sa.block_sparse_attention(q, k, v, keep, bs, backend="dense_masked")
+    torch.testing.assert_close(masked, ref, atol=2e-5, rtol=1e-4)
+    # The sparse result really differs from dense attention (the test would catch a kernel ignoring keep).
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert (out - dense).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("strategy", ["grouped", "padded"])
+@pytest.mark.parametrize("B,H,L,D,bs,Hk", CASES[:3])
+def test_query_index_subset(B, H, L, D, bs, Hk, strategy):
+    q, k, v = _qkv(B, H, L, D, seed=7)
+    keep = _random_keep(Hk, sa.n_blocks(L, bs), 0.35, seed=3)
+    qi = torch.randperm(L, generator=_gen(5))[: L // 3]  # unsorted active positions
+    if not bool((qi == L - 1).any()):
+        qi = torch.cat([qi, torch.tensor([L - 1])])  # include the partial last block
+    ref_full = _reference(q, k, v, keep, bs)
+    out = sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, backend="gather", strategy=strategy)
+    torch.testing.assert_close(out, ref_full[:, :, qi], atol=2e-5, rtol=1e-4)
+    masked = sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, backend="dense_masked")
+    torch.testing.assert_close(masked, ref_full[:, :, qi], atol=2e-5, rtol=1e-4)
+
+
+def test_all_true_keep_equals_sdpa():
+    B, H, L, D, bs = 2, 3, 150, 16, 32
+    q, k, v = _qkv(B, H, L, D, seed=11)
+    keep = torch.ones(H, sa.n_blocks(L, bs), sa.n_blocks(L, bs), dtype=torch.bool)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.testing.assert_close(sa.block_sparse_attention(q, k, v, keep, bs, backend="gather"), sdpa(q, k, v))
+    qi = torch.arange(0, L, 7)
+    torch.testing.assert_close(
+        sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, backend="gather"), sdpa(q[:, :, qi], k, v)
+    )
+
+
+def test_all_needed_blocks_kept_uses_dense_path_and_is_exact():
+    # Query block 0 has no active rows, so dropping its keys changes nothing: the plan is dense.
+    B, H, L, D, bs = 1, 2, 128, 8, 32
+    q, k, v = _qkv(B, H, L, D, seed=2)
+    keep = torch.ones(1, 4, 4, dtype=torch.bool)
+    keep[0, 0, 1:] = False
+    qi = torch.arange(40, 128)
+    plan = sa.plan_block_sparse(keep, bs, L, qi)
+    assert plan.dense
+    out = sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, plan=plan)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q[:, :, qi], k, v))
+
+
+def test_bld_adapter_matches_bhld_layout():
+    B, H, L, D, bs = 2, 4, 96, 8, 32
+    q, k, v = _qkv(B, H, L, D, seed=4)
+    keep = _random_keep(H, 3, 0.3, seed=9)
+    qi = torch.tensor([5, 40, 41, 95, 0])
+    ref = sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, backend="gather")
+
+    def bld(x):
+        return x.transpose(1, 2).reshape(B, x.shape[2], H * D)
+
+    out = sa.block_sparse_attention_bld(bld(q[:, :, qi]), bld(k), bld(v), H, keep, bs, qi)
+    assert out.shape == (B, len(qi), H * D)
+    torch.testing.assert_close(out, bld(ref))
+
+
+def test_plan_reuse_and_density():
+    B, H, L, D, bs = 1, 2, 256, 8, 64
+    q, k, v = _qkv(B, H, L, D, seed=8)
+    keep = _random_keep(H, 4, 0.3, seed=1)
+    plan = sa.plan_block_sparse(keep, bs, L)
+    # density = kept (query, key) pairs / all pairs; with L divisible it is the block density.
+    assert plan.density == pytest.approx(float(keep.float().mean()))
+    a = sa.block_sparse_attention(q, k, v, keep, bs, plan=plan)
+    b = sa.block_sparse_attention(q * 2, k, v, keep, bs, plan=plan)
+    torch.testing.assert_close(a, _reference(q, k, v, keep, bs), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(b, _reference(q * 2, k, v, keep, bs), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="rebuild"):
+        sa.block_sparse_attention(q[:, :, :10], k, v, keep, bs, torch.arange(10), plan=plan)
+
+
+def test_invalid_inputs_have_clear_errors():
+    B, H, L, D, bs = 1, 2, 128, 8, 32
+    q, k, v = _qkv(B, H, L, D)
+    keep = torch.ones(H, 4, 4, dtype=torch.bool)
+    keep[1, 2] = False  # query block 2 of head 1 attends to nothing
+    with pytest.raises(ValueError, match="no key block"):
+        sa.block_sparse_attention(q, k, v, keep, bs, backend="gather")
+    with pytest.raises(ValueError, match="different latent shape"):
+        sa.block_sparse_attention(q, k, v, torch.ones(H, 5, 5, dtype=torch.bool), bs)
+    with pytest.raises(ValueError, match="1 \\(shared\\) or 2"):
+        sa.block_sparse_attention(q, k, v, torch.ones(3, 4, 4, dtype=torch.bool), bs)
+    with pytest.raises(ValueError, match="query_index"):
+        sa.block_sparse_attention(q[:, :, :5], k, v, torch.ones(1, 4, 4, dtype=torch.bool), bs)
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        sa.block_sparse_attention(q[:, :, :1], k, v, torch.ones(1, 4, 4, dtype=torch.bool), bs, torch.tensor([128]))
+    with pytest.raises(ValueError, match="backend"):
+        sa.block_sparse_attention(q, k, v, torch.ones(1, 4, 4, dtype=torch.bool), bs, backend="nope")
+
+
+@pytest.mark.skipif(not sa.flex_available(), reason="torch has no flex_attention")
+@pytest.mark.parametrize("B,H,L,D,bs,Hk", CASES[:3])
+def test_flex_block_mask_equals_reference_eager(B, H, L, D, bs, Hk):
+    # Eager flex_attention evaluates the mask_mod densely (it ignores block sparsity), so this pins the
+    # element-wise semantics of the BlockMask; the block lists are pinned by test_flex_block_lists below.
+    q, k, v = _qkv(B, H, L, D, seed=21)
+    keep = _random_keep(Hk, sa.n_blocks(L, bs), 0.3, seed=22)
+    ref = _reference(q, k, v, keep, bs)
+    out = sa.block_sparse_attention(q, k, v, keep, bs, backend="flex", flex_compiled=False)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    qi = torch.randperm(L, generator=_gen(1))[: L // 2]
+    out = sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, backend="flex", flex_compiled=False)
+    torch.testing.assert_close(out, ref[:, :, qi], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not sa.flex_available(), reason="torch has no flex_attention")
+def test_flex_block_lists_cover_exactly_the_kept_blocks():
+    """The compiled kernel only visits listed blocks: the (partial | full) lists must equal keep per q tile."""
+    L, bs, H = 200, 64, 3
+    keep = _random_keep(H, 4, 0.4, seed=3)
+    bm = sa.build_flex_block_mask(keep, bs, L)
+    listed = bm.to_dense()[0].bool()  # [H, q tiles, kv blocks], partial and full together
+    assert torch.equal(listed, keep)
+    # Sorted active positions: tiles that fall inside one query block list exactly that block's row.
+    qi = torch.cat([torch.arange(0, 64), torch.arange(128, 150)])
+    bm = sa.build_flex_block_mask(keep, bs, L, qi)
+    listed = bm.to_dense()[0].bool()
+    assert torch.equal(listed[:, 0], keep[:, 0])
+    assert torch.equal(listed[:, 1], keep[:, 2])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sa.flex_available(), reason="torch has no flex_attention")
+def test_flex_compiled_on_cpu_matches_reference():
+    """Compiled flex on CPU (inductor; first compile takes tens of seconds): uses the block lists for real."""
+    B, H, L, D, bs = 1, 2, 256, 16, 64
+    q, k, v = _qkv(B, H, L, D, seed=31)
+    keep = _random_keep(H, 4, 0.3, seed=32)
+    out = sa.block_sparse_attention(q, k, v, keep, bs, backend="flex", flex_compiled=True)
+    torch.testing.assert_close(out, _reference(q, k, v, keep, bs), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_select_blocks_is_the_smallest_set_reaching_mass():
+    probs = torch.softmax(torch.randn(3, 7, 7, generator=_gen(0)) * 2, -1)
+    for mass in (0.5, 0.8, 0.95, 1.0):
+        keep = sa.select_blocks(probs, mass=mass, keep_diagonal=False)
+        kept = (probs * keep).sum(-1)
+        assert bool((kept >= mass - 1e-5).all())
+        # Minimal: dropping the least probable kept block falls below mass (kept blocks are the top ones).
+        smallest = torch.where(keep, probs, torch.full_like(probs, 2.0)).min(-1).values
+        assert bool((kept - smallest < mass).all() | (keep.sum(-1) == 1).all())
+        assert bool((probs.masked_fill(keep, -1).max(-1).values <= smallest + 1e-7).all())
+    keep = sa.select_blocks(probs, mass=0.99, max_density=0.3)
+    assert int(keep.sum(-1).max()) <= math.ceil(0.3 * 7) + 1
+    assert bool(keep.diagonal(dim1=-2, dim2=-1).all())
+
+
+def _pooled_reference(q, k, bs):
+    """Mean-pooled query per block (partial block over its real tokens) x all keys, softmax, summed per key block."""
+    B, H, L, D = q.shape
+    nb = sa.n_blocks(L, bs)
+    rep = torch.stack([q[:, :, i * bs : min(L, (i + 1) * bs)].mean(2) for i in range(nb)], 2)  # [B, H, nb, D]
+    p = torch.softmax(rep.double() @ k.double().transpose(-1, -2) / math.sqrt(D), -1)  # [B, H, nb, L]
+    return torch.stack([p[..., j * bs : min(L, (j + 1) * bs)].sum(-1) for j in range(nb)], -1).mean(0).float()
+
+
+def test_record_keeps_mass_of_pooled_attention_and_diagonal():
+    q, k = _structured_qk(H=3, grid=(4, 10, 10), D=32, seed=1)  # L = 400, bs 64 -> partial last block
+    bs = 64
+    probs = sa.estimate_block_mass(q, k, bs)
+    torch.testing.assert_close(probs, _pooled_reference(q, k, bs), atol=1e-5, rtol=1e-4)
+    for mass in (0.7, 0.9):
+        keep = sa.record_block_structure(q, k, bs, mass=mass)
+        assert keep.shape == (3, 7, 7) and keep.dtype == torch.bool
+        assert bool(((probs * keep).sum(-1) >= mass - 1e-5).all())
+        assert bool(keep.diagonal(dim1=-2, dim2=-1).all())
+    avg = sa.record_block_structure(q, k, bs, mass=0.9, head_average=True)
+    assert avg.shape == (1, 7, 7)
+
+
+def test_record_on_local_attention_is_sparse_and_covers_true_mass():
+    """On local (video-like) attention the recorded structure is sparse yet keeps most of the *true* mass."""
+    q, k = _structured_qk(H=2, grid=(8, 16, 16), D=32, seed=2)  # L = 2048
+    bs = 64
+    true = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(32), -1)[0]  # [H, L, L]
+    true_blocks = true.reshape(2, 2048, 32, bs).sum(-1)  # [H, L, Kb]
+    def measure(**kw):
+        keep = sa.record_block_structure(q, k, bs, mass=0.9, **kw)
+        per_query_keep = keep.repeat_interleave(bs, dim=1)  # [H, L, Kb]
+        return float(keep.float().mean()), float((true_blocks * per_query_keep).sum(-1).mean())
+
+    # Sampled queries track the per-token attention: sparse, close to the requested mass.
+    density, coverage = measure(sample_queries=8)
+    assert density < 0.35 and coverage > 0.85, (density, coverage)
+    # The mean-pooled query is flatter than its tokens' attention: conservative (denser, more mass kept).
+    density_pooled, coverage_pooled = measure(sample_queries=0)
+    assert density_pooled > density and coverage_pooled > 0.9, (density_pooled, coverage_pooled)
+
+
+def test_block_recorder_union_frequency_and_structure():
+    bs = 32
+    obs = [_structured_qk(H=2, grid=(2, 8, 10), D=16, seed=s) for s in range(3)]  # L = 160
+    singles = [sa.record_block_structure(q, k, bs, mass=0.8) for q, k in obs]
+    rec = sa.BlockRecorder(bs, layers=[3, 5], steps=[0, 2], mass=0.8)
+    assert rec.wants(3, 0) and not rec.wants(4, 0) and not rec.wants(3, 1)
+    rec.observe(5, 0, *obs[0])
+    rec.observe(5, 2, *obs[1])
+    rec.observe(3, 2, *obs[2])
+    st = rec.result()
+    assert isinstance(st, BlockStructure)
+    assert st.layers == (3, 5) and st.steps == (0, 2) and st.block_size == bs and st.n_tokens == 160
+    assert st.keep.shape == (2, 2, 5, 5) and st.keep.dtype == np.bool_
+    assert np.array_equal(st.keep[1], (singles[0] | singles[1]).numpy())
+    assert np.array_equal(st.keep[0], singles[2].numpy())
+    assert rec.n_observations == 3 and rec.seconds > 0
+    freq = sa.BlockRecorder(bs, mass=0.8, combine="frequency", min_frequency=1.0)
+    freq.observe(5, 0, *obs[0])
+    freq.observe(5, 1, *obs[1])
+    both = (singles[0] & singles[1]) | torch.eye(5, dtype=torch.bool)
+    assert np.array_equal(freq.result().keep[0], both.numpy())
+    # The structure feeds block_sparse_attention directly.
+    keep5 = sa.keep_for_layer(st, 5)
+    q, k = obs[0]
+    out = sa.block_sparse_attention(q, k, k, keep5, bs)
+    torch.testing.assert_close(out, _reference(q, k, k, keep5, bs), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="not recorded"):
+        sa.keep_for_layer(st, 4)
+
+
+def test_block_recorder_errors():
+    rec = sa.BlockRecorder(16)
+    with pytest.raises(ValueError, match="no observations"):
+        rec.result()
+    rec.observe(0, 0, *_qkv(1, 2, 48, 8)[:2])
+    with pytest.raises(ValueError, match="one recorder records one request"):
+        rec.observe(0, 1, *_qkv(1, 2, 64, 8)[:2])
+    rec.observe_bld(1, 0, torch.randn(1, 48, 16), torch.randn(1, 48, 16), heads=2)
+    assert rec.result().keep.shape == (2, 2, 3, 3)
+
+
+def test_record_flops_are_a_small_fraction_of_dense_attention():
+    """Cost is pinned by counted FLOPs (deterministic; wall-clock cost is in scripts/bench_sparse_attention.py):
+    the estimate scores Qb * S representative queries against the L keys instead of L queries."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = _qkv(1, 4, 1024, 32, seed=3)
+    bs = 64
+
+    def flops(fn) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    dense = flops(lambda: torch.softmax(q @ k.transpose(-1, -2), -1) @ v)  # = 4 * B * H * L^2 * D
+    assert dense == 4 * 4 * 1024**2 * 32
+    for s in (0, 8):
+        rec = flops(lambda: sa.record_block_structure(q, k, bs, sample_queries=s))
+        assert 0 < rec <= dense * max(s, 1) / bs, (s, rec, dense)
