@@ -151,6 +151,7 @@ class ReusePlan:
     structure: BlockStructure | None
     restrict_tokens: bool
     context_margin_blocks: int = 0
+    block_size: int = 64  # token blocks for the context margin when no structure was recorded
 
 
 @dataclass
@@ -273,7 +274,7 @@ def _subset_tokens(run: _Run, layer: int, plan: ReusePlan, n_tokens: int) -> tup
         qblocks = torch.unique(active // bs)
         kblocks = keep[qblocks].any(0).nonzero().flatten()
     else:
-        bs = 64
+        bs = plan.block_size
         qblocks = torch.unique(active // bs)
         nb = -(-n_tokens // bs)
         m = plan.context_margin_blocks

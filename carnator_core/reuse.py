@@ -241,7 +241,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         plan = cp.ReusePlan(active_tokens=active, token_mask=token_mask, cached_x0=cached_x0, noise=None,
                             sparse_layers=mids, structure=structure,
                             restrict_tokens=config.mode in ("joint", "latent"),
-                            context_margin_blocks=config.context_margin_blocks)
+                            context_margin_blocks=config.context_margin_blocks, block_size=config.block_size)
     elif record:
         recorder = BlockRecorder(block_size=config.block_size, layers=mids,
                                  steps=record_plan_steps(gen.steps, gen.probe_steps, config.record_steps),

@@ -1,0 +1,177 @@
+"""Joint Reuse Sampler mechanics on tiny random-weight models (semantics on the embedded model live in
+test_reuse_embedded.py): dense mode equals KSampler through the node, identical-request reuse reproduces the
+cached output, partial reuse computes fewer tokens, the model and the inputs are untouched, EasyCache composes."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def env(comfy_env, tmp_path_factory):
+    import tiny_models as tm
+
+    d = tmp_path_factory.mktemp("tiny")
+    return tm, {name: tm.load_tiny_model(name, d) for name in ("wan21", "ltxv")}
+
+
+def _probe(m, tm, name, seed, steps=8, k=2):
+    from carnator.nodes.probe import CarnatorEarlyProbe
+
+    pos, neg = tm.conditioning(name)
+    lat = tm.empty_latent(name)
+    out = CarnatorEarlyProbe.execute(m, pos, neg, lat, seed, steps, 5.0, "euler", "simple", k, "a red ball",
+                                     None, "ball")
+    return out.args[0], pos, neg, lat
+
+
+def _signature(probe):
+    from carnator.carnator_core.types import ObjectSignature, Signature
+
+    mp = probe.object_maps["ball"]
+    mask = mp / max(float(mp.max()), 1e-8)
+    return Signature((ObjectSignature("ball", mask.astype(np.float32), float(mask.mean()), (50.0, 10.0, 10.0)),),
+                     np.zeros((4, 4, 3), np.float32), probe.grid)
+
+
+def _cached(probe, final, report):
+    from carnator.carnator_core.reuse import CachedRun
+
+    return CachedRun("entry-1", final["samples"][0], probe.x0_probe, _signature(probe), report.block_structure)
+
+
+def _accept(sig):
+    from carnator.carnator_core.types import Candidate, Decision
+
+    return Decision(True, Candidate("entry-1", 0.99, "a red ball", sig), (), "signature", summary="test accept")
+
+
+def _run(m, pos, neg, lat, probe, decision=None, sig=None, mode="dense", cached=None, block_size=8):
+    from carnator.carnator_core import reuse
+
+    return reuse.sample(m, pos, neg, lat, probe, decision, cached,
+                        reuse.ReuseConfig(mode=mode, block_size=block_size), target_signature=sig)
+
+
+@pytest.mark.parametrize("name", ["wan21", "ltxv"])
+def test_dense_mode_node_equals_ksampler_and_inputs_untouched(env, name):
+    import nodes as comfy_nodes
+
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+
+    tm, models = env
+    m = models[name]
+    probe, pos, neg, lat = _probe(m, tm, name, seed=11)
+    pos_before, lat_before = copy.deepcopy(pos), copy.deepcopy(lat)
+    ref = comfy_nodes.common_ksampler(m, 11, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    out = CarnatorJointReuseSampler.execute(m, pos, neg, lat, probe, None, None, None, "dense")
+    latent, report, summary = out.args
+    assert torch.equal(latent["samples"], ref)
+    assert report.decision == "dense" and "DENSE" in summary
+    assert out.ui["carnator_report"][0]["decision"] == "dense"
+    assert torch.equal(pos[0][0], pos_before[0][0]) and torch.equal(lat["samples"], lat_before["samples"])
+    assert report.block_structure is not None and report.block_structure.keep.ndim == 4
+
+
+@pytest.mark.parametrize("mode", ["joint", "latent"])
+def test_identical_request_reuse_reproduces_cached_output(env, mode):
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5)
+    final, rep = _run(m, pos, neg, lat, probe)
+    sig = _signature(probe)
+    out, rep2 = _run(m, pos, neg, lat, probe, _accept(sig), sig, mode, _cached(probe, {"samples": final}, rep))
+    assert rep2.decision == "hit" and rep2.active_fraction == 0.0
+    mse = float(((out - final) ** 2).mean())
+    peak = float(final.abs().max()) ** 2
+    psnr = 10 * np.log10(peak / max(mse, 1e-20))
+    assert psnr >= 35.0, psnr
+    assert rep2.model_calls == 0 and rep2.skipped_calls == 8 - 2  # nothing left to compute after the probe
+    assert rep2.compute_fraction == pytest.approx(2 / 8)
+
+
+def test_partial_reuse_computes_fewer_tokens_and_keeps_inactive_tokens_cached(env):
+    from carnator.carnator_core.types import ObjectSignature, Signature
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5)
+    final, rep = _run(m, pos, neg, lat, probe)
+    # A target whose object moved: its mask covers only the first frame's left half.
+    T, H, W = probe.grid
+    mask = np.zeros((T, H, W), np.float32)
+    mask[0, :, : W // 2] = 1.0
+    moved = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
+                      np.zeros((4, 4, 3), np.float32), probe.grid)
+    cached = _cached(probe, {"samples": final}, rep)
+    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe,
+                          Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
+                                    np.zeros((4, 4, 3), np.float32), probe.grid), None)
+    from carnator.carnator_core import reuse
+
+    target_sig = Signature((ObjectSignature("ball", np.roll(mask, 1, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
+                           np.zeros((4, 4, 3), np.float32), probe.grid)
+    out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target_sig), cached,
+                          reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9,
+                                            context_margin_blocks=0),
+                          target_signature=target_sig)
+    assert 0 < r.active_fraction < 1
+    assert r.token_fraction < 1.0 and r.compute_fraction < 1.0
+    # tokens outside the active region end exactly at the cached result
+    A = reuse.active_region(target_sig, cached.signature, probe.x0_probe.numpy(), cached.x0_probe.numpy(),
+                            (1, 2, 2), reuse.ReuseConfig(dilation=0, x0_threshold=1e9))
+    inactive = ~np.repeat(np.repeat(A, 2, 1), 2, 2)
+    diff = (out[0] - final[0]).abs().numpy()[:, inactive]
+    assert diff.max() < 1e-4, (diff.max(), diff.mean(), inactive.mean())
+
+
+def test_model_unchanged_after_reuse_runs(env):
+    import nodes as comfy_nodes
+
+    tm, models = env
+    m = models["wan21"]
+    pos, neg = tm.conditioning("wan21")
+    before = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg, tm.empty_latent("wan21"))[0]["samples"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=9)
+    final, rep = _run(m, pos, neg, lat, probe)
+    sig = _signature(probe)
+    _run(m, pos, neg, lat, probe, _accept(sig), sig, "attention", _cached(probe, {"samples": final}, rep))
+    after = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg, tm.empty_latent("wan21"))[0]["samples"]
+    assert torch.equal(before, after)
+    assert "patches_replace" not in m.model_options.get("transformer_options", {})
+
+
+def test_composes_with_core_easycache(env):
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    tm, models = env
+    m = EasyCacheNode.execute(models["wan21"], 0.2, 0.15, 0.95, False).args[0]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=21)
+    final, rep = _run(m, pos, neg, lat, probe)
+    sig = _signature(probe)
+    out, rep2 = _run(m, pos, neg, lat, probe, _accept(sig), sig, "joint", _cached(probe, {"samples": final}, rep))
+    assert torch.isfinite(final).all() and torch.isfinite(out).all()
+    assert rep2.decision == "hit"
+
+
+def test_accepted_decision_without_cache_is_a_clear_error(env):
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=1)
+    with pytest.raises(ValueError, match="no cache is connected"):
+        CarnatorJointReuseSampler.execute(m, pos, neg, lat, probe, _accept(_signature(probe)), None, None, "joint")
+
+
+def test_mismatched_latent_is_a_clear_error(env):
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=1)
+    with pytest.raises(ValueError, match="differs from the probed one"):
+        _run(m, pos, neg, {"samples": torch.zeros(1, 16, 3, 8, 12)}, probe)
