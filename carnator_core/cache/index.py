@@ -1,0 +1,289 @@
+"""Per-namespace vector index over retrieval embeddings (FAISS), and its safe on-disk form.
+
+Contract
+--------
+* Vectors are L2-normalised float32 of one dimension per namespace; ids are the store's int64 ``seq`` numbers
+  (never reused). ``search`` returns ``(id, cosine similarity)`` pairs, best first, and the similarities are
+  always *exact* (inner products of the stored full-dimension vectors), whichever index kind produced the
+  candidates.
+* Two kinds, chosen by size (``IndexParams``):
+
+  - ``flat``: ``IndexFlatIP`` on the full vectors: exact search. Its cost grows linearly with the entries
+    (memory bound: every vector is read per query); ``flat_max`` = 4096 keeps it within the retrieval
+    budget at dim 4096 (measured numbers: BENCHMARKS.md, "Cache store (issue 4)").
+  - ``pca-ivf``: a PCA projection to ``reduced_dim`` dimensions (fitted on a sample of the entries, randomized
+    SVD in numpy) followed by ``IndexIVFFlat`` (L2 in the reduced space: for unit vectors
+    ``|x - q|^2 = 2 - 2 cos``, and PCA centring preserves L2 but not inner products). The IVF returns
+    ``max(rerank_factor * k, rerank_min)`` candidates, which are re-ranked with their exact full vectors fetched
+    through a callback (the store reads them from SQLite). IVF was chosen over HNSW because a cache evicts:
+    IVF supports ``remove_ids``, HNSW does not, and IVF builds in seconds where HNSW needs minutes at 1M on
+    two cores.
+* ``needs_rebuild`` says when the kind no longer fits the size (flat grown past ``flat_max``; IVF grown past
+  ``retrain_growth`` x the size it was trained at, or shrunk below ``flat_max // 2``).
+* On disk an index is one safetensors file (the FAISS bytes as a uint8 tensor, PCA arrays, JSON metadata)
+  whose metadata carries an HMAC-SHA256 under a key that lives *outside* the cache directory. FAISS's reader
+  is a C++ parser that is not hardened against hostile input, and a cache directory may come from someone
+  else: an index file whose HMAC does not verify under this machine's key is never handed to FAISS; the caller
+  rebuilds it from the entries instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import faiss
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+INDEX_FORMAT = "carnator-index"
+INDEX_VERSION = 1
+
+# fetch(ids) -> (ids_found int64 [m], vectors float32 [m, d]); ids absent from the store are simply left out.
+FetchFn = Callable[[np.ndarray], "tuple[np.ndarray, np.ndarray]"]
+
+
+class IndexFileError(ValueError):
+    """An index file is unreadable, corrupt, or not signed by this machine: rebuild it from the entries."""
+
+
+@dataclass(frozen=True)
+class IndexParams:
+    """How the per-namespace index is built and searched.
+
+    flat_max:        exact ``IndexFlatIP`` up to this many entries; PCA+IVF above.
+    reduced_dim:     PCA dimensions of the approximate index (capped by the data's dimension and sample size).
+    nprobe:          IVF lists visited per query.
+    rerank_factor, rerank_min: the IVF fetches ``max(rerank_factor * k, rerank_min)`` candidates for exact
+                     re-ranking.
+    train_sample:    at most this many vectors fit the PCA (randomized SVD) and train the IVF centroids.
+    retrain_growth:  rebuild an IVF index once it holds this many times the entries it was trained on
+                     (its list count was sized for the smaller set).
+    persist_every:   the store re-writes an IVF index file after this many changes (0 = adaptive:
+                     ``max(64, ntotal // 16)``); flat indexes are never persisted (rebuilding is as cheap).
+    seed:            RNG seed of sampling / PCA, so a rebuild is reproducible.
+    """
+
+    flat_max: int = 4096
+    reduced_dim: int = 256
+    nprobe: int = 16
+    rerank_factor: int = 4
+    rerank_min: int = 32
+    train_sample: int = 20000
+    retrain_growth: float = 4.0
+    persist_every: int = 0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.flat_max < 1 or self.reduced_dim < 1 or self.nprobe < 1 or self.rerank_factor < 1:
+            raise ValueError("IndexParams: flat_max, reduced_dim, nprobe and rerank_factor must be >= 1")
+        if self.train_sample < 16 or self.retrain_growth <= 1.0:
+            raise ValueError("IndexParams: train_sample must be >= 16 and retrain_growth > 1")
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """float32 copy of ``x`` ([n, d] or [d]) with unit rows; rejects non-finite or zero vectors."""
+    a = np.array(x, dtype=np.float32, copy=True)
+    two_d = a.ndim == 2
+    a = a.reshape(1, -1) if not two_d else a
+    if a.ndim != 2 or a.shape[1] == 0:
+        raise ValueError(f"embedding must be a 1-D vector or an [n, d] matrix, got shape {np.shape(x)}")
+    if not np.isfinite(a).all():
+        raise ValueError("embedding contains NaN or inf: the conditioning it was pooled from is broken")
+    n = np.linalg.norm(a, axis=1, keepdims=True)
+    if (n <= 1e-12).any():
+        raise ValueError("embedding is the zero vector: it cannot be compared by cosine similarity")
+    a /= n
+    return a if two_d else a[0]
+
+
+def _pca(sample: np.ndarray, r: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean [d] and top-r principal directions [r, d] of ``sample`` by randomized SVD (Halko et al., two power
+    iterations). A dense eigendecomposition of a 4096x4096 covariance takes ~1-2 min on two cores; this takes
+    seconds and the trailing directions it may miss carry the least variance, which the exact re-rank fixes."""
+    rng = np.random.default_rng(seed)
+    mean = sample.mean(axis=0, dtype=np.float64).astype(np.float32)
+    a = sample - mean
+    p = min(r + 16, a.shape[0], a.shape[1])
+    y = a @ rng.standard_normal((a.shape[1], p)).astype(np.float32)
+    for _ in range(2):
+        y, _ = np.linalg.qr(y)
+        z, _ = np.linalg.qr(a.T @ y)
+        y = a @ z
+    q, _ = np.linalg.qr(y)
+    _, _, vt = np.linalg.svd(q.T @ a, full_matrices=False)
+    return mean, np.ascontiguousarray(vt[:r], dtype=np.float32)
+
+
+def _ivf_ids(ivf: faiss.IndexIVF) -> np.ndarray:
+    inv = ivf.invlists
+    out = []
+    for lst in range(ivf.nlist):
+        n = inv.list_size(lst)
+        if n:
+            out.append(faiss.rev_swig_ptr(inv.get_ids(lst), n).copy())
+    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
+
+
+class VectorIndex:
+    """One namespace's index. Not thread-safe: the store serialises access."""
+
+    def __init__(self, kind: str, dim: int, index: faiss.Index, *, mean: np.ndarray | None = None,
+                 components: np.ndarray | None = None, trained_n: int = 0, nprobe: int = 16) -> None:
+        self.kind = kind
+        self.dim = int(dim)
+        self.index = index
+        self.mean = mean
+        self.components = components
+        self.trained_n = int(trained_n)
+        if kind == "pca-ivf":
+            faiss.extract_index_ivf(index).nprobe = int(nprobe)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(cls, ids: np.ndarray, vectors: np.ndarray, dim: int, params: IndexParams) -> "VectorIndex":
+        """Index ``vectors`` (unit rows, [n, dim]) under ``ids``; the kind follows ``params`` and n."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, dim)
+        n = len(ids)
+        if n <= params.flat_max:
+            idx = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+            if n:
+                idx.add_with_ids(vectors, ids)
+            return cls("flat", dim, idx)
+        rng = np.random.default_rng(params.seed)
+        sample_ix = np.sort(rng.choice(n, size=min(n, params.train_sample), replace=False))
+        sample = vectors[sample_ix]
+        r = max(1, min(params.reduced_dim, dim, len(sample) - 1))
+        mean, comps = _pca(sample, r, params.seed)
+        # about 2*sqrt(n) lists, and at least 39 training points per list (FAISS's k-means warns below that)
+        nlist = int(max(1, min(round(2 * math.sqrt(n)), len(sample) // 39)))
+        ivf = faiss.IndexIVFFlat(faiss.IndexFlatL2(r), r, nlist, faiss.METRIC_L2)
+        ivf.cp.seed = params.seed
+        ivf.train(cls._project(sample, mean, comps))
+        out = cls("pca-ivf", dim, ivf, mean=mean, components=comps, trained_n=n, nprobe=params.nprobe)
+        for s in range(0, n, 65536):  # chunked: the projection of 1M x 4096 at once would double peak memory
+            out.index.add_with_ids(cls._project(vectors[s : s + 65536], mean, comps), ids[s : s + 65536])
+        return out
+
+    @staticmethod
+    def _project(x: np.ndarray, mean: np.ndarray, comps: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray((x - mean) @ comps.T, dtype=np.float32)
+
+    def _prep(self, vectors: np.ndarray) -> np.ndarray:
+        v = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        if self.kind == "pca-ivf":
+            return self._project(v, self.mean, self.components)  # type: ignore[arg-type]
+        return v
+
+    # ------------------------------------------------------------------ updates
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        if len(ids):
+            self.index.add_with_ids(self._prep(vectors), np.ascontiguousarray(ids, dtype=np.int64))
+
+    def remove(self, ids: np.ndarray) -> int:
+        if not len(ids):
+            return 0
+        return int(self.index.remove_ids(faiss.IDSelectorBatch(np.ascontiguousarray(ids, dtype=np.int64))))
+
+    def ids(self) -> np.ndarray:
+        """All ids in the index (unordered)."""
+        if self.kind == "flat":
+            return faiss.vector_to_array(self.index.id_map).astype(np.int64)
+        return _ivf_ids(self.index)
+
+    def needs_rebuild(self, params: IndexParams) -> bool:
+        n = self.ntotal
+        if self.kind == "flat":
+            return n > params.flat_max
+        return n > params.retrain_growth * max(self.trained_n, 1) or n <= params.flat_max // 2
+
+    # ------------------------------------------------------------------ search
+    def search(self, query: np.ndarray, k: int, params: IndexParams, fetch: FetchFn | None = None
+               ) -> list[tuple[int, float]]:
+        """Top-k ``(id, exact cosine)`` for a unit ``query`` [dim]; ``fetch`` is required for ``pca-ivf``."""
+        if k < 1 or self.ntotal == 0:
+            return []
+        q = np.ascontiguousarray(query, dtype=np.float32).reshape(1, self.dim)
+        if self.kind == "flat":
+            sims, ids = self.index.search(q, min(k, self.ntotal))
+            return [(int(i), float(s)) for i, s in zip(ids[0], sims[0]) if i >= 0]
+        if fetch is None:
+            raise ValueError("a pca-ivf index needs a fetch callback to re-rank with the full vectors")
+        kk = min(self.ntotal, max(params.rerank_factor * k, params.rerank_min))
+        _, cand = self.index.search(self._prep(q), kk)
+        cand = cand[0][cand[0] >= 0]
+        found, vecs = fetch(cand)
+        if len(found) == 0:
+            return []
+        sims = np.asarray(vecs, dtype=np.float32).reshape(len(found), self.dim) @ q[0]
+        order = np.argsort(-sims, kind="stable")[:k]
+        return [(int(found[i]), float(sims[i])) for i in order]
+
+    # ------------------------------------------------------------------ persistence
+    def to_bytes(self, key: bytes, meta: dict) -> bytes:
+        """Serialise with ``meta`` (JSON-able: generation, token, namespace...) and an HMAC under ``key``."""
+        tensors = {"faiss": torch.from_numpy(faiss.serialize_index(self.index).copy())}
+        if self.kind == "pca-ivf":
+            tensors["pca_mean"] = torch.from_numpy(np.ascontiguousarray(self.mean))
+            tensors["pca_components"] = torch.from_numpy(np.ascontiguousarray(self.components))
+        body = dict(meta, format=INDEX_FORMAT, version=INDEX_VERSION, kind=self.kind, dim=self.dim,
+                    trained_n=self.trained_n, ntotal=self.ntotal)
+        body_json = json.dumps(body, sort_keys=True)
+        mac = _mac(key, body_json, tensors)
+        return st_save(tensors, metadata={"carnator_index": body_json, "hmac": mac})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, key: bytes, params: IndexParams) -> tuple["VectorIndex", dict]:
+        """Inverse of ``to_bytes``. Raises IndexFileError if the file is corrupt or not signed under ``key``:
+        FAISS only ever parses bytes this machine wrote."""
+        try:
+            tensors = st_load(data)
+            header = _read_header(data)
+            body_json = header["carnator_index"]
+            mac = header["hmac"]
+            body = json.loads(body_json)
+        except Exception as e:  # noqa: BLE001 - any parse failure means "rebuild"
+            raise IndexFileError(f"unreadable index file ({type(e).__name__}: {e})") from None
+        if not hmac.compare_digest(mac, _mac(key, body_json, tensors)):
+            raise IndexFileError("index file is not signed by this machine's key (copied from elsewhere, or corrupt)")
+        if body.get("format") != INDEX_FORMAT or body.get("version") != INDEX_VERSION:
+            raise IndexFileError(f"index file format {body.get('format')!r} v{body.get('version')!r} is not supported")
+        try:
+            index = faiss.deserialize_index(tensors["faiss"].numpy())
+        except Exception as e:  # noqa: BLE001
+            raise IndexFileError(f"FAISS could not read the index ({e})") from None
+        kind = body["kind"]
+        out = cls(kind, int(body["dim"]), index, trained_n=int(body.get("trained_n", 0)), nprobe=params.nprobe,
+                  mean=tensors["pca_mean"].numpy() if kind == "pca-ivf" else None,
+                  components=tensors["pca_components"].numpy() if kind == "pca-ivf" else None)
+        if out.ntotal != int(body["ntotal"]):
+            raise IndexFileError("index file holds a different number of vectors than its header says")
+        return out, body
+
+
+def _mac(key: bytes, body_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    h.update(body_json.encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _read_header(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` dict of a safetensors buffer (safetensors' Python API only exposes it via safe_open)."""
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or 8 + n > len(data):
+        raise ValueError("safetensors header length is out of range")
+    return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
