@@ -525,6 +525,12 @@ def plan_block_sparse(
     has_last = last_kept[items_h, items_i]
     if strategy == "grouped":
         keys = cnt * 2 + has_last.long()
+        if query_index is not None:
+            # Active rows per block vary (a region's border cuts blocks): also bucket by row count (steps of
+            # bs/8) so padded query rows stay below ~1/8 of a block per item.
+            quantum = max(1, block_size // 8)
+            rows_bucket = (rows_per_block[items_i] + quantum - 1) // quantum
+            keys = keys * (block_size // quantum + 2) + rows_bucket
         group_keys = torch.unique(keys).tolist()
         selections = [(keys == gk).nonzero(as_tuple=True)[0] for gk in group_keys]
     elif strategy == "padded":

@@ -1,0 +1,333 @@
+"""Benchmark block-sparse attention and block-structure recording on the CPU (issue 5).
+
+Everything is measured side by side in one process: a warm-up round, then ``--repeats`` rounds in which every
+variant runs once (round-robin, so load from other processes hits all variants alike); the median and minimum
+over rounds are reported.
+
+Attention (per config x sequence length):
+  dense            F.scaled_dot_product_attention over all tokens
+  dense_active@f   SDPA of the active queries only (fraction f of the tokens) over all keys
+  gather@d,f       block_sparse_attention(backend="gather") at block density d with active fraction f
+                   (strategy "grouped"; "padded" too at f = 1). Keep pattern: Bernoulli(d) per (head, query
+                   block, key block) plus the diagonal. Active region: a centred box covering fraction f of every
+                   frame of a (T, H, W) token grid. Index plans are built once per layer and reused across
+                   steps, so plan time is reported separately.
+Recording: record_block_structure (mean-pooled query; 8 sampled queries; mean-pooled keys) vs one dense call,
+and on synthetic local (video-like) attention the recorded density vs the *true* attention mass it keeps.
+FlexAttention on CPU (--flex): eager and torch.compile'd flex vs gather at one shape, with compile time.
+
+Usage:
+  .host/venv/bin/python scripts/bench_sparse_attention.py                 # full run (~10+ min on 2 cores)
+  .host/venv/bin/python scripts/bench_sparse_attention.py --quick         # smoke run (<1 min)
+  .host/venv/bin/python scripts/bench_sparse_attention.py --flex --json runs/bench_sparse.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_core():
+    """Import carnator_core as package ``carnator`` (as ComfyUI and the tests do) without importing ComfyUI."""
+    if "carnator" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["carnator"] = mod
+        spec.loader.exec_module(mod)
+    from carnator.carnator_core import sparse_attention
+
+    return sparse_attention
+
+
+sa = _import_core()
+
+CONFIGS = {"wan": (12, 128), "small": (4, 64)}  # heads x head_dim; Wan 2.1 1.3B: dim 1536 = 12 x 128
+
+
+def token_grid(n_tokens: int) -> tuple[int, int, int]:
+    """A (T, H, W) grid with T*H*W == n_tokens and a video-like aspect (frames of H x W tokens)."""
+    table = {4096: (16, 16, 16), 8192: (8, 32, 32), 2048: (8, 16, 16), 1024: (4, 16, 16), 32760: (21, 30, 52)}
+    if n_tokens in table:
+        return table[n_tokens]
+    return (1, 1, n_tokens)
+
+
+def active_index(grid: tuple[int, int, int], frac: float) -> torch.Tensor:
+    """Token positions of a centred box covering ``frac`` of every frame (the active region A), sorted."""
+    T, H, W = grid
+    if frac >= 1.0:
+        return torch.arange(T * H * W)
+    side = math.sqrt(frac)
+    h, w = max(1, round(H * side)), max(1, round(W * side))
+    h0, w0 = (H - h) // 2, (W - w) // 2
+    m = torch.zeros(T, H, W, dtype=torch.bool)
+    m[:, h0 : h0 + h, w0 : w0 + w] = True
+    return m.reshape(-1).nonzero().squeeze(1)
+
+
+def random_keep(H: int, nb: int, density: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(H, nb, nb, generator=g) < density) | torch.eye(nb, dtype=torch.bool)
+
+
+def run_round_robin(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict[str, float]]:
+    """Warm up every variant once, then `repeats` rounds of one call each; ms median/min per variant."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: {"median_ms": round(statistics.median(v), 2), "min_ms": round(min(v), 2)} for k, v in times.items()}
+
+
+def bench_attention(config: str, L: int, densities, actives, bs: int, repeats: int, strategies) -> dict:
+    H, D = CONFIGS[config]
+    g = torch.Generator().manual_seed(L + H)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    nb = sa.n_blocks(L, bs)
+    grid = token_grid(L)
+    variants: dict[str, Callable[[], object]] = {"dense": lambda: F.scaled_dot_product_attention(q, k, v)}
+    meta: dict[str, dict] = {"dense": {"density": 1.0, "active": 1.0}}
+    idx = {f: active_index(grid, f) for f in actives}
+    for f in actives:
+        if f < 1.0:
+            qa = q[:, :, idx[f]].contiguous()
+            variants[f"dense_active@{f:g}"] = lambda qa=qa: F.scaled_dot_product_attention(qa, k, v)
+            meta[f"dense_active@{f:g}"] = {"density": 1.0, "active": len(idx[f]) / L}
+    plan_ms = {}
+    for d in densities:
+        keep = random_keep(H, nb, d, seed=int(d * 1000) + L)
+        for f in actives:
+            qi = None if f >= 1.0 else idx[f]
+            qa = q if qi is None else q[:, :, qi].contiguous()
+            for strat in strategies:
+                if strat != "grouped" and f < 1.0:
+                    continue
+                t0 = time.perf_counter()
+                plan = sa.plan_block_sparse(keep, bs, L, qi, strategy=strat)
+                plan_ms[f"{strat}@{d:g},{f:g}"] = round((time.perf_counter() - t0) * 1e3, 1)
+                name = f"gather_{strat}@{d:g},{f:g}"
+                variants[name] = lambda qa=qa, qi=qi, keep=keep, plan=plan: sa.block_sparse_attention(
+                    qa, k, v, keep, bs, qi, backend="gather", plan=plan
+                )
+                meta[name] = {"density": round(plan.density, 4), "active": (L if qi is None else len(qi)) / L,
+                              "groups": len(plan.groups)}
+    res = run_round_robin(variants, repeats)
+    dense_ms = res["dense"]["median_ms"]
+    for name, r in res.items():
+        r.update(meta[name])
+        r["speedup_vs_dense"] = round(dense_ms / r["median_ms"], 2)
+    return {"config": config, "heads": H, "head_dim": D, "tokens": L, "block_size": bs, "results": res,
+            "plan_build_ms": plan_ms}
+
+
+def structured_qk(H: int, grid, D: int, seed: int = 0, sharp: float = 10.0, sigma: float = 2.0):
+    """Synthetic local attention (same construction as tests/test_sparse_attention.py): random Fourier features
+    of a Gaussian kernel of width sigma tokens on the (T, H, W) grid, logit ~ sharp * kernel + feature noise."""
+    g = torch.Generator().manual_seed(seed)
+    T, Hh, W = grid
+    pos = torch.stack(torch.meshgrid(torch.arange(T), torch.arange(Hh), torch.arange(W), indexing="ij"), -1)
+    pos = pos.reshape(-1, 3).float()
+    nf = D // 2
+    freqs = torch.randn(H, 3, nf, generator=g) / sigma
+    ang = torch.einsum("lc,hcf->hlf", pos, freqs)
+    feat = torch.cat([ang.cos(), ang.sin()], -1) * math.sqrt(sharp * math.sqrt(D) / nf)
+    q = feat + 0.1 * torch.randn(feat.shape, generator=g)
+    k = feat + 0.1 * torch.randn(feat.shape, generator=g)
+    return q[None], k[None]
+
+
+ESTIMATORS = {
+    "pooled_q": dict(sample_queries=0),
+    "sampled_q4": dict(sample_queries=4),
+    "sampled_q8": dict(sample_queries=8),
+    "sampled_q16": dict(sample_queries=16),
+    "pooled_q_pooled_k": dict(sample_queries=0, key_pooling="mean"),
+}
+
+
+def bench_record_cost(config: str, L: int, bs: int, repeats: int) -> dict:
+    H, D = CONFIGS[config]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    variants = {"dense_attention": lambda: F.scaled_dot_product_attention(q, k, v)}
+    for name in ("pooled_q", "sampled_q8", "pooled_q_pooled_k"):
+        kw = ESTIMATORS[name]
+        variants[f"record_{name}"] = lambda kw=kw: sa.record_block_structure(q, k, bs, mass=0.9, **kw)
+    res = run_round_robin(variants, repeats)
+    dense = res["dense_attention"]["median_ms"]
+    for r in res.values():
+        r["fraction_of_dense_call"] = round(r["median_ms"] / dense, 4)
+    return {"config": config, "tokens": L, "block_size": bs, "results": res}
+
+
+def bench_record_accuracy(L: int, bs: int, masses=(0.8, 0.9, 0.95), sharps=(6.0, 10.0, 14.0)) -> list[dict]:
+    """Recorded density vs the true attention mass kept (mean and 5th percentile over queries)."""
+    H, D = 4, 64
+    grid = token_grid(L)
+    out = []
+    for sharp in sharps:
+        q, k = structured_qk(H, grid, D, seed=1, sharp=sharp)
+        nb = sa.n_blocks(L, bs)
+        tb = torch.zeros(H, L, nb)
+        for h in range(H):  # exact per-token attention, one head at a time (L x L)
+            p = torch.softmax(q[0, h] @ k[0, h].T / math.sqrt(D), -1)
+            tb[h] = F.pad(p, (0, nb * bs - L)).reshape(L, nb, bs).sum(-1)
+        oracle = {m: float(sa.select_blocks(tb.reshape(H, nb, bs, nb).mean(2), m).float().mean()) for m in masses}
+        for est, kw in ESTIMATORS.items():
+            for m in masses:
+                keep = sa.record_block_structure(q, k, bs, mass=m, **kw)
+                cov = (tb * keep.repeat_interleave(bs, 1)[:, :L]).sum(-1)
+                out.append({"sharp": sharp, "estimator": est, "mass": m, "density": round(float(keep.float().mean()), 3),
+                            "oracle_density": round(oracle[m], 3), "true_mass_mean": round(float(cov.mean()), 3),
+                            "true_mass_p05": round(float(cov.quantile(0.05)), 3)})
+    return out
+
+
+def bench_flex_cpu(config: str, L: int, bs: int, density: float, repeats: int) -> dict:
+    H, D = CONFIGS[config]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    keep = random_keep(H, sa.n_blocks(L, bs), density, seed=5)
+    bm = sa.build_flex_block_mask(keep, bs, L)
+    plan = sa.plan_block_sparse(keep, bs, L)
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    t0 = time.perf_counter()
+    ref = sa.block_sparse_attention(q, k, v, keep, bs, backend="gather", plan=plan)
+    t0 = time.perf_counter()
+    eager = sa.block_sparse_attention(q, k, v, keep, bs, backend="flex", block_mask=bm, flex_compiled=False)
+    eager_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    comp = sa.block_sparse_attention(q, k, v, keep, bs, backend="flex", block_mask=bm, flex_compiled=True)
+    compile_s = time.perf_counter() - t0
+    err = float((comp - ref).abs().max())
+    res = run_round_robin(
+        {
+            "dense": lambda: F.scaled_dot_product_attention(q, k, v),
+            "gather": lambda: sa.block_sparse_attention(q, k, v, keep, bs, backend="gather", plan=plan),
+            "flex_compiled": lambda: sa.block_sparse_attention(q, k, v, keep, bs, backend="flex", block_mask=bm,
+                                                               flex_compiled=True),
+        },
+        repeats,
+    )
+    return {"config": config, "tokens": L, "density": round(plan.density, 4), "flex_eager_one_call_ms": round(eager_ms, 1),
+            "flex_first_call_incl_compile_s": round(compile_s, 1), "max_abs_diff_compiled_vs_gather": err,
+            "eager_max_abs_diff": float((eager - ref).abs().max()), "results": res}
+
+
+def machine() -> dict:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return ""
+
+    return {"nproc": sh("nproc"), "cpu": sh("lscpu | grep 'Model name' | sed 's/.*: *//'"), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(), "loadavg_start": os.getloadavg()}
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    for a in result["attention"]:
+        lines.append(f"\n**{a['config']}: {a['heads']} heads x {a['head_dim']}, {a['tokens']} tokens, block {a['block_size']}**"
+                     " (ms, median / min of rounds; speedup = dense median / variant median)\n")
+        lines.append("| variant | density | active | median ms | min ms | speedup |")
+        lines.append("|---|---|---|---|---|---|")
+        for name, r in a["results"].items():
+            lines.append(f"| {name} | {r['density']} | {r['active']:.3f} | {r['median_ms']} | {r['min_ms']} | {r['speedup_vs_dense']} |")
+    if result.get("record_cost"):
+        lines.append("\n**Recording cost per call** (one self-attention call's q, k)\n")
+        lines.append("| config | tokens | variant | median ms | fraction of one dense attention call |")
+        lines.append("|---|---|---|---|---|")
+        for rc in result["record_cost"]:
+            for name, r in rc["results"].items():
+                lines.append(f"| {rc['config']} | {rc['tokens']} | {name} | {r['median_ms']} | {r['fraction_of_dense_call']} |")
+    if result.get("record_accuracy"):
+        lines.append("\n**Recording accuracy on synthetic local attention** (4 heads x 64, density = recorded block density, "
+                     "oracle = density of the exact per-query-block selection, true mass = attention mass of each query "
+                     "inside its kept blocks)\n")
+        lines.append("| sharp | estimator | mass | density | oracle density | true mass mean | true mass p05 |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in result["record_accuracy"]:
+            lines.append(f"| {r['sharp']} | {r['estimator']} | {r['mass']} | {r['density']} | {r['oracle_density']} | "
+                         f"{r['true_mass_mean']} | {r['true_mass_p05']} |")
+    if result.get("flex_cpu"):
+        fx = result["flex_cpu"]
+        lines.append(f"\n**FlexAttention on CPU** ({fx['config']}, {fx['tokens']} tokens, density {fx['density']}): "
+                     f"eager one call {fx['flex_eager_one_call_ms']} ms; first compiled call (compile) "
+                     f"{fx['flex_first_call_incl_compile_s']} s; max |compiled - gather| {fx['max_abs_diff_compiled_vs_gather']:.2e}\n")
+        lines.append("| variant | median ms | min ms |")
+        lines.append("|---|---|---|")
+        for name, r in fx["results"].items():
+            lines.append(f"| {name} | {r['median_ms']} | {r['min_ms']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--configs", nargs="+", default=["wan", "small"], choices=sorted(CONFIGS))
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    ap.add_argument("--active", type=float, nargs="+", default=[1.0, 0.5, 0.25])
+    ap.add_argument("--strategies", nargs="+", default=["grouped", "padded"], choices=["grouped", "padded"])
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on an oversubscribed machine every multi-threaded op can stall "
+                         "for a scheduler time slice, which swamps op-count-heavy variants; see BENCHMARKS.md)")
+    ap.add_argument("--flex", action="store_true", help="also measure eager/compiled flex_attention on CPU")
+    ap.add_argument("--no-accuracy", action="store_true", help="skip the recording-accuracy study")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small config, 1024 tokens, 2 repeats")
+    ap.add_argument("--json", type=Path, help="also write the JSON result here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.configs, args.repeats, args.block_size = [1024], ["small"], 2, 64
+    torch.set_num_threads(args.threads)
+    result: dict = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "attention": [], "record_cost": []}
+    t_start = time.time()
+    for config in args.configs:
+        for L in args.tokens:
+            print(f"[bench] attention {config} L={L} ...", file=sys.stderr, flush=True)
+            result["attention"].append(
+                bench_attention(config, L, args.densities, args.active, args.block_size, args.repeats, args.strategies)
+            )
+            print(f"[bench] record cost {config} L={L} ...", file=sys.stderr, flush=True)
+            result["record_cost"].append(bench_record_cost(config, L, args.block_size, args.repeats))
+    if not args.no_accuracy:
+        print("[bench] record accuracy ...", file=sys.stderr, flush=True)
+        result["record_accuracy"] = bench_record_accuracy(1024 if args.quick else 4096, args.block_size)
+    if args.flex:
+        print("[bench] flex on CPU ...", file=sys.stderr, flush=True)
+        result["flex_cpu"] = bench_flex_cpu(args.configs[0], args.tokens[0], args.block_size, 0.25, args.repeats)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["wall_s"] = round(time.time() - t_start, 1)
+    print(json.dumps(result, indent=1))
+    print(markdown(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
