@@ -62,6 +62,10 @@ def check_sampler(sampler_name: str) -> None:
         )
 
 
+class _DenseIsCheaper(Exception):
+    """The recorded structure of this layer is nearly dense: plain attention is faster than block-sparse."""
+
+
 class _ProbeStop(Exception):
     """Raised inside the sampler once the probe has its k calls; caught by probe_sample."""
 
@@ -151,7 +155,9 @@ class ReusePlan:
     structure: BlockStructure | None
     restrict_tokens: bool
     context_margin_blocks: int = 0
-    block_size: int = 64  # token blocks for the context margin when no structure was recorded
+    block_size: int = 64
+    context_tokens: torch.Tensor | None = None  # latent-only mode: active tokens + a 3-D margin around them
+    dense_above: float = 0.85  # a layer whose recorded density exceeds this runs dense attention (cheaper)
 
 
 @dataclass
@@ -273,14 +279,12 @@ def _subset_tokens(run: _Run, layer: int, plan: ReusePlan, n_tokens: int) -> tup
         keep = keep_for_layer(plan.structure, layer).any(0)  # [Qb, Kb], union over heads
         qblocks = torch.unique(active // bs)
         kblocks = keep[qblocks].any(0).nonzero().flatten()
+        ctx = (kblocks.unsqueeze(1) * bs + torch.arange(bs).unsqueeze(0)).flatten()
+        ctx = ctx[ctx < n_tokens]
+    elif plan.context_tokens is not None:
+        ctx = plan.context_tokens
     else:
-        bs = plan.block_size
-        qblocks = torch.unique(active // bs)
-        nb = -(-n_tokens // bs)
-        m = plan.context_margin_blocks
-        kblocks = torch.unique((qblocks.unsqueeze(1) + torch.arange(-m, m + 1).unsqueeze(0)).clamp(0, nb - 1).flatten())
-    ctx = (kblocks.unsqueeze(1) * bs + torch.arange(bs).unsqueeze(0)).flatten()
-    ctx = ctx[ctx < n_tokens]
+        ctx = active
     subset = torch.unique(torch.cat([active, ctx]))
     pos = torch.searchsorted(subset, active)
     run.subset_cache[key] = (subset, pos)
@@ -356,12 +360,16 @@ def _attention_override(run: _Run, previous: Callable | None):
             try:
                 keep = keep_for_layer(plan.structure, layer, device=q.device)
                 bs = plan.structure.block_size
+                if float(keep.float().mean()) > plan.dense_above:
+                    raise _DenseIsCheaper()
                 if subset is None and q.shape[1] == plan.structure.n_tokens:
                     run.stats["attn_pairs"] += int(keep.float().mean().item() * q.shape[1] ** 2)
                     run.stats["attn_pairs_dense"] += q.shape[1] ** 2
                     return block_sparse_attention_bld(q, k, v, heads, keep, bs)
                 if subset is not None:
                     return _subset_attention(run, q, k, v, heads, keep, bs, subset)
+            except _DenseIsCheaper:
+                pass
             except Exception as e:  # never raise inside the model because reuse is impossible
                 run.fallback(f"layer {layer}: block-sparse attention unavailable ({e})")
         if topts.get(KEY + "_subset") is not None:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .cache.embed import embed_comfy_conditioning
 from .types import GenConfig, ObjectTokens, Probe
 
 
@@ -54,24 +55,6 @@ class ProbeConfig:
             )
         return k
 
-
-def conditioning_embedding(positive: Sequence) -> np.ndarray:
-    """Retrieval embedding from the workflow's own text conditioning: mean over valid tokens of the first
-    positive conditioning tensor (padding excluded when an attention mask is present), L2-normalised."""
-    if not positive:
-        raise ValueError("positive conditioning is empty: connect a text encoder's CONDITIONING output")
-    cond, extra = positive[0][0], positive[0][1]
-    c = cond[0].float()  # [L, D]
-    mask = extra.get("attention_mask") if isinstance(extra, dict) else None
-    if mask is not None:
-        w = mask.reshape(-1)[: c.shape[0]].float()
-    else:
-        w = (c.abs().sum(-1) > 0).float()  # zero rows are padding
-        if w.sum() == 0:
-            w = torch.ones(c.shape[0])
-    e = (c * w[:, None]).sum(0) / w.sum().clamp(min=1.0)
-    e = e / e.norm().clamp(min=1e-8)
-    return e.cpu().numpy().astype(np.float32)
 
 
 def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float, sampler_name: str,
@@ -121,7 +104,7 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
         arch=adapter.arch, model_fingerprint=fingerprint, config=gen, prompt=prompt, seed=int(seed),
         objects=tuple(objects), object_source=object_source, object_maps=maps, grid=raw.grid, patch=adapter.patch,
         x0_probe=_first_cond_row(x0).detach().cpu(), latent_probe=raw.latent_at_k[0].detach().cpu(),
-        latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=conditioning_embedding(positive),
+        latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=embed_comfy_conditioning(positive),
         replay=tuple(r.detach().cpu() for r in raw.replay), sigmas=tuple(float(s) for s in raw.sigmas),
         timings={"probe_ms": raw.seconds * 1000, "fingerprint_ms": fp_ms,
                  "total_ms": (time.perf_counter() - t_all) * 1000},

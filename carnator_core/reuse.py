@@ -41,7 +41,7 @@ class ReuseConfig:
     block_size:      tokens per attention block when recording structure in dense runs.
     record_mass:     attention mass the recorded key blocks must cover per query block.
     record_steps:    how many representative steps to record at (spread over the schedule after the probe).
-    context_margin_blocks: latent-only mode: blocks of context around active blocks.
+    context_margin_blocks: latent-only mode: tokens of 3-D context margin around the active region.
     """
 
     mode: str = "joint"
@@ -237,11 +237,20 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             active_fraction = float(A.mean())
             token_mask = torch.from_numpy(A.astype(np.float32))
             active = torch.from_numpy(np.flatnonzero(A.reshape(-1))).long()
+        context = None
+        if config.mode == "latent" and token_mask is not None:
+            from scipy.ndimage import binary_dilation
+
+            A3 = token_mask.numpy() > 0
+            if config.context_margin_blocks > 0 and A3.any():
+                A3 = binary_dilation(A3, iterations=config.context_margin_blocks)
+            context = torch.from_numpy(np.flatnonzero(A3.reshape(-1))).long()
         cached_x0 = cp.process_latent_in(model, cached.final_latent.unsqueeze(0).float())[0]
         plan = cp.ReusePlan(active_tokens=active, token_mask=token_mask, cached_x0=cached_x0, noise=None,
                             sparse_layers=mids, structure=structure,
                             restrict_tokens=config.mode in ("joint", "latent"),
-                            context_margin_blocks=config.context_margin_blocks, block_size=config.block_size)
+                            context_margin_blocks=config.context_margin_blocks, block_size=config.block_size,
+                            context_tokens=context)
     elif record:
         recorder = BlockRecorder(block_size=config.block_size, layers=mids,
                                  steps=record_plan_steps(gen.steps, gen.probe_steps, config.record_steps),
