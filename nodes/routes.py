@@ -1,0 +1,174 @@
+"""HTTP routes behind the frontend's Carnator cache panel (web/carnator.js). Not a node module: ``NODES`` is empty.
+
+Registered on ComfyUI's ``PromptServer`` when node discovery imports this module (the server exists by then;
+ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custom nodes, under both ``/`` and
+``/api``). Imported in-process without a server (tests that build the node list), it registers nothing.
+
+* ``GET  /carnator/cache/stats?directory=carnator_cache`` → the store's statistics as JSON (``exists: false`` and
+  zeros for a directory that does not exist yet: reading stats never creates a cache).
+* ``POST /carnator/cache/purge`` with JSON ``{"directory": "carnator_cache"}`` → what the purge removed.
+
+``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
+resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
+the server owner lists in ``CARNATOR_CACHE_ROOTS``; relative paths are relative to the output directory. Anything
+else is answered with 400 and the reason, so a browser cannot read or delete arbitrary folders.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("carnator")
+
+NODES: list = []  # discovery imports every module in nodes/; this one contributes routes, not nodes
+
+DEFAULT_DIRECTORY = "carnator_cache"
+
+
+class RouteError(Exception):
+    """A request the route refuses; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def allowed_roots() -> list[Path]:
+    """Where cache directories may live: ComfyUI's output dir (first: relative paths resolve there), its user dir,
+    then ``CARNATOR_CACHE_ROOTS``. The Cache loader node applies the same rule."""
+    import folder_paths
+
+    from ..carnator_core.cache.paths import roots_from_env
+
+    return [Path(folder_paths.get_output_directory()), Path(folder_paths.get_user_directory()), *roots_from_env()]
+
+
+def resolve_directory(directory: str | None) -> Path:
+    from ..carnator_core.cache.paths import CachePathError, resolve_cache_dir
+
+    try:
+        return resolve_cache_dir(directory if directory is not None else DEFAULT_DIRECTORY, allowed_roots())
+    except CachePathError as e:
+        raise RouteError(400, str(e)) from None
+
+
+def _store_class() -> Any:
+    try:
+        from ..carnator_core.cache import Store
+    except ImportError as e:  # the cache core is missing or broken: say so instead of a bare 500
+        raise RouteError(500, f"Carnator's cache core could not be imported ({e}); reinstall the extension") from None
+    return Store
+
+
+def _jsonable(value: Any) -> Any:
+    """Stats as plain JSON: dataclasses and objects with ``to_dict``/``to_meta`` become dicts, paths strings."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
+    for attr in ("to_dict", "to_meta"):
+        if hasattr(value, attr):
+            return _jsonable(getattr(value, attr)())
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    return value
+
+
+def _with_rates(stats: dict[str, Any]) -> dict[str, Any]:
+    """Adds ``hit_rate`` (hits / lookups that could hit) when the store reports hits and misses but no rate."""
+    if "hit_rate" not in stats:
+        hits, misses = stats.get("hits"), stats.get("misses")
+        if isinstance(hits, (int, float)) and isinstance(misses, (int, float)):
+            stats["hit_rate"] = hits / (hits + misses) if hits + misses else None
+    return stats
+
+
+def cache_stats(directory: str | None) -> dict[str, Any]:
+    """Statistics of the cache in ``directory`` (confined); zeros if it does not exist yet."""
+    path = resolve_directory(directory)
+    base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
+    if not path.is_dir():
+        return {**base, "exists": False, "entries": 0, "bytes": 0, "hits": 0, "hit_rate": None}
+    store = _store_class().open(path)
+    try:
+        stats = _jsonable(store.stats())
+    finally:
+        close = getattr(store, "close", None)
+        if callable(close):
+            close()
+    if not isinstance(stats, dict):
+        stats = {"stats": stats}
+    return _with_rates({**base, "exists": True, **stats})
+
+
+def cache_purge(directory: str | None) -> dict[str, Any]:
+    """Removes every entry of the cache in ``directory`` (confined); the directory itself stays."""
+    path = resolve_directory(directory)
+    base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
+    if not path.is_dir():
+        return {**base, "exists": False, "purged": 0}
+    store = _store_class().open(path)
+    try:
+        result = _jsonable(store.purge())
+    finally:
+        close = getattr(store, "close", None)
+        if callable(close):
+            close()
+    log.info("carnator: cache %s purged from the web panel: %s", path, result)
+    return {**base, "exists": True, "purged": result}
+
+
+async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:
+    from aiohttp import web
+
+    try:
+        # SQLite and file work off the event loop: the server keeps serving websockets meanwhile.
+        return web.json_response(await asyncio.to_thread(fn, directory))
+    except RouteError as e:
+        return web.json_response({"error": str(e)}, status=e.status)
+    except Exception as e:  # noqa: BLE001 — a panel request must answer with the reason, not hang the UI
+        log.exception("carnator: cache route failed")
+        return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
+
+
+def register(routes: Any) -> None:
+    """Adds the cache routes to an aiohttp ``RouteTableDef``."""
+
+    @routes.get("/carnator/cache/stats")
+    async def carnator_cache_stats(request: Any) -> Any:
+        return await _answer(cache_stats, request.rel_url.query.get("directory"))
+
+    @routes.post("/carnator/cache/purge")
+    async def carnator_cache_purge(request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            body = await request.json()
+        except Exception:  # noqa: BLE001
+            return web.json_response({"error": 'send JSON like {"directory": "carnator_cache"}'}, status=400)
+        if not isinstance(body, dict) or not isinstance(body.get("directory", DEFAULT_DIRECTORY), str):
+            return web.json_response({"error": '"directory" must be a string'}, status=400)
+        return await _answer(cache_purge, body.get("directory"))
+
+
+def _register_with_running_server() -> None:
+    # Only when ComfyUI's server module is already loaded and has an instance: importing `server` ourselves
+    # in a test process would drag in the whole web stack and there would be no app to serve the routes anyway.
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None or getattr(instance, "_carnator_routes", False):
+        return
+    register(instance.routes)
+    instance._carnator_routes = True
+
+
+_register_with_running_server()
