@@ -210,12 +210,17 @@ def test_flex_block_lists_cover_exactly_the_kept_blocks():
 @pytest.mark.slow
 @pytest.mark.skipif(not sa.flex_available(), reason="torch has no flex_attention")
 def test_flex_compiled_on_cpu_matches_reference():
-    """Compiled flex on CPU (inductor; first compile takes tens of seconds): uses the block lists for real."""
+    """Compiled flex on CPU (inductor; the first compile takes tens of seconds) visits only the listed blocks, so
+    this pins the block lists (full and partial) as the kernel uses them, with and without active queries."""
     B, H, L, D, bs = 1, 2, 256, 16, 64
     q, k, v = _qkv(B, H, L, D, seed=31)
     keep = _random_keep(H, 4, 0.3, seed=32)
+    ref = _reference(q, k, v, keep, bs)
     out = sa.block_sparse_attention(q, k, v, keep, bs, backend="flex", flex_compiled=True)
-    torch.testing.assert_close(out, _reference(q, k, v, keep, bs), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    qi = torch.randperm(L, generator=_gen(2))[:100].sort().values  # q tiles spanning several query blocks
+    out = sa.block_sparse_attention(q[:, :, qi], k, v, keep, bs, qi, backend="flex", flex_compiled=True)
+    torch.testing.assert_close(out, ref[:, :, qi], atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
