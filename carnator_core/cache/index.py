@@ -58,10 +58,13 @@ class IndexParams:
 
     flat_max:        exact ``IndexFlatIP`` up to this many entries; PCA+IVF above.
     reduced_dim:     PCA dimensions of the approximate index (capped by the data's dimension and sample size).
-    nprobe:          IVF lists visited per query.
+    nprobe:          minimum IVF lists visited per query.
+    scan:            reduced-space vectors to scan per query: nprobe is raised to ``ceil(scan / mean list size)``
+                     so the approximate stage costs about the same at every size (small indexes, whose lists are
+                     short and whose neighbours straddle lists, get a larger fraction scanned).
     rerank_factor, rerank_min: the IVF fetches ``max(rerank_factor * k, rerank_min)`` candidates for exact
                      re-ranking.
-    train_sample:    at most this many vectors fit the PCA (randomized SVD) and train the IVF centroids.
+    train_sample:    at most this many vectors fit the PCA (randomized SVD); the IVF's k-means gets 50 per list.
     retrain_growth:  rebuild an IVF index once it holds this many times the entries it was trained on
                      (its list count was sized for the smaller set).
     persist_every:   the store re-writes an IVF index file after this many changes (0 = adaptive:
@@ -72,6 +75,7 @@ class IndexParams:
     flat_max: int = 4096
     reduced_dim: int = 256
     nprobe: int = 16
+    scan: int = 8192
     rerank_factor: int = 4
     rerank_min: int = 32
     train_sample: int = 20000
@@ -147,28 +151,36 @@ class VectorIndex:
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, ids: np.ndarray, vectors: np.ndarray, dim: int, params: IndexParams) -> "VectorIndex":
-        """Index ``vectors`` (unit rows, [n, dim]) under ``ids``; the kind follows ``params`` and n."""
+        """Index ``vectors`` (unit rows, [n, dim]; any array supporting slicing, e.g. a float16 memmap: it is
+        converted to float32 chunk by chunk) under ``ids``; the kind follows ``params`` and n."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, dim)
         n = len(ids)
         if n <= params.flat_max:
             idx = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
             if n:
-                idx.add_with_ids(vectors, ids)
+                idx.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32).reshape(n, dim), ids)
             return cls("flat", dim, idx)
         rng = np.random.default_rng(params.seed)
         sample_ix = np.sort(rng.choice(n, size=min(n, params.train_sample), replace=False))
-        sample = vectors[sample_ix]
+        sample = np.ascontiguousarray(vectors[sample_ix], dtype=np.float32)
         r = max(1, min(params.reduced_dim, dim, len(sample) - 1))
         mean, comps = _pca(sample, r, params.seed)
-        # about 2*sqrt(n) lists, and at least 39 training points per list (FAISS's k-means warns below that)
-        nlist = int(max(1, min(round(2 * math.sqrt(n)), len(sample) // 39)))
+        # about 2*sqrt(n) lists; k-means gets 50 points per list (FAISS warns below 39)
+        nlist = int(max(1, min(round(2 * math.sqrt(n)), n // 39)))
+        train_ix = np.sort(rng.choice(n, size=min(n, 50 * nlist), replace=False))
+        train = np.concatenate([
+            cls._project(np.ascontiguousarray(vectors[train_ix[s : s + 32768]], dtype=np.float32), mean, comps)
+            for s in range(0, len(train_ix), 32768)
+        ])
         ivf = faiss.IndexIVFFlat(faiss.IndexFlatL2(r), r, nlist, faiss.METRIC_L2)
         ivf.cp.seed = params.seed
-        ivf.train(cls._project(sample, mean, comps))
+        ivf.train(train)
+        del train
         out = cls("pca-ivf", dim, ivf, mean=mean, components=comps, trained_n=n, nprobe=params.nprobe)
-        for s in range(0, n, 65536):  # chunked: the projection of 1M x 4096 at once would double peak memory
-            out.index.add_with_ids(cls._project(vectors[s : s + 65536], mean, comps), ids[s : s + 65536])
+        step = 32768  # chunked: projecting 1M x 4096 at once would need tens of GB
+        for s in range(0, n, step):
+            chunk = np.ascontiguousarray(vectors[s : s + step], dtype=np.float32)
+            out.index.add_with_ids(cls._project(chunk, mean, comps), ids[s : s + step])
         return out
 
     @staticmethod
@@ -208,6 +220,12 @@ class VectorIndex:
         return n > params.retrain_growth * max(self.trained_n, 1) or n <= params.flat_max // 2
 
     # ------------------------------------------------------------------ search
+    def effective_nprobe(self, params: IndexParams) -> int:
+        """IVF lists visited per query under ``params`` (see ``IndexParams.scan``)."""
+        nlist = faiss.extract_index_ivf(self.index).nlist
+        per_list = max(1.0, self.ntotal / max(nlist, 1))
+        return int(min(nlist, max(params.nprobe, math.ceil(params.scan / per_list))))
+
     def search(self, query: np.ndarray, k: int, params: IndexParams, fetch: FetchFn | None = None
                ) -> list[tuple[int, float]]:
         """Top-k ``(id, exact cosine)`` for a unit ``query`` [dim]; ``fetch`` is required for ``pca-ivf``."""
@@ -220,6 +238,8 @@ class VectorIndex:
         if fetch is None:
             raise ValueError("a pca-ivf index needs a fetch callback to re-rank with the full vectors")
         kk = min(self.ntotal, max(params.rerank_factor * k, params.rerank_min))
+        ivf = faiss.extract_index_ivf(self.index)
+        ivf.nprobe = self.effective_nprobe(params)
         _, cand = self.index.search(self._prep(q), kk)
         cand = cand[0][cand[0] >= 0]
         found, vecs = fetch(cand)

@@ -1,0 +1,257 @@
+"""Cache nodes: Carnator Cache (loader), Cache Stats, Cache Retriever, Cache Writer.
+
+The loader confines its directory to ComfyUI's output / user directories or roots the server owner lists in
+``CARNATOR_CACHE_ROOTS`` (a workflow JSON cannot point it anywhere else). The Store itself is opened once per
+process and directory (``carnator_core.cache.handle``); the CARNATOR_CACHE value is a small frozen handle.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from comfy_api.latest import io, ui
+
+from ..carnator_core.cache import (
+    POLICIES,
+    CacheHandle,
+    CachePathError,
+    EntryData,
+    open_store,
+    resolve_cache_dir,
+    roots_from_env,
+)
+from ..carnator_core.cache.handle import open_stores_fingerprint
+from ..carnator_core.types import Signature, namespace_key
+from ._common import advanced
+
+CACHE = io.Custom("CARNATOR_CACHE")
+PROBE = io.Custom("CARNATOR_PROBE")
+SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
+CANDIDATES = io.Custom("CARNATOR_CANDIDATES")
+REPORT = io.Custom("CARNATOR_REPORT")
+
+
+def allowed_roots() -> list[Path]:
+    """ComfyUI's output directory (relative paths resolve here), its user directory, then CARNATOR_CACHE_ROOTS."""
+    import folder_paths
+
+    return [Path(folder_paths.get_output_directory()), Path(folder_paths.get_user_directory()), *roots_from_env()]
+
+
+def key_path() -> str:
+    """The index-signing key: in ComfyUI's user directory, outside any cache directory under output/."""
+    import folder_paths
+
+    return str(Path(folder_paths.get_user_directory()) / "carnator" / "index-hmac.key")
+
+
+def _need(obj: Any, name: str, what: str, source: str) -> Any:
+    value = getattr(obj, name, None)
+    if value is None:
+        raise TypeError(f"the {what!r} input has no {name!r}: connect the {source}")
+    return value
+
+
+def _probe_parts(probe: Any) -> tuple[str, Any, str, int, Any]:
+    src = "CARNATOR_PROBE output of a Carnator Early Probe node"
+    fp = _need(probe, "model_fingerprint", "probe", src)
+    config = _need(probe, "config", "probe", src)
+    prompt = getattr(probe, "prompt", "")
+    seed = _need(probe, "seed", "probe", src)
+    emb = _need(probe, "embedding", "probe", src)
+    return str(fp), config, str(prompt or ""), int(seed), emb
+
+
+class CarnatorCacheLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorCacheLoader",
+            display_name="Carnator Cache",
+            category="Carnator",
+            description="Opens (or creates) a Carnator cache directory. Several ComfyUI processes may share it.",
+            inputs=[
+                io.String.Input("directory", default="carnator_cache",
+                                tooltip="Cache directory, relative to ComfyUI's output directory. Absolute paths must "
+                                        "lie under the output or user directory, or a root the server owner lists "
+                                        "in CARNATOR_CACHE_ROOTS."),
+                advanced(io.Float.Input("max_gb", default=0.0, min=0.0, max=1e6, step=1.0,
+                                        tooltip="Byte budget of the cache in GiB; the least valuable entries are "
+                                                "evicted beyond it. 0 = no limit.")),
+                advanced(io.Combo.Input("policy", options=list(POLICIES), default="lcbfu",
+                                        tooltip="Eviction policy: lcbfu keeps entries that were reused and save the "
+                                                "most denoising per byte (aged); lru keeps the most recently used.")),
+            ],
+            outputs=[CACHE.Output(display_name="cache", tooltip="The cache, for the Retriever, Writer and sampler.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, directory: str = "carnator_cache", **kwargs: Any) -> bool | str:
+        if directory is None:  # linked from another node: checked at execution
+            return True
+        try:
+            resolve_cache_dir(directory, allowed_roots())
+        except CachePathError as e:
+            return str(e)
+        return True
+
+    @classmethod
+    def execute(cls, directory: str, max_gb: float = 0.0, policy: str = "lcbfu") -> io.NodeOutput:
+        path = resolve_cache_dir(directory, allowed_roots())
+        if not math.isfinite(max_gb) or max_gb < 0:
+            raise ValueError(f"max_gb must be a finite number >= 0, got {max_gb}")
+        handle = CacheHandle(path=str(path), max_bytes=int(max_gb * 2**30) or None, policy=policy,
+                             key_path=key_path())
+        open_store(handle)  # create/validate now, so a bad directory fails here and not downstream
+        return io.NodeOutput(handle)
+
+
+class CarnatorCacheStats(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorCacheStats",
+            display_name="Carnator Cache Stats",
+            category="Carnator",
+            description="Shows entries, size, hits and hit rate of a cache; optionally purges it.",
+            is_output_node=True,
+            inputs=[
+                CACHE.Input("cache", tooltip="The cache to inspect (from Carnator Cache)."),
+                io.Boolean.Input("purge", default=False,
+                                 tooltip="Delete entries before reporting: all of them, or only the namespace below. "
+                                         "Runs on every queue while enabled."),
+                io.String.Input("namespace", default="",
+                                tooltip="Restrict the report (and a purge) to this namespace; empty = all."),
+            ],
+            outputs=[io.String.Output(display_name="stats", tooltip="The statistics as text.")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
+        return float("nan")  # statistics change without any input changing: always re-run
+
+    @classmethod
+    def execute(cls, cache: CacheHandle, purge: bool = False, namespace: str = "") -> io.NodeOutput:
+        store = open_store(_handle(cache))
+        ns = (namespace or "").strip() or None
+        lines = []
+        if purge:
+            n = store.purge(ns)
+            lines.append(f"purged {n} entries" + (f" of namespace {ns}" if ns else ""))
+        lines.append(store.stats(ns).to_text())
+        text = "\n".join(lines)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+class CarnatorCacheRetriever(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorCacheRetriever",
+            display_name="Carnator Cache Retriever",
+            category="Carnator",
+            description="Recalls the cached generations whose prompts are most similar to the probed request, "
+                        "among entries of the same model and generation config only.",
+            inputs=[
+                CACHE.Input("cache", tooltip="The cache to search (from Carnator Cache)."),
+                PROBE.Input("probe", tooltip="The probed request (from Carnator Early Probe)."),
+                advanced(io.Int.Input("k", default=5, min=1, max=64,
+                                      tooltip="How many candidates to recall (top-K by prompt similarity).")),
+                advanced(io.Float.Input("min_similarity", default=0.0, min=-1.0, max=1.0, step=0.01,
+                                        tooltip="Drop candidates whose cosine prompt similarity is below this.")),
+            ],
+            outputs=[CANDIDATES.Output(display_name="candidates", tooltip="Top-K candidates for the Risk Filter.")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
+        # Re-run whenever any cache opened in this process changed (another process may write too).
+        return open_stores_fingerprint()
+
+    @classmethod
+    def execute(cls, cache: CacheHandle, probe: Any, k: int = 5, min_similarity: float = 0.0) -> io.NodeOutput:
+        fp, config, _, _, emb = _probe_parts(probe)
+        store = open_store(_handle(cache))
+        found = store.candidates(namespace_key(fp, config), emb, int(k), min_similarity=float(min_similarity))
+        return io.NodeOutput(found)
+
+
+class CarnatorCacheWriter(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CarnatorCacheWriter",
+            display_name="Carnator Cache Writer",
+            category="Carnator",
+            description="Stores the finished generation (latents, signature, attention structure) as a cache entry.",
+            is_output_node=True,
+            inputs=[
+                CACHE.Input("cache", tooltip="The cache to write to (from Carnator Cache)."),
+                PROBE.Input("probe", tooltip="The probed request (from Carnator Early Probe)."),
+                SIGNATURE.Input("signature", tooltip="The request's Early Signature (from Carnator Signature Builder)."),
+                io.Latent.Input("latent", tooltip="The finished LATENT of this request (from the Joint Reuse Sampler)."),
+                REPORT.Input("report", optional=True,
+                             tooltip="The sampler's run report: adds the recorded attention block structure."),
+                advanced(io.Boolean.Input("store_reused", default=False,
+                                          tooltip="Also store results that were themselves produced by reusing an "
+                                                  "entry (approximations could compound). Off: only dense runs.")),
+            ],
+            outputs=[io.String.Output(display_name="entry_id", tooltip="The stored entry's id (empty if skipped).")],
+        )
+
+    @classmethod
+    def execute(cls, cache: CacheHandle, probe: Any, signature: Signature, latent: dict, report: Any = None,
+                store_reused: bool = False) -> io.NodeOutput:
+        fp, config, prompt, seed, emb = _probe_parts(probe)
+        if not isinstance(signature, Signature):
+            raise TypeError("the 'signature' input is not a Carnator signature: connect the CARNATOR_SIGNATURE output "
+                            "of a Carnator Signature Builder node")
+        if report is not None and getattr(report, "decision", None) == "hit" and not store_reused:
+            text = ("not stored: this result reused cache entry "
+                    f"{getattr(report, 'entry_id', '?')} (enable store_reused to keep reused results too)")
+            return io.NodeOutput("", ui=ui.PreviewText(text))
+        samples = latent.get("samples") if isinstance(latent, dict) else None
+        if samples is None or getattr(samples, "ndim", 0) != 5:
+            raise ValueError("latent must be a video LATENT with samples [B, C, T, H, W] (the sampler's output)")
+        final = samples[0].detach().cpu()
+        want = tuple(int(x) for x in config.latent_shape)
+        if tuple(final.shape) != want:
+            raise ValueError(f"the LATENT is {tuple(final.shape)} per item but the probe's config says {want}: connect "
+                             "the sampler output that belongs to this probe")
+        src = "CARNATOR_PROBE output of a Carnator Early Probe node"
+        tensors = {"latent_final": final,
+                   "latent_probe": _need(probe, "latent_probe", "probe", src),
+                   "x0_probe": _need(probe, "x0_probe", "probe", src)}
+        noise = getattr(probe, "noise", None)
+        if noise is not None:
+            tensors["noise"] = noise
+        meta: dict[str, Any] = {"batch_size": int(samples.shape[0])}
+        timings = getattr(probe, "timings", None)
+        if isinstance(timings, dict) or hasattr(timings, "items"):
+            meta["probe_timings_ms"] = {str(k): float(v) for k, v in dict(timings).items()}
+        block = None
+        if report is not None:
+            block = getattr(report, "block_structure", None)
+            to_meta = getattr(report, "to_meta", None)
+            if callable(to_meta):
+                meta["report"] = to_meta()
+        store = open_store(_handle(cache))
+        entry_id, written = store.put_with_status(
+            EntryData(model_fingerprint=fp, config=config, prompt=prompt, seed=seed, embedding=emb,
+                      signature=signature, tensors=tensors, block_structure=block, meta=meta))
+        if written:
+            text = (f"stored entry {entry_id} in namespace {namespace_key(fp, config)}"
+                    + (" with attention block structure" if block else ""))
+        else:
+            text = f"already cached as entry {entry_id} (same prompt, seed, model and config)"
+        return io.NodeOutput(entry_id, ui=ui.PreviewText(text))
+
+
+def _handle(cache: Any) -> CacheHandle:
+    if not isinstance(cache, CacheHandle):
+        raise TypeError("the 'cache' input is not a Carnator cache: connect the output of a Carnator Cache node")
+    return cache
+
+
+NODES = [CarnatorCacheLoader, CarnatorCacheStats, CarnatorCacheRetriever, CarnatorCacheWriter]
