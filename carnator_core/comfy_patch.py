@@ -166,6 +166,7 @@ class _Run:
 
     adapter: ArchAdapter
     n_tokens: int
+    patch: tuple[int, int, int]
     grid: tuple[int, int, int]
     stop_at: int | None = None
     replay: list = field(default_factory=list)
@@ -243,7 +244,7 @@ def _predict_wrapper(run: _Run):
 def _latent_mask(plan: ReusePlan, run: _Run, x: torch.Tensor) -> torch.Tensor:
     key = ("latent_mask", tuple(x.shape))
     if key not in run.subset_cache:
-        pt, ph, pw = run.adapter.patch
+        pt, ph, pw = run.patch
         m = plan.token_mask.float()
         m = m.repeat_interleave(pt, 0).repeat_interleave(ph, 1).repeat_interleave(pw, 2)
         m = m[: x.shape[-3], : x.shape[-2], : x.shape[-1]]
@@ -463,8 +464,8 @@ def probe_sample(model: Any, positive, negative, latent: dict, seed: int, steps:
     check_sampler(sampler_name)
     adapter = adapter_for(model)
     latent_image = prepare_latent(model, latent)
-    grid = adapter.token_grid(tuple(latent_image.shape))
-    run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), grid=grid, stop_at=probe_steps, record_replay=True,
+    grid = adapter.token_grid(tuple(latent_image.shape), adapter.patch_of(model))
+    run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, stop_at=probe_steps, record_replay=True,
                capture=capture, progress=progress)
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
     noise = make_noise(latent_image, seed, latent)
@@ -509,8 +510,8 @@ def resume_sample(model: Any, positive, negative, latent: dict, seed: int, steps
     check_sampler(sampler_name)
     adapter = adapter_for(model)
     latent_image = prepare_latent(model, latent)
-    grid = adapter.token_grid(tuple(latent_image.shape))
-    run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), grid=grid, replay=list(replay), reuse=reuse,
+    grid = adapter.token_grid(tuple(latent_image.shape), adapter.patch_of(model))
+    run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, replay=list(replay), reuse=reuse,
                recorder=recorder, progress=progress)
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
     noise = make_noise(latent_image, seed, latent)

@@ -102,7 +102,7 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
         note = (note + "; " if note else "") + "; ".join(raw.fallbacks)
     return Probe(
         arch=adapter.arch, model_fingerprint=fingerprint, config=gen, prompt=prompt, seed=int(seed),
-        objects=tuple(objects), object_source=object_source, object_maps=maps, grid=raw.grid, patch=adapter.patch,
+        objects=tuple(objects), object_source=object_source, object_maps=maps, grid=raw.grid, patch=adapter.patch_of(model),
         x0_probe=_first_cond_row(x0).detach().cpu(), latent_probe=raw.latent_at_k[0].detach().cpu(),
         latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=embed_comfy_conditioning(positive),
         replay=tuple(r.detach().cpu() for r in raw.replay), sigmas=tuple(float(s) for s in raw.sigmas),
@@ -128,6 +128,12 @@ def word_tokens_for(prompt: str, clip: Any | None) -> list[tuple[int, int]]:
     own = getattr(clip, "carnator_word_tokens", None)
     if callable(own):
         return list(own(prompt))
+    if callable(getattr(clip, "encode_with_words", None)):  # the embedded model's text encoder: word tokens
+        from .embedded.text import tokenize_with_words
+        from .objects import align_word_ids
+
+        tokens, _ = tokenize_with_words(prompt, warn=False)
+        return list(enumerate(align_word_ids(prompt, tokens)))
     from .comfy_tokens import comfy_word_tokens
 
     return list(comfy_word_tokens(clip, prompt))

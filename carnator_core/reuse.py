@@ -38,7 +38,8 @@ class ReuseConfig:
     x0_threshold:    a token is active where the per-token mean |x0_target - x0_cached| at step k exceeds this
                      multiple of the typical (median) per-token difference magnitude of the target's x0.
     dilation:        tokens of dilation (space and time) around the evidence, so object borders are recomputed.
-    block_size:      tokens per attention block when recording structure in dense runs.
+    block_size:      tokens per attention block when recording structure in dense runs; 0 = automatic
+                     (``auto_block_size``: about 16 blocks per sequence, between 16 and 128 tokens).
     record_mass:     attention mass the recorded key blocks must cover per query block.
     record_steps:    how many representative steps to record at (spread over the schedule after the probe).
     context_margin_blocks: latent-only mode: tokens of 3-D context margin around the active region.
@@ -50,7 +51,7 @@ class ReuseConfig:
     mask_threshold: float = 0.5
     x0_threshold: float = 1.0
     dilation: int = 1
-    block_size: int = 64
+    block_size: int = 0
     record_mass: float = 0.9
     record_steps: int = 3
     context_margin_blocks: int = 1
@@ -58,8 +59,8 @@ class ReuseConfig:
     def validate(self) -> "ReuseConfig":
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.block_size < 1 or self.dilation < 0 or self.record_steps < 0:
-            raise ValueError("block_size must be >= 1, dilation and record_steps >= 0")
+        if self.block_size < 0 or self.dilation < 0 or self.record_steps < 0:
+            raise ValueError("block_size (0 = auto), dilation and record_steps must be >= 0")
         return self
 
 
@@ -172,6 +173,12 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     return A
 
 
+def auto_block_size(n_tokens: int) -> int:
+    """About 16 blocks per sequence, a power of two between 16 and 128 tokens (128 at Wan 480p scale)."""
+    target = max(16, min(128, n_tokens // 16))
+    return 1 << (target.bit_length() - 1)
+
+
 def middle_layers(n_layers: int, config: ReuseConfig) -> tuple[int, ...]:
     return tuple(range(min(config.first_dense, n_layers), max(n_layers - config.last_dense, 0)))
 
@@ -233,7 +240,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             active = torch.arange(int(np.prod(probe.grid)))
         else:
             A = active_region(tsig, cached.signature, probe.x0_probe.float().numpy(),
-                              cached.x0_probe.float().numpy(), adapter.patch, config)
+                              cached.x0_probe.float().numpy(), adapter.patch_of(model), config)
             active_fraction = float(A.mean())
             token_mask = torch.from_numpy(A.astype(np.float32))
             active = torch.from_numpy(np.flatnonzero(A.reshape(-1))).long()
@@ -245,14 +252,17 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             if config.context_margin_blocks > 0 and A3.any():
                 A3 = binary_dilation(A3, iterations=config.context_margin_blocks)
             context = torch.from_numpy(np.flatnonzero(A3.reshape(-1))).long()
-        cached_x0 = cp.process_latent_in(model, cached.final_latent.unsqueeze(0).float())[0]
+        final = cached.final_latent if cached.final_latent.ndim == 5 else cached.final_latent.unsqueeze(0)
+        cached_x0 = cp.process_latent_in(model, final[:1].float())[0]
         plan = cp.ReusePlan(active_tokens=active, token_mask=token_mask, cached_x0=cached_x0, noise=None,
                             sparse_layers=mids, structure=structure,
                             restrict_tokens=config.mode in ("joint", "latent"),
-                            context_margin_blocks=config.context_margin_blocks, block_size=config.block_size,
+                            context_margin_blocks=config.context_margin_blocks,
+                            block_size=config.block_size or auto_block_size(int(np.prod(probe.grid))),
                             context_tokens=context)
     elif record:
-        recorder = BlockRecorder(block_size=config.block_size, layers=mids,
+        n_tokens = int(np.prod(probe.grid))
+        recorder = BlockRecorder(block_size=config.block_size or auto_block_size(n_tokens), layers=mids,
                                  steps=record_plan_steps(gen.steps, gen.probe_steps, config.record_steps),
                                  mass=config.record_mass, head_average=False)
     res = cp.resume_sample(model, positive, negative, latent, probe.seed, gen.steps, gen.cfg, gen.sampler,
@@ -285,22 +295,3 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         reason=reason or (decision.summary if decision is not None and not use else ""),
     )
     return res.samples, report
-
-
-def cached_run_from_entry(entry: Any) -> CachedRun:
-    """Build what reuse needs from a loaded cache entry (``cache.Store.load``): its final latent, its x0 at the
-    probe step, its signature and its recorded block structure. Raises ValueError naming what is missing."""
-    tensors = getattr(entry, "tensors", None) or {}
-    missing = [k for k in ("latent_final", "x0_probe") if k not in tensors]
-    if missing or getattr(entry, "signature", None) is None:
-        raise ValueError(f"cache entry {getattr(entry, 'entry_id', '?')} lacks {missing or ['signature']}: it was "
-                         "not written by the Carnator Cache Writer; it cannot be reused")
-    import torch
-
-    def t(x: Any) -> Any:
-        return x if torch.is_tensor(x) else torch.from_numpy(np.asarray(x))
-
-    final = t(tensors["latent_final"])
-    return CachedRun(entry_id=str(entry.entry_id), final_latent=final[0] if final.ndim == 5 else final,
-                     x0_probe=t(tensors["x0_probe"]), signature=entry.signature,
-                     structure=getattr(entry, "block_structure", None))

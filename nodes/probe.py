@@ -9,6 +9,7 @@ from ..carnator_core.probe import ProbeConfig, objects_for, run_probe
 from ._common import advanced, parse_int_list
 
 PROBE = io.Custom("CARNATOR_PROBE")
+TEXT_ENCODER = io.Custom("CARNATOR_TEXT_ENCODER")
 
 
 
@@ -44,6 +45,8 @@ class CarnatorEarlyProbe(io.ComfyNode):
                 io.Clip.Input("clip", optional=True,
                               tooltip="The text encoder used for the positive prompt: maps object words to token "
                                       "positions. Without it objects cannot be located."),
+                TEXT_ENCODER.Input("text_encoder", optional=True,
+                                   tooltip="For the Carnator embedded model: its text encoder (instead of a CLIP)."),
                 io.String.Input("objects", default="", optional=True,
                                 tooltip="Optional override: comma-separated objects (e.g. 'red ball, cube'). "
                                         "Empty = extract nouns from the prompt."),
@@ -60,12 +63,12 @@ class CarnatorEarlyProbe(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, prompt, clip=None, objects="", probe_fraction=0.2, capture_layers="",
+                probe_steps, prompt, clip=None, text_encoder=None, objects="", probe_fraction=0.2, capture_layers="",
                 denoise=1.0) -> io.NodeOutput:
         config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction,
                              layers=parse_int_list(capture_layers, "capture_layers"))
         k = config.resolve_steps(steps)
-        found, source = objects_for(prompt, clip, objects or None)
+        found, source = objects_for(prompt, clip if clip is not None else text_encoder, objects or None)
         pbar = comfy.utils.ProgressBar(k)
         probe = run_probe(model, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
                           sampler_name=sampler_name, scheduler=scheduler, prompt=prompt, objects=found,

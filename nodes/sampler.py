@@ -6,7 +6,8 @@ import logging
 import comfy.utils
 from comfy_api.latest import io
 
-from ..carnator_core.reuse import MODES, ReuseConfig, cached_run_from_entry, sample
+from ..carnator_core.cache.handle import open_store
+from ..carnator_core.reuse import MODES, ReuseConfig, sample
 from ._common import advanced
 
 log = logging.getLogger("carnator")
@@ -16,12 +17,6 @@ SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
 CACHE = io.Custom("CARNATOR_CACHE")
 REPORT = io.Custom("CARNATOR_REPORT")
 
-
-def _load_entry(cache, entry_id: str):
-    store = cache.open() if hasattr(cache, "open") else getattr(cache, "store", None)
-    if store is None:
-        raise ValueError("the cache input is not a Carnator cache (connect a Carnator Cache loader)")
-    return store.load(entry_id)
 
 
 class CarnatorJointReuseSampler(io.ComfyNode):
@@ -58,8 +53,9 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                 "of the typical magnitude are recomputed.")),
                 advanced(io.Int.Input("dilation", default=1, min=0, max=16,
                                       tooltip="Tokens of margin around the active region.")),
-                advanced(io.Int.Input("block_size", default=64, min=8, max=1024,
-                                      tooltip="Tokens per attention block when recording structure.")),
+                advanced(io.Int.Input("block_size", default=0, min=0, max=1024,
+                                      tooltip="Tokens per attention block when recording structure "
+                                              "(0 = automatic: ~16 blocks, 16..128 tokens).")),
                 advanced(io.Float.Input("record_mass", default=0.9, min=0.5, max=1.0, step=0.01,
                                         tooltip="Attention mass the recorded key blocks must cover.")),
             ],
@@ -70,7 +66,7 @@ class CarnatorJointReuseSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
                 mode="joint", dense_first_layers=1, dense_last_layers=1, x0_threshold=1.0, dilation=1,
-                block_size=64, record_mass=0.9) -> io.NodeOutput:
+                block_size=0, record_mass=0.9) -> io.NodeOutput:
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              x0_threshold=x0_threshold, dilation=dilation, block_size=block_size,
                              record_mass=record_mass).validate()
@@ -78,7 +74,7 @@ class CarnatorJointReuseSampler(io.ComfyNode):
         if decision is not None and decision.accepted and mode != "dense":
             if cache is None:
                 raise ValueError("the decision accepted a cache entry but no cache is connected to the sampler")
-            cached = cached_run_from_entry(_load_entry(cache, decision.candidate.entry_id))
+            cached = open_store(cache).load(decision.candidate.entry_id).cached_run()
         total = probe.config.steps
         pbar = comfy.utils.ProgressBar(total)
         samples, report = sample(model, positive, negative, latent_image, probe, decision, cached, config,

@@ -26,7 +26,7 @@ def _probe(m, tm, name, seed, steps=8, k=2):
     pos, neg = tm.conditioning(name)
     lat = tm.empty_latent(name)
     out = CarnatorEarlyProbe.execute(m, pos, neg, lat, seed, steps, 5.0, "euler", "simple", k, "a red ball",
-                                     None, "ball")
+                                     None, None, "ball")
     return out.args[0], pos, neg, lat
 
 

@@ -31,10 +31,16 @@ class ArchAdapter:
     token_dims: dict[str, int] = field(default_factory=dict)
     blocks_attr: str = "blocks"
 
-    def token_grid(self, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    def patch_of(self, model: Any) -> tuple[int, int, int]:
+        """Latent cells per token for this model (Wan-family models carry their own patch size)."""
+        p = getattr(model.model.diffusion_model, "patch_size", None)
+        return tuple(int(x) for x in p) if p is not None and len(p) == 3 else self.patch
+
+    def token_grid(self, latent_shape: tuple[int, ...], patch: tuple[int, int, int] | None = None
+                   ) -> tuple[int, int, int]:
         """Token grid (T, H, W) for a latent of shape (C, T, H, W) (ceil division, as ComfyUI pads)."""
         _, t, h, w = latent_shape[-4:]
-        pt, ph, pw = self.patch
+        pt, ph, pw = patch or self.patch
         return (-(-t // pt), -(-h // ph), -(-w // pw))
 
     def num_layers(self, model: Any) -> int:
@@ -65,7 +71,7 @@ def detect_arch(model: Any) -> str:
     import comfy.model_base as mb
 
     base = getattr(model, "model", None)
-    if getattr(getattr(base, "model_config", None), "carnator_embedded", False):
+    if hasattr(base, "carnator_embedded_meta"):  # set by carnator_core.embedded.comfy_glue.load_embedded
         return "embedded"
     if isinstance(base, mb.WAN22):
         return "wan22"
