@@ -252,18 +252,33 @@ def _pooled_reference(q, k, bs):
     return torch.stack([p[..., j * bs : min(L, (j + 1) * bs)].sum(-1) for j in range(nb)], -1).mean(0).float()
 
 
-def test_record_keeps_mass_of_pooled_attention_and_diagonal():
+def test_record_keeps_mass_of_estimated_attention_and_diagonal():
     q, k = _structured_qk(H=3, grid=(4, 10, 10), D=32, seed=1)  # L = 400, bs 64 -> partial last block
     bs = 64
-    probs = sa.estimate_block_mass(q, k, bs)
-    torch.testing.assert_close(probs, _pooled_reference(q, k, bs), atol=1e-5, rtol=1e-4)
-    for mass in (0.7, 0.9):
-        keep = sa.record_block_structure(q, k, bs, mass=mass)
-        assert keep.shape == (3, 7, 7) and keep.dtype == torch.bool
-        assert bool(((probs * keep).sum(-1) >= mass - 1e-5).all())
-        assert bool(keep.diagonal(dim1=-2, dim2=-1).all())
+    torch.testing.assert_close(
+        sa.estimate_block_mass(q, k, bs, sample_queries=0), _pooled_reference(q, k, bs), atol=1e-5, rtol=1e-4
+    )
+    for s in (0, 8):
+        probs = sa.estimate_block_mass(q, k, bs, sample_queries=s)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(3, 7))
+        for mass in (0.7, 0.9):
+            keep = sa.record_block_structure(q, k, bs, mass=mass, sample_queries=s)
+            assert keep.shape == (3, 7, 7) and keep.dtype == torch.bool
+            assert bool(((probs * keep).sum(-1) >= mass - 1e-5).all())
+            assert bool(keep.diagonal(dim1=-2, dim2=-1).all())
     avg = sa.record_block_structure(q, k, bs, mass=0.9, head_average=True)
     assert avg.shape == (1, 7, 7)
+
+
+def test_sampled_queries_are_the_block_rows_softmax_mean():
+    q, k = _structured_qk(H=2, grid=(1, 5, 20), D=16, seed=4)  # L = 100, bs 32: blocks of 32, 32, 32, 4
+    bs = 32
+    probs = sa.estimate_block_mass(q, k, bs, sample_queries=4)
+    p = torch.softmax(q[0].double() @ k[0].double().transpose(-1, -2) / 4.0, -1)  # [H, L, L]
+    pb = torch.stack([p[..., j * bs : min(100, (j + 1) * bs)].sum(-1) for j in range(4)], -1)  # [H, L, Kb]
+    rows = [[4, 12, 20, 28], [36, 44, 52, 60], [68, 76, 84, 92], [96, 97, 98, 99]]  # evenly spaced, partial last
+    expect = torch.stack([pb[:, r].mean(1) for r in rows], 1).float()
+    torch.testing.assert_close(probs, expect, atol=1e-5, rtol=1e-4)
 
 
 def test_record_on_local_attention_is_sparse_and_covers_true_mass():
