@@ -7,9 +7,11 @@ T = TypeVar("T")
 
 
 def advanced(inp: T) -> T:
-    """Mark a tuning knob as advanced (the frontend folds such widgets away). ComfyUI 0.3.75's V3 widget
-    constructors have no ``advanced`` argument, so the flag goes into the input's extra dict."""
+    """Mark a tuning knob as advanced (the frontend folds such widgets away) and optional, so API-format
+    prompts may omit it and get its default (``execute`` must declare the same default). ComfyUI 0.3.75's V3
+    widget constructors have no ``advanced`` argument, so the flag goes into the input's extra dict."""
     inp.extra_dict["advanced"] = True  # type: ignore[attr-defined]
+    inp.optional = True  # type: ignore[attr-defined]
     return inp
 
 
