@@ -26,8 +26,10 @@ Conventions used throughout:
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Sequence
 
@@ -49,6 +51,7 @@ __all__ = [
     "keep_to_dense_mask",
     "BlockSparsePlan",
     "plan_block_sparse",
+    "clear_plan_cache",
     "block_sparse_attention",
     "block_sparse_attention_bld",
     "build_flex_block_mask",
@@ -430,10 +433,13 @@ def keep_to_dense_mask(
 @dataclass
 class _Group:
     q_rows: torch.Tensor  # [G, m] flat rows (pattern head * Lq + row) to gather queries from; padding clamped
-    k_rows: torch.Tensor  # [G, n * bs] flat rows (pattern head * L + pos) to gather keys/values from; clamped
-    k_valid: torch.Tensor | None  # [G, n * bs] bool, None if all valid
+    # Key blocks are stored per block, not per token (plan memory O(H * Qb * Kb)); rows are expanded per chunk.
+    k_start: torch.Tensor  # [G, n] first flat key row (pattern head * L + block * bs) of each gathered block
+    k_end: torch.Tensor  # [G, n] last valid flat key row of the item's head (pattern head * L + L - 1)
+    k_valid: torch.Tensor | None  # [G, n] bool: block is real (not padding); None if all real and no partial block
     m: int
-    n_keys: int
+    n: int
+    has_partial: bool  # some gathered block is the partial last block (its tail is masked)
 
 
 @dataclass
@@ -543,7 +549,6 @@ def plan_block_sparse(
     else:
         raise ValueError(f"strategy must be 'grouped' or 'padded', got {strategy!r}")
 
-    ar_bs = torch.arange(block_size)
     out_perm = torch.empty(Hk * Lq, dtype=torch.long)
     offset = 0  # rows of the concatenated group outputs written so far
     for sel in selections:
@@ -565,21 +570,56 @@ def plan_block_sparse(
         kb_sorted = torch.argsort((~kk).to(torch.int8), dim=-1, stable=True)[:, :n]
         kb_valid = torch.arange(n)[None, :] < kk.sum(-1)[:, None]
         kb_sorted = torch.where(kb_valid, kb_sorted, kb_sorted[:, :1])
-        pos = kb_sorted[:, :, None] * block_size + ar_bs  # [G, n, bs]
-        valid = (pos < L) & kb_valid[:, :, None]
-        pos = pos.clamp(max=L - 1).reshape(G, n * block_size)
-        valid = valid.reshape(G, n * block_size)
+        has_partial = bool(partial_last and bool(((kb_sorted == Kb - 1) & kb_valid).any()))
         plan.groups.append(
             _Group(
                 q_rows=flat_rows.to(device),
-                k_rows=(hs[:, None] * L + pos).to(device),
-                k_valid=None if bool(valid.all()) else valid.to(device),
+                k_start=(hs[:, None] * L + kb_sorted * block_size).to(device),
+                k_end=(hs[:, None] * L + (L - 1)).expand(G, n).contiguous().to(device),
+                k_valid=None if (bool(kb_valid.all()) and not has_partial) else kb_valid.to(device),
                 m=m,
-                n_keys=n * block_size,
+                n=n,
+                has_partial=has_partial,
             )
         )
     plan.out_perm = out_perm.to(device)
     return plan
+
+
+# Plans / block masks depend only on (keep, block_size, n_tokens, query_index): callers that rebuild `keep` per
+# call (e.g. from a BlockStructure at every step) hit this content-keyed LRU instead of re-planning (tens to
+# hundreds of ms at 4-32k tokens). Entries are small: O(H * Qb * Kb) indices per plan.
+_CACHE_SIZE = 64
+_PLAN_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+
+
+def _content_key(*tensors: torch.Tensor | None) -> tuple:
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+            continue
+        a = t.detach().to("cpu").contiguous()
+        key.append((tuple(a.shape), str(a.dtype), hashlib.blake2b(a.numpy().tobytes(), digest_size=16).hexdigest()))
+    return tuple(key)
+
+
+def _cached(kind: str, keep: torch.Tensor, query_index: torch.Tensor | None, extra: tuple, build: Callable[[], object]):
+    key = (kind, *extra, *_content_key(keep, query_index))
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return hit
+    value = build()
+    _PLAN_CACHE[key] = value
+    while len(_PLAN_CACHE) > _CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return value
+
+
+def clear_plan_cache() -> None:
+    """Drop cached gather plans and flex block masks (they are rebuilt on demand)."""
+    _PLAN_CACHE.clear()
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -603,17 +643,28 @@ def _gather_attention(
     qf, kf, vf = flat(q, Lq), flat(k, L), flat(v, L)
     outs = []
     elem = q.element_size()
+    ar = torch.arange(plan.block_size, device=q.device)
+    bs = plan.block_size
     for g in plan.groups:
         G = g.q_rows.shape[0]
-        per_item = N * (g.m + 2 * g.n_keys) * D * elem
+        n_keys = g.n * bs
+        per_item = N * (g.m + 2 * n_keys) * D * elem
         step = max(1, int(chunk_bytes // max(per_item, 1)))
         for a in range(0, G, step):
             b = min(G, a + step)
             gq = qf.index_select(1, g.q_rows[a:b].reshape(-1)).view(N, b - a, g.m, D)
-            kr = g.k_rows[a:b].reshape(-1)
-            gk = kf.index_select(1, kr).view(N, b - a, g.n_keys, D)
-            gv = vf.index_select(1, kr).view(N, b - a, g.n_keys, D)
-            mask = None if g.k_valid is None else g.k_valid[a:b][None, :, None, :]
+            rows = g.k_start[a:b, :, None] + ar  # [c, n, bs]
+            mask = None
+            if g.k_valid is not None:
+                valid = g.k_valid[a:b, :, None].expand(-1, -1, bs)
+                if g.has_partial:
+                    valid = valid & (rows <= g.k_end[a:b, :, None])
+                mask = valid.reshape(1, b - a, 1, n_keys)
+            if g.has_partial:
+                rows = torch.minimum(rows, g.k_end[a:b, :, None])
+            kr = rows.reshape(-1)
+            gk = kf.index_select(1, kr).view(N, b - a, n_keys, D)
+            gv = vf.index_select(1, kr).view(N, b - a, n_keys, D)
             outs.append(_sdpa(gq, gk, gv, mask, scale).reshape(N, (b - a) * g.m, D))
     # One permuting gather back to (pattern head, row) order: measured faster on CPU than index_copy_ per group.
     out = torch.cat(outs, dim=1).index_select(1, plan.out_perm)
@@ -735,7 +786,8 @@ def block_sparse_attention(
     default), ``"flex"`` (FlexAttention with a BlockMask; compiled on CUDA, eager elsewhere unless
     ``flex_compiled``), ``"dense_masked"`` (the reference: dense SDPA with a token-level mask), ``"auto"``
     (flex on CUDA when available, gather otherwise). ``plan`` / ``block_mask``: precomputed by
-    :func:`plan_block_sparse` / :func:`build_flex_block_mask` for the same arguments (reuse across steps).
+    :func:`plan_block_sparse` / :func:`build_flex_block_mask` for the same arguments; when omitted they come
+    from a small LRU keyed by the *content* of keep/query_index (so rebuilding keep per call is cheap).
     """
     block_size = _check_block_size(block_size)
     q, k, v = _as_bhld(q, "q"), _as_bhld(k, "k"), _as_bhld(v, "v")
@@ -765,7 +817,10 @@ def block_sparse_attention(
         return _sdpa(q, k, v, mask.unsqueeze(0), scale)
     if backend == "gather":
         if plan is None:
-            plan = plan_block_sparse(keep, block_size, L, query_index, strategy=strategy, device=q.device)
+            plan = _cached(
+                "plan", keep, query_index, (block_size, L, strategy, str(q.device)),
+                lambda: plan_block_sparse(keep, block_size, L, query_index, strategy=strategy, device=q.device),
+            )
         elif not plan.compatible(H, Lq, L, q.device):
             raise ValueError("the given plan was built for other shapes/device than these q/k/v; rebuild it")
         if Lq == 0:
@@ -777,7 +832,10 @@ def block_sparse_attention(
         if not flex_available():
             raise RuntimeError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use 'gather'")
         if block_mask is None:
-            block_mask = build_flex_block_mask(keep, block_size, L, query_index, device=q.device)
+            block_mask = _cached(
+                "flex", keep, query_index, (block_size, L, str(q.device)),
+                lambda: build_flex_block_mask(keep, block_size, L, query_index, device=q.device),
+            )
         compiled = q.is_cuda if flex_compiled is None else bool(flex_compiled)
         return _flex_fn(compiled)(q, k, v, block_mask=block_mask, scale=scale)
     raise ValueError(f"backend must be one of 'auto', 'gather', 'flex', 'dense_masked'; got {backend!r}")

@@ -359,3 +359,20 @@ def test_record_flops_are_a_small_fraction_of_dense_attention():
     for s in (0, 8):
         rec = flops(lambda: sa.record_block_structure(q, k, bs, sample_queries=s))
         assert 0 < rec <= dense * max(s, 1) / bs, (s, rec, dense)
+
+
+def test_plans_are_cached_by_content():
+    sa.clear_plan_cache()
+    B, H, L, D, bs = 1, 2, 128, 8, 32
+    q, k, v = _qkv(B, H, L, D, seed=12)
+    keep = _random_keep(H, 4, 0.3, seed=13)
+    a = sa.block_sparse_attention(q, k, v, keep, bs)
+    b = sa.block_sparse_attention(q, k, v, keep.clone(), bs)  # equal content, new tensor: cache hit
+    assert len(sa._PLAN_CACHE) == 1
+    torch.testing.assert_close(a, b)
+    other = keep.clone()
+    other[0, 0, 1] = ~other[0, 0, 1]
+    c = sa.block_sparse_attention(q, k, v, other, bs)
+    assert len(sa._PLAN_CACHE) == 2
+    torch.testing.assert_close(c, _reference(q, k, v, other, bs), atol=2e-5, rtol=1e-4)
+    sa.clear_plan_cache()
