@@ -27,8 +27,11 @@ class ProbeConfigError(ValueError):
 class ProbeConfig:
     """How long the probe runs and where it looks.
 
-    probe_steps:    number of sampling steps to probe (k). 0 = use ``probe_fraction``.
-    probe_fraction: fraction of the schedule to probe when probe_steps is 0 (rounded, at least 1).
+    probe_steps:    number of sampling steps to probe (k). 0 = use ``probe_sigma`` or ``probe_fraction``.
+    probe_sigma:    when > 0 (and probe_steps is 0): probe until the schedule's sigma first drops to this value or
+                    below (k = first step index with sigma <= probe_sigma), so k follows the noise level, not the
+                    step count — the same denoising progress whatever the steps and shift.
+    probe_fraction: fraction of the schedule to probe when probe_steps and probe_sigma are 0 (rounded, >= 1).
     layers:         transformer blocks whose cross-attention is captured; empty = the middle layers
                     (all but ``first_dense`` first and ``last_dense`` last blocks).
     first_dense, last_dense: how many first/last blocks count as "outer" (not middle).
@@ -36,16 +39,30 @@ class ProbeConfig:
 
     probe_steps: int = 0
     probe_fraction: float = 0.2
+    probe_sigma: float = 0.0
     layers: tuple[int, ...] = ()
     first_dense: int = 1
     last_dense: int = 1
 
-    def resolve_steps(self, steps: int) -> int:
+    def resolve_steps(self, steps: int, sigmas: Sequence[float] | None = None) -> int:
+        """The probe length k for a schedule of ``steps`` steps (``sigmas``: its sigma schedule, needed for
+        ``probe_sigma``). Raises ProbeConfigError naming the problem."""
         if steps < 2:
             raise ProbeConfigError(f"steps={steps}: a probed generation needs at least 2 steps")
         if self.probe_steps < 0:
             raise ProbeConfigError(f"probe_steps must be >= 0, got {self.probe_steps}")
-        k = self.probe_steps if self.probe_steps > 0 else max(1, int(round(self.probe_fraction * steps)))
+        if self.probe_steps > 0:
+            k = self.probe_steps
+        elif self.probe_sigma > 0:
+            if sigmas is None:
+                raise ProbeConfigError("probe_sigma needs the sigma schedule")
+            below = [i for i, s in enumerate(list(sigmas)[:steps]) if float(s) <= self.probe_sigma]
+            if not below:
+                raise ProbeConfigError(f"no step of this schedule reaches sigma <= {self.probe_sigma} before the end; "
+                                       "raise probe_sigma")
+            k = max(1, below[0])
+        else:
+            k = max(1, int(round(self.probe_fraction * steps)))
         if not 0.0 < self.probe_fraction < 1.0 and self.probe_steps == 0:
             raise ProbeConfigError(f"probe_fraction must be in (0, 1), got {self.probe_fraction}")
         if k >= steps:
@@ -69,7 +86,8 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
     t_all = time.perf_counter()
     adapter = adapter_for(model)
     cp.check_sampler(sampler_name)
-    k = config.resolve_steps(steps)
+    k = config.resolve_steps(steps, cp.compute_sigmas(model, steps, sampler_name, scheduler, denoise).tolist()
+                             if config.probe_sigma > 0 else None)
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ProbeConfigError("latent must be a ComfyUI LATENT (a dict with 'samples')")
     samples = latent["samples"]

@@ -52,6 +52,9 @@ class CarnatorEarlyProbe(io.ComfyNode):
                                         "Empty = extract nouns from the prompt."),
                 advanced(io.Float.Input("probe_fraction", default=0.2, min=0.01, max=0.95, step=0.01,
                                tooltip="Fraction of the schedule to probe when probe_steps is 0.")),
+                advanced(io.Float.Input("probe_sigma", default=0.0, min=0.0, max=1000.0, step=0.01,
+                                        tooltip="When > 0 and probe_steps is 0: probe until sigma first drops to "
+                                                "this value (k by noise level instead of step count).")),
                 advanced(io.String.Input("capture_layers", default="",
                                 tooltip="Blocks whose cross-attention is captured, e.g. '1,2'. Empty = middle "
                                         "layers.")),
@@ -63,17 +66,18 @@ class CarnatorEarlyProbe(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
-                probe_steps, prompt, clip=None, text_encoder=None, objects="", probe_fraction=0.2, capture_layers="",
-                denoise=1.0) -> io.NodeOutput:
-        config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction,
+                probe_steps, prompt, clip=None, text_encoder=None, objects="", probe_fraction=0.2, probe_sigma=0.0,
+                capture_layers="", denoise=1.0) -> io.NodeOutput:
+        config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction, probe_sigma=probe_sigma,
                              layers=parse_int_list(capture_layers, "capture_layers"))
-        k = config.resolve_steps(steps)
         found, source = objects_for(prompt, clip if clip is not None else text_encoder, objects or None)
-        pbar = comfy.utils.ProgressBar(k)
+        # The probe is the start of the generation: its bar counts the request's steps (the sampler finishes it).
+        pbar = comfy.utils.ProgressBar(steps)
         probe = run_probe(model, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
                           sampler_name=sampler_name, scheduler=scheduler, prompt=prompt, objects=found,
                           object_source=source, config=config, denoise=denoise,
-                          progress=lambda i: pbar.update_absolute(i + 1, k))
+                          progress=lambda i: pbar.update_absolute(i + 1, steps))
+        k = probe.probe_steps
         names = ", ".join(f"{o.name}({len(o.positions)} tok)" for o in probe.objects) or "none"
         summary = (f"probe {k}/{steps} steps on {probe.arch} in {probe.timings['probe_ms']:.0f} ms; "
                    f"objects [{source}]: {names}" + (f"; {probe.note}" if probe.note else ""))

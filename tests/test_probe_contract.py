@@ -127,3 +127,15 @@ def test_image_latent_is_refused_clearly(env):
         run_probe(models["wan21"], pos, neg, {"samples": torch.zeros(1, 16, 8, 8)}, seed=1, steps=6, cfg=5.0,
                   sampler_name="euler", scheduler="simple", prompt="x", objects=(), object_source="none",
                   config=ProbeConfig(probe_steps=2))
+
+
+def test_probe_length_by_sigma_follows_the_schedule(env):
+    from carnator.carnator_core.comfy_patch import compute_sigmas
+    from carnator.carnator_core.probe import ProbeConfig, ProbeConfigError
+
+    tm, models, _ = env
+    sig = compute_sigmas(models["wan21"], 10, "euler", "simple").tolist()
+    k = ProbeConfig(probe_sigma=0.9).resolve_steps(10, sig)
+    assert sig[k] <= 0.9 < sig[k - 1]
+    with pytest.raises(ProbeConfigError, match="no step of this schedule reaches"):
+        ProbeConfig(probe_sigma=1e-9).resolve_steps(10, sig)
