@@ -174,7 +174,11 @@ class VectorIndex:
         ])
         ivf = faiss.IndexIVFFlat(faiss.IndexFlatL2(r), r, nlist, faiss.METRIC_L2)
         ivf.cp.seed = params.seed
-        ivf.train(train)
+        if nlist == 1:  # one list: its centroid is the mean (k-means would only warn about too few points)
+            ivf.quantizer.add(train.mean(axis=0, keepdims=True))
+            ivf.is_trained = True
+        else:
+            ivf.train(train)
         del train
         out = cls("pca-ivf", dim, ivf, mean=mean, components=comps, trained_n=n, nprobe=params.nprobe)
         step = 32768  # chunked: projecting 1M x 4096 at once would need tens of GB

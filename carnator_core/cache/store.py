@@ -1162,8 +1162,10 @@ class Store:
         with lock:
             with self._read() as c:
                 row = c.execute("SELECT token, index_generation FROM namespaces WHERE namespace=?", (ns,)).fetchone()
-            if row is None or row[0] != st.token or int(row[1]) >= st.generation:
-                return  # purged meanwhile, or another process already wrote this state or a newer one
+            if row is None or row[0] != st.token or int(row[1]) > st.generation:
+                return  # purged meanwhile, or another process already wrote a newer state
+            if int(row[1]) == st.generation and not force and self._index_path(ns).exists():
+                return  # this state is already on disk (force: ours was rebuilt because the file was unusable)
             blob = st.index.to_bytes(self._key, {"namespace": ns, "token": st.token, "generation": st.generation})
             _atomic_write(self.root, self._index_path(ns), blob, durable=False)
             with self._write() as c:
