@@ -729,6 +729,10 @@ def build_flex_block_mask(
     full_num, full_idx = to_idx(full)
     keep_c = keep.contiguous()
     shared = Hk == 1
+    # Compiled kernels may evaluate mask_mod on the padding rows of the last q tile: keep the lookup in bounds.
+    pad = n_tiles * block_size - Lq
+    if pad and Lq:
+        qblk = torch.cat([qblk, qblk[-1:].expand(pad)])
 
     def mask_mod(b, h, q_idx, kv_idx):
         hh = h * 0 if shared else h
@@ -807,6 +811,8 @@ def block_sparse_attention(
         raise ValueError(f"value head dim {v.shape[-1]} differs from query head dim {D}; not supported")
     keep = _normalize_keep(keep, H, L, block_size)
     scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+    if Lq == 0:
+        return q.new_empty(B, H, 0, D)
 
     if backend == "auto":
         backend = "flex" if (q.is_cuda and flex_available()) else "gather"
@@ -823,8 +829,6 @@ def block_sparse_attention(
             )
         elif not plan.compatible(H, Lq, L, q.device):
             raise ValueError("the given plan was built for other shapes/device than these q/k/v; rebuild it")
-        if Lq == 0:
-            return q.new_empty(B, H, 0, D)
         if plan.dense:
             return _sdpa(q, k, v, None, scale)
         return _gather_attention(q, k, v, plan, scale, chunk_bytes)
