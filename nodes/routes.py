@@ -4,8 +4,9 @@ Registered on ComfyUI's ``PromptServer`` when node discovery imports this module
 ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custom nodes, under both ``/`` and
 ``/api``). Imported in-process without a server (tests that build the node list), it registers nothing.
 
-* ``GET  /carnator/cache/stats?directory=carnator_cache`` → the store's statistics as JSON (``exists: false`` and
-  zeros for a directory that does not exist yet: reading stats never creates a cache).
+* ``GET  /carnator/cache/stats?directory=carnator_cache`` → the store's statistics as JSON (``Store.stats()``:
+  entries, bytes, lookups, hits, hit_rate, namespaces, ...), or ``exists: false`` and zeros for a directory that
+  is not a Carnator cache (yet): reading stats never creates a cache.
 * ``POST /carnator/cache/purge`` with JSON ``{"directory": "carnator_cache"}`` → what the purge removed.
 
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
@@ -37,13 +38,11 @@ class RouteError(Exception):
 
 
 def allowed_roots() -> list[Path]:
-    """Where cache directories may live: ComfyUI's output dir (first: relative paths resolve there), its user dir,
-    then ``CARNATOR_CACHE_ROOTS``. The Cache loader node applies the same rule."""
-    import folder_paths
+    """Where cache directories may live — exactly the Cache loader node's rule (nodes/cache.py): ComfyUI's output
+    dir (first: relative paths resolve there), its user dir, then ``CARNATOR_CACHE_ROOTS``."""
+    from .cache import allowed_roots as node_roots
 
-    from ..carnator_core.cache.paths import roots_from_env
-
-    return [Path(folder_paths.get_output_directory()), Path(folder_paths.get_user_directory()), *roots_from_env()]
+    return node_roots()
 
 
 def resolve_directory(directory: str | None) -> Path:
@@ -55,6 +54,14 @@ def resolve_directory(directory: str | None) -> Path:
         raise RouteError(400, str(e)) from None
 
 
+def _is_cache_dir(path: Path) -> bool:
+    """A directory a Carnator store has initialised (its marker file). The panel never turns another folder into a
+    cache: ``Store.open`` would create one, so stats and purge only open directories that already are caches."""
+    from ..carnator_core.cache.store import MARKER
+
+    return path.is_dir() and (path / MARKER).is_file()
+
+
 def _store_class() -> Any:
     try:
         from ..carnator_core.cache import Store
@@ -63,15 +70,23 @@ def _store_class() -> Any:
     return Store
 
 
+def _open(path: Path) -> Any:
+    """A Store of its own for this request (closed by the caller), with the index key the cache nodes use: the
+    nodes' process-wide Store keeps its budget and policy, and the store's multi-process rules keep both in step."""
+    from .cache import key_path
+
+    return _store_class().open(path, key_path=key_path())
+
+
 def _jsonable(value: Any) -> Any:
     """Stats as plain JSON: dataclasses and objects with ``to_dict``/``to_meta`` become dicts, paths strings."""
     import dataclasses
 
+    for attr in ("to_meta", "to_dict"):
+        if callable(getattr(value, attr, None)):
+            return _jsonable(getattr(value, attr)())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
-    for attr in ("to_dict", "to_meta"):
-        if hasattr(value, attr):
-            return _jsonable(getattr(value, attr)())
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -83,22 +98,13 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _with_rates(stats: dict[str, Any]) -> dict[str, Any]:
-    """Adds ``hit_rate`` (hits / lookups that could hit) when the store reports hits and misses but no rate."""
-    if "hit_rate" not in stats:
-        hits, misses = stats.get("hits"), stats.get("misses")
-        if isinstance(hits, (int, float)) and isinstance(misses, (int, float)):
-            stats["hit_rate"] = hits / (hits + misses) if hits + misses else None
-    return stats
-
-
 def cache_stats(directory: str | None) -> dict[str, Any]:
     """Statistics of the cache in ``directory`` (confined); zeros if it does not exist yet."""
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
-    if not path.is_dir():
-        return {**base, "exists": False, "entries": 0, "bytes": 0, "hits": 0, "hit_rate": None}
-    store = _store_class().open(path)
+    if not _is_cache_dir(path):
+        return {**base, "exists": False, "entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None}
+    store = _open(path)
     try:
         stats = _jsonable(store.stats())
     finally:
@@ -107,16 +113,16 @@ def cache_stats(directory: str | None) -> dict[str, Any]:
             close()
     if not isinstance(stats, dict):
         stats = {"stats": stats}
-    return _with_rates({**base, "exists": True, **stats})
+    return {**base, "exists": True, **stats}
 
 
 def cache_purge(directory: str | None) -> dict[str, Any]:
     """Removes every entry of the cache in ``directory`` (confined); the directory itself stays."""
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
-    if not path.is_dir():
+    if not _is_cache_dir(path):
         return {**base, "exists": False, "purged": 0}
-    store = _store_class().open(path)
+    store = _open(path)
     try:
         result = _jsonable(store.purge())
     finally:

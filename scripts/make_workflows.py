@@ -21,10 +21,10 @@ the committed files differ, so a node whose inputs change forces a regeneration 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -110,9 +110,9 @@ class Graph:
         self.nodes.append(Node(id=len(self.nodes) + 1, type="MarkdownNote", pos=pos, values={"text": text},
                                size=size))
 
-    def group(self, title: str, bounding: tuple[float, float, float, float], color: str = "#3f789e") -> None:
-        self.groups.append({"id": len(self.groups) + 1, "title": title, "bounding": list(bounding), "color": color,
-                            "font_size": 24, "flags": {}})
+    def group(self, title: str, members: list[Ref], color: str = "#3f789e") -> None:
+        """A titled frame around ``members`` (its bounds are computed from the laid-out nodes)."""
+        self.groups.append({"title": title, "members": [m.node for m in members], "color": color})
 
 
 # --- node definitions (from /object_info) ----------------------------------------------------------------------
@@ -203,69 +203,89 @@ def render_api(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _estimate_size(n_sockets: int, n_outputs: int, n_widgets: int, multiline: int) -> list[float]:
-    # The frontend keeps a saved size if it is at least the node's minimum; these estimates are generous.
+    # At least the frontend's own minimum for the node (it keeps a saved size that is not smaller).
     height = 30 + 22 * max(n_sockets, n_outputs) + 26 * n_widgets + 90 * multiline
     return [340.0, float(max(height, 60))]
 
 
+TITLE_H = 30  # LiteGraph title bar height: a node's pos is the top-left of its body, the title sits above it
+GAP = 24
+
+
+def _layout(graph: Graph, sizes: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Positions with no overlap: nodes sharing an x column keep their order by y but are pushed down until each
+    clears the one above it (title bar included)."""
+    pos = {n.id: [float(n.pos[0]), float(n.pos[1])] for n in graph.nodes}
+    columns: dict[float, list[int]] = {}
+    for n in graph.nodes:
+        columns.setdefault(float(n.pos[0]), []).append(n.id)
+    for ids in columns.values():
+        ids.sort(key=lambda i: (pos[i][1], i))
+        for above, below in zip(ids, ids[1:]):
+            pos[below][1] = max(pos[below][1], pos[above][1] + sizes[above][1] + TITLE_H + GAP)
+    return pos
+
+
 def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
-    """The frontend's saved-workflow format (version 0.4)."""
+    """The frontend's saved-workflow format (version 0.4), laid out as ComfyUI frontend 1.32 saves it: per node
+    the socket inputs (required, then optional), then one input slot per widget (``widget: {name}``; linked when
+    a link feeds the widget), ``widgets_values`` in widget order with the control_after_generate value after
+    the widget it controls."""
     by_id = {n.id: n for n in graph.nodes}
     defs = {n.id: _node_def(object_info, n, graph) for n in graph.nodes if n.type not in VIRTUAL_NODES}
     ui_nodes: dict[int, dict[str, Any]] = {}
-    links: list[list[Any]] = []
-    out_links: dict[tuple[int, int], list[int]] = {}
-
-    # Inputs first (they give the target slot indices of the links).
+    sizes: dict[int, list[float]] = {}
     pending: list[tuple[Node, str, int, str]] = []  # (target node, input name, target slot, type)
+
     for order, node in enumerate(graph.nodes):
         if node.type in VIRTUAL_NODES:
+            sizes[node.id] = list(node.size or (400, 200))
             ui_nodes[node.id] = {
-                "id": node.id, "type": node.type, "pos": list(node.pos), "size": list(node.size or (400, 200)),
-                "flags": {}, "order": order, "mode": 0, "inputs": [], "outputs": [], "properties": {},
+                "id": node.id, "type": node.type, "pos": None, "size": sizes[node.id], "flags": {},
+                "order": order, "mode": 0, "inputs": [], "outputs": [], "properties": {},
                 "widgets_values": [node.values.get("text", "")], "color": "#432", "bgcolor": "#653",
             }
             continue
         node_def = defs[node.id]
         _check_description(graph, node, node_def)
-        ui_inputs: list[dict[str, Any]] = []
-        linked_widgets: list[dict[str, Any]] = []
+        sockets: list[dict[str, Any]] = []
+        widget_slots: list[dict[str, Any]] = []
         widgets_values: list[Any] = []
         n_widgets = multiline = 0
         for name, spec, optional in ordered_inputs(node_def):
             kind = input_type(spec)
+            slot: dict[str, Any] = {"localized_name": name, "name": name, "type": kind}
             if is_widget(spec):
-                n_widgets += 1
                 opts = input_options(spec)
+                n_widgets += 1 + bool(opts.get("control_after_generate"))
                 multiline += bool(opts.get("multiline"))
                 widgets_values.append(node.values.get(name, widget_default(spec)))
                 if opts.get("control_after_generate"):
                     widgets_values.append(node.control)
-                    n_widgets += 1
-                if name in node.links:  # a widget fed by a link (e.g. one prompt text for several nodes)
-                    linked_widgets.append({"name": name, "type": kind, "widget": {"name": name}, "link": None})
-                continue
-            slot: dict[str, Any] = {"name": name, "type": kind, "link": None}
-            if optional:
-                slot["shape"] = 7  # the frontend draws optional sockets hollow
-            ui_inputs.append(slot)
-        ui_inputs.extend(linked_widgets)
+                widget_slots.append({**slot, "widget": {"name": name}, "link": None})
+            else:
+                if optional:
+                    slot["shape"] = 7  # the frontend draws optional sockets hollow
+                sockets.append({**slot, "link": None})
+        ui_inputs = sockets + widget_slots
         for index, slot in enumerate(ui_inputs):
             if slot["name"] in node.links:
                 pending.append((node, slot["name"], index, slot["type"]))
         out_types = list(node_def.get("output", []))
         out_names = list(node_def.get("output_name", out_types))
         properties: dict[str, Any] = {"Node name for S&R": node.type}
-        models = [node.values[k] for k in node.values if isinstance(node.values[k], str) and node.values[k] in MODEL_FILES]
-        if models:
-            properties["models"] = [{"name": m, "url": MODEL_FILES[m][0], "directory": MODEL_FILES[m][1]} for m in models]
-        ui = {
-            "id": node.id, "type": node.type, "pos": list(node.pos),
-            "size": list(node.size) if node.size else _estimate_size(len(ui_inputs), len(out_types), n_widgets,
-                                                                    multiline),
-            "flags": {}, "order": order, "mode": 0, "inputs": ui_inputs,
-            "outputs": [{"name": out_names[i] if i < len(out_names) else t, "type": t, "links": None,
-                         "slot_index": i} for i, t in enumerate(out_types)],
+        models = [v for v in node.values.values() if isinstance(v, str) and v in MODEL_FILES]
+        if models:  # lets the frontend offer the download of a missing model file
+            properties["models"] = [{"name": m, "url": MODEL_FILES[m][0], "directory": MODEL_FILES[m][1]}
+                                    for m in models]
+        sizes[node.id] = list(node.size) if node.size else _estimate_size(len(sockets), len(out_types), n_widgets,
+                                                                          multiline)
+        ui: dict[str, Any] = {
+            "id": node.id, "type": node.type, "pos": None, "size": sizes[node.id], "flags": {}, "order": order,
+            "mode": 0, "inputs": ui_inputs,
+            "outputs": [{"localized_name": out_names[i] if i < len(out_names) else t,
+                         "name": out_names[i] if i < len(out_names) else t, "type": t, "slot_index": i, "links": None}
+                        for i, t in enumerate(out_types)],
             "properties": properties, "widgets_values": widgets_values,
         }
         if node.title:
@@ -276,13 +296,14 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
             ui["bgcolor"] = node.bgcolor
         ui_nodes[node.id] = ui
 
+    links: list[list[Any]] = []
+    out_links: dict[tuple[int, int], list[int]] = {}
     for link_id, (node, name, target_slot, in_type) in enumerate(pending, start=1):
         ref = node.links[name]
         source = by_id.get(ref.node)
         if source is None or source.type in VIRTUAL_NODES:
             raise SchemaError(f"workflow {graph.name!r}: input {name!r} of node {node.id} links to a missing node")
-        src_def = defs[source.id]
-        outputs = list(src_def.get("output", []))
+        outputs = list(defs[source.id].get("output", []))
         if ref.slot >= len(outputs):
             raise SchemaError(f"workflow {graph.name!r}: {source.type} (node {source.id}) has no output {ref.slot}")
         out_type = outputs[ref.slot]
@@ -295,11 +316,22 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
     for (node_id, slot), ids in out_links.items():
         ui_nodes[node_id]["outputs"][slot]["links"] = ids
 
+    positions = _layout(graph, sizes)
+    for node_id, ui in ui_nodes.items():
+        ui["pos"] = positions[node_id]
+    groups = []
+    for i, grp in enumerate(graph.groups, start=1):
+        x0 = min(positions[m][0] for m in grp["members"]) - 20
+        y0 = min(positions[m][1] for m in grp["members"]) - TITLE_H - 50
+        x1 = max(positions[m][0] + sizes[m][0] for m in grp["members"]) + 20
+        y1 = max(positions[m][1] + sizes[m][1] for m in grp["members"]) + 20
+        groups.append({"id": i, "title": grp["title"], "bounding": [x0, y0, x1 - x0, y1 - y0], "color": grp["color"],
+                       "font_size": 24, "flags": {}})
     return {
-        "id": f"carnator-{graph.name}", "revision": 0,
-        "last_node_id": max(n.id for n in graph.nodes), "last_link_id": len(links),
-        "nodes": [ui_nodes[n.id] for n in graph.nodes], "links": links, "groups": copy.deepcopy(graph.groups),
-        "config": {}, "extra": {"ds": {"scale": 0.6, "offset": [60, 80]}}, "version": 0.4,
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"carnator/workflows/{graph.name}")),  # the frontend wants a UUID
+        "revision": 0, "last_node_id": max(n.id for n in graph.nodes), "last_link_id": len(links),
+        "nodes": [ui_nodes[n.id] for n in graph.nodes], "links": links, "groups": groups, "config": {},
+        "extra": {"ds": {"scale": 0.55, "offset": [40, 120]}}, "version": 0.4,
     }
 
 
@@ -312,7 +344,8 @@ def types_compatible(out_type: str, in_type: str) -> bool:
 
 
 # --- the workflows ---------------------------------------------------------------------------------------------
-# Column x positions of the left-to-right layout.
+# Column x positions of the left-to-right layout: models | prompt & size | probe & signature | retrieval & risk |
+# sampler & writer | decode & save. Nodes in a column are stacked without overlap by ``_layout``.
 X0, X1, X2, X3, X4, X5 = 0, 400, 800, 1200, 1600, 2000
 
 CACHE_DIR = "carnator_cache"  # relative to ComfyUI's output directory (see the Cache loader's tooltip)
@@ -326,9 +359,9 @@ class Sources:
     positive: Ref
     negative: Ref
     latent: Ref
-    vae_decode: Callable[[Graph, Ref, tuple[float, float]], Ref]  # (graph, latent, pos) -> IMAGE
-    prompt: Ref  # STRING: the prompt text (fed to the text encoder and the probe)
-    clip: Ref | None  # CLIP for the probe's word -> token mapping
+    decode: Callable[[Graph, Ref], Ref]  # (graph, LATENT) -> IMAGE
+    prompt: Ref  # STRING: the prompt text, fed to the text encoder and to the probe (one text box for both)
+    tokenizer: tuple[str, Ref] | None  # (probe input, text encoder) that maps object words to token positions
 
 
 @dataclass(frozen=True)
@@ -343,193 +376,212 @@ class Settings:
     seed: int = 42
 
 
-def stock_decode(vae: Ref) -> Callable[[Graph, Ref, tuple[float, float]], Ref]:
-    def decode(g: Graph, latent: Ref, pos: tuple[float, float]) -> Ref:
-        return g.add("VAEDecode", pos, links={"samples": latent, "vae": vae})
+def stock_decode(vae: Ref) -> Callable[[Graph, Ref], Ref]:
+    def decode(g: Graph, latent: Ref) -> Ref:
+        return g.add("VAEDecode", (X5, 0), links={"samples": latent, "vae": vae})
     return decode
 
 
-def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: str) -> None:
-    """The shared Carnator request path. ``reuse``: the full path (cache → probe → signature → retriever → risk
-    filter → joint reuse sampler → writer); otherwise the warm-the-cache path (probe → dense sampler → writer)."""
-    cache = g.add("CarnatorCacheLoader", (X0, 900), {"directory": CACHE_DIR}, title="Carnator Cache")
+def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: str) -> list[Ref]:
+    """The shared Carnator request path; returns its nodes. ``reuse``: the full path (cache → probe → signature →
+    retriever → risk filter → joint reuse sampler → writer); otherwise warm the cache (probe → dense → writer)."""
     probe_links = {"model": src.model, "positive": src.positive, "negative": src.negative,
                    "latent_image": src.latent, "prompt": src.prompt}
-    if src.clip is not None:
-        probe_links["clip"] = src.clip
+    if src.tokenizer is not None:
+        probe_links[src.tokenizer[0]] = src.tokenizer[1]
     probe = g.add("CarnatorEarlyProbe", (X2, 0),
                   {"seed": s.seed, "steps": s.steps, "cfg": s.cfg, "sampler_name": s.sampler,
                    "scheduler": s.scheduler, "probe_steps": s.probe_steps},
                   probe_links, control="fixed" if reuse else "increment")
-    signature = g.add("CarnatorSignatureBuilder", (X2, 560), links={"probe": probe})
+    signature = g.add("CarnatorSignatureBuilder", (X2, 700), links={"probe": probe})
+    cache = g.add("CarnatorCacheLoader", (X2, 900), {"directory": CACHE_DIR}, title="Carnator Cache")
+    nodes = [probe, signature, cache]
     sampler_links = {"model": src.model, "positive": src.positive, "negative": src.negative,
-                     "latent_image": src.latent, "probe": probe, "signature": signature, "cache": cache}
+                     "latent_image": src.latent, "probe": probe, "signature": signature}
     if reuse:
         candidates = g.add("CarnatorCacheRetriever", (X3, 0), links={"cache": cache, "probe": probe})
-        decision = g.add("CarnatorRiskFilter", (X3, 300), {"rule_file": s.rule_file, "mode": "signature"},
+        decision = g.add("CarnatorRiskFilter", (X3, 200), {"rule_file": s.rule_file, "mode": "signature"},
                          {"candidates": candidates, "signature": signature, "probe": probe})
-        sampler_links["decision"] = decision
+        sampler_links.update(decision=decision, cache=cache)
+        nodes += [candidates, decision]
     sampler = g.add("CarnatorJointReuseSampler", (X4, 0), {"mode": "joint" if reuse else "dense"}, sampler_links,
                     color="#223", bgcolor="#335")
-    g.add("CarnatorCacheWriter", (X5, 420), links={"cache": cache, "probe": probe, "signature": signature,
-                                                   "latent": sampler, "report": Ref(sampler.node, 1)})
-    image = src.vae_decode(g, sampler, (X5, 0))
-    g.add("SaveAnimatedWEBP", (X5, 120), {"filename_prefix": f"carnator/{prefix}", "fps": s.fps, "lossless": False,
-                                         "quality": 90, "method": "default"}, {"images": image})
+    writer = g.add("CarnatorCacheWriter", (X4, 600), links={"cache": cache, "probe": probe, "signature": signature,
+                                                            "latent": sampler, "report": Ref(sampler.node, 1)})
+    nodes += [sampler, writer]
+    image = src.decode(g, sampler)
+    save = g.add("SaveAnimatedWEBP", (X5, 150), {"filename_prefix": f"carnator/{prefix}", "fps": s.fps,
+                                                "lossless": False, "quality": 90, "method": "default"},
+                 {"images": image})
+    g.group("Carnator: " + ("probe, recall, risk filter, joint reuse, cache" if reuse else "warm the cache"), nodes,
+            color="#8a6d3b")
+    g.group("Output", [image, save])
+    return nodes
 
 
-def prompt_node(g: Graph, text: str, pos: tuple[float, float]) -> Ref:
-    return g.add("PrimitiveStringMultiline", pos, {"value": text}, title="Prompt", size=(380, 160),
+def prompt_node(g: Graph, text: str) -> Ref:
+    return g.add("PrimitiveStringMultiline", (X1, 0), {"value": text}, title="Prompt", size=(340, 140),
                  color="#232", bgcolor="#353")
 
 
 NOTE_REUSE = """## Carnator — {model}
 
 **Full reuse path.** Carnator Cache → Early Probe (first {k} of {steps} steps) → Signature Builder → Cache Retriever
-→ Risk Filter → Joint Reuse Sampler → Cache Writer; VAE Decode → Save.
+→ Risk Filter → Joint Reuse Sampler → Cache Writer; decode → Save.
 
 **Dense fallback is built in.** When the Risk Filter accepts no cached generation, the Joint Reuse Sampler resumes
-the probe densely: the result equals a plain KSampler with the same seed and settings, and the run is written to
-the cache for later requests. Set the sampler's `mode` to `dense` (or the filter's to `never`) to force it.
+the probe densely (the same result as a plain KSampler with this seed and these settings) and the Cache Writer
+stores the run for later requests. Set the sampler's `mode` to `dense` (or the filter's to `never`) to force it.
 
-**Before the first run:** the model files below go into `ComfyUI/models/`; the Risk Filter needs a rule calibrated
-for this model and config, `{rule}` in `ComfyUI/user/default/carnator/rules/` (see docs/CALIBRATION.md).
-After a run the sampler shows the decision badge; the Carnator sidebar tab shows the cache.
+{setup}
+
+After a run the sampler shows the decision badge; the **Carnator** sidebar tab shows the cache and can purge it.
 """
 
-NOTE_EMBEDDED = """## Carnator — embedded default model
+SETUP_STOCK = """**Before the first run:** put the model files into `ComfyUI/models/` (the loaders offer the downloads), and
+calibrate a risk rule for this model and config as `{rule}` in `ComfyUI/user/default/carnator/rules/`
+(docs/CALIBRATION.md); until then set the Risk Filter's mode to `never` to run dense and fill the cache."""
 
-Ships with Carnator (no downloads) and runs in seconds on a CPU: 8 frames of 32×32 px from a small Wan-architecture
-model trained on a world of coloured shapes (vocabulary: docs/MODEL_CARD.md). Its risk rule, `embedded.json`,
-ships in Carnator's `rules/` folder.
-
-**Full reuse path** with the **dense fallback** built in: when the Risk Filter accepts no cached generation, the
-Joint Reuse Sampler resumes the probe densely (= a plain KSampler) and the Cache Writer stores the run. Queue the
-same prompt twice (or use "warm the cache" first): the second run shows a HIT badge on the sampler.
-"""
+SETUP_EMBEDDED = """**No downloads:** the embedded model (8 frames of 32×32 px, a small Wan-architecture model trained on a
+world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its certified rule `embedded.json` ship with
+Carnator. Queue the same prompt twice, or run "warm the cache" first: the second run is a HIT."""
 
 NOTE_WARM = """## Carnator — warm the cache ({model})
 
 Dense generations written to the cache so that later requests can reuse them. The probe's seed increments after
-every queue; queue with a batch count (or change the prompt between runs) to fill the cache with varied entries.
+every queue: queue with a batch count, or change the prompt between runs, to fill the cache with varied entries.
 """
+
+
+def wan_front(g: Graph, unet: str, vae_name: str, text: str) -> tuple[Ref, Ref, Ref, Ref, Ref, Ref]:
+    """Stock Wan loading as in ComfyUI's Wan templates: (model, clip, vae, prompt, positive, negative)."""
+    loader = g.add("UNETLoader", (X0, 0), {"unet_name": unet, "weight_dtype": "default"})
+    model = g.add("ModelSamplingSD3", (X0, 150), {"shift": 8.0}, {"model": loader})
+    clip = g.add("CLIPLoader", (X0, 300), {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan",
+                                           "device": "default"})
+    vae = g.add("VAELoader", (X0, 450), {"vae_name": vae_name})
+    prompt = prompt_node(g, text)
+    pos = g.add("CLIPTextEncode", (X1, 200), links={"clip": clip, "text": prompt}, title="CLIP Text Encode (Positive)",
+                color="#232", bgcolor="#353")
+    neg = g.add("CLIPTextEncode", (X1, 400), {"text": NEGATIVE_WAN}, {"clip": clip},
+                title="CLIP Text Encode (Negative)", color="#322", bgcolor="#533")
+    g.group("Models", [loader, model, clip, vae])
+    return model, clip, vae, prompt, pos, neg
 
 
 def wan21(reuse: bool = True) -> Graph:
     g = Graph("wan21_t2v_1.3b")
-    unet = g.add("UNETLoader", (X0, 0), {"unet_name": "wan2.1_t2v_1.3B_fp16.safetensors", "weight_dtype": "default"})
-    clip = g.add("CLIPLoader", (X0, 150), {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"})
-    vae = g.add("VAELoader", (X0, 320), {"vae_name": "wan_2.1_vae.safetensors"})
-    model = g.add("ModelSamplingSD3", (X1, 0), {"shift": 8.0}, {"model": unet})
-    text = prompt_node(g, "a red fox runs through a snowy pine forest, tracking camera, daytime", (X0, 440))
-    pos = g.add("CLIPTextEncode", (X1, 140), links={"clip": clip, "text": text}, title="CLIP Text Encode (Positive)",
-                color="#232", bgcolor="#353")
-    neg = g.add("CLIPTextEncode", (X1, 320), {"text": NEGATIVE_WAN}, {"clip": clip},
-                title="CLIP Text Encode (Negative)", color="#322", bgcolor="#533")
-    latent = g.add("EmptyHunyuanLatentVideo", (X1, 560), {"width": 832, "height": 480, "length": 81, "batch_size": 1})
+    model, clip, vae, prompt, pos, neg = wan_front(
+        g, "wan2.1_t2v_1.3B_fp16.safetensors", "wan_2.1_vae.safetensors",
+        "a red fox runs through a snowy pine forest, tracking camera, daytime")
+    latent = g.add("EmptyHunyuanLatentVideo", (X1, 700), {"width": 832, "height": 480, "length": 81, "batch_size": 1})
+    g.group("Prompt & video size", [prompt, pos, neg, latent], color="#3f7a4f")
     settings = Settings(steps=30, cfg=6.0, sampler="uni_pc", scheduler="simple", probe_steps=6, fps=16.0,
                         rule_file="wan2.1_t2v_1.3B.json")
-    carnator_path(g, Sources(model, pos, neg, latent, stock_decode(vae), text, clip), settings, reuse=reuse,
-                  prefix="wan21")
-    g.note(NOTE_REUSE.format(model="Wan 2.1 T2V 1.3B", k=6, steps=30, rule=settings.rule_file), (X3, 700))
+    carnator_path(g, Sources(model, pos, neg, latent, stock_decode(vae), prompt, ("clip", clip)), settings,
+                  reuse=reuse, prefix="wan21")
+    g.note(NOTE_REUSE.format(model="Wan 2.1 T2V 1.3B", k=6, steps=30,
+                             setup=SETUP_STOCK.format(rule=settings.rule_file)), (X5, 600), size=(440, 330))
     return g
 
 
 def wan22_ti2v(reuse: bool = True) -> Graph:
     g = Graph("wan22_ti2v_5b")
-    unet = g.add("UNETLoader", (X0, 0), {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"})
-    clip = g.add("CLIPLoader", (X0, 150), {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"})
-    vae = g.add("VAELoader", (X0, 320), {"vae_name": "wan2.2_vae.safetensors"})
-    model = g.add("ModelSamplingSD3", (X1, 0), {"shift": 8.0}, {"model": unet})
-    text = prompt_node(g, "a street musician plays guitar in a retro 1970s subway station, the camera slowly "
-                          "moves right", (X0, 440))
-    pos = g.add("CLIPTextEncode", (X1, 140), links={"clip": clip, "text": text}, title="CLIP Text Encode (Positive)",
-                color="#232", bgcolor="#353")
-    neg = g.add("CLIPTextEncode", (X1, 320), {"text": NEGATIVE_WAN}, {"clip": clip},
-                title="CLIP Text Encode (Negative)", color="#322", bgcolor="#533")
-    latent = g.add("Wan22ImageToVideoLatent", (X1, 560),
-                   {"width": 1280, "height": 704, "length": 121, "batch_size": 1}, {"vae": vae})
+    model, clip, vae, prompt, pos, neg = wan_front(
+        g, "wan2.2_ti2v_5B_fp16.safetensors", "wan2.2_vae.safetensors",
+        "a street musician plays guitar in a retro 1970s subway station, the camera slowly moves right")
+    latent = g.add("Wan22ImageToVideoLatent", (X1, 700), {"width": 1280, "height": 704, "length": 121,
+                                                          "batch_size": 1}, {"vae": vae})
+    g.group("Prompt & video size", [prompt, pos, neg, latent], color="#3f7a4f")
     settings = Settings(steps=20, cfg=5.0, sampler="uni_pc", scheduler="simple", probe_steps=4, fps=24.0,
                         rule_file="wan2.2_ti2v_5B.json")
-    carnator_path(g, Sources(model, pos, neg, latent, stock_decode(vae), text, clip), settings, reuse=reuse,
-                  prefix="wan22")
-    g.note(NOTE_REUSE.format(model="Wan 2.2 TI2V 5B (text to video; connect a start_image for image to video)",
-                             k=4, steps=20, rule=settings.rule_file), (X3, 700))
+    carnator_path(g, Sources(model, pos, neg, latent, stock_decode(vae), prompt, ("clip", clip)), settings,
+                  reuse=reuse, prefix="wan22")
+    g.note(NOTE_REUSE.format(model="Wan 2.2 TI2V 5B (text to video; connect a start_image to the latent node for "
+                                   "image to video)", k=4, steps=20,
+                             setup=SETUP_STOCK.format(rule=settings.rule_file)), (X5, 600), size=(440, 350))
     return g
 
 
 def ltxv(reuse: bool = True) -> Graph:
     g = Graph("ltxv")
     ckpt = g.add("CheckpointLoaderSimple", (X0, 0), {"ckpt_name": "ltx-video-2b-v0.9.5.safetensors"})
-    clip = g.add("CLIPLoader", (X0, 150), {"clip_name": "t5xxl_fp16.safetensors", "type": "ltxv"})
-    text = prompt_node(g, "A red vintage car drives along a coastal road at sunset, the camera follows it from the "
-                          "side; warm light, gentle waves, realistic footage.", (X0, 440))
-    pos = g.add("CLIPTextEncode", (X1, 140), links={"clip": clip, "text": text}, title="CLIP Text Encode (Positive)",
+    clip = g.add("CLIPLoader", (X0, 300), {"clip_name": "t5xxl_fp16.safetensors", "type": "ltxv", "device": "default"})
+    prompt = prompt_node(g, "A red vintage car drives along a coastal road at sunset, the camera follows it from the "
+                            "side; warm light, gentle waves, realistic footage.")
+    pos = g.add("CLIPTextEncode", (X1, 200), links={"clip": clip, "text": prompt}, title="CLIP Text Encode (Positive)",
                 color="#232", bgcolor="#353")
-    neg = g.add("CLIPTextEncode", (X1, 320), {"text": NEGATIVE_LTXV}, {"clip": clip},
+    neg = g.add("CLIPTextEncode", (X1, 400), {"text": NEGATIVE_LTXV}, {"clip": clip},
                 title="CLIP Text Encode (Negative)", color="#322", bgcolor="#533")
-    cond = g.add("LTXVConditioning", (X1, 520), {"frame_rate": 25.0}, {"positive": pos, "negative": neg})
-    latent = g.add("EmptyLTXVLatentVideo", (X0, 700), {"width": 768, "height": 512, "length": 97, "batch_size": 1})
-    model = g.add("ModelSamplingLTXV", (X1, 0), {"max_shift": 2.05, "base_shift": 0.95},
+    cond = g.add("LTXVConditioning", (X1, 600), {"frame_rate": 25.0}, {"positive": pos, "negative": neg})
+    latent = g.add("EmptyLTXVLatentVideo", (X1, 750), {"width": 768, "height": 512, "length": 97, "batch_size": 1})
+    model = g.add("ModelSamplingLTXV", (X0, 150), {"max_shift": 2.05, "base_shift": 0.95},
                   {"model": Ref(ckpt.node, 0), "latent": latent})
+    g.group("Models", [ckpt, model, clip])
+    g.group("Prompt & video size", [prompt, pos, neg, cond, latent], color="#3f7a4f")
     settings = Settings(steps=30, cfg=3.0, sampler="euler", scheduler="simple", probe_steps=6, fps=24.0,
                         rule_file="ltx-video-2b-v0.9.5.json")
     carnator_path(g, Sources(model, Ref(cond.node, 0), Ref(cond.node, 1), latent, stock_decode(Ref(ckpt.node, 2)),
-                             text, clip), settings, reuse=reuse, prefix="ltxv")
-    g.note(NOTE_REUSE.format(model="LTX-Video 2B v0.9.5", k=6, steps=30, rule=settings.rule_file), (X3, 700))
+                             prompt, ("clip", clip)), settings, reuse=reuse, prefix="ltxv")
+    g.note(NOTE_REUSE.format(model="LTX-Video 2B v0.9.5", k=6, steps=30,
+                             setup=SETUP_STOCK.format(rule=settings.rule_file)), (X5, 600), size=(440, 330))
     return g
 
 
-def embedded(reuse: bool = True, probe_takes_text_encoder: bool = True) -> Graph:
+def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -> Graph:
     """The embedded default model: ships with the extension, needs no download, runs in seconds on a CPU.
-    ``probe_takes_text_encoder``: connect the loader's text encoder to the probe's ``clip`` input (it maps object
-    words to token positions); ``render_all`` turns it off when the probe's socket does not accept that type."""
+    ``tokenizer_input``: the Early Probe input that takes the embedded text encoder (it maps object words to
+    token positions), None if the probe has none."""
     g = Graph("embedded" if reuse else "embedded_warm_cache")
     loader = g.add("CarnatorEmbeddedLoader", (X0, 0))
     encoder, decoder = Ref(loader.node, 1), Ref(loader.node, 2)
-    text = prompt_node(g, "a big red ball moves to the right in the top left, on green grass", (X0, 440))
-    pos = g.add("CarnatorEmbeddedTextEncode", (X1, 140), links={"text_encoder": encoder, "text": text},
+    prompt = prompt_node(g, "a big red ball moves to the right in the top left, on green grass")
+    pos = g.add("CarnatorEmbeddedTextEncode", (X1, 200), links={"text_encoder": encoder, "text": prompt},
                 title="Embedded Text Encode (Positive)", color="#232", bgcolor="#353")
-    neg = g.add("CarnatorEmbeddedTextEncode", (X1, 320), {"text": ""}, {"text_encoder": encoder},
+    neg = g.add("CarnatorEmbeddedTextEncode", (X1, 400), {"text": ""}, {"text_encoder": encoder},
                 title="Embedded Text Encode (Negative)", color="#322", bgcolor="#533")
-    latent = g.add("CarnatorEmbeddedEmptyLatent", (X1, 560), {"batch_size": 1})
+    latent = g.add("CarnatorEmbeddedEmptyLatent", (X1, 600), {"batch_size": 1})
+    g.group("Model", [loader])
+    g.group("Prompt & video size", [prompt, pos, neg, latent], color="#3f7a4f")
 
-    def decode(graph: Graph, samples: Ref, pos_: tuple[float, float]) -> Ref:
-        return graph.add("CarnatorEmbeddedDecode", pos_, {"upscale": 4}, {"decoder": decoder, "samples": samples})
+    def decode(graph: Graph, samples: Ref) -> Ref:
+        return graph.add("CarnatorEmbeddedDecode", (X5, 0), {"upscale": 4}, {"decoder": decoder, "samples": samples})
 
     settings = Settings(steps=20, cfg=5.0, sampler="euler", scheduler="simple", probe_steps=4, fps=8.0,
                         rule_file="embedded.json")
-    carnator_path(g, Sources(loader, pos, neg, latent, decode, text, encoder if probe_takes_text_encoder else None),
+    carnator_path(g, Sources(loader, pos, neg, latent, decode, prompt,
+                             (tokenizer_input, encoder) if tokenizer_input else None),
                   settings, reuse=reuse, prefix="embedded" if reuse else "embedded_warm")
     if reuse:
-        g.note(NOTE_EMBEDDED, (X3, 700), size=(420, 230))
+        g.note(NOTE_REUSE.format(model="embedded default model", k=4, steps=20, setup=SETUP_EMBEDDED), (X5, 600),
+               size=(440, 330))
     else:
-        g.note(NOTE_WARM.format(model="embedded default model"), (X3, 700), size=(420, 160))
+        g.note(NOTE_WARM.format(model="embedded default model"), (X5, 600), size=(440, 170))
     return g
 
 
-def probe_accepts(object_info: Mapping[str, Any], socket_type: str) -> bool:
-    """Whether the Early Probe's ``clip`` input takes ``socket_type`` (e.g. the embedded text encoder)."""
+def probe_input_for(object_info: Mapping[str, Any], socket_type: str) -> str | None:
+    """The Early Probe input that takes ``socket_type`` (e.g. the embedded text encoder), or None."""
     for name, spec, _ in ordered_inputs(object_info.get("CarnatorEarlyProbe", {})):
-        if name == "clip":
-            return types_compatible(socket_type, input_type(spec))
-    return False
+        if not is_widget(spec) and types_compatible(socket_type, input_type(spec)):
+            return name
+    return None
 
 
 WORKFLOWS: dict[str, Callable[[Mapping[str, Any]], Graph]] = {
     "wan21_t2v_1.3b": lambda oi: wan21(),
     "wan22_ti2v_5b": lambda oi: wan22_ti2v(),
     "ltxv": lambda oi: ltxv(),
-    "embedded": lambda oi: embedded(True, probe_accepts(oi, "CARNATOR_TEXT_ENCODER")),
-    "embedded_warm_cache": lambda oi: embedded(False, probe_accepts(oi, "CARNATOR_TEXT_ENCODER")),
+    "embedded": lambda oi: embedded(True, probe_input_for(oi, "CARNATOR_TEXT_ENCODER")),
+    "embedded_warm_cache": lambda oi: embedded(False, probe_input_for(oi, "CARNATOR_TEXT_ENCODER")),
 }
 
 
 def render_all(object_info: Mapping[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """name -> (UI-format workflow, API-format prompt) for every workflow in ``WORKFLOWS``."""
-    if not probe_accepts(object_info, "CARNATOR_TEXT_ENCODER"):
-        print("warning: the Early Probe's 'clip' input does not accept the embedded text encoder; the embedded "
-              "workflows leave it unconnected (objects cannot be located)", file=sys.stderr)
+    if probe_input_for(object_info, "CARNATOR_TEXT_ENCODER") is None:
+        print("warning: no Early Probe input accepts the embedded text encoder; the embedded workflows leave it "
+              "unconnected (objects cannot be located)", file=sys.stderr)
     out = {}
     for name, build in WORKFLOWS.items():
         graph = build(object_info)

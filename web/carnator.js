@@ -262,6 +262,8 @@ function sessionLine() {
 
 // ---------------------------------------------------------------------------------------------------------
 
+state.badgeLines = badgeLines; // for tests and other extensions: the text the badge shows for a report
+
 app.registerExtension({
   name: "carnator.ReuseBadge",
 

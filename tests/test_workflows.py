@@ -1,0 +1,426 @@
+"""Example workflows, the cache routes and the API-queue client against one real ComfyUI server.
+
+* Every workflow in ``workflows/`` (UI format) and ``workflows/api/`` (API format) is checked against the live
+  server's ``/object_info``: node types exist, required inputs are present, widget values have the right type,
+  range and combo option (loader file names excepted: the test server has no model files), links join
+  compatible sockets; the UI format converts to exactly the API format (as the frontend's graphToPrompt does);
+  and ``scripts/make_workflows.py`` still renders exactly the committed files.
+* The embedded-model workflows run through ``POST /prompt`` (warm the cache, then the same request again: a hit),
+  with the per-run report in ``/history``, one log line per request and progress events on the websocket.
+* ``/carnator/cache/stats`` and ``/purge`` answer, refuse paths outside the allowed roots, and purge.
+* ``scripts/api_client.py`` and the README's client example drive a stream of prompts.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness_server import ComfyServer, host_python
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / "workflows"
+NAMES = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+EMBEDDED_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v1.safetensors"
+EMBEDDED_RULE = ROOT / "rules" / "embedded.json"
+VIRTUAL = {"MarkdownNote", "Note"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+# Combos that list model files: the test server's models/ folders are empty, so only name and type are checked.
+MODEL_FILE_INPUTS = {("UNETLoader", "unet_name"), ("CLIPLoader", "clip_name"), ("VAELoader", "vae_name"),
+                     ("CheckpointLoaderSimple", "ckpt_name")}
+
+
+def _load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"carnator_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class body runs
+    spec.loader.exec_module(module)
+    return module
+
+
+make_workflows = _load_script("make_workflows")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    base = tmp_path_factory.mktemp("comfy-workflows")
+    with ComfyServer(base) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def object_info(server: ComfyServer) -> dict[str, Any]:
+    return server.get("/object_info", timeout=60)
+
+
+def load(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    ui = json.loads((WORKFLOWS / f"{name}.json").read_text(encoding="utf-8"))
+    api = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text(encoding="utf-8"))
+    return ui, api
+
+
+# --- an independent reading of the node definitions (what the server validates, what the frontend lays out) ----
+def inputs_of(node_def: dict[str, Any]) -> list[tuple[str, list[Any], bool]]:
+    inputs, order = node_def["input"], node_def.get("input_order", {})
+    out = []
+    for section, optional in (("required", False), ("optional", True)):
+        specs = inputs.get(section) or {}
+        for name in order.get(section, list(specs)):
+            out.append((name, list(specs[name]), optional))
+    return out
+
+
+def kind(spec: list[Any]) -> str:
+    return "COMBO" if isinstance(spec[0], list) else spec[0]
+
+
+def opts(spec: list[Any]) -> dict[str, Any]:
+    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+
+
+def widget(spec: list[Any]) -> bool:
+    return kind(spec) in WIDGET_TYPES and not opts(spec).get("forceInput")
+
+
+def compatible(out_type: str, in_type: str) -> bool:
+    return "*" in (out_type, in_type) or bool(set(out_type.split(",")) & set(in_type.split(",")))
+
+
+def value_problem(node_type: str, name: str, spec: list[Any], value: Any) -> str | None:
+    """Why ``value`` is not acceptable for this widget input, or None."""
+    k, o = kind(spec), opts(spec)
+    where = f"{node_type}.{name}={value!r}"
+    if k == "INT":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{where}: not an integer"
+    elif k == "FLOAT":
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"{where}: not a number"
+    elif k == "BOOLEAN":
+        if not isinstance(value, bool):
+            return f"{where}: not a boolean"
+    elif k == "STRING":
+        if not isinstance(value, str):
+            return f"{where}: not a string"
+    elif k == "COMBO":
+        if (node_type, name) in MODEL_FILE_INPUTS:
+            return None if isinstance(value, str) and value.endswith(".safetensors") else f"{where}: not a model file"
+        options = spec[0] if isinstance(spec[0], list) else o.get("options", [])
+        if value not in options:
+            return f"{where}: not one of {options[:12]}"
+    if k in ("INT", "FLOAT"):
+        if "min" in o and value < o["min"] or "max" in o and value > o["max"]:
+            return f"{where}: outside [{o.get('min')}, {o.get('max')}]"
+    return None
+
+
+def validate_api(prompt: dict[str, Any], info: dict[str, Any]) -> list[str]:
+    problems = []
+    for node_id, node in prompt.items():
+        t = node.get("class_type")
+        if t not in info:
+            problems.append(f"node {node_id}: unknown node type {t!r}")
+            continue
+        known = {name: (spec, optional) for name, spec, optional in inputs_of(info[t])}
+        for name in node["inputs"]:
+            if name not in known:
+                problems.append(f"node {node_id} {t}: unknown input {name!r}")
+        for name, (spec, optional) in known.items():
+            if name not in node["inputs"]:
+                if not optional:
+                    problems.append(f"node {node_id} {t}: required input {name!r} missing")
+                continue
+            value = node["inputs"][name]
+            if isinstance(value, list):  # a link [source id, output index]
+                src = prompt.get(str(value[0]))
+                if src is None or src["class_type"] not in info:
+                    problems.append(f"node {node_id} {t}.{name}: links to missing node {value[0]!r}")
+                    continue
+                outs = info[src["class_type"]]["output"]
+                if not 0 <= value[1] < len(outs):
+                    problems.append(f"node {node_id} {t}.{name}: {src['class_type']} has no output {value[1]}")
+                elif not compatible(outs[value[1]], kind(spec)):
+                    problems.append(f"node {node_id} {t}.{name}: gets {outs[value[1]]}, takes {kind(spec)}")
+            elif not widget(spec):
+                problems.append(f"node {node_id} {t}: socket input {name!r} has a value instead of a link")
+            elif (p := value_problem(t, name, spec, value)) is not None:
+                problems.append(f"node {node_id}: {p}")
+    return problems
+
+
+def validate_ui(wf: dict[str, Any], info: dict[str, Any]) -> list[str]:
+    problems = []
+    if wf.get("version") != 0.4:
+        problems.append(f"version {wf.get('version')!r}, the frontend saves 0.4")
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    if len(nodes) != len(wf["nodes"]):
+        problems.append("duplicate node ids")
+    if wf["last_node_id"] < max(nodes):
+        problems.append("last_node_id below the largest node id")
+    for n in wf["nodes"]:
+        t = n["type"]
+        for key in ("id", "type", "pos", "size", "inputs", "outputs", "widgets_values", "mode", "order", "flags"):
+            if key not in n:
+                problems.append(f"node {n.get('id')} {t}: no {key!r}")
+        if t in VIRTUAL:
+            continue
+        if t not in info:
+            problems.append(f"node {n['id']}: unknown node type {t!r}")
+            continue
+        specs = inputs_of(info[t])
+        by_name = {name: (spec, optional) for name, spec, optional in specs}
+        widgets = [(name, spec) for name, spec, _ in specs if widget(spec)]
+        expected = len(widgets) + sum(1 for _, s in widgets if opts(s).get("control_after_generate"))
+        values = list(n["widgets_values"])
+        if len(values) != expected:
+            problems.append(f"node {n['id']} {t}: {len(values)} widget values, the node has {expected} widgets")
+        else:
+            for name, spec in widgets:
+                p = value_problem(t, name, spec, values.pop(0))
+                if p:
+                    problems.append(f"node {n['id']}: {p}")
+                if opts(spec).get("control_after_generate"):
+                    control = values.pop(0)
+                    if control not in ("fixed", "increment", "decrement", "randomize"):
+                        problems.append(f"node {n['id']} {t}.{name}: control_after_generate {control!r}")
+        linked = set()
+        for slot in n["inputs"]:
+            if slot["name"] not in by_name:
+                problems.append(f"node {n['id']} {t}: unknown input {slot['name']!r}")
+                continue
+            if slot["type"] != kind(by_name[slot["name"]][0]):
+                problems.append(f"node {n['id']} {t}.{slot['name']}: type {slot['type']}, node says "
+                                f"{kind(by_name[slot['name']][0])}")
+            if slot.get("link") is not None:
+                linked.add(slot["name"])
+        for name, spec, optional in specs:
+            if not optional and not widget(spec) and name not in linked:
+                problems.append(f"node {n['id']} {t}: required input {name!r} not connected")
+        if [o["type"] for o in n["outputs"]] != list(info[t]["output"]):
+            problems.append(f"node {n['id']} {t}: outputs {[o['type'] for o in n['outputs']]} != {info[t]['output']}")
+    for link in wf["links"]:
+        lid, src, src_slot, dst, dst_slot, typ = link
+        if src not in nodes or dst not in nodes:
+            problems.append(f"link {lid}: missing end")
+            continue
+        out = nodes[src]["outputs"][src_slot]
+        inp = nodes[dst]["inputs"][dst_slot]
+        if lid not in (out.get("links") or []) or inp.get("link") != lid:
+            problems.append(f"link {lid}: not recorded on both ends")
+        if typ != out["type"] or not compatible(out["type"], inp["type"]):
+            problems.append(f"link {lid}: {out['type']} -> {inp['type']} (link says {typ})")
+    if wf["links"] and wf["last_link_id"] < max(link[0] for link in wf["links"]):
+        problems.append("last_link_id below the largest link id")
+    return problems
+
+
+def ui_to_api(wf: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """The frontend's graphToPrompt, for these workflows: widget values in layout order (control_after_generate
+    values dropped), linked inputs as [source id, output index], frontend-only nodes left out."""
+    links = {link[0]: link for link in wf["links"]}
+    prompt = {}
+    for n in wf["nodes"]:
+        if n["type"] in VIRTUAL:
+            continue
+        node_def = info[n["type"]]
+        slots = {s["name"]: s for s in n["inputs"]}
+        values = list(n["widgets_values"])
+        inputs: dict[str, Any] = {}
+        for name, spec, _ in inputs_of(node_def):
+            if widget(spec):
+                value = values.pop(0)
+                if opts(spec).get("control_after_generate"):
+                    values.pop(0)
+            link_id = slots.get(name, {}).get("link")
+            if link_id is not None:
+                link = links[link_id]
+                inputs[name] = [str(link[1]), link[2]]
+            elif widget(spec):
+                inputs[name] = value
+        prompt[str(n["id"])] = {"inputs": inputs, "class_type": n["type"],
+                                "_meta": {"title": n.get("title") or node_def.get("display_name") or n["type"]}}
+    return prompt
+
+
+# --- tests ---------------------------------------------------------------------------------------------------
+def test_every_workflow_is_there() -> None:
+    expected = {"wan21_t2v_1.3b", "wan22_ti2v_5b", "ltxv", "embedded", "embedded_warm_cache"}
+    assert expected <= set(NAMES), f"missing UI workflows: {expected - set(NAMES)}"
+    assert {p.stem for p in (WORKFLOWS / "api").glob("*.json")} == set(NAMES), "UI and API workflows differ"
+
+
+def test_generator_renders_the_committed_files(object_info: dict[str, Any]) -> None:
+    rendered = make_workflows.render_all(object_info)
+    stale = [name for name, (ui, api) in rendered.items()
+             if (ui, api) != load(name)]
+    assert not stale, f"workflows {stale} are stale for these node definitions: run scripts/make_workflows.py"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_workflow_is_valid(name: str, object_info: dict[str, Any]) -> None:
+    _, api = load(name)
+    assert validate_api(api, object_info) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_workflow_is_valid_and_matches_api(name: str, object_info: dict[str, Any]) -> None:
+    ui, api = load(name)
+    assert validate_ui(ui, object_info) == []
+    assert ui_to_api(ui, object_info) == api
+
+
+@pytest.mark.parametrize("name", ["wan21_t2v_1.3b", "wan22_ti2v_5b", "ltxv", "embedded"])
+def test_full_reuse_path(name: str) -> None:
+    _, api = load(name)
+    types = {n["class_type"] for n in api.values()}
+    path = {"CarnatorCacheLoader", "CarnatorEarlyProbe", "CarnatorSignatureBuilder", "CarnatorCacheRetriever",
+            "CarnatorRiskFilter", "CarnatorJointReuseSampler", "CarnatorCacheWriter", "SaveAnimatedWEBP"}
+    assert path <= types, f"{name}: missing {path - types}"
+    sampler = next(n for n in api.values() if n["class_type"] == "CarnatorJointReuseSampler")
+    assert sampler["inputs"]["mode"] == "joint" and isinstance(sampler["inputs"]["decision"], list)
+
+
+def test_stock_loaders_and_file_names() -> None:
+    def find(api: dict[str, Any], t: str) -> list[dict[str, Any]]:
+        return [n["inputs"] for n in api.values() if n["class_type"] == t]
+
+    _, wan21 = load("wan21_t2v_1.3b")
+    assert find(wan21, "UNETLoader")[0]["unet_name"] == "wan2.1_t2v_1.3B_fp16.safetensors"
+    assert find(wan21, "CLIPLoader")[0].items() >= {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"}.items()
+    assert find(wan21, "VAELoader")[0]["vae_name"] == "wan_2.1_vae.safetensors"
+    assert find(wan21, "ModelSamplingSD3")[0]["shift"] == 8.0
+    assert find(wan21, "EmptyHunyuanLatentVideo")[0].items() >= {"width": 832, "height": 480, "length": 81}.items()
+    _, wan22 = load("wan22_ti2v_5b")
+    assert find(wan22, "UNETLoader")[0]["unet_name"] == "wan2.2_ti2v_5B_fp16.safetensors"
+    assert find(wan22, "VAELoader")[0]["vae_name"] == "wan2.2_vae.safetensors"
+    assert find(wan22, "Wan22ImageToVideoLatent")[0].items() >= {"width": 1280, "height": 704, "length": 121}.items()
+    _, ltx = load("ltxv")
+    assert find(ltx, "CheckpointLoaderSimple")[0]["ckpt_name"] == "ltx-video-2b-v0.9.5.safetensors"
+    assert find(ltx, "CLIPLoader")[0].items() >= {"clip_name": "t5xxl_fp16.safetensors", "type": "ltxv"}.items()
+    assert {"LTXVConditioning", "EmptyLTXVLatentVideo", "ModelSamplingLTXV"} <= {n["class_type"] for n in ltx.values()}
+
+
+# --- the cache routes ------------------------------------------------------------------------------------------
+def _get_error(server: ComfyServer, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        server.get(path)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    raise AssertionError(f"GET {path} succeeded")
+
+
+def test_cache_routes_confine_paths(server: ComfyServer) -> None:
+    empty = server.get("/api/carnator/cache/stats?directory=never_written")
+    assert empty["exists"] is False and empty["entries"] == 0
+    assert not (server.base_dir / "output" / "never_written").exists(), "stats must not create a cache"
+    for bad in ("../../etc", "/etc", "", "."):
+        code, body = _get_error(server, f"/carnator/cache/stats?directory={bad}")
+        assert code == 400 and "allowed roots" in body["error"].lower(), (bad, body)
+    with pytest.raises(RuntimeError, match="400"):
+        server.post("/carnator/cache/purge", {"directory": "../outside"})
+
+
+# --- running the embedded workflows ------------------------------------------------------------------------------
+def _need_embedded() -> None:
+    missing = [str(p.relative_to(ROOT)) for p in (EMBEDDED_WEIGHTS, EMBEDDED_RULE) if not p.exists()]
+    if missing:
+        pytest.skip(f"embedded model not shipped yet: {', '.join(missing)} missing")
+
+
+def _outputs(history: dict[str, Any], class_type: str, api: dict[str, Any]) -> list[dict[str, Any]]:
+    return [history["outputs"][i] for i, n in api.items() if n["class_type"] == class_type and i in history["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def embedded_runs(server: ComfyServer) -> dict[str, Any]:
+    """Warm the cache with one request, then run the same request through the full reuse path."""
+    _need_embedded()
+    _, warm = load("embedded_warm_cache")
+    _, reuse = load("embedded")
+    warm_history, warm_messages = server.run_prompt_ws(warm, timeout=600)
+    reuse_history, reuse_messages = server.run_prompt_ws(reuse, timeout=600)
+    return {"warm": (warm, warm_history, warm_messages), "reuse": (reuse, reuse_history, reuse_messages)}
+
+
+@pytest.mark.slow
+def test_embedded_warm_cache_runs_dense_and_saves(embedded_runs: dict[str, Any]) -> None:
+    api, history, messages = embedded_runs["warm"]
+    (saved,) = _outputs(history, "SaveAnimatedWEBP", api)
+    assert saved["images"] and saved["images"][0]["filename"].endswith(".webp")
+    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
+    (report,) = sampler["carnator_report"]
+    assert report["decision"] == "dense" and report["steps_total"] == 20
+    progress_nodes = {m["data"]["node"] for m in messages if m["type"] == "progress"}
+    probe_id = next(i for i, n in api.items() if n["class_type"] == "CarnatorEarlyProbe")
+    sampler_id = next(i for i, n in api.items() if n["class_type"] == "CarnatorJointReuseSampler")
+    assert {probe_id, sampler_id} <= progress_nodes, "probe and sampler must report progress"
+
+
+@pytest.mark.slow
+def test_embedded_identical_request_is_a_hit(embedded_runs: dict[str, Any], server: ComfyServer) -> None:
+    api, history, _ = embedded_runs["reuse"]
+    (saved,) = _outputs(history, "SaveAnimatedWEBP", api)
+    assert saved["images"]
+    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
+    (report,) = sampler["carnator_report"]
+    assert report["decision"] == "hit", f"identical request not reused: {json.dumps(report)[:2000]}"
+    verdict = next(v for v in report["verdicts"] if v["entry_id"] == report["entry_id"])
+    assert verdict["accepted"] and all(c["passed"] for c in verdict["checks"])
+    assert {c["axis"] for c in verdict["checks"]} >= {"context", "size", "shape", "appearance"}
+    assert 0.0 <= report["saving"] <= 1.0 and report["timings_ms"]["total"] > 0
+    log = server.log_path.read_text(errors="replace")
+    assert len(re.findall(r"carnator request: ", log)) >= 2, "one log line per request expected"
+
+    stats = server.get("/carnator/cache/stats?directory=carnator_cache")
+    assert stats["exists"] and stats["entries"] >= 1 and stats["hits"] >= 1 and stats["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_api_client_streams_prompts(embedded_runs: dict[str, Any], server: ComfyServer, tmp_path: Path) -> None:
+    client = _load_script("api_client")
+    out = tmp_path / "results.json"
+    texts = ["a big red ball moves to the right in the top left, on green grass",
+             "a small blue cube moves down in the bottom right, on sand"]
+    rc = client.main(["--server", server.url, "--prompt", texts[0], "--prompt", texts[1], "--seeds", "42", "7",
+                      "--json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    assert [(r["text"], r["seed"]) for r in results] == [(t, s) for t in texts for s in (42, 7)]
+    for r in results:
+        assert r["files"] and r["reports"] and r["reports"][0]["decision"] in ("hit", "miss", "dense")
+    assert results[0]["reports"][0]["decision"] == "hit", "the warm request (seed 42) must be reused"
+
+
+@pytest.mark.slow
+def test_readme_client_example_runs(embedded_runs: dict[str, Any], server: ComfyServer, tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Driving Carnator through the ComfyUI API queue", 1)
+    assert len(section) == 2, "README section missing"
+    code = re.search(r"```python\n(.*?)```", section[1], re.S)
+    assert code, "no python example in the README section"
+    script = tmp_path / "readme_client.py"
+    script.write_text(code.group(1))
+    proc = subprocess.run([host_python(), str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COMFYUI_URL": server.url})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "decision" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_cache_purge_route(embedded_runs: dict[str, Any], server: ComfyServer) -> None:
+    before = server.get("/carnator/cache/stats?directory=carnator_cache")
+    assert before["entries"] >= 1
+    answer = server.post("/carnator/cache/purge", {"directory": "carnator_cache"})
+    assert answer["purged"] == before["entries"]
+    after = server.get("/carnator/cache/stats?directory=carnator_cache")
+    assert after["entries"] == 0 and after["bytes"] == 0
