@@ -1,0 +1,360 @@
+"""ComfyUI glue for the embedded model (the only module of this package that imports ComfyUI at load time).
+
+``load_embedded(weights_path=None) -> (MODEL, EmbeddedTextEncoder, EmbeddedDecoder)``:
+
+* MODEL is a real ``comfy.model_patcher.ModelPatcher`` around ``EmbeddedWan``, a subclass of ComfyUI's
+  ``comfy.model_base.WAN21`` whose ``diffusion_model`` is ComfyUI's own ``WanModel`` with
+  ``config.model_config()``. Model sampling is ComfyUI's discrete flow (``ModelType.FLOW``,
+  ``shift = config.SHIFT``), the latent format is the identity (``EmbeddedLatent``: 16 channels, 3-D).
+  The only override is ``concat_cond``: it supplies the 3 fixed coordinate channels (see
+  ``config.COORD_CHANNELS``) through the same path Wan i2v uses for its extra input channels, so the stock
+  ``KSampler`` and every ModelPatcher wrapper / attention override apply unchanged.
+* ``EmbeddedTextEncoder.encode(prompt)`` -> ComfyUI CONDITIONING ``[[cond [1, TEXT_LEN, TEXT_DIM], {}]]``;
+  ``encode_with_words`` also returns the word -> token positions (``text.Encoded``).
+* ``EmbeddedDecoder.decode(samples [B, 16, T, h, w])`` -> IMAGE ``[B*T, H, W, 3]`` in [0, 1].
+
+Importing this module requires ComfyUI importable (nodes import it; tests use the ``comfy_env`` fixture).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from . import codec, config, text
+from .model import ensure_comfy_importable
+
+ensure_comfy_importable()
+
+import comfy.latent_formats  # noqa: E402
+import comfy.model_base  # noqa: E402
+import comfy.model_management  # noqa: E402
+import comfy.model_patcher  # noqa: E402
+import comfy.supported_models  # noqa: E402
+
+
+class EmbeddedLatent(comfy.latent_formats.LatentFormat):
+    """Identity latent format: the codec already maps pixels to roughly unit-scale values."""
+
+    latent_channels = config.LATENT_CHANNELS
+    latent_dimensions = 3
+    scale_factor = 1.0
+
+    def __init__(self) -> None:
+        # Preview (latent -> RGB) factors: channel c of the first 12 carries colour c // 4 at one sub-pixel.
+        factors = [[0.0, 0.0, 0.0] for _ in range(config.LATENT_CHANNELS)]
+        for c in range(12):
+            factors[c][c // 4] = 0.25 * 0.5
+        self.latent_rgb_factors = factors
+        self.latent_rgb_factors_bias = [0.5, 0.5, 0.5]
+
+
+class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
+    """A WAN21_T2V model config with the embedded WanModel's shape, identity latent and shift."""
+
+    sampling_settings = {"shift": config.SHIFT, "multiplier": 1000}
+    latent_format = EmbeddedLatent
+    memory_usage_factor = 0.05
+
+    def __init__(self) -> None:
+        unet = {"image_model": "wan2.1", **config.model_config(), "dtype": torch.float32}
+        super().__init__(unet)
+        self.memory_usage_factor = 0.05
+
+    def get_model(self, state_dict: dict, prefix: str = "", device: Any = None) -> "EmbeddedWan":
+        return EmbeddedWan(self, device=device)
+
+
+class EmbeddedWan(comfy.model_base.WAN21):
+    """ComfyUI's WAN21 BaseModel; ``concat_cond`` feeds the fixed coordinate channels."""
+
+    def concat_cond(self, **kwargs: Any) -> Optional[torch.Tensor]:
+        noise = kwargs.get("noise", None)
+        if noise is None:
+            return None
+        b, _, t, h, w = noise.shape
+        coords = codec.coord_channels(t, h, w).to(device=noise.device, dtype=noise.dtype)
+        return coords[None].expand(b, -1, -1, -1, -1).contiguous()
+
+
+def read_metadata(weights_path: Union[str, Path]) -> dict[str, Any]:
+    """The JSON metadata the trainer stored in a weights file (config, seed, steps, minutes, ...)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights_path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return {k: json.loads(v) for k, v in meta.items()}
+
+
+def _check_config(meta: dict[str, Any], path: Path) -> None:
+    stored = meta.get("config")
+    if stored is None:
+        raise ValueError(f"{path} has no 'config' metadata: not a Carnator embedded weights file "
+                         "(train one with `python -m carnator_core.embedded.train`)")
+    want = json.loads(json.dumps(config.model_config()))
+    if stored != want:
+        raise ValueError(f"{path} was trained with config {stored}, but this code expects {want}: use the "
+                         "weights shipped with this version or retrain (see docs/MODEL_CARD.md)")
+
+
+@dataclass(frozen=True)
+class EmbeddedTextEncoder:
+    """Text -> CONDITIONING for the embedded model (socket type CARNATOR_TEXT_ENCODER)."""
+
+    name: str = "carnator-embedded-text-v1"
+
+    def encode_with_words(self, prompt: str) -> tuple[list, text.Encoded]:
+        enc = text.encode(prompt)
+        cond = torch.from_numpy(enc.cond.copy())[None]
+        return [[cond, {}]], enc
+
+    def encode(self, prompt: str) -> list:
+        """ComfyUI CONDITIONING for ``prompt`` (unknown words are ignored with a warning)."""
+        return self.encode_with_words(prompt)[0]
+
+    def carnator_word_tokens(self, prompt: str) -> list[tuple[int, int]]:
+        """``(conditioning position, 1-based whitespace word id)`` per token: the probe's contract
+        (see carnator_core/comfy_tokens.py)."""
+        from ..comfy_tokens import embedded_word_tokens
+
+        return embedded_word_tokens(prompt)
+
+
+@dataclass(frozen=True)
+class EmbeddedDecoder:
+    """Latent -> IMAGE frames for the embedded model (socket type CARNATOR_EMBEDDED_DECODER)."""
+
+    name: str = "carnator-embedded-codec-v1"
+
+    def decode(self, samples: torch.Tensor) -> torch.Tensor:
+        """[B, 16, T, h, w] -> [B*T, 2h, 2w, 3] float32 in [0, 1] (ComfyUI IMAGE)."""
+        if samples.dim() != 5:
+            raise ValueError(f"expected a video latent [B, C, T, H, W]; got {tuple(samples.shape)}")
+        rgb = codec.latent_to_rgb(samples.float().cpu())
+        return rgb.reshape(-1, *rgb.shape[2:])
+
+    def decode_clips(self, samples: torch.Tensor) -> torch.Tensor:
+        """[B, 16, T, h, w] -> [B, T, 2h, 2w, 3] in [0, 1] (one clip per batch item; for the checker)."""
+        return codec.latent_to_rgb(samples.float().cpu())
+
+
+_CACHE: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def load_embedded(weights_path: Union[str, Path, None] = None) -> tuple[comfy.model_patcher.ModelPatcher,
+                                                                         EmbeddedTextEncoder, EmbeddedDecoder]:
+    """Load the embedded model as (MODEL, text encoder, decoder). The built BaseModel is cached per file
+    (path + mtime); each call returns a fresh ``ModelPatcher`` clone so callers may patch it freely."""
+    from safetensors.torch import load_file
+
+    path = Path(weights_path) if weights_path is not None else config.DEFAULT_WEIGHTS
+    if not path.exists():
+        raise FileNotFoundError(f"embedded model weights not found at {path}; they ship with the repository "
+                                "(git checkout) or can be retrained with `python -m carnator_core.embedded.train`")
+    key = f"{path.resolve()}:{path.stat().st_mtime_ns}"
+    with _LOCK:
+        patcher = _CACHE.get(key)
+        if patcher is None:
+            meta = read_metadata(path)
+            _check_config(meta, path)
+            model_config = EmbeddedModelConfig()
+            base = model_config.get_model({}, device=torch.device("cpu"))
+            sd = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
+            missing, unexpected = base.diffusion_model.load_state_dict(sd, strict=False)
+            if missing or unexpected:
+                raise ValueError(f"{path}: weights do not fit the embedded WanModel (missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]})")
+            base.carnator_embedded_meta = meta
+            cpu = torch.device("cpu")
+            patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+            _CACHE.clear()
+            _CACHE[key] = patcher
+    return patcher.clone(), EmbeddedTextEncoder(), EmbeddedDecoder()
+
+
+def empty_latent(batch_size: int = 1) -> dict[str, torch.Tensor]:
+    """ComfyUI LATENT of the embedded geometry: ``{"samples": zeros [B, 16, T, h, w]}``."""
+    return {"samples": torch.zeros((batch_size,) + tuple(config.LATENT_SHAPE))}
+
+
+# --- generation with an optional early-state probe (used by the gate test and the model card numbers) -----
+@dataclass
+class Generation:
+    """Result of ``generate``: final clips [B, T, H, W, 3] in [0, 1], final latents [B, 16, T, h, w];
+    when probing: ``x0_probe`` (the x0 prediction at the probe step, latent [B, 16, T, h, w]) and
+    ``cross_attn`` [B, num_layers, TEXT_LEN, T', H', W'] (conditional branch, mean over heads) at that step."""
+
+    clips: torch.Tensor
+    latents: torch.Tensor
+    x0_probe: Optional[torch.Tensor] = None
+    cross_attn: Optional[torch.Tensor] = None
+
+
+def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_patcher.ModelPatcher] = None,
+             steps: int = config.DEFAULT_STEPS, cfg: float = config.DEFAULT_CFG,
+             sampler_name: str = config.DEFAULT_SAMPLER, scheduler: str = config.DEFAULT_SCHEDULER,
+             probe_step: Optional[int] = None) -> Generation:
+    """Generate one clip per prompt in one batch with ComfyUI's stock sampling path (``comfy.sample.sample``,
+    what KSampler calls). Noise comes from ``comfy.sample.prepare_noise(latent, seed)`` exactly as in
+    KSampler, so clip i equals KSampler's batch item i for the same seed. With ``probe_step`` set, the
+    x0 prediction and the cross-attention maps of the model call at ``sample_sigmas[probe_step]`` are kept.
+    """
+    import comfy.sample
+
+    if model is None:
+        model, _, _ = load_embedded()
+    else:
+        model = model.clone()
+    enc = EmbeddedTextEncoder()
+    cond = torch.cat([enc.encode(p)[0][0] for p in prompts])
+    positive = [[cond, {}]]
+    negative = enc.encode("")
+    latent = empty_latent(len(prompts))["samples"]
+    noise = comfy.sample.prepare_noise(latent, seed)
+    store: dict[str, Any] = {}
+    callback = None
+    if probe_step is not None:
+        maps: list[torch.Tensor] = []
+        state = {"layer": 0}
+        grid = config.TOKEN_GRID
+
+        def attn_override(func, *args, **kwargs):  # noqa: ANN001 (ComfyUI's override signature)
+            q, k = args[0], args[1]
+            topts = kwargs.get("transformer_options") or {}
+            if k.shape[1] == config.TEXT_LEN and q.shape[1] != k.shape[1]:
+                layer = state["layer"] % config.NUM_LAYERS
+                state["layer"] += 1
+                sig, all_sig = topts.get("sigmas"), topts.get("sample_sigmas")
+                if sig is not None and all_sig is not None and torch.isclose(
+                        sig.flatten()[0].float(), all_sig[probe_step].float()):
+                    heads = kwargs.get("heads", config.NUM_HEADS)
+                    b = q.shape[0]
+                    qh = q.reshape(b, q.shape[1], heads, -1).transpose(1, 2).float()
+                    kh = k.reshape(b, k.shape[1], heads, -1).transpose(1, 2).float()
+                    a = torch.softmax(qh @ kh.transpose(-1, -2) / qh.shape[-1] ** 0.5, dim=-1).mean(1)  # [b, Lq, Lk]
+                    chunks = topts.get("cond_or_uncond", [0])
+                    per = b // len(chunks)
+                    for ci, kind in enumerate(chunks):
+                        if kind == 0:
+                            maps.append((layer, a[ci * per:(ci + 1) * per].detach().cpu()))
+            return func(*args, **kwargs)
+
+        model.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = attn_override
+
+        def callback(step: int, x0: torch.Tensor, x: torch.Tensor, total: int) -> None:
+            if step == probe_step:
+                store["x0"] = x0.detach().cpu().clone()
+
+        store["maps"] = maps
+    samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative, latent,
+                                  callback=callback, disable_pbar=True, seed=seed)
+    out = Generation(clips=codec.latent_to_rgb(samples.float()), latents=samples.float())
+    if probe_step is not None:
+        out.x0_probe = store.get("x0")
+        b = len(prompts)
+        t2, h2, w2 = config.TOKEN_GRID
+        per_layer = [None] * config.NUM_LAYERS
+        for layer, a in store["maps"]:
+            per_layer[layer] = a if per_layer[layer] is None else torch.cat([per_layer[layer], a])
+        if all(p is not None and p.shape[0] == b for p in per_layer):
+            stacked = torch.stack(per_layer, 1)  # [b, layers, Lq, Lk]
+            out.cross_attn = stacked.transpose(2, 3).reshape(b, config.NUM_LAYERS, config.TEXT_LEN, t2, h2, w2)
+    return out
+
+
+def gate_captions(n: int = config.GATE_CAPTIONS, seed: int = config.GATE_CAPTION_SEED,
+                  n_objects: int = 1) -> list[str]:
+    """``n`` captions whose first object is a held-out (shape, colour, position) combination."""
+    import numpy as np
+
+    from . import world
+
+    rng = np.random.default_rng(seed + 1000 * (n_objects - 1))
+    return [world.caption(world.sample_scene(rng, held_out=True, n_objects=n_objects), rng) for _ in range(n)]
+
+
+def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
+             model: Optional[comfy.model_patcher.ModelPatcher] = None, steps: int = config.DEFAULT_STEPS,
+             probe_step: int = config.DEFAULT_PROBE_STEP) -> dict[str, Any]:
+    """Generate one clip per caption (one batch, stock sampling path) and score it with the checker.
+
+    Returns pass rates ``colour``/``size``/``position``/``motion``/``shape`` over named objects, and the
+    early-state metrics over clips whose first object the checker found in the final clip:
+    ``attn_peak_on_object`` (the peak of the mean cross-attention of object 0's colour+shape tokens over
+    ``config.PROBE_LAYERS`` at ``probe_step`` lands on a token whose 2-frame x 4x4-pixel region is at least
+    25% covered by the final object's mask) and ``x0_colour_match`` (the nearest palette colour of the
+    probe-step x0 prediction under the final object's mask equals the final clip's object colour).
+    """
+    import numpy as np
+
+    from . import checker, world
+
+    gen = generate(captions, seed, model=model, steps=steps, probe_step=probe_step)
+    results = [checker.check(gen.clips[i], c) for i, c in enumerate(captions)]
+    rates = checker.pass_rates(results)
+    x0_rgb = codec.latent_to_rgb(gen.x0_probe).numpy() if gen.x0_probe is not None else None
+    palette_names = list(world.PALETTE)
+    palette = np.asarray([world.PALETTE[c] for c in palette_names])
+    hits, colour_hits, found = 0, 0, 0
+    pt, ph, pw = config.PATCH_SIZE[0], config.PATCH_SIZE[1] * config.UNSHUFFLE, config.PATCH_SIZE[2] * config.UNSHUFFLE
+    for i, (cap, r) in enumerate(zip(captions, results)):
+        obj = r.objects[0]
+        if not obj.found:
+            continue
+        found += 1
+        mask = r.masks[0]
+        if gen.cross_attn is not None:
+            toks = text.encode(cap, warn=False).object_tokens(0)
+            amap = gen.cross_attn[i, list(config.PROBE_LAYERS)][:, toks].mean(dim=(0, 1))  # [T', H', W']
+            t, y, x = np.unravel_index(int(torch.argmax(amap)), tuple(amap.shape))
+            region = mask[t * pt:(t + 1) * pt, y * ph:(y + 1) * ph, x * pw:(x + 1) * pw]
+            hits += int(region.mean() >= 0.25)
+        if x0_rgb is not None:
+            px = x0_rgb[i][mask]
+            name = palette_names[int(np.argmin(np.linalg.norm(palette - np.median(px, axis=0), axis=1)))]
+            colour_hits += int(name == obj.measured.get("colour"))
+    rates.update({
+        "n_captions": len(captions),
+        "n_found": found,
+        "attn_peak_on_object": hits / found if found else float("nan"),
+        "x0_colour_match": colour_hits / found if found else float("nan"),
+        "all_ok": float(np.mean([r.all_ok for r in results])),
+    })
+    return rates
+
+
+def time_one_clip(prompt: str = "a big red ball moves to the right in the top left, on green grass",
+                  repeats: int = 2) -> float:
+    """Best-of-``repeats`` seconds to generate one clip with the default settings (stock sampling path)."""
+    import time
+
+    model, _, _ = load_embedded()
+    best = float("inf")
+    for k in range(repeats):
+        t0 = time.perf_counter()
+        generate([prompt], seed=k, model=model)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+if __name__ == "__main__":  # python -m carnator_core.embedded.comfy_glue [--two]: print the gate numbers
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Measure the embedded model's quality gate numbers.")
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--two", action="store_true", help="also score 64 two-object held-out captions")
+    ap.add_argument("--threads", type=int, default=2)
+    ns = ap.parse_args()
+    torch.set_num_threads(ns.threads)
+    m, _, _ = load_embedded(ns.weights)
+    report = {"meta": {k: v for k, v in m.model.carnator_embedded_meta.items() if k != "config"},
+              "one_object": evaluate(gate_captions(), model=m)}
+    if ns.two:
+        report["two_objects"] = evaluate(gate_captions(n_objects=2), model=m)
+    report["seconds_per_clip"] = time_one_clip()
+    print(json.dumps(report, indent=1))

@@ -1,0 +1,123 @@
+"""The embedded world's text encoder: prompt -> conditioning [TEXT_LEN, TEXT_DIM] plus word -> token positions.
+
+It is a fixed, deterministic, weight-free encoder built on the world's lexicon (``world.analyse``):
+each known word becomes one token whose vector is
+
+    concept vector (shared by synonyms, e.g. red/crimson/scarlet)
+  + 0.3 x word vector (keeps synonyms distinct tokens)
+  + slot vector (which object of the prompt the word describes: object 0, object 1, or global)
+
+Each vector is a fixed pseudo-random Gaussian vector seeded by the sha256 of its name, so the encoder
+needs no weights file and gives the same output on every machine. The slot vector does the binding work a
+contextual language model would do (which colour belongs to which shape); the denoiser's own text
+projection (WanModel.text_embedding) is trained. Tokens are packed in word order and zero-padded to
+``TEXT_LEN`` (the empty prompt is all zeros: the unconditional input used for classifier-free guidance).
+
+Unknown words are ignored with a ``UserWarning`` (they get no token); words past ``TEXT_LEN`` tokens are
+dropped with a warning. Torch/numpy only; no ComfyUI.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .config import TEXT_DIM, TEXT_LEN
+from .world import COLOUR_ADJECTIVES, OBJECT_NOUNS, WordInfo, analyse, is_word
+
+WORD_SCALE = 0.3
+SLOT_SCALE = 1.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _vector(name: str) -> np.ndarray:
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    v = np.random.default_rng(seed).standard_normal(TEXT_DIM).astype(np.float32)
+    v.setflags(write=False)
+    return v
+
+
+def _token_vector(info: WordInfo) -> np.ndarray:
+    slot_name = "slot:global" if info.slot is None else f"slot:{info.slot}"
+    return _vector("concept:" + str(info.concept)) + WORD_SCALE * _vector("word:" + info.word) \
+        + SLOT_SCALE * _vector(slot_name)
+
+
+@dataclass(frozen=True)
+class WordSpan:
+    """One word of the prompt (in order, punctuation excluded) and the conditioning token positions that
+    encode it (empty for an unknown word or one truncated away). ``concept``/``slot`` as in world.WordInfo."""
+
+    index: int
+    word: str
+    tokens: tuple[int, ...]
+    concept: Optional[str]
+    slot: Optional[int]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Conditioning of one prompt: ``cond`` float32 [TEXT_LEN, TEXT_DIM], ``n_tokens`` used, word spans."""
+
+    cond: np.ndarray
+    n_tokens: int
+    words: tuple[WordSpan, ...]
+
+    def object_tokens(self, slot: int = 0, kinds: tuple[str, ...] = ("shape", "colour")) -> list[int]:
+        """Token positions of object ``slot``'s words of the given concept kinds (default: shape + colour)."""
+        return [t for w in self.words if w.slot == slot and w.concept and w.concept.split(":")[0] in kinds
+                for t in w.tokens]
+
+
+def tokenize_with_words(prompt: str, *, warn: bool = True) -> tuple[list[str], list[WordSpan]]:
+    """(token words in conditioning order, one WordSpan per prompt word). Unknown words are warned about
+    (``UserWarning``) and get no token."""
+    infos = [i for i in analyse(prompt) if is_word(i)]
+    tokens: list[str] = []
+    spans: list[WordSpan] = []
+    unknown: list[str] = []
+    truncated: list[str] = []
+    for idx, info in enumerate(infos):
+        if info.concept is None:
+            unknown.append(info.word)
+            spans.append(WordSpan(idx, info.word, (), None, None))
+        elif len(tokens) >= TEXT_LEN:
+            truncated.append(info.word)
+            spans.append(WordSpan(idx, info.word, (), info.concept, info.slot))
+        else:
+            spans.append(WordSpan(idx, info.word, (len(tokens),), info.concept, info.slot))
+            tokens.append(info.word)
+    if warn and unknown:
+        warnings.warn(f"carnator embedded text encoder: ignoring unknown word(s) {sorted(set(unknown))}; "
+                      "the embedded model only knows its world's vocabulary (see docs/MODEL_CARD.md)",
+                      UserWarning, stacklevel=2)
+    if warn and truncated:
+        warnings.warn(f"carnator embedded text encoder: prompt longer than {TEXT_LEN} known words; "
+                      f"dropped {truncated}", UserWarning, stacklevel=2)
+    return tokens, spans
+
+
+def encode(prompt: str, *, warn: bool = True) -> Encoded:
+    """Encode a prompt; see the module docstring. Deterministic."""
+    infos = [i for i in analyse(prompt) if is_word(i)]
+    _, spans = tokenize_with_words(prompt, warn=warn)
+    cond = np.zeros((TEXT_LEN, TEXT_DIM), dtype=np.float32)
+    n = 0
+    for span, info in zip(spans, infos):
+        if span.tokens:
+            cond[span.tokens[0]] = _token_vector(info)
+            n = span.tokens[0] + 1
+    return Encoded(cond, n, tuple(spans))
+
+
+def encode_batch(prompts: list[str], *, warn: bool = True) -> np.ndarray:
+    """[B, TEXT_LEN, TEXT_DIM] float32 for a list of prompts."""
+    return np.stack([encode(p, warn=warn).cond for p in prompts])
+
+
+__all__ = ["encode", "encode_batch", "tokenize_with_words", "Encoded", "WordSpan", "OBJECT_NOUNS",
+           "COLOUR_ADJECTIVES"]

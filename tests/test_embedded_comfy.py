@@ -1,0 +1,84 @@
+"""The embedded model inside ComfyUI: loader, nodes and the stock KSampler (in-process, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def glue(comfy_env):
+    from carnator.carnator_core.embedded import comfy_glue
+
+    return comfy_glue
+
+
+def test_loader_builds_a_real_wan_model_patcher(glue) -> None:
+    import comfy.ldm.wan.model
+    import comfy.model_base
+    import comfy.model_patcher
+    import comfy.model_sampling
+    from carnator.carnator_core.embedded import config
+
+    model, te, dec = glue.load_embedded()
+    assert isinstance(model, comfy.model_patcher.ModelPatcher)
+    assert isinstance(model.model, comfy.model_base.WAN21)
+    assert type(model.model.diffusion_model) is comfy.ldm.wan.model.WanModel
+    assert isinstance(model.model.model_sampling, comfy.model_sampling.ModelSamplingDiscreteFlow)
+    assert model.model.model_sampling.shift == pytest.approx(config.SHIFT)
+    meta = model.model.carnator_embedded_meta
+    assert meta["config"]["dim"] == config.DIM and meta["seed"] == 0
+    cond = te.encode("a big red ball sits still in the middle, on the grass")
+    assert cond[0][0].shape == (1, config.TEXT_LEN, config.TEXT_DIM)
+    frames = dec.decode(glue.empty_latent(2)["samples"])
+    assert frames.shape == (2 * config.FRAMES, config.HEIGHT, config.WIDTH, 3)
+
+
+def test_stock_ksampler_runs_and_matches_generate(glue) -> None:
+    import nodes as comfy_nodes
+    from carnator.carnator_core.embedded import config
+
+    model, te, dec = glue.load_embedded()
+    prompt = "a big yellow cube moves down in the top right, at night"
+    latent = comfy_nodes.common_ksampler(model, 7, 6, config.DEFAULT_CFG, config.DEFAULT_SAMPLER,
+                                         config.DEFAULT_SCHEDULER, te.encode(prompt), te.encode(""),
+                                         glue.empty_latent(1))[0]
+    assert latent["samples"].shape == (1,) + tuple(config.LATENT_SHAPE)
+    assert torch.isfinite(latent["samples"]).all()
+    gen = glue.generate([prompt], seed=7, steps=6, probe_step=2)
+    assert torch.allclose(gen.latents, latent["samples"].float(), atol=1e-4)
+    assert gen.x0_probe.shape == latent["samples"].shape
+    assert gen.cross_attn.shape == (1, config.NUM_LAYERS, config.TEXT_LEN) + tuple(config.TOKEN_GRID)
+    # attention rows are distributions over the text tokens
+    assert torch.allclose(gen.cross_attn.sum(2), torch.ones(1), atol=1e-4)
+
+
+def test_nodes_chain(glue) -> None:
+    import nodes as comfy_nodes
+    from carnator.nodes import embedded as emb_nodes
+    from carnator.carnator_core.embedded import config
+
+    model, te, dec = emb_nodes.CarnatorEmbeddedLoader.execute("").result
+    (cond,) = emb_nodes.CarnatorEmbeddedTextEncode.execute(te, "a small green diamond rises in the bottom left, in a pink room").result
+    (neg,) = emb_nodes.CarnatorEmbeddedTextEncode.execute(te, "").result
+    (latent,) = emb_nodes.CarnatorEmbeddedEmptyLatent.execute(2).result
+    out = comfy_nodes.common_ksampler(model, 1, 3, 4.0, "euler", "simple", cond, neg, latent)[0]
+    (frames,) = emb_nodes.CarnatorEmbeddedDecode.execute(dec, out, 2).result
+    assert frames.shape == (2 * config.FRAMES, 2 * config.HEIGHT, 2 * config.WIDTH, 3)
+    assert float(frames.min()) >= 0.0 and float(frames.max()) <= 1.0
+    ids = {n.define_schema().node_id for n in emb_nodes.NODES}
+    assert ids == {"CarnatorEmbeddedLoader", "CarnatorEmbeddedTextEncode", "CarnatorEmbeddedEmptyLatent",
+                   "CarnatorEmbeddedDecode"}
+
+
+def test_unknown_words_warn_not_crash(glue) -> None:
+    _, te, _ = glue.load_embedded()
+    with pytest.warns(UserWarning, match="unknown word"):
+        cond = te.encode("a big red zeppelin ball sits still")
+    assert cond[0][0].shape[1:] == (32, 4096)
+
+
+def test_missing_weights_say_how_to_fix(glue, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="retrained"):
+        glue.load_embedded(tmp_path / "nope.safetensors")

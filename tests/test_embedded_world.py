@@ -1,0 +1,148 @@
+"""Embedded world, codec, text encoder and checker (pure core: no ComfyUI)."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from carnator.carnator_core.embedded import checker, codec, config, text, world
+
+
+def _scenes(n: int, seed: int = 0, **kw):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        s = world.sample_scene(rng, **kw)
+        out.append((s, world.caption(s, rng)))
+    return out
+
+
+def test_world_covers_required_attribute_ranges() -> None:
+    assert len(world.SHAPES) >= 4 and len(world.COLOURS) >= 8 and len(world.SIZES) >= 2
+    assert len(world.POSITIONS) >= 5 and len(world.MOTIONS) >= 4 and "still" in world.MOTIONS
+    assert len(world.BACKGROUNDS) >= 6
+    c, t, h, w = config.LATENT_SHAPE
+    tokens = (t // config.PATCH_SIZE[0]) * (h // config.PATCH_SIZE[1]) * (w // config.PATCH_SIZE[2])
+    assert config.FRAMES >= 8 and tokens >= 256
+
+
+def test_render_is_deterministic_and_in_range() -> None:
+    (scene, _), = _scenes(1, seed=3)
+    a, ma = world.render(scene)
+    b, mb = world.render(scene)
+    assert a.shape == (config.FRAMES, config.HEIGHT, config.WIDTH, 3)
+    assert np.array_equal(a, b) and np.array_equal(ma, mb)
+    assert a.min() >= 0.0 and a.max() <= 1.0
+    assert [c for _, c in _scenes(5, seed=9)] == [c for _, c in _scenes(5, seed=9)]
+
+
+def test_captions_parse_back_to_their_scene() -> None:
+    for scene, cap in _scenes(400, seed=1):
+        assert world.parse_caption(cap) == scene, cap
+
+
+def test_issue_examples_parse() -> None:
+    s = world.parse_caption("a small red ball rolls to the right across green grass")
+    assert s.objects[0] == world.ObjectSpec("ball", "red", "small", None, "right") and s.background == "grass"
+    s = world.parse_caption("on a sandy beach, a big blue cube sits still in the top left")
+    assert s.objects[0] == world.ObjectSpec("cube", "blue", "big", "top left", "still") and s.background == "sand"
+
+
+def test_held_out_split_is_never_sampled_for_training() -> None:
+    assert len(world.HELD_OUT) == 20
+    for scene, _ in _scenes(500, seed=2):
+        assert not any(world.is_held_out(o) for o in scene.objects)
+    for scene, _ in _scenes(50, seed=2, held_out=True):
+        assert world.is_held_out(scene.objects[0])
+    # every single value is still trained
+    trained = {o.triple() for s, _ in _scenes(3000, seed=4) for o in s.objects}
+    for i, values in enumerate((world.SHAPES, world.COLOURS, world.POSITIONS)):
+        assert {t[i] for t in trained} == set(values)
+
+
+def test_codec_round_trip_and_coords() -> None:
+    (scene, _), = _scenes(1, seed=5)
+    rgb, alpha = world.render(scene)
+    z = codec.rgb_to_latent(rgb)
+    assert tuple(z.shape) == config.LATENT_SHAPE
+    assert torch.allclose(codec.latent_to_rgb(z), torch.from_numpy(rgb), atol=1e-6)
+    assert torch.all(z[12:] == 0)
+    zb = codec.rgb_to_latent(np.stack([rgb, rgb]))
+    assert zb.shape[0] == 2 and torch.equal(zb[1], z)
+    assert tuple(codec.mask_to_latent(alpha[0]).shape) == config.LATENT_SHAPE[1:]
+    assert tuple(codec.coord_channels(*config.LATENT_SHAPE[1:]).shape) == (config.COORD_CHANNELS,) + config.LATENT_SHAPE[1:]
+
+
+def test_text_encoder_word_spans_and_synonyms() -> None:
+    enc = text.encode("a small red ball rolls to the right across green grass")
+    assert enc.cond.shape == (config.TEXT_LEN, config.TEXT_DIM)
+    words = [w.word for w in enc.words]
+    assert words == "a small red ball rolls to the right across green grass".split()
+    ball = enc.words[words.index("ball")]
+    assert ball.concept == "shape:ball" and ball.slot == 0 and len(ball.tokens) == 1
+    assert np.array_equal(enc.cond[ball.tokens[0]], text.encode("a small red ball rolls to the right across green grass").cond[ball.tokens[0]])
+    assert enc.words[words.index("right")].concept == "motion:right"
+    assert enc.words[words.index("green")].concept == "bgmod:green" and enc.words[words.index("green")].slot is None
+    assert sorted(enc.object_tokens(0)) == sorted(enc.words[words.index(w)].tokens[0] for w in ("red", "ball"))
+    # synonyms are close but distinct tokens
+    a = text.encode("a red ball").cond[1]
+    b = text.encode("a crimson ball").cond[1]
+    c = text.encode("a blue ball").cond[1]
+    assert not np.array_equal(a, b) and np.linalg.norm(a - b) < 0.6 * np.linalg.norm(a - c)
+    assert np.all(text.encode("").cond == 0)
+    assert "ball" in text.OBJECT_NOUNS and "red" in text.COLOUR_ADJECTIVES
+
+
+def test_two_object_slots_and_position_vs_motion_words() -> None:
+    enc = text.encode("a red ball in the top left moves to the right and a blue cube falls in the bottom right, at night")
+    by = {(w.word, w.index): w for w in enc.words}
+    assert [w.slot for w in enc.words if w.word in ("ball", "cube")] == [0, 1]
+    lefts = [w for w in enc.words if w.word in ("left", "right")]
+    assert [w.concept for w in lefts] == ["pos:left", "motion:right", "pos:right"]
+    assert by[("night", len(enc.words) - 1)].slot is None
+
+
+def test_unknown_words_are_ignored_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match="unknown word"):
+        enc = text.encode("a big red flamingo ball sits still in the middle")
+    flamingo = [w for w in enc.words if w.word == "flamingo"][0]
+    assert flamingo.tokens == () and flamingo.concept is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        known = text.encode("a big red ball sits still in the middle")
+    assert np.array_equal(enc.cond, known.cond)
+
+
+def test_checker_passes_ground_truth_renders() -> None:
+    results = []
+    for scene, cap in _scenes(120, seed=6) + _scenes(40, seed=7, held_out=True):
+        rgb, _ = world.render(scene)
+        r = checker.check(rgb, cap)
+        assert r.all_ok, (cap, [o.measured for o in r.objects])
+        results.append(r)
+    rates = checker.pass_rates(results)
+    assert all(rates[k] == 1.0 for k in ("colour", "size", "position", "motion"))
+
+
+@pytest.mark.parametrize("attr,other", [("colour", None), ("size", None), ("position", None), ("motion", None)])
+def test_checker_rejects_perturbed_captions(attr: str, other) -> None:
+    values = {"colour": world.COLOURS, "size": world.SIZES, "position": world.POSITIONS, "motion": world.MOTIONS}
+    rng = np.random.default_rng(11)
+    for scene, _ in _scenes(25, seed=8, n_objects=1):
+        rgb, _ = world.render(scene)
+        obj = scene.objects[0]
+        choices = [v for v in values[attr] if v != getattr(obj, attr)]
+        wrong = dataclasses.replace(obj, **{attr: choices[int(rng.integers(len(choices)))]})
+        r = checker.check(rgb, world.Scene((wrong,), scene.background))
+        assert getattr(r.objects[0], f"{attr}_ok") is False, (attr, obj, wrong, r.objects[0].measured)
+
+
+def test_checker_flags_missing_object_and_accepts_torch() -> None:
+    blank = np.broadcast_to(world.background_image("grass"), (config.FRAMES, config.HEIGHT, config.WIDTH, 3))
+    r = checker.check(torch.from_numpy(np.ascontiguousarray(blank)), "a big red ball sits still in the middle, on the grass")
+    assert not r.objects[0].found and r.objects[0].colour_ok is False and r.background_ok is True
+    with pytest.raises(ValueError, match="expects a clip"):
+        checker.check(np.zeros((8, 32, 32)), "a red ball")
