@@ -331,7 +331,7 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"carnator/workflows/{graph.name}")),  # the frontend wants a UUID
         "revision": 0, "last_node_id": max(n.id for n in graph.nodes), "last_link_id": len(links),
         "nodes": [ui_nodes[n.id] for n in graph.nodes], "links": links, "groups": groups, "config": {},
-        "extra": {"ds": {"scale": 0.55, "offset": [40, 120]}}, "version": 0.4,
+        "extra": {"ds": {"scale": 0.7, "offset": [80, 200]}}, "version": 0.4,
     }
 
 
