@@ -6,6 +6,7 @@ PYTEST := $(PY) -m pytest
 
 setup:
 	@bash scripts/setup_host.sh
+	@bash scripts/setup_browser.sh
 
 demo: setup
 	$(PY) scripts/demo.py
