@@ -1,0 +1,93 @@
+"""Joint reuse semantics on the embedded model (issue 5 tests): identical-request reuse reproduces the cached
+output; reuse accepted by the shipped certified rule passes the pixel checker at least as often as dense
+generation of the same requests, minus 2 points; the input MODEL is unchanged after reuse runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.comfy]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def emb(comfy_env, tmp_path_factory):
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.embedded import comfy_glue, config
+
+    model, te, dec = comfy_glue.load_embedded()
+    d = tmp_path_factory.mktemp("store")
+    store = Store.open(d / "cache", key_path=d / "key")
+    return model, te, dec, config, store
+
+
+def _serve(emb, prompt, seed, method, rule=None, write=True, threshold=0.99):
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
+
+    model, te, dec, config, store = emb
+    opts = ServeOptions(method=method, rule=rule, prompt_threshold=threshold, write=write,
+                        probe=ProbeConfig(probe_steps=config.DEFAULT_PROBE_STEP))
+    spec = RequestSpec(prompt, seed, config.DEFAULT_STEPS, config.DEFAULT_CFG, config.DEFAULT_SAMPLER,
+                       config.DEFAULT_SCHEDULER)
+    from carnator.carnator_core.embedded import comfy_glue
+
+    return serve(model, te, te.encode(prompt), te.encode(""), comfy_glue.empty_latent(1), spec, store, opts)
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def test_identical_request_reuse_reproduces_cached_output(emb):
+    import nodes as comfy_nodes
+
+    from carnator.carnator_core.embedded import checker, comfy_glue
+
+    model, te, dec, config, store = emb
+    prompt = "a big yellow cube sits still in the center on a sandy beach"
+    before = comfy_nodes.common_ksampler(model, 3, 6, config.DEFAULT_CFG, "euler", "simple", te.encode(prompt),
+                                         te.encode(""), comfy_glue.empty_latent(1))[0]["samples"]
+    first = _serve(emb, prompt, 11, "prompt_only")
+    assert first.report.decision == "miss" and first.entry_id
+    again = _serve(emb, prompt, 11, "prompt_only")
+    assert again.report.decision == "hit" and again.report.entry_id == first.entry_id
+    a = dec.decode_clips(first.latent["samples"])[0]
+    b = dec.decode_clips(again.latent["samples"])[0]
+    assert _psnr(a, b) >= 35.0
+    assert checker.check(a, prompt).all_ok == checker.check(b, prompt).all_ok
+    assert again.report.compute_fraction < 0.5  # only the probe (+ nothing left to recompute) was paid
+    after = comfy_nodes.common_ksampler(model, 3, 6, config.DEFAULT_CFG, "euler", "simple", te.encode(prompt),
+                                        te.encode(""), comfy_glue.empty_latent(1))[0]["samples"]
+    assert torch.equal(before, after)
+
+
+def test_certified_reuse_passes_checker_as_often_as_dense(emb):
+    from carnator.carnator_core.embedded import checker, world
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    rule_path = ROOT / "rules" / "embedded.json"
+    assert rule_path.exists(), "the shipped rule rules/embedded.json is missing (scripts/make_pairs.py + calibrate_cli)"
+    rule = RiskRule.load(rule_path)
+    model, te, dec, config, store = emb
+    rng = np.random.default_rng(20261129)
+    scenes = [world.sample_scene(rng, n_objects=1) for _ in range(6)]
+    for i, sc in enumerate(scenes):
+        _serve(emb, world.caption(sc, rng), 100 + i, "dense", write=True)
+    reuse_ok, dense_ok, accepted = [], [], 0
+    for j in range(12):
+        sc = scenes[j % len(scenes)]
+        prompt = world.caption(sc, rng)
+        hit = _serve(emb, prompt, 500 + j, "carnator", rule=rule, write=False)
+        if hit.report.decision != "hit":
+            continue
+        accepted += 1
+        dense = _serve(emb, prompt, 500 + j, "dense", write=False)
+        reuse_ok.append(checker.check(dec.decode_clips(hit.latent["samples"])[0], prompt).all_ok)
+        dense_ok.append(checker.check(dec.decode_clips(dense.latent["samples"])[0], prompt).all_ok)
+    assert accepted >= 3, f"only {accepted} of 12 related requests were accepted by the shipped rule"
+    assert np.mean(reuse_ok) >= np.mean(dense_ok) - 0.02 - 1e-9, (reuse_ok, dense_ok)
