@@ -3,8 +3,8 @@
 Pure torch (no ComfyUI import). Two halves:
 
 * **Recording** (dense runs): :func:`record_block_structure` estimates, per query block, which key blocks carry
-  the attention mass, *without* the full ``L x L`` softmax: one representative query per block (the mean of the
-  block's queries, or a few sampled queries) is scored against the keys, its softmax is summed per key block,
+  the attention mass, *without* the full ``L x L`` softmax: a few evenly spaced queries per block (default 8;
+  or the block's mean query) are scored against the keys, their softmax is summed per key block and averaged,
   and the smallest set of key blocks reaching ``mass`` is kept (the diagonal block always). :class:`BlockRecorder`
   accumulates this over a few (layer, step) observations into a :class:`~.types.BlockStructure` for the cache.
 * **Block-sparse attention** (reuse runs): :func:`block_sparse_attention` computes attention restricted to the
@@ -31,7 +31,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Sequence
+from typing import Callable, Iterable, Literal
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ Backend = Literal["auto", "gather", "flex", "dense_masked"]
 Strategy = Literal["grouped", "padded"]
 
 __all__ = [
+    "n_blocks",
     "estimate_block_mass",
     "select_blocks",
     "record_block_structure",
