@@ -1,0 +1,622 @@
+"""Labelled (request, candidate) pairs from a real model: the data a risk rule is calibrated and certified on.
+
+What a labelled pair is and what the calibration does with it: docs/CALIBRATION.md. This module produces them
+by running the request path exactly as serving does (:func:`..request.serve` for probe → signature → retrieval
+→ dense resume; :func:`..reuse.sample` for the joint-reuse output with a given candidate) — nothing of the
+pipeline is re-implemented here.
+
+Procedure (per test request; :func:`label_request`)
+---------------------------------------------------
+1. ``serve(method="never", write=False)``: the Early Probe, the Signature Builder, top-K recall from the cache
+   (same namespace, as serving), and the dense resume of the request (the reference output).
+2. For each recalled candidate: the four discrepancies (:func:`.discrepancy.discrepancies`) and the joint-reuse
+   output with that candidate forced as accepted (``reuse.sample`` with a ``Decision`` accepting it), and the
+   label from a :class:`Labeler`:
+
+   * :class:`CheckerLabeler` — ground truth exists (the embedded world): unsafe = the reuse output fails the
+     checker on an attribute where the dense output passes (:func:`embedded_checker_labeler`).
+   * :class:`ToleranceLabeler` — no checker (any model): unsafe = the decoded reuse output deviates from the
+     decoded dense output beyond a stated tolerance (PSNR below a dB bound, or mean per-frame SSIM below a
+     bound).
+
+Every candidate is labelled, not only the one today's rule would pick, so calibration can evaluate any
+threshold setting. The embedded world's request sampler (:func:`embedded_warm_set`, :func:`embedded_queries`)
+draws a warm set of cache entries and query requests derived from them by one controlled edit each (exact
+repeat, new seed, paraphrase, colour / size / position / motion / background change, different object), so
+the recalled candidates are a mix of compatible and incompatible ones.
+
+Contracts: deterministic given the seeds (generation is seeded; CPU float results may differ in the last bits
+across thread counts); resumable (:func:`append_rows` appends one request's rows at a time and
+:func:`done_requests` tells which requests are complete); the written file is the pairs JSONL format of
+docs/CALIBRATION.md (:func:`.certify.read_pairs_jsonl` reads it; each row also carries a ``diag`` object with
+diagnostics that the reader ignores).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from ..types import Decision
+from .certify import LabelledPair
+from .discrepancy import discrepancies
+
+# --------------------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class PairRequest:
+    """One request of a pair-generation run.
+
+    request_id: stable id ("w0007" warm entries, "q0042" queries); used as ``entry_id`` / ``request_id`` in
+                the pairs file so the file does not depend on the cache's random entry ids.
+    kind:       how a query was derived from its source ("warm" for cache entries).
+    source:     the warm request it was derived from ("" for warm requests).
+    """
+
+    request_id: str
+    prompt: str
+    seed: int
+    kind: str = "warm"
+    source: str = ""
+
+    def to_meta(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: Query kinds of the embedded-world sampler. "repeat": identical prompt and seed; "reseed": same prompt, new
+#: seed; "paraphrase": same scene, freshly drawn caption wording; the edits change one attribute of the first
+#: object (colour/size/position/motion/shape = "object") or the background, keeping the caption template.
+QUERY_KINDS: tuple[str, ...] = (
+    "repeat", "reseed", "paraphrase", "colour", "size", "position", "motion", "background", "object",
+)
+
+
+def _caption(scene: Any, caption_seed: int) -> str:
+    from ..embedded import world
+
+    return world.caption(scene, np.random.default_rng(caption_seed))
+
+
+def embedded_warm_set(seed: int, n: int) -> tuple[list[PairRequest], dict[str, tuple[Any, int]]]:
+    """``n`` warm requests from the embedded world (held-in combinations only, 1–2 objects).
+
+    Returns (requests, {request_id: (scene, caption_seed)}) — the scene and caption seed let queries be
+    derived by a controlled edit with the same caption template.
+    """
+    from ..embedded import world
+
+    rng = np.random.default_rng([seed, 0])
+    out: list[PairRequest] = []
+    scenes: dict[str, tuple[Any, int]] = {}
+    for i in range(n):
+        scene = world.sample_scene(rng, held_out=False)
+        cap_seed = int(rng.integers(2**31))
+        rid = f"w{i:04d}"
+        out.append(PairRequest(rid, _caption(scene, cap_seed), int(rng.integers(2**31)), "warm", ""))
+        scenes[rid] = (scene, cap_seed)
+    return out, scenes
+
+
+def _edit(kind: str, scene: Any, rng: np.random.Generator) -> Any | None:
+    """The scene with one attribute of its first object (or the background) changed; None if impossible."""
+    from ..embedded import world
+
+    objs = list(scene.objects)
+    first = objs[0]
+    others = objs[1:]
+    taken_colours = {o.colour for o in others}
+    taken_positions = {o.position for o in others}
+
+    def pick(options: Sequence[str]) -> str | None:
+        options = list(options)
+        return options[int(rng.integers(len(options)))] if options else None
+
+    if kind == "background":
+        bg = pick([b for b in world.BACKGROUNDS if b != scene.background
+                   and all(world.compatible(o.colour, b) for o in objs)])
+        return None if bg is None else replace(scene, background=bg)
+    if kind == "colour":
+        c = pick([c for c in world.COLOURS if c != first.colour and c not in taken_colours
+                  and world.compatible(c, scene.background)])
+        new = None if c is None else replace(first, colour=c)
+    elif kind == "size":
+        new = replace(first, size="big" if first.size == "small" else "small")
+    elif kind == "position":
+        p = pick([p for p in world.POSITIONS if p != first.position and p not in taken_positions])
+        new = None if p is None else replace(first, position=p)
+    elif kind == "motion":
+        m = pick([m for m in world.MOTIONS if m != first.motion])
+        new = None if m is None else replace(first, motion=m)
+    elif kind == "object":
+        s = pick([s for s in world.SHAPES if s != first.shape])
+        new = None if s is None else replace(first, shape=s)
+    else:
+        raise ValueError(f"unknown edit kind {kind!r}; expected one of {QUERY_KINDS}")
+    if new is None:
+        return None
+    edited = replace(scene, objects=(new, *others))
+    # The world never shows held-out combinations or overlapping objects at calibration time.
+    if world.is_held_out(new) or world._overlaps(edited):
+        return None
+    return edited
+
+
+def embedded_queries(seed: int, n: int, warm: Sequence[PairRequest], scenes: Mapping[str, tuple[Any, int]],
+                     kinds: Sequence[str] = QUERY_KINDS, p_same_seed: float = 0.5) -> list[PairRequest]:
+    """``n`` query requests, each derived from a uniformly drawn warm request by one kind of change.
+
+    Kinds cycle through ``kinds`` in a seeded random order (each kind gets n / len(kinds) queries ± 1). Edits
+    (and paraphrases) keep the source's seed with probability ``p_same_seed``, else draw a new one; "repeat"
+    always keeps it and "reseed" never does. An edit that is impossible for the drawn source (e.g. no other
+    compatible colour) redraws the source.
+    """
+    from ..embedded import world
+
+    for k in kinds:
+        if k not in QUERY_KINDS:
+            raise ValueError(f"unknown query kind {k!r}; expected some of {QUERY_KINDS}")
+    rng = np.random.default_rng([seed, 1])
+    order: list[str] = []
+    while len(order) < n:
+        order.extend(str(kinds[i]) for i in rng.permutation(len(kinds)))
+    out: list[PairRequest] = []
+    for j, kind in enumerate(order[:n]):
+        for _attempt in range(1000):
+            src = warm[int(rng.integers(len(warm)))]
+            scene, cap_seed = scenes[src.request_id]
+            new_seed = int(rng.integers(2**31))
+            keep_seed = bool(rng.random() < p_same_seed)
+            if kind == "repeat":
+                prompt, s = src.prompt, src.seed
+            elif kind == "reseed":
+                prompt, s = src.prompt, new_seed
+            elif kind == "paraphrase":
+                prompt = world.caption(scene, rng)
+                s = src.seed if keep_seed else new_seed
+            else:
+                edited = _edit(kind, scene, rng)
+                if edited is None:
+                    continue
+                prompt = _caption(edited, cap_seed)
+                s = src.seed if keep_seed else new_seed
+            out.append(PairRequest(f"q{j:04d}", prompt, s, kind, src.request_id))
+            break
+        else:  # pragma: no cover - the world always admits every kind for some source
+            raise RuntimeError(f"could not derive a {kind!r} query from the warm set")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- labelers
+
+
+class Labeler(Protocol):
+    """Decides whether a reuse output is unsafe relative to the dense output of the same request.
+
+    ``definition`` is the human-readable definition written into the pairs header (and from there into the
+    rule's provenance). ``reference(dense_clip, prompt)`` is computed once per request; ``label(ref,
+    reuse_clip, prompt)`` returns (unsafe, diagnostics) for one candidate's reuse output.
+    """
+
+    definition: str
+
+    def reference(self, dense_clip: np.ndarray, prompt: str) -> Any: ...
+
+    def label(self, ref: Any, reuse_clip: np.ndarray, prompt: str) -> tuple[bool, dict[str, Any]]: ...
+
+
+def _verdicts(result: Any) -> dict[str, bool]:
+    """Gated per-attribute verdicts of an embedded checker result: {"o0.colour": True, ..., "background": ...}.
+    Attributes the caption does not name (None) are left out."""
+    out: dict[str, bool] = {}
+    for i, o in enumerate(result.objects):
+        for attr in ("colour", "size", "position", "motion"):
+            v = getattr(o, f"{attr}_ok")
+            if v is not None:
+                out[f"o{i}.{attr}"] = bool(v)
+    if result.background_ok is not None:
+        out["background"] = bool(result.background_ok)
+    return out
+
+
+@dataclass(frozen=True)
+class CheckerLabeler:
+    """unsafe = some checked attribute passes on the dense output and fails on the reuse output.
+
+    ``check(clip, prompt) -> {attribute: passed}`` must be deterministic; attributes the dense output fails
+    are the model's failures, not the reuse's, and never make a pair unsafe.
+    """
+
+    check: Callable[[np.ndarray, str], Mapping[str, bool]]
+    definition: str
+
+    def reference(self, dense_clip: np.ndarray, prompt: str) -> dict[str, bool]:
+        return dict(self.check(dense_clip, prompt))
+
+    def label(self, ref: Mapping[str, bool], reuse_clip: np.ndarray, prompt: str) -> tuple[bool, dict[str, Any]]:
+        got = dict(self.check(reuse_clip, prompt))
+        broken = sorted(a for a, ok in ref.items() if ok and not got.get(a, False))
+        return bool(broken), {"broken": broken, "dense_failed": sorted(a for a, ok in ref.items() if not ok)}
+
+
+EMBEDDED_UNSAFE_DEFINITION = (
+    "embedded pixel checker (carnator_core/embedded/checker.py): the joint-reuse output fails the checker on a "
+    "named object's colour, size, position or motion, or on the background, where the dense output of the same "
+    "request (same prompt, seed and settings) passes it"
+)
+
+
+def embedded_checker_labeler() -> CheckerLabeler:
+    """The embedded world's ground-truth labeler (see :data:`EMBEDDED_UNSAFE_DEFINITION`)."""
+    from ..embedded import checker
+
+    return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt)), EMBEDDED_UNSAFE_DEFINITION)
+
+
+def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
+    """PSNR (dB) of two clips with values in [0, 1], over all pixels of all frames (inf when identical)."""
+    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+    return float("inf") if mse <= 0.0 else float(10.0 * np.log10(1.0 / mse))
+
+
+def mean_ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over frames of the SSIM of two clips [T, H, W, 3] in [0, 1] (skimage, colour, 7×7 window)."""
+    from skimage.metrics import structural_similarity
+
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    win = min(7, a.shape[1], a.shape[2])
+    win -= (win + 1) % 2  # odd window
+    return float(np.mean([structural_similarity(x, y, data_range=1.0, channel_axis=-1, win_size=win)
+                          for x, y in zip(a, b)]))
+
+
+@dataclass(frozen=True)
+class ToleranceLabeler:
+    """unsafe = the decoded reuse output deviates from the decoded dense output beyond a stated tolerance.
+
+    metric "psnr": unsafe when PSNR(reuse, dense) < ``threshold`` dB (over all pixels of the clip);
+    metric "ssim": unsafe when the mean per-frame SSIM < ``threshold``.
+    State the tolerance before looking at results (docs/CALIBRATION.md §2).
+    """
+
+    metric: str = "psnr"
+    threshold: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("psnr", "ssim"):
+            raise ValueError(f"tolerance metric must be 'psnr' or 'ssim', got {self.metric!r}")
+
+    @property
+    def definition(self) -> str:
+        if self.metric == "psnr":
+            return (f"decoded joint-reuse output vs the dense output of the same request: PSNR over all pixels "
+                    f"< {self.threshold:g} dB")
+        return f"decoded joint-reuse output vs the dense output of the same request: mean per-frame SSIM < {self.threshold:g}"
+
+    def reference(self, dense_clip: np.ndarray, prompt: str) -> np.ndarray:
+        return np.asarray(dense_clip)
+
+    def label(self, ref: np.ndarray, reuse_clip: np.ndarray, prompt: str) -> tuple[bool, dict[str, Any]]:
+        if self.metric == "psnr":
+            v = psnr_db(reuse_clip, ref)
+            return bool(v < self.threshold), {"psnr_db": None if not np.isfinite(v) else round(v, 3)}
+        v = mean_ssim(reuse_clip, ref)
+        return bool(v < self.threshold), {"ssim": round(v, 5)}
+
+
+# --------------------------------------------------------------------------------------------- the model side
+
+
+@dataclass
+class PairContext:
+    """Everything needed to serve requests on one model and config.
+
+    model:        ComfyUI MODEL (ModelPatcher).
+    text_encoder: what ``serve`` uses to locate object words (the embedded encoder, or a ComfyUI CLIP).
+    encode:       prompt -> CONDITIONING (the negative prompt is ``encode(negative_prompt)``).
+    decode:       LATENT samples [1, C, T, H, W] -> clip [T, H, W, 3] in [0, 1] (for the labeler).
+    latent:       the empty LATENT dict of the served resolution / length.
+    steps, cfg, sampler, scheduler: the generation config (with ``options.probe`` it fixes the rule's config).
+    store:        the cache (``cache.Store``) holding the warm entries.
+    options:      ServeOptions (probe steps, reuse mode, signature config, top_k).
+    """
+
+    model: Any
+    text_encoder: Any
+    encode: Callable[[str], Any]
+    decode: Callable[[Any], np.ndarray]
+    latent: dict
+    steps: int
+    cfg: float
+    sampler: str
+    scheduler: str
+    store: Any
+    options: Any
+    negative_prompt: str = ""
+    _neg: Any = field(default=None, repr=False)
+
+    def spec(self, req: PairRequest) -> Any:
+        from ..request import RequestSpec
+
+        return RequestSpec(prompt=req.prompt, seed=int(req.seed), steps=self.steps, cfg=self.cfg,
+                           sampler=self.sampler, scheduler=self.scheduler)
+
+    def negative(self) -> Any:
+        if self._neg is None:
+            self._neg = self.encode(self.negative_prompt)
+        return self._neg
+
+
+def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, top_k: int = 3,
+                     reuse_mode: str = "joint") -> PairContext:
+    """A :class:`PairContext` for the embedded model with its default config (20 euler steps, simple, CFG 5,
+    probe after 4 steps). Imports ComfyUI (through the embedded glue)."""
+    from ..embedded import codec, comfy_glue, config as ecfg
+    from ..probe import ProbeConfig
+    from ..request import ServeOptions
+
+    model, enc, _dec = comfy_glue.load_embedded(weights)
+    options = ServeOptions(method="never", reuse_mode=reuse_mode, top_k=int(top_k), write=False,
+                           probe=ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP))
+    return PairContext(
+        model=model, text_encoder=enc, encode=enc.encode,
+        decode=lambda s: codec.latent_to_rgb(s[:1].float().cpu())[0].numpy(),
+        latent=comfy_glue.empty_latent(1), steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG,
+        sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store, options=options,
+    )
+
+
+def warm_entry(ctx: PairContext, req: PairRequest) -> tuple[str, Any]:
+    """Generate a warm request densely and write it to the cache (the Cache Writer path). Returns
+    (store entry id, RequestResult)."""
+    from ..request import serve
+
+    opts = replace(ctx.options, method="dense", write=True)
+    res = serve(ctx.model, ctx.text_encoder, ctx.encode(req.prompt), ctx.negative(), ctx.latent, ctx.spec(req),
+                ctx.store, opts)
+    if res.entry_id is None:  # pragma: no cover - serve always writes a dense result when write=True
+        raise RuntimeError(f"warm request {req.request_id} was not written to the cache")
+    return res.entry_id, res
+
+
+@dataclass(frozen=True)
+class CandidateOutcome:
+    """One recalled candidate of a labelled request."""
+
+    entry_id: str  # store entry id
+    similarity: float
+    discrepancies: Any  # risk.discrepancy.Discrepancies
+    labelled: bool
+    unsafe: bool | None
+    diag: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What :func:`label_request` measured for one request."""
+
+    request: PairRequest
+    result: Any  # request.RequestResult of the serve(method="never") call (probe, signature, candidates, dense)
+    candidates: tuple[CandidateOutcome, ...]
+    dense_diag: Mapping[str, Any]
+    seconds: float
+
+
+def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
+                  only: Iterable[str] | Callable[[Any], Iterable[str]] | None = None) -> RequestOutcome:
+    """Serve ``req`` as serving does (probe, signature, top-K recall, dense resume) and label its candidates.
+
+    only: which store entry ids to label — None = every recalled candidate; an iterable of ids; or a callable
+          given the ``serve`` result (``request.RequestResult``: probe, signature, candidates) that returns the
+          ids (e.g. the candidates a filter accepts). The others get discrepancies but no reuse run
+          (``labelled=False``). The store's hit counters are not touched.
+    """
+    from .. import reuse
+    from ..request import serve
+
+    t0 = time.perf_counter()
+    pos = ctx.encode(req.prompt)
+    neg = ctx.negative()
+    res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(req), ctx.store,
+                replace(ctx.options, method="never", write=False))
+    dense_clip = ctx.decode(res.latent["samples"])
+    ref = labeler.reference(dense_clip, req.prompt)
+    want = None if only is None else set(only(res) if callable(only) else only)
+    cfg = replace(ctx.options.reuse, mode=ctx.options.reuse_mode)
+    outs = []
+    items = res.candidates.items if res.candidates is not None else ()
+    for cand in items:
+        d = discrepancies(res.signature, cand.signature)
+        if want is not None and cand.entry_id not in want:
+            outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, False, None, {}))
+            continue
+        cached = ctx.store.load(cand.entry_id, count_hit=False).cached_run()
+        decision = Decision(accepted=True, candidate=cand, verdicts=(), mode="signature",
+                            summary="pair labelling: candidate forced as accepted")
+        t1 = time.perf_counter()
+        samples, rep = reuse.sample(ctx.model, pos, neg, ctx.latent, res.probe, decision, cached, cfg,
+                                    target_signature=res.signature, record=False)
+        reuse_s = time.perf_counter() - t1
+        unsafe, diag = labeler.label(ref, ctx.decode(samples), req.prompt)
+        diag = {**diag, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
+                "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
+                "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3)}
+        outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, True, bool(unsafe), diag))
+    dense_diag = {"dense_s": round(res.timings_ms.get("total", 0.0) / 1000.0, 3)}
+    if isinstance(ref, Mapping):
+        dense_diag["dense_failed"] = sorted(a for a, ok in ref.items() if not ok)
+    return RequestOutcome(req, res, tuple(outs), dense_diag, time.perf_counter() - t0)
+
+
+def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Pairs-file rows (docs/CALIBRATION.md format + a ``diag`` object) of a fully labelled request.
+
+    entry_names: store entry id -> stable name (the warm request id) used as ``entry_id`` in the file.
+    """
+    rows = []
+    for c in out.candidates:
+        if not c.labelled:
+            raise ValueError(f"request {out.request.request_id}: candidate {c.entry_id} was not labelled")
+        p = LabelledPair.from_discrepancies(out.request.request_id, entry_names.get(c.entry_id, c.entry_id),
+                                            c.similarity, c.discrepancies, bool(c.unsafe))
+        row = p.to_row()
+        row["diag"] = {"kind": out.request.kind, "source": out.request.source, "prompt": out.request.prompt,
+                       "seed": out.request.seed, "store_entry": c.entry_id,
+                       "missing_objects": list(c.discrepancies.missing_objects), **out.dense_diag, **c.diag}
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- fresh streams
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    """One request of a measured stream: what each method accepted (store entry id or None) and whether that
+    reuse was unsafe (None when nothing was accepted)."""
+
+    request: PairRequest
+    accepted: Mapping[str, str | None]
+    unsafe: Mapping[str, bool | None]
+    dense_s: float
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """Outcome of :func:`measure_stream`; ``counts(method)`` = (requests, accepted, unsafe among accepted)."""
+
+    records: tuple[StreamRecord, ...]
+    methods: tuple[str, ...]
+
+    def counts(self, method: str) -> tuple[int, int, int]:
+        acc = [r for r in self.records if r.accepted.get(method) is not None]
+        return len(self.records), len(acc), sum(bool(r.unsafe.get(method)) for r in acc)
+
+    def summary(self) -> dict[str, dict[str, float | int]]:
+        out = {}
+        for m in self.methods:
+            n_req, n, k = self.counts(m)
+            out[m] = {"requests": n_req, "accepted": n, "unsafe": k, "coverage": n / n_req if n_req else 0.0,
+                      "unsafe_rate": k / n if n else 0.0}
+        return out
+
+
+def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: Labeler, rule: Any, *,
+                   prompt_thresholds: Mapping[str, float] | None = None,
+                   progress: Callable[[str], None] | None = None) -> StreamResult:
+    """Serve a stream of requests and measure, per filter, the unsafe rate among the reuses it accepts.
+
+    Methods: "rule" — the Risk Filter in signature mode with ``rule`` (a loaded :class:`.rule.RiskRule`; checked
+    against the probe's model and config fingerprints, so a mismatched rule raises ``RuleMismatchError``);
+    and one prompt-only filter per entry of ``prompt_thresholds`` (name -> similarity threshold). Each query is
+    served once (probe, recall, dense); only the candidates some method accepts get a reuse run and a label.
+    """
+    from .filter import decide
+
+    methods = ("rule", *tuple(prompt_thresholds or {}))
+    records = []
+    for req in queries:
+        chosen: dict[str, str | None] = {}
+
+        def select(res: Any) -> list[str]:
+            probe = res.probe
+            dec = decide(res.signature, res.candidates, rule, "signature", model_fingerprint=probe.model_fingerprint,
+                         config_fingerprint=probe.config.fingerprint())
+            chosen["rule"] = dec.candidate.entry_id if dec.accepted else None
+            for name, t in (prompt_thresholds or {}).items():
+                d = decide(None, res.candidates, None, "prompt_only", float(t))
+                chosen[name] = d.candidate.entry_id if d.accepted else None
+            return [e for e in chosen.values() if e is not None]
+
+        out = label_request(ctx, req, labeler, only=select)
+        label = {c.entry_id: c.unsafe for c in out.candidates if c.labelled}
+        rec = StreamRecord(req, dict(chosen), {m: (label[e] if e is not None else None) for m, e in chosen.items()},
+                           float(out.dense_diag.get("dense_s", 0.0)))
+        records.append(rec)
+        if progress is not None:
+            progress(f"{req.request_id} {req.kind}: " + ", ".join(
+                f"{m}={'-' if rec.accepted[m] is None else ('UNSAFE' if rec.unsafe[m] else 'safe')}" for m in methods))
+    return StreamResult(tuple(records), methods)
+
+
+# --------------------------------------------------------------------------------------------- the file
+
+
+def append_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Append rows (one request's, written together) and flush them to disk, so an interrupted run resumes
+    after the last complete request."""
+    with Path(path).open("a", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_rows(path: str | os.PathLike) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(header or None, pair rows) of a pairs file written by this module. A torn last line (a crash in the
+    middle of a write) is dropped; its request is then redone by a resumed run."""
+    path = Path(path)
+    if not path.exists():
+        return None, []
+    header = None
+    rows: list[dict[str, Any]] = []
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # torn tail
+                break
+            raise ValueError(f"{path}:{i + 1}: not valid JSON; the pairs file is corrupt") from None
+        if row.get("type") == "header":
+            header = row
+        else:
+            rows.append(row)
+    return header, rows
+
+
+def done_requests(rows: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Request ids present in the file (a request's rows are always appended together)."""
+    return {str(r["request_id"]) for r in rows}
+
+
+def write_header(path: str | os.PathLike, header: Mapping[str, Any]) -> None:
+    """Start a pairs file with its header row (atomically replaces an empty/absent file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"type": "header", **header}, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def header_for(probe: Any, *, dataset: str, seeds: Sequence[int] | Mapping[str, Any], unsafe_definition: str,
+               generator: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The pairs-file header for pairs generated with ``probe``'s model and config (docs/CALIBRATION.md §4)."""
+    return {
+        "model_fingerprint": probe.model_fingerprint,
+        "config_fingerprint": probe.config.fingerprint(),
+        "arch": probe.arch,
+        "config": probe.config.to_meta(),
+        "dataset": dataset,
+        "seeds": seeds,
+        "unsafe_definition": unsafe_definition,
+        "generator": generator,
+        **dict(extra or {}),
+    }
+
+
+__all__ = [
+    "CandidateOutcome", "CheckerLabeler", "EMBEDDED_UNSAFE_DEFINITION", "Labeler", "PairContext", "PairRequest",
+    "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
+    "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
+    "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
+    "warm_entry", "write_header",
+]

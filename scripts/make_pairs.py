@@ -1,0 +1,276 @@
+"""Generate labelled (request, candidate) pairs on the embedded model, for calibrating and certifying a risk rule.
+
+Usage (from the repository root, host python)::
+
+    .host/venv/bin/python scripts/make_pairs.py --out rules/embedded_pairs.jsonl --work /tmp/carnator-pairs \\
+        [--weights PATH] [--seed 0] [--warm 60] [--queries 160] [--top-k 3] [--workers 2] [--threads 1] \\
+        [--kinds repeat,reseed,...] [--labeler checker|psnr|ssim] [--tolerance 25]
+
+then::
+
+    .host/venv/bin/python -m carnator_core.risk.calibrate_cli --pairs rules/embedded_pairs.jsonl \\
+        --out rules/embedded.json
+
+What it does (core logic: carnator_core/risk/pairs.py; procedure: docs/CALIBRATION.md §3):
+
+1. **Warm set.** ``--warm`` requests sampled from the embedded world (held-in combinations, 1–2 objects,
+   seeded by ``--seed``) are generated densely and written to a fresh cache under ``--work/store`` (the
+   Cache Writer path, ``request.serve(method="dense")``).
+2. **Queries.** ``--queries`` requests, each derived from a random warm request by one kind of change (exact
+   repeat, new seed, paraphrase, colour / size / position / motion / background change, different object;
+   ``--kinds``). For each: probe + signature + top-K recall + dense resume (``serve(method="never")``), then
+   for every recalled candidate the discrepancies and the joint-reuse output with that candidate forced as
+   accepted (``reuse.sample``), labelled by ``--labeler``:
+   ``checker`` (default) = unsafe when the reuse output fails the embedded pixel checker on an attribute where
+   the dense output passes; ``psnr`` / ``ssim`` = unsafe when the decoded reuse output is below ``--tolerance``
+   (dB / SSIM) against the dense output — the mode for models without a checker.
+3. **Output.** The pairs JSONL (header with model/config fingerprints, config, dataset, seeds, unsafe
+   definition, this command; one row per pair with a ``diag`` object of diagnostics).
+
+Resumable: work happens in ``--work`` (cache, per-worker part files that grow one request at a time). Re-run
+the same command after an interruption and it continues where it stopped; a different configuration in the
+same work directory is refused. ``--workers N`` runs N processes (each with ``--threads`` torch threads) over
+disjoint slices of the requests; the result does not depend on N except for last-bit float differences.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
+
+RUN_KEYS = ("weights", "seed", "warm", "queries", "top_k", "kinds", "labeler", "tolerance", "reuse_mode",
+            "p_same_seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from carnator.carnator_core.risk.pairs import QUERY_KINDS
+
+    p = argparse.ArgumentParser(description="Labelled pairs on the embedded model (docs/CALIBRATION.md).")
+    p.add_argument("--out", required=True, help="pairs JSONL file to write")
+    p.add_argument("--work", required=True, help="work directory (cache + progress); reuse it to resume")
+    p.add_argument("--weights", default="", help="embedded weights file (default: the shipped one)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the warm set and the queries (0)")
+    p.add_argument("--warm", type=int, default=60, help="warm (cached) requests (60)")
+    p.add_argument("--queries", type=int, default=160, help="query requests (160)")
+    p.add_argument("--top-k", type=int, default=3, help="candidates recalled and labelled per query (3)")
+    p.add_argument("--kinds", default=",".join(QUERY_KINDS), help="query kinds, comma separated")
+    p.add_argument("--p-same-seed", type=float, default=0.5,
+                   help="probability that an edited query keeps its source's seed (0.5)")
+    p.add_argument("--labeler", choices=("checker", "psnr", "ssim"), default="checker",
+                   help="definition of unsafe: the embedded checker (default) or a tolerance vs dense")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="tolerance of --labeler psnr (dB, default 25) or ssim (default 0.9)")
+    p.add_argument("--reuse-mode", choices=("joint", "latent", "attention"), default="joint",
+                   help="sampler mode the rule is for (joint)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (1)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = 2 // workers, ≥ 1)")
+    p.add_argument("--limit-s", type=float, default=0.0,
+                   help="stop starting new queries after this many seconds (0 = no limit); re-run to resume")
+    return p
+
+
+def _labeler(args: dict):
+    from carnator.carnator_core.risk import pairs
+
+    if args["labeler"] == "checker":
+        return pairs.embedded_checker_labeler()
+    tol = args["tolerance"]
+    if tol is None:
+        tol = 25.0 if args["labeler"] == "psnr" else 0.9
+    return pairs.ToleranceLabeler(args["labeler"], float(tol))
+
+
+def _requests(args: dict):
+    from carnator.carnator_core.risk import pairs
+
+    warm, scenes = pairs.embedded_warm_set(args["seed"], args["warm"])
+    queries = pairs.embedded_queries(args["seed"], args["queries"], warm, scenes,
+                                     kinds=tuple(k for k in args["kinds"].split(",") if k),
+                                     p_same_seed=args["p_same_seed"])
+    return warm, queries
+
+
+def _open(args: dict, threads: int):
+    conftest.ensure_comfy_importable()
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.risk import pairs
+
+    work = Path(args["work"])
+    store = Store.open(work / "store", key_path=work / "index.key", durable=False)
+    ctx = pairs.embedded_context(store, args["weights"] or None, top_k=args["top_k"], reuse_mode=args["reuse_mode"])
+    return store, ctx
+
+
+def _warm_manifest(work: Path) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for f in sorted(work.glob("warm-*.jsonl")):
+        for line in f.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # torn tail of an interrupted write: that request is redone
+                names[r["request_id"]] = r["entry_id"]
+    return names
+
+
+def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> None:
+    """One worker: its slice (index % n_shards == shard) of the warm set or of the queries."""
+    from carnator.carnator_core.risk import pairs
+
+    work = Path(args["work"])
+    warm, queries = _requests(args)
+    store, ctx = _open(args, threads)
+    t_start = time.time()
+    try:
+        if phase == "warm":
+            done = _warm_manifest(work)
+            path = work / f"warm-{shard}.jsonl"
+            mine = [r for i, r in enumerate(warm) if i % n_shards == shard and r.request_id not in done]
+            for req in mine:
+                t0 = time.perf_counter()
+                entry_id, _res = pairs.warm_entry(ctx, req)
+                pairs.append_rows(path, [{"request_id": req.request_id, "entry_id": entry_id}])
+                print(f"[w{shard}] warm {req.request_id} -> {entry_id} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            return
+        names = {v: k for k, v in _warm_manifest(work).items()}  # store entry id -> warm request id
+        if len(names) != len(warm):
+            raise RuntimeError(f"the warm set is incomplete ({len(names)} of {len(warm)} entries); run the warm "
+                               "phase first (re-run the command)")
+        labeler = _labeler(args)
+        path = work / f"part-{shard}.jsonl"
+        header, rows = pairs.read_rows(path)
+        done = pairs.done_requests(rows)
+        mine = [r for i, r in enumerate(queries) if i % n_shards == shard and r.request_id not in done]
+        for req in mine:
+            if args["limit_s"] and time.time() - t_start > args["limit_s"]:
+                print(f"[q{shard}] time limit reached; re-run to resume", flush=True)
+                return
+            out = pairs.label_request(ctx, req, labeler)
+            probe = out.result.probe
+            if header is None:
+                header = pairs.header_for(probe, dataset="", seeds=[], unsafe_definition=labeler.definition,
+                                          generator="")
+                pairs.write_header(path, header)
+            elif (header["model_fingerprint"], header["config_fingerprint"]) != (
+                    probe.model_fingerprint, probe.config.fingerprint()):
+                raise RuntimeError(f"{path} was started with another model or config (header "
+                                   f"{header['model_fingerprint']}/{header['config_fingerprint']}); use a new --work")
+            rows = pairs.outcome_rows(out, names)
+            pairs.append_rows(path, rows)
+            flags = "".join("U" if r["unsafe"] else ("m" if r["missing"] else ".") for r in rows)
+            print(f"[q{shard}] {req.request_id} {req.kind:>10} {flags:<4} {out.seconds:5.1f} s", flush=True)
+    finally:
+        store.close()
+
+
+def _run_phase(args: dict, phase: str, n: int, threads: int) -> None:
+    if n == 1:
+        worker(args, 0, 1, phase, threads)
+        return
+    ctxmp = mp.get_context("spawn")
+    procs = [ctxmp.Process(target=worker, args=(args, i, n, phase, threads)) for i in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [i for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise SystemExit(f"worker(s) {bad} of the {phase} phase failed; see their output above. Re-run to resume.")
+
+
+def merge(args: dict, command: str) -> tuple[int, int, int]:
+    """Merge the part files into --out (queries in order). Returns (requests, pairs, unsafe pairs)."""
+    from carnator.carnator_core.risk import pairs
+
+    work = Path(args["work"])
+    _warm, queries = _requests(args)
+    header = None
+    by_req: dict[str, list[dict]] = {}
+    for f in sorted(work.glob("part-*.jsonl")):
+        h, rows = pairs.read_rows(f)
+        if h is None:
+            continue
+        h = {k: v for k, v in h.items() if k != "type"}
+        key = (h["model_fingerprint"], h["config_fingerprint"])
+        if header is not None and key != (header["model_fingerprint"], header["config_fingerprint"]):
+            raise SystemExit(f"{f} was made with another model/config than the other part files")
+        header = header or h
+        for r in rows:
+            by_req.setdefault(r["request_id"], []).append(r)
+    if header is None:
+        raise SystemExit("no labelled requests yet")
+    kinds = sorted({q.kind for q in queries})
+    header.update({
+        "dataset": (f"embedded world (carnator_core/embedded/world.py), held-in combinations: {args['warm']} warm "
+                    f"cache entries and {args['queries']} query requests, each derived from a random warm request "
+                    f"by one change of kind {kinds} (edits keep the source seed with p={args['p_same_seed']}); "
+                    f"top-{args['top_k']} recalled candidates per query, all labelled; reuse mode "
+                    f"{args['reuse_mode']}; default config (20 euler steps, simple, CFG 5, probe 4 steps)"),
+        "seeds": {"world": args["seed"], "warm_rng": [args["seed"], 0], "query_rng": [args["seed"], 1]},
+        "generator": command,
+        "top_k": args["top_k"],
+        "reuse_mode": args["reuse_mode"],
+        "requests_labelled": len(by_req),
+        "requests_planned": len(queries),
+    })
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    n_pairs = n_unsafe = 0
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(json.dumps({"type": "header", **header}, sort_keys=True) + "\n")
+        for q in queries:
+            for r in by_req.get(q.request_id, []):
+                fh.write(json.dumps(r, sort_keys=True) + "\n")
+                n_pairs += 1
+                n_unsafe += bool(r["unsafe"])
+    tmp.replace(out)
+    return len(by_req), n_pairs, n_unsafe
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    args = {k: getattr(ns, k) for k in vars(ns)}
+    if args["weights"]:
+        args["weights"] = str(Path(args["weights"]).resolve())
+    command = "scripts/make_pairs.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    work = Path(args["work"])
+    work.mkdir(parents=True, exist_ok=True)
+    run_file = work / "run.json"
+    run = {k: args[k] for k in RUN_KEYS}
+    if run_file.exists():
+        prev = json.loads(run_file.read_text(encoding="utf-8"))
+        if prev != run:
+            diff = {k: (prev.get(k), run[k]) for k in RUN_KEYS if prev.get(k) != run[k]}
+            raise SystemExit(f"{work} holds a run with other settings {diff}; use another --work or the same settings")
+    else:
+        run_file.write_text(json.dumps(run, indent=1), encoding="utf-8")
+    n = max(1, args["workers"])
+    threads = args["threads"] or max(1, 2 // n)
+    t0 = time.time()
+    _run_phase(args, "warm", n, threads)
+    t1 = time.time()
+    print(f"warm set ready ({t1 - t0:.0f} s)", flush=True)
+    _run_phase(args, "query", n, threads)
+    t2 = time.time()
+    n_req, n_pairs, n_unsafe = merge(args, command)
+    print(f"queries {t2 - t1:.0f} s; wrote {args['out']}: {n_req} requests, {n_pairs} pairs, {n_unsafe} unsafe")
+    return 0 if n_req == args["queries"] else 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())
