@@ -296,7 +296,9 @@ def test_stock_loaders_and_file_names() -> None:
 
     _, wan21 = load("wan21_t2v_1.3b")
     assert find(wan21, "UNETLoader")[0]["unet_name"] == "wan2.1_t2v_1.3B_fp16.safetensors"
-    assert find(wan21, "CLIPLoader")[0].items() >= {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"}.items()
+    umt5 = {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"}
+    assert find(wan21, "CLIPLoader")[0].items() >= umt5.items()
+    assert find(load("wan22_ti2v_5b")[1], "CLIPLoader")[0].items() >= umt5.items()
     assert find(wan21, "VAELoader")[0]["vae_name"] == "wan_2.1_vae.safetensors"
     assert find(wan21, "ModelSamplingSD3")[0]["shift"] == 8.0
     assert find(wan21, "EmptyHunyuanLatentVideo")[0].items() >= {"width": 832, "height": 480, "length": 81}.items()
