@@ -72,15 +72,14 @@ thing things something lot kind type bit moment size shape amount number
 #: The documented stop-list: every noun here is context (or nothing), never an object.
 NON_OBJECT_NOUNS: frozenset[str] = SCENE_NOUNS | MEDIA_NOUNS | POSITION_NOUNS | MOTION_NOUNS | ABSTRACT_NOUNS
 
-# Named-entity types that are places, times or quantities, not things in the frame ("streets of Lagos").
-_NON_OBJECT_ENTS = frozenset({"GPE", "LOC", "DATE", "TIME", "CARDINAL", "ORDINAL", "QUANTITY", "PERCENT",
-                              "MONEY"})
 # Parts of speech that make up a noun phrase's body (modifiers + head). spaCy's small model mis-tags words of
 # short, telegraphic video prompts ("a purple sphere sinks": sphere/ADJ, sinks/NOUN), so the extractor reads
 # runs of these tags rather than trusting the noun-chunk parse.
 _RUN_POS = frozenset({"ADJ", "NOUN", "PROPN"})
 # Dependency labels of a noun role; an adjective-tagged word in one of them is a mis-tagged noun.
 _NOMINAL_DEPS = frozenset({"nsubj", "nsubjpass", "dobj", "pobj", "appos", "attr"})
+# Finite verb tags: an adjective-tagged word directly before one of these is a mis-tagged subject noun.
+_FINITE_VERB_TAGS = frozenset({"VBZ", "VBP", "VBD", "MD"})
 # Tokens that open a noun phrase: after one of these, the last word of the run is a noun whatever its tag.
 _DETERMINER_POS = frozenset({"DET", "NUM"})
 
@@ -138,8 +137,10 @@ def load_spacy() -> Any:
             except ImportError as exc:
                 errors.append(f"{name}: {exc}")
                 continue
-            # Only the parts the extractor reads: tagger, parser, lemmatizer, NER (all offline, in the package).
-            _NLP = module.load()
+            # Only what the extractor reads: tags, lemmas and the parse (which repairs the small model's tagging
+            # of rare nouns: "orb"/VERB, "sphere"/ADV). The entity recogniser is not loaded: it costs about half
+            # of the per-prompt time.
+            _NLP = module.load(exclude=["ner"])
             return _NLP
         raise SpacyUnavailableError(
             "spaCy is installed but none of its English pipelines is: tried "
@@ -167,8 +168,8 @@ def _is_non_object(tok: Any, stop: frozenset[str]) -> bool:
 
 
 def _plain_word(tok: Any) -> bool:
-    """An alphabetic word of 2+ letters that is not a place/time/quantity entity."""
-    return tok.is_alpha and len(tok.text) > 1 and tok.ent_type_ not in _NON_OBJECT_ENTS
+    """An alphabetic word of 2+ letters."""
+    return tok.is_alpha and len(tok.text) > 1
 
 
 _WEIGHT_SUFFIX = re.compile(r":\s*[-+]?\d*\.?\d+\s*\)")
@@ -179,6 +180,21 @@ def _parse_text(prompt: str) -> str:
     same length, so character offsets (and therefore word ids) stay those of the original prompt."""
     text = _WEIGHT_SUFFIX.sub(lambda m: " " * len(m.group(0)), prompt)
     return re.sub(r"(?<!\\)[()]", " ", text)
+
+
+def _mistagged_noun(doc: Any, j: int) -> bool:
+    """Whether token j, inside a noun phrase that a determiner opened, is a noun the small model tagged as
+    something else: an adverb in a noun role ("a crimson little sphere/ADV/nsubj in ...") or a base-form verb
+    right before a motion verb ("a small violet orb/VB moves"). Narrow on purpose: "a red ball slowly rolls"
+    keeps "slowly" (advmod) out."""
+    tok = doc[j]
+    if not tok.is_alpha or tok.is_stop:
+        return False
+    if tok.pos_ == "ADV":
+        return tok.dep_ in _NOMINAL_DEPS
+    if tok.pos_ == "VERB" and tok.tag_ in ("VB", "VBP"):
+        return j + 1 < len(doc) and _is_non_object(doc[j + 1], MOTION_NOUNS)
+    return False
 
 
 def _spacy_phrases(prompt: str, stop: frozenset[str]) -> list[tuple[str, list[Any]]]:
@@ -197,11 +213,11 @@ def _spacy_phrases(prompt: str, stop: frozenset[str]) -> list[tuple[str, list[An
         if doc[i].pos_ not in _RUN_POS:
             i += 1
             continue
+        determined = i > 0 and (doc[i - 1].pos_ in _DETERMINER_POS or doc[i - 1].tag_ == "PRP$")
         j = i
-        while j < n and doc[j].pos_ in _RUN_POS:
+        while j < n and (doc[j].pos_ in _RUN_POS or (determined and _mistagged_noun(doc, j))):
             j += 1
         run = [doc[k] for k in range(i, j)]
-        determined = i > 0 and (doc[i - 1].pos_ in _DETERMINER_POS or doc[i - 1].tag_ == "PRP$")
         i = j
         # Drop trailing motion words (mis-tagged verbs); a run that then ends in another stop-listed word is a
         # place, a position or a camera term ("a gray wall", "the top left corner"): context, not an object.
@@ -215,9 +231,16 @@ def _spacy_phrases(prompt: str, stop: frozenset[str]) -> list[tuple[str, list[An
             continue
         if head.pos_ not in ("NOUN", "PROPN"):
             # A word tagged as an adjective is read as the head noun only when the tagger visibly failed: the run
-            # follows a determiner and the word is followed by a dropped motion word, or it "modifies" a verb
-            # ("a cobalt orb glides" / "a crimson sphere rolls"). "a cute animated elephant" keeps cute an ADJ.
-            misparsed = k < len(run) - 1 or head.head.pos_ in ("VERB", "AUX") or head.dep_ in _NOMINAL_DEPS \
+            # follows a determiner and the word is followed by a dropped motion word or a finite verb ("a cobalt
+            # orb glides" / "a crimson sphere rolls"). "a cute animated elephant" keeps cute an adjective.
+            # Also when a run of 2+ words after a determiner ends the phrase ("a crimson little sphere in the
+            # corner": English never ends "a <adjectives>" there; a lone "a little to the left" stays an adverb).
+            nxt = doc[head.i + 1] if head.i + 1 < n else None
+            # The parse helps too: the word "modifies" a verb or holds a noun's role.
+            misparsed = k < len(run) - 1 or (nxt is not None and (nxt.tag_ in _FINITE_VERB_TAGS
+                                                                 or _is_non_object(nxt, MOTION_NOUNS))) \
+                or (k >= 1 and (nxt is None or nxt.pos_ in ("ADP", "PUNCT", "CCONJ", "SCONJ"))) \
+                or head.head.pos_ in ("VERB", "AUX") or head.dep_ in _NOMINAL_DEPS \
                 or _is_non_object(head.head, MOTION_NOUNS)
             if not (determined and misparsed):
                 continue

@@ -130,6 +130,12 @@ def token_lab(probe: Probe) -> np.ndarray:
     bias = np.zeros(3) if probe.latent_rgb_bias is None else np.asarray(probe.latent_rgb_bias, dtype=np.float64)
     if bias.shape != (3,):
         raise ValueError(f"latent_rgb_bias must have shape (3,), got {bias.shape}")
+    tiled = tuple(-(-int(n) // int(p)) for n, p in zip(x.shape[1:], probe.patch))
+    if tiled != tuple(int(g) for g in probe.grid):
+        raise ValueError(
+            f"probe.x0_probe {tuple(x.shape)} with patch {tuple(probe.patch)} gives a token grid {tiled}, but the "
+            f"probe's grid is {tuple(probe.grid)}: the probe recorded the wrong patch size for this model"
+        )
     if not np.all(np.isfinite(x)):
         raise ValueError("probe.x0_probe contains NaN/inf: the probe run diverged; check the model and sampler")
     # Project to RGB first, then average each token's cells: both are linear, so the order does not change the

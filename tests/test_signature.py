@@ -205,6 +205,11 @@ def test_inconsistent_probe_errors():
     bad = make_probe({"ball": (slice(1, 4), slice(2, 5), RED)}, maps={"ball": np.zeros((2, 4, 4), np.float32)})
     with pytest.raises(ValueError, match="expected the token grid"):
         build_signature(bad)
+    # A patch that does not tile the latent onto the grid (e.g. (1, 2, 2) recorded for a (2, 2, 2) model).
+    wrong_patch = make_probe({})
+    object.__setattr__(wrong_patch, "patch", (2, 2, 2))
+    with pytest.raises(ValueError, match="wrong patch size"):
+        build_signature(wrong_patch)
 
 
 @pytest.mark.parametrize("kwargs", [dict(low=0.7, high=0.2), dict(baseline_quantile=1.0), dict(context_grid=(0, 4)),

@@ -1,0 +1,156 @@
+"""Early Signature semantics on the embedded model: each kind of prompt change moves its own discrepancy axis.
+
+For each of four kinds of single-attribute change of an embedded-world scene — object colour, object position,
+object size, background — N_PAIRS prompt pairs are probed with the same seed (default sampler, schedule and
+probe step of the embedded model), signed, and compared with the four discrepancies of the risk filter
+(``risk.discrepancy.discrepancies``: context, size, shape, appearance).
+
+The axes have different units (ΔE, |log ratio|, 1 − IoU), so each axis is normalised by its mean response over
+the four kinds (median over pairs per kind). Asserted, with the margins below:
+
+* column ordering — each axis responds more to its own kind of change than to any other kind:
+  median(axis | own kind) >= COLUMN_MARGIN x median(axis | other kind);
+* row ordering — each kind of change moves its own axis most: normalised(own axis) >= ROW_MARGIN x
+  normalised(any other axis);
+* per pair — in at least PAIR_FRACTION of the pairs of a kind, the own axis has the largest normalised value.
+
+Also: the same prompt + seed gives a bit-identical signature.
+Needs the embedded model's weights (carnator_core/embedded/weights/) and its ComfyUI glue; skipped otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.comfy]
+
+N_PAIRS = 16
+KINDS = ("background", "size", "position", "colour")  # in AXES order: context, size, shape, appearance
+AXIS_OF = {"background": "context", "size": "size", "position": "shape", "colour": "appearance"}
+COLUMN_MARGIN = 1.5
+ROW_MARGIN = 1.2
+PAIR_FRACTION = 0.75
+
+
+@pytest.fixture(scope="module")
+def embedded(comfy_env):
+    from carnator.carnator_core.embedded import config as ecfg
+
+    if not ecfg.DEFAULT_WEIGHTS.exists():
+        pytest.skip(f"embedded model weights not found at {ecfg.DEFAULT_WEIGHTS}")
+    try:
+        from carnator.carnator_core.embedded import comfy_glue
+    except ImportError as exc:
+        pytest.skip(f"embedded model ComfyUI glue not available: {exc}")
+    model, enc, _dec = comfy_glue.load_embedded(None)
+    return ecfg, comfy_glue, model, enc
+
+
+def _signature(embedded, prompt: str, seed: int):
+    from carnator.carnator_core.comfy_tokens import embedded_word_tokens
+    from carnator.carnator_core.objects import extract_objects, token_positions
+    from carnator.carnator_core.probe import ProbeConfig, run_probe
+    from carnator.carnator_core.signature import build_signature
+
+    ecfg, glue, model, enc = embedded
+    phrases, source = extract_objects(prompt)
+    objects = token_positions(prompt, phrases, embedded_word_tokens(prompt))
+    probe = run_probe(model, enc.encode(prompt), enc.encode(""), glue.empty_latent(1), seed=seed,
+                      steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG, sampler_name=ecfg.DEFAULT_SAMPLER,
+                      scheduler=ecfg.DEFAULT_SCHEDULER, prompt=prompt, objects=objects, object_source=source,
+                      config=ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP))
+    return build_signature(probe)
+
+
+def _change(kind: str, scene, rng):
+    """The scene with exactly one attribute changed (object colours stay visible on the background)."""
+    from carnator.carnator_core.embedded import world
+
+    obj = scene.objects[0]
+    if kind == "background":
+        options = [b for b in world.BACKGROUNDS if b != scene.background and world.compatible(obj.colour, b)]
+        return dataclasses.replace(scene, background=options[int(rng.integers(len(options)))])
+    if kind == "colour":
+        options = [c for c in world.COLOURS if c != obj.colour and world.compatible(c, scene.background)]
+        new = dataclasses.replace(obj, colour=options[int(rng.integers(len(options)))])
+    elif kind == "position":
+        options = [p for p in world.POSITIONS if p != obj.position]
+        new = dataclasses.replace(obj, position=options[int(rng.integers(len(options)))])
+    elif kind == "size":
+        new = dataclasses.replace(obj, size="big" if obj.size == "small" else "small")
+    else:
+        raise ValueError(kind)
+    return dataclasses.replace(scene, objects=(new,))
+
+
+def _pairs(kind: str, n: int, seed: int) -> list[tuple[str, str, int]]:
+    """n (prompt, changed prompt, probe seed); both captions are drawn with the same template choices."""
+    from carnator.carnator_core.embedded import world
+
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        scene = world.sample_scene(rng, n_objects=1)
+        changed = _change(kind, scene, rng)
+        cap_seed = int(rng.integers(2**31))
+        a = world.caption(scene, np.random.default_rng(cap_seed))
+        b = world.caption(changed, np.random.default_rng(cap_seed))
+        out.append((a, b, int(rng.integers(2**31))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(embedded):
+    from carnator.carnator_core.risk.discrepancy import AXES, discrepancies
+
+    values = {}
+    for i, kind in enumerate(KINDS):
+        rows = []
+        for a, b, seed in _pairs(kind, N_PAIRS, seed=1000 + i):
+            d = discrepancies(_signature(embedded, a, seed), _signature(embedded, b, seed))
+            assert not d.missing, (a, b, d.missing_objects)
+            rows.append(d.vector())
+        values[kind] = np.asarray(rows, dtype=np.float64)  # [pairs, 4 axes]
+    med = np.stack([np.median(values[k], axis=0) for k in KINDS])  # [kind, axis]
+    scale = med.mean(axis=0)
+    print("\nmedian discrepancy per kind of change (rows) and axis (columns " + ", ".join(AXES) + "):")
+    for k, row in zip(KINDS, med):
+        print(f"  {k:>10}: " + "  ".join(f"{v:8.4f}" for v in row))
+    return values, med, scale, AXES
+
+
+def test_identical_prompt_and_seed_identical_signature(embedded):
+    from carnator.carnator_core.signature import signature_to_bytes
+
+    prompt = "a small red ball moves to the right in the top left, on green grass"
+    assert signature_to_bytes(_signature(embedded, prompt, 7)) == signature_to_bytes(_signature(embedded, prompt, 7))
+
+
+def test_each_axis_responds_most_to_its_own_change(measured):
+    values, med, scale, axes = measured
+    for kind in KINDS:
+        a = axes.index(AXIS_OF[kind])
+        own = med[KINDS.index(kind), a]
+        for other in KINDS:
+            if other == kind:
+                continue
+            ratio = own / max(med[KINDS.index(other), a], 1e-9)
+            print(f"{AXIS_OF[kind]}: {kind} / {other} = {ratio:.2f}")
+            assert ratio >= COLUMN_MARGIN, (AXIS_OF[kind], kind, other, ratio)
+
+
+def test_each_change_moves_its_own_axis_most(measured):
+    values, med, scale, axes = measured
+    norm = med / np.maximum(scale, 1e-12)
+    for kind in KINDS:
+        a = axes.index(AXIS_OF[kind])
+        row = norm[KINDS.index(kind)]
+        others = max(row[j] for j in range(len(axes)) if j != a)
+        print(f"{kind}: own axis {row[a]:.2f} vs next {others:.2f} (ratio {row[a] / max(others, 1e-12):.2f})")
+        assert row[a] >= ROW_MARGIN * others, (kind, row)
+        per_pair = values[kind] / np.maximum(scale, 1e-12)
+        frac = float(np.mean(np.argmax(per_pair, axis=1) == a))
+        print(f"{kind}: own axis largest in {frac:.0%} of {len(per_pair)} pairs")
+        assert frac >= PAIR_FRACTION, (kind, frac)
