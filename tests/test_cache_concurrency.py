@@ -46,7 +46,7 @@ def _worker(wid: int, cache: str, key: str, start, results, max_bytes: int | Non
         st = Store.open(cache, key_path=key, max_bytes=max_bytes,
                         index_params=IndexParams(flat_max=12, train_sample=64, reduced_dim=8, persist_every=3))
         rng = np.random.default_rng(wid)
-        start.wait(timeout=120)
+        start.wait(timeout=900)
         mine, seen, errors = [], set(), []
         for i in range(PER_WORKER):
             n = wid * 1000 + i
@@ -79,9 +79,9 @@ def _run(tmp_path: Path, max_bytes: int | None) -> list[dict]:
     for p in procs:
         p.start()
     start.set()
-    out = [results.get(timeout=300) for _ in procs]
+    out = [results.get(timeout=1200) for _ in procs]  # generous: shared CI machines
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=300)
         assert p.exitcode == 0
     return out
 

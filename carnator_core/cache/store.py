@@ -63,7 +63,7 @@ from filelock import FileLock
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..types import BlockStructure, Candidate, Candidates, GenConfig, Signature, namespace_key, stable_digest
+from ..types import BlockStructure, Candidate, Candidates, GenConfig, Signature, namespace_key
 from .index import IndexFileError, IndexParams, VectorIndex, normalize_rows
 from .policy import check_policy, priority, work_of
 
@@ -471,6 +471,10 @@ class Store:
                     if info.get("format") != STORE_FORMAT or info.get("version") != str(STORE_VERSION):
                         problem = f"catalogue is format {info.get('format')!r} v{info.get('version')!r}"
             except sqlite3.DatabaseError as e:
+                if not _is_corruption(e):
+                    # e.g. "database is locked" past the busy timeout: a healthy catalogue in use, never rebuild it
+                    raise CacheError(f"cannot open the cache catalogue {self.root / CATALOG}: {e}. If another process "
+                                     "holds a long transaction, retry; otherwise check file permissions.") from e
                 problem = f"{type(e).__name__}: {e}"
                 conn = None  # type: ignore[assignment]
             if problem is None:
@@ -1005,6 +1009,9 @@ class Store:
                 except CorruptEntryError:
                     notes.append(f"skipped corrupt entry {entry_id} (quarantined)")
                     continue
+                except CacheError as e:  # e.g. a namespace directory that links out of the cache
+                    notes.append(f"skipped entry {entry_id}: {e}")
+                    continue
                 items.append(Candidate(entry_id=entry_id, similarity=float(sim), prompt=rows[entry_id][1],
                                        signature=sig, seed=int(rows[entry_id][2])))
         if not items and not notes:
@@ -1270,27 +1277,7 @@ class Store:
                                                       + (" (young: maybe a write in flight)" if young else ""))
         with self._lock:
             for ns in namespaces:
-                st = self._sync(ns)
-                if st is None:
-                    continue
-                want = {s for s, _, n, _ in rows if n == ns}
-                got = st.index.ids()
-                if len(got) != len(set(got.tolist())):
-                    problems.append(f"namespace {ns}: index holds duplicate ids")
-                if set(got.tolist()) != want:
-                    problems.append(f"namespace {ns}: index has {len(got)} ids, catalogue {len(want)} entries "
-                                    f"({len(set(got.tolist()) - want)} extra, {len(want - set(got.tolist()))} missing)")
-                ipath = self._index_path(ns)
-                if ipath.exists() and self._key is not None:
-                    with self._read() as c:
-                        tok_gen = c.execute("SELECT token, generation, dim FROM namespaces WHERE namespace=?",
-                                            (ns,)).fetchone()
-                        if tok_gen is not None:
-                            fst, why = self._load_index_file(c, ns, tok_gen[0], int(tok_gen[1]), int(tok_gen[2]))
-                            if fst is None:
-                                notes.append(f"namespace {ns}: index file not usable ({why}); it will be rebuilt")
-                            elif set(fst.index.ids().tolist()) != want:
-                                problems.append(f"namespace {ns}: persisted index + change log disagree with entries")
+                self._verify_index(ns, problems, notes)
         if deep:
             for _, entry_id, _, _ in rows:
                 try:
@@ -1301,6 +1288,36 @@ class Store:
                     problems.append(str(e))
         return VerifyReport(ok=not problems, entries=len(rows), namespaces=len(namespaces), problems=tuple(problems),
                             notes=tuple(notes))
+
+    def _verify_index(self, ns: str, problems: list[str], notes: list[str]) -> None:
+        """Compare this process's index of ``ns`` (and the persisted file + change log) with the catalogue at the
+        same generation; retried if other processes commit in between."""
+        for _ in range(10):
+            st = self._sync(ns)
+            if st is None:
+                return
+            with self._read() as c:
+                row = c.execute("SELECT token, generation, dim FROM namespaces WHERE namespace=?", (ns,)).fetchone()
+                if row is None:
+                    return
+                if int(row[1]) != st.generation:
+                    continue  # someone committed since the sync: try again
+                want = {r[0] for r in c.execute("SELECT seq FROM entries WHERE namespace=?", (ns,))}
+                fst, why = (None, "")
+                if self._key is not None and self._index_path(ns).exists():
+                    fst, why = self._load_index_file(c, ns, row[0], int(row[1]), int(row[2]))
+                    if fst is None:
+                        notes.append(f"namespace {ns}: index file not usable ({why}); it will be rebuilt")
+            got = st.index.ids().tolist()
+            if len(got) != len(set(got)):
+                problems.append(f"namespace {ns}: index holds duplicate ids")
+            if set(got) != want:
+                problems.append(f"namespace {ns}: index has {len(got)} ids, catalogue {len(want)} entries "
+                                f"({len(set(got) - want)} extra, {len(want - set(got))} missing)")
+            if fst is not None and set(fst.index.ids().tolist()) != want:
+                problems.append(f"namespace {ns}: persisted index + change log disagree with the entries")
+            return
+        notes.append(f"namespace {ns}: index not checked (the namespace kept changing)")
 
     def stats(self, namespace: str | None = None) -> CacheStats:
         """Entries, bytes, lookups, hits and hit rate, overall and per namespace (or for one namespace)."""
@@ -1391,6 +1408,17 @@ def _atomic_write(root: Path, final: Path, blob: bytes, durable: bool,
                 os.close(dfd)
         except OSError:
             pass  # some filesystems do not support directory fsync; the rename is still atomic
+
+
+def _is_corruption(e: sqlite3.DatabaseError) -> bool:
+    """True for "this is not a (valid) database" errors, False for busy/locked/permission errors."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    if name in ("SQLITE_CORRUPT", "SQLITE_NOTADB") or name.startswith(("SQLITE_CORRUPT_", "SQLITE_NOTADB_")):
+        return True
+    if name:
+        return False
+    msg = str(e).lower()
+    return "not a database" in msg or "malformed" in msg
 
 
 def _schema_problem(rows: list[tuple]) -> str | None:
@@ -1512,5 +1540,5 @@ def _block_from(meta: dict, tensors: Mapping[str, torch.Tensor]) -> BlockStructu
 
 __all__ = [
     "CacheBudgetError", "CacheError", "CacheStats", "CorruptEntryError", "Entry", "EntryData", "EntryNotFoundError",
-    "NamespaceMismatchError", "NamespaceStats", "Store", "VerifyReport", "default_key_path", "stable_digest",
+    "NamespaceMismatchError", "NamespaceStats", "Store", "VerifyReport", "default_key_path",
 ]
