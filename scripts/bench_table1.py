@@ -1,0 +1,436 @@
+#!/usr/bin/env python
+"""Serving benchmark in the layout of the seed's Table 1, on the embedded model (issue 8).
+
+    .host/venv/bin/python scripts/bench_table1.py --warm 24 --stream 24 --json artifacts/table1.json \
+        --md artifacts/table1.md
+
+One process, one workload (scripts/workload.py flags), one generation config (the embedded model's defaults:
+20 Euler steps, simple schedule, CFG 5, probe 4 steps). Methods (``--methods``):
+
+* ``dense``            plain KSampler path (``comfy.sample.sample``, as ComfyUI's KSampler calls it); no cache.
+* ``prompt_only``      NIRVANA-style: the most similar cached prompt is reused if similarity >= ``--prompt-threshold``
+                       (same probe, retrieval and joint reuse as Carnator; no signature check, no certificate).
+* ``carnator``         Early Signature + certified risk rule + joint reuse (region + historical sparse attention).
+* ``latent_only``      Carnator's filter, region-guided latent reuse only.
+* ``attention_only``   Carnator's filter, historical sparse-attention reuse only.
+* ``carnator_easycache`` Carnator on a MODEL patched by ComfyUI core's EasyCache node
+                       (``comfy_extras.nodes_easycache.EasyCacheNode``, default settings): misses and the probe
+                       run under EasyCache too.
+
+The warm set is generated once (dense, with block-structure recording, written through ``request.serve`` =
+``request.write_entry``) into a store that is then copied per method, so every method starts from the same
+cache. The stream is served request by request; for each request every method runs once, in an order rotated
+per request (so slow drifts of a shared machine's load spread evenly over the methods). By default each
+cross-request method writes its misses to its own store as the Cache Writer node does (``--frozen-cache``
+disables that). Latency = wall time of text encoding + the whole request path (objects, probe, signature,
+retrieval, filter, resume or dense fallback, block recording, cache write): every online cost is counted.
+Decoding, the checker and PSNR/SSIM are evaluation only and not timed.
+
+The rule: ``--rule`` (default rules/embedded.json, the shipped certified rule). Without a certified rule the
+benchmark refuses to run Carnator rows unless ``--allow-uncertified`` is given, in which case
+``--dev-thresholds`` build an UNCERTIFIED development rule and every Carnator row is labelled as such: such
+numbers must never be published as "Carnator".
+
+Weights: ``--weights`` (default the shipped file) are copied to a temporary file first, so a checkpoint written
+meanwhile cannot change the model in the middle of a run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from workload import add_workload_args, register_package, spec_from_args  # noqa: E402
+
+register_package()
+
+from carnator.carnator_core.bench import metrics as M  # noqa: E402
+from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
+
+ALL_METHODS = ("dense", "prompt_only", "carnator", "latent_only", "attention_only", "carnator_easycache")
+LABELS = {
+    "dense": "Dense (KSampler)",
+    "prompt_only": "Prompt-similarity only",
+    "carnator": "Carnator (joint)",
+    "latent_only": "Carnator, latent reuse only",
+    "attention_only": "Carnator, attention reuse only",
+    "carnator_easycache": "Carnator + EasyCache",
+}
+DEFAULT_RULE = ROOT / "rules" / "embedded.json"
+
+
+# ----------------------------------------------------------------------------------------------------- setup
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
+    import torch
+
+    return {"nproc": os.cpu_count(), "cpu": model or platform.processor(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "loadavg_start": [round(x, 2) for x in load]}
+
+
+@dataclasses.dataclass
+class Env:
+    """Everything a method needs to serve a request."""
+
+    model: Any
+    easy_model: Any
+    enc: Any
+    dec: Any
+    glue: Any
+    steps: int
+    cfg: float
+    probe_steps: int
+    top_k: int
+
+
+def load_env(args: argparse.Namespace, tmp: Path) -> Env:
+    from carnator.carnator_core.embedded import config as ecfg
+
+    src = Path(args.weights) if args.weights else ecfg.DEFAULT_WEIGHTS
+    if not src.exists():
+        raise SystemExit(f"embedded weights not found at {src}: pass --weights or check out the repository's "
+                         "carnator_core/embedded/weights/")
+    frozen = tmp / "weights.safetensors"
+    shutil.copyfile(src, frozen)  # a trainer checkpoint written meanwhile must not change the model mid-run
+    from carnator.carnator_core.embedded import comfy_glue
+
+    model, enc, dec = comfy_glue.load_embedded(frozen)
+    easy = None
+    if "carnator_easycache" in args.methods:
+        from comfy_extras.nodes_easycache import EasyCacheNode
+
+        easy = EasyCacheNode.execute(model, args.easycache_threshold, args.easycache_start, args.easycache_end,
+                                     False).args[0]
+    return Env(model, easy, enc, dec, comfy_glue, args.steps, args.cfg, args.probe_steps, args.top_k)
+
+
+def dev_rule(thresholds: str, probe: Any) -> Any:
+    """An UNCERTIFIED rule for development runs: hand-set thresholds, certificate n = 0 (U = 1 > α)."""
+    from carnator.carnator_core.risk.certify import Certificate
+    from carnator.carnator_core.risk.rule import RiskRule
+    from carnator.carnator_core.risk.thresholds import Thresholds
+
+    try:
+        c, s, sh, a = (float(x) for x in thresholds.split(","))
+    except ValueError:
+        raise SystemExit(f"--dev-thresholds must be context,size,shape,appearance numbers; got {thresholds!r}")
+    return RiskRule(thresholds=Thresholds(c, s, sh, a), certificate=Certificate(0, 0, 1.0, 0.05, 0.1, 0),
+                    model_fingerprint=probe.model_fingerprint, config_fingerprint=probe.config.fingerprint(),
+                    arch="embedded", config_meta=probe.config.to_meta(),
+                    provenance={"note": "UNCERTIFIED development rule from --dev-thresholds (bench_table1.py)"})
+
+
+def allow_uncertified_in_serve() -> None:
+    """``request.serve`` calls ``risk.filter.decide`` without ``allow_uncertified``; for explicitly requested
+    development runs, make that call accept an uncertified rule (its decisions then carry the UNCERTIFIED banner).
+    Only reached with ``--allow-uncertified``."""
+    from carnator.carnator_core.risk import filter as rf
+
+    if not getattr(rf.decide, "_carnator_dev", False):
+        patched = functools.partial(rf.decide, allow_uncertified=True)
+        patched._carnator_dev = True  # type: ignore[attr-defined]
+        rf.decide = patched
+
+
+# ----------------------------------------------------------------------------------------------------- serving
+def dense_run(env: Env, model: Any, positive, negative, req: Request) -> Any:
+    """What ComfyUI's KSampler does (nodes.common_ksampler), without the preview callback."""
+    import comfy.sample
+
+    latent = env.glue.empty_latent(1)["samples"]
+    latent = comfy.sample.fix_empty_latent_channels(model, latent)
+    noise = comfy.sample.prepare_noise(latent, req.seed)
+    return comfy.sample.sample(model, noise, env.steps, env.cfg, "euler", "simple", positive, negative, latent,
+                               disable_pbar=True, seed=req.seed)
+
+
+def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, write: bool) -> Any:
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import ServeOptions
+
+    mode = {"latent_only": "latent", "attention_only": "attention"}.get(method, "joint")
+    filt = "prompt_only" if method == "prompt_only" else ("dense" if method == "dense" else "carnator")
+    return ServeOptions(method=filt, reuse_mode=mode, rule=rule if filt == "carnator" else None,
+                        prompt_threshold=prompt_threshold, top_k=env.top_k, write=write,
+                        probe=ProbeConfig(probe_steps=env.probe_steps))
+
+
+def run_request(env: Env, method: str, req: Request, store: Any, options: Any) -> tuple[Any, float, Any]:
+    """Serve one request with one method; returns (final latent samples, wall seconds, RequestResult | None)."""
+    from carnator.carnator_core.request import RequestSpec, serve
+
+    model = env.easy_model if method == "carnator_easycache" else env.model
+    t0 = time.perf_counter()
+    positive = env.enc.encode(req.prompt)
+    negative = env.enc.encode("")
+    if method == "dense":
+        samples = dense_run(env, model, positive, negative, req)
+        return samples, time.perf_counter() - t0, None
+    spec = RequestSpec(prompt=req.prompt, seed=req.seed, steps=env.steps, cfg=env.cfg)
+    res = serve(model, env.enc, positive, negative, env.glue.empty_latent(1), spec, store, options)
+    return res.latent["samples"], time.perf_counter() - t0, res
+
+
+def record_of(env: Env, method: str, req: Request, samples: Any, seconds: float, res: Any) -> tuple[M.RequestRecord, Any]:
+    from carnator.carnator_core.embedded import checker
+
+    clip = env.dec.decode_clips(samples)[0].numpy()
+    chk = checker.check(clip, req.scene)
+    rec = M.RequestRecord(rid=req.rid, kind=req.kind, method=method, latency_s=seconds,
+                          decision="dense" if res is None else res.report.decision,
+                          checker_pass=bool(chk.all_ok), attributes=M.attribute_verdicts(chk))
+    if res is not None:
+        rep = res.report
+        rec.entry_id = rep.entry_id
+        rec.active_fraction = rep.active_fraction
+        rec.compute_fraction = rep.compute_fraction
+        rec.timings_ms = {k: round(float(v), 2) for k, v in res.timings_ms.items()}
+        rec.summary = rep.summary()
+        dec = res.decision
+        if dec is not None and dec.candidate is not None:
+            rec.candidate_prompt = dec.candidate.prompt
+            rec.similarity = float(dec.candidate.similarity)
+        if dec is not None and res.candidates is not None and res.candidates.items:
+            from carnator.carnator_core.risk.discrepancy import AXES, discrepancies
+
+            top = dec.candidate or res.candidates.items[0]
+            d = discrepancies(res.signature, top.signature)
+            rec.discrepancies = {**{a: float(v) for a, v in zip(AXES, d.vector())}, "missing": bool(d.missing),
+                                 "similarity": float(top.similarity)}
+    return rec, clip
+
+
+# ----------------------------------------------------------------------------------------------------- the run
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from carnator.carnator_core.cache import Store
+
+    wl = build_workload(spec_from_args(args))
+    info = {"workload": describe(wl), "machine": machine(), "args": vars(args).copy()}
+    print(json.dumps(info["workload"]), flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="carnator-table1-"))
+    try:
+        env = load_env(args, tmp)
+        key = tmp / "index.key"
+        warm_dir = tmp / "warm"
+        warm = Store.open(warm_dir, key_path=key)
+        from carnator.carnator_core.request import RequestSpec, serve
+
+        # Not timed: loads spaCy and warms every lazy path once, on a prompt outside the workload.
+        scratch = Store.open(tmp / "scratch", key_path=key)
+        wprompt = "a big red ball moves to the right in the top left, on green grass"
+        t0 = time.perf_counter()
+        first = serve(env.model, env.enc, env.enc.encode(wprompt), env.enc.encode(""), env.glue.empty_latent(1),
+                      RequestSpec(wprompt, 123456789, env.steps, env.cfg), scratch,
+                      serve_options("dense", None, 0.0, env, True))
+        scratch.close()
+        print(f"warm-up request (not counted): {time.perf_counter() - t0:.1f}s", flush=True)
+
+        rule, rule_status = resolve_rule(args, first.probe)
+        info["rule"] = rule_status
+        print(f"rule: {rule_status['summary']}", flush=True)
+        prompt_threshold = args.prompt_threshold
+        if prompt_threshold is None:
+            po = (rule.comparison or {}).get("prompt_only") if rule is not None else None
+            prompt_threshold = float(po["threshold"]) if isinstance(po, dict) and "threshold" in po else 0.9
+            info["prompt_threshold_source"] = "rule comparison (calibrated like the rule)" if isinstance(po, dict) \
+                and "threshold" in po else "default 0.9 (ServeOptions)"
+        else:
+            info["prompt_threshold_source"] = "--prompt-threshold"
+        info["prompt_threshold"] = prompt_threshold
+
+        t0 = time.perf_counter()
+        for i, req in enumerate(wl.warm):
+            res = serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.glue.empty_latent(1),
+                        RequestSpec(req.prompt, req.seed, env.steps, env.cfg), warm,
+                        serve_options("dense", None, 0.0, env, True))
+            print(f"warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s {req.prompt}", flush=True)
+        info["warm_seconds"] = time.perf_counter() - t0
+        info["warm_entries"] = warm.stats().entries
+        warm.close()
+
+        methods = [m for m in ALL_METHODS if m in args.methods]
+        stores: dict[str, Any] = {}
+        for m in methods:
+            if m != "dense":
+                shutil.copytree(warm_dir, tmp / m)
+                stores[m] = Store.open(tmp / m, key_path=key)
+        records: dict[str, list[M.RequestRecord]] = {m: [] for m in methods}
+        t_stream = time.perf_counter()
+        for i, req in enumerate(wl.stream):
+            order = methods[i % len(methods):] + methods[:i % len(methods)]
+            outs: dict[str, tuple[M.RequestRecord, Any, Any]] = {}
+            for m in order:
+                opts = serve_options(m, rule, prompt_threshold, env, not args.frozen_cache)
+                samples, sec, res = run_request(env, m, req, stores.get(m), opts)
+                rec, clip = record_of(env, m, req, samples, sec, res)
+                outs[m] = (rec, clip, samples)
+            d_rec, d_clip, d_samples = outs["dense"]
+            for m in methods:
+                rec, clip, samples = outs[m]
+                if m != "dense":
+                    rec.psnr = M.psnr(clip, d_clip)
+                    rec.ssim = M.ssim(clip, d_clip)
+                    rec.identical_to_dense = bool((samples.float() == d_samples.float()).all())
+                    if rec.hit:
+                        rec.regressions = M.regressions(rec.attributes, d_rec.attributes)
+                        rec.unsafe = bool(rec.regressions)
+                records[m].append(rec)
+            line = " ".join(f"{m}={outs[m][0].decision[:4]}/{outs[m][0].latency_s:.1f}s" for m in methods)
+            print(f"stream {i + 1}/{len(wl.stream)} {req.rid} {req.kind:16s} {line}", flush=True)
+        info["stream_seconds"] = time.perf_counter() - t_stream
+        for s in stores.values():
+            s.close()
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"kept {tmp}")
+    info["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    dense = records["dense"]
+    info["summary"] = {m: M.summarize(records[m], dense) for m in methods}
+    info["records"] = {m: [r.to_json() for r in records[m]] for m in methods}
+    return info
+
+
+def resolve_rule(args: argparse.Namespace, probe: Any) -> tuple[Any, dict[str, Any]]:
+    """The risk rule for the Carnator rows, and a status dict saying exactly what it is."""
+    from carnator.carnator_core.risk.rule import RiskRule, RuleError
+
+    needs_rule = any(m in args.methods for m in ("carnator", "latent_only", "attention_only", "carnator_easycache"))
+    if not needs_rule:
+        return None, {"summary": "no Carnator method selected", "certified": None}
+    path = Path(args.rule)
+    fp, cfp = probe.model_fingerprint, probe.config.fingerprint()
+    if path.exists():
+        try:
+            rule = RiskRule.load(path, allow_uncertified=args.allow_uncertified)
+            rule.check_applicable(fp, cfp)
+        except RuleError as e:
+            raise SystemExit(f"cannot use risk rule {path}: {e}")
+        c = rule.certificate
+        if not c.passed:
+            allow_uncertified_in_serve()
+        return rule, {"summary": f"{path} ({rule.rule_id}; {'CERTIFIED' if c.passed else 'UNCERTIFIED'}: "
+                                 f"{c.k} unsafe of {c.n}, U={c.upper_bound:.4f}, α={c.alpha}, δ={c.delta})",
+                      "path": str(path), "rule_id": rule.rule_id, "certified": c.passed,
+                      "certificate": c.to_dict(), "thresholds": rule.thresholds.to_dict()}
+    if not args.allow_uncertified:
+        raise SystemExit(f"risk rule {path} not found. The Carnator rows need the certified rule for the embedded "
+                         "model (rules/embedded.json, see rules/README.md). For a development run only, pass "
+                         "--allow-uncertified (with --dev-thresholds) — such numbers must not be published.")
+    rule = dev_rule(args.dev_thresholds, probe)
+    allow_uncertified_in_serve()
+    return rule, {"summary": f"UNCERTIFIED development rule, thresholds {rule.thresholds.to_dict()} "
+                             f"({path} not found)", "certified": False, "thresholds": rule.thresholds.to_dict(),
+                  "path": None, "rule_id": rule.rule_id}
+
+
+# ----------------------------------------------------------------------------------------------------- output
+def _f(x: Any, fmt: str, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if isinstance(x, float) and math.isinf(x):
+        return "∞"
+    return format(x, fmt) + suffix
+
+
+def markdown(info: dict[str, Any]) -> str:
+    s = info["summary"]
+    cert = info.get("rule", {}).get("certified")
+    lines = ["| Method | Hit rate | Mean latency (s) | Cache-hit latency (s) | Speedup vs dense (all / on hits) "
+             "| Checker pass | PSNR vs dense, hits (dB) | SSIM vs dense | Unsafe (of hits) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, r in s.items():
+        label = LABELS[m]
+        if m in ("carnator", "latent_only", "attention_only", "carnator_easycache") and cert is False:
+            label += " — UNCERTIFIED dev rule"
+        if m == "dense":
+            hit_lat = f"{_f(s.get('carnator', {}).get('dense_latency_on_hits_s'), '.2f')} (on Carnator's hits)" \
+                if "carnator" in s else "—"
+            lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | {hit_lat} | 1.00× | "
+                         f"{_f(r['checker_pass'], '.1%')} | — | — | — |")
+            continue
+        same = f" ({r['psnr_hits_identical']} identical)" if r["psnr_hits_identical"] else ""
+        lines.append(
+            f"| {label} | {_f(r['hit_rate'], '.1%')} ({r['hits']}/{r['requests']}) | {_f(r['mean_latency_s'], '.2f')} "
+            f"| {_f(r['hit_latency_s'], '.2f')} | {_f(r['speedup'], '.2f', '×')} / {_f(r['hit_speedup'], '.2f', '×')} "
+            f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_hits'], '.1f')}{same} "
+            f"| {_f(r['ssim'], '.3f')} | {_f(r['unsafe_rate'], '.1%')} ({r['unsafe']}/{r['hits']}) |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
+    ap.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS))
+    ap.add_argument("--weights", default=None, help="embedded weights file (default: the shipped one)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cfg", type=float, default=5.0)
+    ap.add_argument("--probe-steps", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=5, help="candidates recalled per request (the workflows use 5)")
+    ap.add_argument("--rule", default=str(DEFAULT_RULE), help="risk rule file for the Carnator rows")
+    ap.add_argument("--allow-uncertified", action="store_true",
+                    help="development only: accept an uncertified rule / build one from --dev-thresholds")
+    ap.add_argument("--dev-thresholds", default="6,0.3,0.35,8",
+                    help="context,size,shape,appearance thresholds of the UNCERTIFIED development rule")
+    ap.add_argument("--prompt-threshold", type=float, default=None,
+                    help="similarity threshold of prompt_only (default: the rule's calibrated prompt-only "
+                         "comparison threshold if it has one, else 0.9)")
+    ap.add_argument("--easycache-threshold", type=float, default=0.2)
+    ap.add_argument("--easycache-start", type=float, default=0.15)
+    ap.add_argument("--easycache-end", type=float, default=0.95)
+    ap.add_argument("--frozen-cache", action="store_true", help="stream misses are not written to the cache")
+    ap.add_argument("--json", type=Path, default=ROOT / "artifacts" / "table1.json")
+    ap.add_argument("--md", type=Path, default=ROOT / "artifacts" / "table1.md")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary stores")
+    args = ap.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in ALL_METHODS]
+    if bad or "dense" not in args.methods:
+        raise SystemExit(f"--methods: unknown {bad}; 'dense' is required (quality is measured against it)")
+    from carnator.carnator_core.embedded.model import ensure_comfy_importable
+
+    ensure_comfy_importable()
+    t0 = time.perf_counter()
+    info = run(args)
+    info["total_seconds"] = time.perf_counter() - t0
+    table = markdown(info)
+    print(table)
+    for k, v in info["summary"].items():
+        print(k, json.dumps(v["by_kind"]))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    info["args"]["json"] = str(args.json)
+    info["args"]["md"] = str(args.md)
+    args.json.write_text(json.dumps(info, indent=1, default=str) + "\n", encoding="utf-8")
+    args.md.parent.mkdir(parents=True, exist_ok=True)
+    args.md.write_text(table, encoding="utf-8")
+    print(f"wrote {args.json} and {args.md} ({info['total_seconds']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
