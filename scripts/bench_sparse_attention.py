@@ -305,27 +305,34 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "attention": [], "record_cost": []}
     t_start = time.time()
-    for config in args.configs:
-        for L in args.tokens:
+
+    def save() -> None:
+        # After every section, so a long run on a shared machine leaves its finished sections behind.
+        result["machine"]["loadavg_end"] = os.getloadavg()
+        result["wall_s"] = round(time.time() - t_start, 1)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+
+    for L in args.tokens:
+        for config in args.configs:
             print(f"[bench] attention {config} L={L} ...", file=sys.stderr, flush=True)
             result["attention"].append(
                 bench_attention(config, L, args.densities, args.active, args.block_size, args.repeats, args.strategies)
             )
             print(f"[bench] record cost {config} L={L} ...", file=sys.stderr, flush=True)
             result["record_cost"].append(bench_record_cost(config, L, args.block_size, args.repeats))
+            save()
     if not args.no_accuracy:
         print("[bench] record accuracy ...", file=sys.stderr, flush=True)
         result["record_accuracy"] = bench_record_accuracy(1024 if args.quick else 4096, args.block_size)
+        save()
     if args.flex:
         print("[bench] flex on CPU ...", file=sys.stderr, flush=True)
         result["flex_cpu"] = bench_flex_cpu(args.configs[0], args.tokens[0], args.block_size, 0.25, args.repeats)
-    result["machine"]["loadavg_end"] = os.getloadavg()
-    result["wall_s"] = round(time.time() - t_start, 1)
+        save()
     print(json.dumps(result, indent=1))
     print(markdown(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
     return result
 
 
