@@ -40,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     settings.parent.mkdir(parents=True)
     # A returning user: no first-run template browser over the canvas.
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
-    with ComfyServer(base) as s:
+    with ComfyServer(base, startup_timeout=600) as s:  # a busy 2-core machine can take minutes
         yield s
 
 

@@ -54,7 +54,7 @@ make_workflows = _load_script("make_workflows")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = tmp_path_factory.mktemp("comfy-workflows")
-    with ComfyServer(base) as s:
+    with ComfyServer(base, startup_timeout=600) as s:  # a busy 2-core machine can take minutes
         yield s
 
 

@@ -208,7 +208,12 @@ function renderPanel(root) {
     el("td", { textContent: v, style: { padding: "2px 0", textAlign: "right", fontVariantNumeric: "tabular-nums" } }),
   ]);
 
+  dirInput.addEventListener("input", () => (dirInput.dataset.edited = "1"));
+
   async function refresh() {
+    // Follow the Cache node of the open workflow unless the user typed a directory.
+    const fromGraph = graphCacheDirectories()[0];
+    if (fromGraph && !dirInput.dataset.edited) dirInput.value = fromGraph;
     message.textContent = "…";
     try {
       const s = await fetchJson(`/carnator/cache/stats?directory=${encodeURIComponent(dirInput.value)}`);
