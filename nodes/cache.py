@@ -21,7 +21,6 @@ from ..carnator_core.cache import (
     resolve_cache_dir,
     roots_from_env,
 )
-from ..carnator_core.cache.handle import open_stores_fingerprint
 from ..carnator_core.types import Signature, namespace_key
 from ._common import advanced
 
@@ -152,7 +151,8 @@ class CarnatorCacheRetriever(io.ComfyNode):
             display_name="Carnator Cache Retriever",
             category="Carnator",
             description="Recalls the cached generations whose prompts are most similar to the probed request, "
-                        "among entries of the same model and generation config only.",
+                        "among entries of the same model and generation config only. Like any ComfyUI node it "
+                        "re-runs when its inputs change (a new prompt, seed or setting gives a new probe).",
             inputs=[
                 CACHE.Input("cache", tooltip="The cache to search (from Carnator Cache)."),
                 PROBE.Input("probe", tooltip="The probed request (from Carnator Early Probe)."),
@@ -163,11 +163,6 @@ class CarnatorCacheRetriever(io.ComfyNode):
             ],
             outputs=[CANDIDATES.Output(display_name="candidates", tooltip="Top-K candidates for the Risk Filter.")],
         )
-
-    @classmethod
-    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
-        # Re-run whenever any cache opened in this process changed (another process may write too).
-        return open_stores_fingerprint()
 
     @classmethod
     def execute(cls, cache: CacheHandle, probe: Any, k: int = 5, min_similarity: float = 0.0) -> io.NodeOutput:

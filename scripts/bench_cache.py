@@ -105,8 +105,9 @@ class Synth:
 
 def make_dataset(synth: Synth, n: int, queries: np.ndarray, k: int, workdir: Path, chunk: int = 10000
                  ) -> tuple[np.memmap, np.ndarray, float]:
-    """float16 memmap [n, d] + exact top-k ids per query (computed on the float16 values), and seconds taken."""
+    """float16 memmap [n, d] + exact top-k ids per query (computed on the float16 values), and CPU seconds taken."""
     t0 = time.perf_counter()
+    c0 = time.process_time()
     path = workdir / f"{synth.kind}-{n}.f16"
     mm = np.memmap(path, dtype=np.float16, mode="w+", shape=(n, synth.dim))
     best_s = np.full((len(queries), k), -np.inf, np.float32)
@@ -124,7 +125,7 @@ def make_dataset(synth: Synth, n: int, queries: np.ndarray, k: int, workdir: Pat
         if (s // chunk) % 20 == 0:
             print(f"  generated {s + len(rows):,}/{n:,} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     mm.flush()
-    return mm, best_i, time.perf_counter() - t0
+    return mm, best_i, time.process_time() - c0
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -147,9 +148,9 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
 
         params = IndexParams(flat_max=args.flat_max, nprobe=args.nprobe, scan=args.scan)
         faiss.omp_set_num_threads(os.cpu_count() or 1)  # building may use every core ...
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         index = VectorIndex.build(np.arange(n, dtype=np.int64), mm, DIM, params)
-        build_s = time.perf_counter() - t0
+        build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         faiss.omp_set_num_threads(1)  # ... a query is served on one (one request at a time per process)
         scans = sorted({args.scan, *(int(x) for x in args.scan_sweep.split(",") if x)}) \
             if index.kind == "pca-ivf" else [args.scan]
@@ -174,7 +175,8 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
                    "rerank": max(params.rerank_factor * args.k, params.rerank_min) if ivf else None,
                    "k": args.k, "queries": len(queries), "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
                    "max_ms": max(lat), "cpu_p50_ms": pct(cpu, 50), "cpu_p99_ms": pct(cpu, 99),
-                   "recall": float(np.mean(rec)), "build_s": build_s, "generate_s": gen_s,
+                   "recall": float(np.mean(rec)), "build_s": build_s, "build_cpu_s": build_cpu_s,
+                   "generate_cpu_s": gen_s,
                    "loadavg": [load0, os.getloadavg()[0]]}
             out.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -194,7 +196,7 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
             row = {"bench": "retrieval", "data": args.data, "n": n, "dim": DIM, "kind": "flat (exact, reference)",
                    "k": args.k, "queries": len(queries), "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
                    "max_ms": max(lat), "cpu_p50_ms": pct(cpu, 50), "cpu_p99_ms": pct(cpu, 99),
-                   "recall": float(np.mean(rec)), "build_s": None, "generate_s": gen_s,
+                   "recall": float(np.mean(rec)), "build_s": None, "generate_cpu_s": gen_s,
                    "loadavg": [os.getloadavg()[0]]}
             out.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -243,9 +245,9 @@ def bench_store(args: argparse.Namespace) -> list[dict]:
         conn.execute("COMMIT")
         conn.close()
         fill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         st.query(ns, queries[0], args.k)
-        first_s = time.perf_counter() - t0
+        first_s, first_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         lat, cpu = [], []
         load0 = os.getloadavg()[0]
         for q in queries:
@@ -257,13 +259,14 @@ def bench_store(args: argparse.Namespace) -> list[dict]:
         kind = st.index_kind(ns)
         st.close()
         st2 = Store.open(root, key_path=key)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         st2.query(ns, queries[0], args.k)
-        reopen_s = time.perf_counter() - t0
+        reopen_s, reopen_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         st2.close()
         row = {"bench": "store.query", "data": args.data, "n": n, "kind": kind, "k": args.k, "queries": len(queries),
                "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat), "cpu_p50_ms": pct(cpu, 50),
-               "cpu_p99_ms": pct(cpu, 99), "loadavg": load0, "first_query_s": first_s,
+               "cpu_p99_ms": pct(cpu, 99), "loadavg": load0, "first_query_s": first_s, "first_query_cpu_s": first_cpu_s,
+               "reopen_first_query_cpu_s": reopen_cpu_s,
                "reopen_first_query_s": reopen_s, "fill_s": fill_s,
                "catalog_mb": sum(p.stat().st_size for p in root.glob("catalog.sqlite3*")) / 2**20,
                "index_file_mb": sum(p.stat().st_size for p in (root / "index").glob("*")) / 2**20}
@@ -302,27 +305,29 @@ def bench_write(args: argparse.Namespace) -> list[dict]:
                                         (torch.float32, False, True), (torch.float32, True, False)):
         root = Path(tempfile.mkdtemp(prefix="bench_write_", dir=args.workdir))
         st = Store.open(root, key_path=root.parent / f"{root.name}.key", durable=durable)
-        put_ms, load_ms, sig_ms, sizes = [], [], [], []
+        put_ms, put_cpu, load_ms, sig_ms, sizes = [], [], [], [], []
         for i in range(args.writes):
             tensors = {name: torch.randn(latent).to(dtype) for name in ("latent_probe", "latent_final", "x0_probe")}
             data = EntryData(model_fingerprint="bench-model", config=cfg, prompt=f"prompt {i}", seed=i,
                              embedding=rng.standard_normal(DIM).astype(np.float32), signature=sig, tensors=tensors,
                              block_structure=bs if with_blocks else None, meta={"bench": True})
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             eid = st.put(data)
             put_ms.append((time.perf_counter() - t) * 1000)
+            put_cpu.append((time.process_time() - c) * 1000)
             sizes.append(st.stats().bytes / (i + 1))
             st._sigs.clear()  # noqa: SLF001 - measure the disk read, not the per-process memo
-            t = time.perf_counter()
+            t = time.process_time()
             st.load_signature(eid)
-            sig_ms.append((time.perf_counter() - t) * 1000)
-            t = time.perf_counter()
+            sig_ms.append((time.process_time() - t) * 1000)
+            t = time.process_time()
             st.load(eid, count_hit=False)
-            load_ms.append((time.perf_counter() - t) * 1000)
+            load_ms.append((time.process_time() - t) * 1000)
         row = {"bench": "write", "dtype": str(dtype).removeprefix("torch."), "durable": durable,
                "block_structure": with_blocks, "writes": args.writes, "bytes_per_entry": int(sizes[-1]),
-               "put_ms_p50": pct(put_ms, 50), "put_ms_max": max(put_ms), "load_ms_p50": pct(load_ms, 50),
-               "load_signature_ms_p50": pct(sig_ms, 50)}
+               "put_ms_p50": pct(put_ms, 50), "put_ms_max": max(put_ms), "put_cpu_ms_p50": pct(put_cpu, 50),
+               "load_cpu_ms_p50": pct(load_ms, 50), "load_signature_cpu_ms_p50": pct(sig_ms, 50),
+               "loadavg": os.getloadavg()[0]}
         out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
         st.close()
@@ -341,19 +346,21 @@ def markdown(rows: list[dict]) -> str:
             if r.get("nlist"):
                 desc += (f" (r={r['reduced_dim']}, nlist={r['nlist']}, scan={r['scan']} → nprobe={r['nprobe']}, "
                          f"rerank {r['rerank']})")
-            build = f"{r['build_s']:.1f}" if r.get("build_s") is not None else "–"
+            build = (f"{r['build_cpu_s']:.0f} CPU-s ({r['build_s']:.0f} s wall)" if r.get("build_s") is not None
+                     else "–")
             load = f"{r['loadavg'][0]:.1f}" if r.get("loadavg") else ""
             lines.append(f"| {r['data']} | {r['n']:,} | {desc} | {r['p50_ms']:.2f} / {r['p99_ms']:.2f} | "
                          f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['recall']:.3f} | {build} | {load} |")
         elif r["bench"] == "store.query":
             lines.append(f"| {r['data']} | {r['n']:,} | {r['kind']} | {r['p50_ms']:.2f} / {r['p99_ms']:.2f} | "
-                         f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['first_query_s']:.1f} | "
-                         f"{r['reopen_first_query_s']:.2f} | {r['catalog_mb']:.0f} | {r['index_file_mb']:.0f} | "
+                         f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['first_query_cpu_s']:.1f} CPU-s | "
+                         f"{r['reopen_first_query_cpu_s']:.2f} CPU-s | {r['catalog_mb']:.0f} | {r['index_file_mb']:.0f} | "
                          f"{r['loadavg']:.1f} |")
         elif r["bench"] == "write":
             lines.append(f"| {r['dtype']} | {'yes' if r['durable'] else 'no'} | "
                          f"{'yes' if r['block_structure'] else 'no'} | {r['bytes_per_entry'] / 2**20:.1f} MiB | "
-                         f"{r['put_ms_p50']:.0f} | {r['load_ms_p50']:.0f} | {r['load_signature_ms_p50']:.1f} |")
+                         f"{r['put_ms_p50']:.0f} | {r['put_cpu_ms_p50']:.0f} | {r['load_cpu_ms_p50']:.0f} | "
+                         f"{r['load_signature_cpu_ms_p50']:.1f} | {r['loadavg']:.1f} |")
     return "\n".join(lines)
 
 

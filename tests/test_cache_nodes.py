@@ -100,12 +100,10 @@ def test_writer_retriever_stats(cache_nodes):
     probe, sig = _probe(), make_sig(("cat",))
     latent = {"samples": torch.randn((1, *CFG.latent_shape))}
     Writer, Retriever, Stats = cache_nodes.CarnatorCacheWriter, cache_nodes.CarnatorCacheRetriever, cache_nodes.CarnatorCacheStats
-    fp0 = Retriever.fingerprint_inputs(k=5, min_similarity=0.0)
     out = Writer.execute(cache=handle, probe=probe, signature=sig, latent=latent, report=_report())
     eid = out.result[0]
     assert len(eid) == 16 and "stored entry" in out.ui.as_dict()["text"][0]
     assert "attention block structure" in out.ui.as_dict()["text"][0]
-    assert Retriever.fingerprint_inputs(k=5, min_similarity=0.0) != fp0  # the cache changed: retrieval re-runs
     again = Writer.execute(cache=handle, probe=probe, signature=sig, latent=latent, report=_report())
     assert again.result[0] == eid and "already cached" in again.ui.as_dict()["text"][0]
     skipped = Writer.execute(cache=handle, probe=_probe(seed=4), signature=sig, latent=latent, report=_report("hit"))

@@ -47,16 +47,3 @@ def open_store(handle: CacheHandle) -> Store:
             st.max_bytes = int(handle.max_bytes) if handle.max_bytes else None
             st.policy = handle.policy
         return st
-
-
-def open_stores_fingerprint() -> tuple[tuple[str, int], ...]:
-    """(path, content_version) of every store opened in this process: changes when any of them changes."""
-    with _LOCK:
-        stores = list(_STORES.items())
-    out = []
-    for path, st in stores:
-        try:
-            out.append((path, st.content_version()))
-        except Exception:  # noqa: BLE001 - a closed/broken store just forces a re-run
-            out.append((path, -1))
-    return tuple(out)

@@ -450,7 +450,7 @@ class Store:
         return conn
 
     def _open_catalog(self) -> None:
-        with FileLock(str(self.root / "locks" / "catalog.lock"), timeout=120):
+        with FileLock(str(self.root / "locks" / "catalog.lock"), timeout=600):
             existed = (self.root / CATALOG).exists()
             problem = None
             try:
@@ -790,7 +790,7 @@ class Store:
             self._forget_sig(entry_id)
         for ns in namespaces:
             self._indexes.pop(ns, None)
-            with FileLock(str(self.root / "locks" / f"index-{ns}.lock"), timeout=120):
+            with FileLock(str(self.root / "locks" / f"index-{ns}.lock"), timeout=600):
                 self._index_path(ns).unlink(missing_ok=True)
         log.info("carnator cache: purged %d entries (%s)", len(rows), f"namespace {namespace}" if namespace else "all")
         return len(rows)
@@ -1165,7 +1165,7 @@ class Store:
         every = self.index_params.persist_every or max(64, st.index.ntotal // 16)
         if not force and index_gen is not None and st.generation - index_gen < every:
             return
-        lock = FileLock(str(self.root / "locks" / f"index-{ns}.lock"), timeout=120)
+        lock = FileLock(str(self.root / "locks" / f"index-{ns}.lock"), timeout=600)
         with lock:
             with self._read() as c:
                 row = c.execute("SELECT token, index_generation FROM namespaces WHERE namespace=?", (ns,)).fetchone()
