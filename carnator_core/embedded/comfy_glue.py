@@ -280,7 +280,7 @@ def gate_captions(n: int = config.GATE_CAPTIONS, seed: int = config.GATE_CAPTION
 
 def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
              model: Optional[comfy.model_patcher.ModelPatcher] = None, steps: int = config.DEFAULT_STEPS,
-             probe_step: int = config.DEFAULT_PROBE_STEP) -> dict[str, Any]:
+             cfg: float = config.DEFAULT_CFG, probe_step: int = config.DEFAULT_PROBE_STEP) -> dict[str, Any]:
     """Generate one clip per caption (one batch, stock sampling path) and score it with the checker.
 
     Returns pass rates ``colour``/``size``/``position``/``motion``/``shape`` over named objects, and the
@@ -294,7 +294,7 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
 
     from . import checker, world
 
-    gen = generate(captions, seed, model=model, steps=steps, probe_step=probe_step)
+    gen = generate(captions, seed, model=model, steps=steps, cfg=cfg, probe_step=probe_step)
     results = [checker.check(gen.clips[i], c) for i, c in enumerate(captions)]
     rates = checker.pass_rates(results)
     x0_rgb = codec.latent_to_rgb(gen.x0_probe).numpy() if gen.x0_probe is not None else None

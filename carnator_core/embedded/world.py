@@ -437,7 +437,7 @@ _MOTION_PHRASES = {
 }
 _BACKGROUND_PHRASES = {
     "grass": ("on green grass", "on a grassy field", "across a lawn", "in a meadow", "on the grass"),
-    "sky": ("against a blue sky", "in the sky", "under a clear sky", "among the clouds"),
+    "sky": ("against a blue sky", "in the sky", "under a clear sky", "in the clouds"),
     "sand": ("on a sandy beach", "on the sand", "on a beach", "on golden sand"),
     "night": ("at night", "under the stars", "in the night", "on a dark night"),
     "wall": ("in front of a grey wall", "against a gray wall", "before a concrete wall"),
