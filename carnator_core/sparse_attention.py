@@ -165,19 +165,24 @@ def estimate_block_mass(
     else:
         raise ValueError(f"key_pooling must be 'none' or 'mean', got {key_pooling!r}")
     out = torch.empty(B, H, Qb, n_blocks(L, block_size), device=q.device, dtype=torch.float32)
-    # Chunk over heads so the [Qb*S, L] score matrix stays bounded in memory at long sequence lengths.
-    per_head = B * Qb * S * keys.shape[2]
-    hc = max(1, int(max_chunk_elems // max(per_head, 1)))
+    # Chunk over heads, and over query blocks when one head is too big, so the [Qb*S, L] score matrix stays
+    # bounded in memory at long sequence lengths (32k tokens: 256 blocks x 8 samples x 32k keys per head).
+    n_keys = keys.shape[2]
+    per_block = B * S * n_keys
+    qc = max(1, min(Qb, int(max_chunk_elems // max(per_block, 1))))
+    hc = max(1, int(max_chunk_elems // max(per_block * Qb, 1))) if qc == Qb else 1
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
-        r = reps[:, h0:h1].reshape(B, h1 - h0, Qb * S, D)
-        logits = torch.matmul(r, keys[:, h0:h1].transpose(-1, -2)) * scale
-        if bias is not None:
-            logits = logits + bias
-        p = torch.softmax(logits, dim=-1)
-        if key_pooling == "none":
-            p = _block_sum_last(p, block_size)
-        out[:, h0:h1] = p.reshape(B, h1 - h0, Qb, S, -1).mean(3)
+        for b0 in range(0, Qb, qc):
+            b1 = min(Qb, b0 + qc)
+            r = reps[:, h0:h1, b0:b1].reshape(B, h1 - h0, (b1 - b0) * S, D)
+            logits = torch.matmul(r, keys[:, h0:h1].transpose(-1, -2)) * scale
+            if bias is not None:
+                logits = logits + bias
+            p = torch.softmax(logits, dim=-1)
+            if key_pooling == "none":
+                p = _block_sum_last(p, block_size)
+            out[:, h0:h1, b0:b1] = p.reshape(B, h1 - h0, b1 - b0, S, -1).mean(3)
     out = out.mean(0)
     if head_average:
         out = out.mean(0, keepdim=True)

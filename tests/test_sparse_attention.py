@@ -379,3 +379,11 @@ def test_plans_are_cached_by_content():
     assert len(sa._PLAN_CACHE) == 2
     torch.testing.assert_close(c, _reference(q, k, v, other, bs), atol=2e-5, rtol=1e-4)
     sa.clear_plan_cache()
+
+
+def test_estimate_is_independent_of_memory_chunking():
+    q, k = _structured_qk(H=3, grid=(2, 8, 10), D=16, seed=9)  # L = 160
+    for s in (0, 4):
+        whole = sa.estimate_block_mass(q, k, 32, sample_queries=s)
+        tiny = sa.estimate_block_mass(q, k, 32, sample_queries=s, max_chunk_elems=100)  # one block per chunk
+        torch.testing.assert_close(whole, tiny)
