@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
 RUN_KEYS = ("weights", "seed", "warm", "queries", "top_k", "kinds", "labeler", "tolerance", "reuse_mode",
-            "p_same_seed")
+            "p_same_seed", "label_missing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tolerance of --labeler psnr (dB, default 25) or ssim (default 0.9)")
     p.add_argument("--reuse-mode", choices=("joint", "latent", "attention"), default="joint",
                    help="sampler mode the rule is for (joint)")
+    p.add_argument("--label-missing", choices=("top", "all"), default="top",
+                   help="reuse-label candidates with a named object on one side only: 'top' = only when most "
+                   "similar (all that calibration and the prompt-only baseline use; default), 'all' = always")
     p.add_argument("--workers", type=int, default=1, help="worker processes (1)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = 2 // workers, ≥ 1)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per worker (1: on a shared machine more threads per process oversubscribe)")
     p.add_argument("--limit-s", type=float, default=0.0,
                    help="stop starting new queries after this many seconds (0 = no limit); re-run to resume")
     return p
@@ -152,14 +156,15 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
                                "phase first (re-run the command)")
         labeler = _labeler(args)
         path = work / f"part-{shard}.jsonl"
-        header, rows = pairs.read_rows(path)
-        done = pairs.done_requests(rows)
+        header, _rows = pairs.read_rows(path)
+        # Done = in any part file, so a resumed run may use another --workers than the interrupted one.
+        done = set().union(*(pairs.done_requests(pairs.read_rows(f)[1]) for f in work.glob("part-*.jsonl")))
         mine = [r for i, r in enumerate(queries) if i % n_shards == shard and r.request_id not in done]
         for req in mine:
             if args["limit_s"] and time.time() - t_start > args["limit_s"]:
                 print(f"[q{shard}] time limit reached; re-run to resume", flush=True)
                 return
-            out = pairs.label_request(ctx, req, labeler)
+            out = pairs.label_request(ctx, req, labeler, missing=args["label_missing"])
             probe = out.result.probe
             if header is None:
                 header = pairs.header_for(probe, dataset="", seeds=[], unsafe_definition=labeler.definition,
@@ -209,20 +214,27 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
         if header is not None and key != (header["model_fingerprint"], header["config_fingerprint"]):
             raise SystemExit(f"{f} was made with another model/config than the other part files")
         header = header or h
+        seen_here: dict[str, list[dict]] = {}
         for r in rows:
-            by_req.setdefault(r["request_id"], []).append(r)
+            seen_here.setdefault(r["request_id"], []).append(r)
+        for rid, rs in seen_here.items():
+            by_req.setdefault(rid, rs)  # a request is taken from one part file only
     if header is None:
         raise SystemExit("no labelled requests yet")
     kinds = sorted({q.kind for q in queries})
+    labelled = ("all labelled" if args["label_missing"] == "all" else
+                "all labelled except those with a named object on one side only that are not the most similar "
+                "(never accepted by a signature rule, never considered by prompt-only; left out)")
     header.update({
         "dataset": (f"embedded world (carnator_core/embedded/world.py), held-in combinations: {args['warm']} warm "
                     f"cache entries and {args['queries']} query requests, each derived from a random warm request "
                     f"by one change of kind {kinds} (edits keep the source seed with p={args['p_same_seed']}); "
-                    f"top-{args['top_k']} recalled candidates per query, all labelled; reuse mode "
+                    f"top-{args['top_k']} recalled candidates per query, {labelled}; reuse mode "
                     f"{args['reuse_mode']}; default config (20 euler steps, simple, CFG 5, probe 4 steps)"),
         "seeds": {"world": args["seed"], "warm_rng": [args["seed"], 0], "query_rng": [args["seed"], 1]},
         "generator": command,
         "top_k": args["top_k"],
+        "label_missing": args["label_missing"],
         "reuse_mode": args["reuse_mode"],
         "requests_labelled": len(by_req),
         "requests_planned": len(queries),
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_file.write_text(json.dumps(run, indent=1), encoding="utf-8")
     n = max(1, args["workers"])
-    threads = args["threads"] or max(1, 2 // n)
+    threads = max(1, args["threads"])
     t0 = time.time()
     _run_phase(args, "warm", n, threads)
     t1 = time.time()

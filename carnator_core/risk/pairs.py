@@ -410,14 +410,22 @@ class RequestOutcome:
 
 
 def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
-                  only: Iterable[str] | Callable[[Any], Iterable[str]] | None = None) -> RequestOutcome:
+                  only: Iterable[str] | Callable[[Any], Iterable[str]] | None = None,
+                  missing: str = "all") -> RequestOutcome:
     """Serve ``req`` as serving does (probe, signature, top-K recall, dense resume) and label its candidates.
 
     only: which store entry ids to label — None = every recalled candidate; an iterable of ids; or a callable
           given the ``serve`` result (``request.RequestResult``: probe, signature, candidates) that returns the
           ids (e.g. the candidates a filter accepts). The others get discrepancies but no reuse run
           (``labelled=False``). The store's hit counters are not touched.
+    missing: "all" labels every selected candidate; "top" skips the reuse run of a candidate with a named object
+          on one side only (``Discrepancies.missing``) unless it is the most similar candidate (ties included).
+          A signature rule never accepts such a candidate (automatic reject) and the prompt-only baseline only
+          ever considers the most similar one, so "top" loses nothing any evaluation uses and saves their
+          reuse runs (often half of them).
     """
+    if missing not in ("all", "top"):
+        raise ValueError(f"missing must be 'all' or 'top', got {missing!r}")
     from .. import reuse
     from ..request import serve
 
@@ -432,9 +440,11 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     cfg = replace(ctx.options.reuse, mode=ctx.options.reuse_mode)
     outs = []
     items = res.candidates.items if res.candidates is not None else ()
+    top_sim = max((float(c.similarity) for c in items), default=0.0)
     for cand in items:
         d = discrepancies(res.signature, cand.signature)
-        if want is not None and cand.entry_id not in want:
+        skip_missing = missing == "top" and d.missing and float(cand.similarity) < top_sim
+        if (want is not None and cand.entry_id not in want) or skip_missing:
             outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, False, None, {}))
             continue
         cached = ctx.store.load(cand.entry_id, count_hit=False).cached_run()
@@ -456,12 +466,18 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
 
 
 def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Pairs-file rows (docs/CALIBRATION.md format + a ``diag`` object) of a fully labelled request.
+    """Pairs-file rows (docs/CALIBRATION.md format + a ``diag`` object) of a labelled request.
 
     entry_names: store entry id -> stable name (the warm request id) used as ``entry_id`` in the file.
+    Unlabelled candidates are left out only if they are ``missing`` ones skipped under ``missing="top"`` (their
+    names go into the first row's ``diag.skipped_missing``); any other unlabelled candidate is an error.
     """
     rows = []
+    skipped = []
     for c in out.candidates:
+        if not c.labelled and c.discrepancies.missing:
+            skipped.append(entry_names.get(c.entry_id, c.entry_id))
+            continue
         if not c.labelled:
             raise ValueError(f"request {out.request.request_id}: candidate {c.entry_id} was not labelled")
         p = LabelledPair.from_discrepancies(out.request.request_id, entry_names.get(c.entry_id, c.entry_id),
@@ -471,6 +487,8 @@ def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[di
                        "seed": out.request.seed, "store_entry": c.entry_id,
                        "missing_objects": list(c.discrepancies.missing_objects), **out.dense_diag, **c.diag}
         rows.append(row)
+    if rows:
+        rows[0]["diag"]["skipped_missing"] = skipped
     return rows
 
 
