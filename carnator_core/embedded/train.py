@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", default="auto", help="1, 2 or auto")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--log", type=Path, default=Path("runs/embedded_train.jsonl"))
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from these weights (fine-tuning); text_embedding is re-initialised if frozen")
+    p.add_argument("--freeze-text-embedding", action="store_true",
+                   help="keep WanModel.text_embedding at its random init: trained, its GELU dies for every "
+                        "token that is not useful early (size/position/motion words), which then never recover")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -92,6 +97,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(threads)
 
     model = build_wan(init=True)
+    if args.init is not None:
+        from safetensors.torch import load_file
+
+        fresh_text = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("text_embedding.")}
+        state = {k: v.float() for k, v in load_file(str(args.init)).items()}
+        if args.freeze_text_embedding:
+            state.update(fresh_text)
+        model.load_state_dict(state)
+    if args.freeze_text_embedding:
+        for p_ in model.text_embedding.parameters():
+            p_.requires_grad_(False)
     model.train()
     params = [p_ for p_ in model.parameters() if p_.requires_grad]
     decay = [p_ for p_ in params if p_.dim() >= 2]
@@ -108,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     step = 0
     losses: list[float] = []
     step_times: dict[int, list[float]] = {1: [], 2: []}
-    meta_base = {"config": config.model_config(), "seed": args.seed, "batch": args.batch, "lr": args.lr,
+    meta_base = {"config": config.model_config(), "seed": args.seed, "init": str(args.init) if args.init else None,
+                 "freeze_text_embedding": bool(args.freeze_text_embedding), "batch": args.batch, "lr": args.lr,
                  "shift": config.SHIFT, "object_weight": args.object_weight, "p_drop": args.p_drop,
                  "format": "carnator-embedded-v1"}
     print(f"training: {sum(p_.numel() for p_ in params) / 1e6:.2f} M params, budget {args.minutes} min / "
