@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="torch threads (default 1: on an oversubscribed machine every multi-threaded op can stall "
                          "for a scheduler time slice, which swamps op-count-heavy variants; see BENCHMARKS.md)")
     ap.add_argument("--flex", action="store_true", help="also measure eager/compiled flex_attention on CPU")
+    ap.add_argument("--flex-config", default="wan", choices=sorted(CONFIGS))
+    ap.add_argument("--flex-tokens", type=int, default=4096)
     ap.add_argument("--no-accuracy", action="store_true", help="skip the recording-accuracy study")
     ap.add_argument("--quick", action="store_true", help="smoke run: small config, 1024 tokens, 2 repeats")
     ap.add_argument("--json", type=Path, help="also write the JSON result here")
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
         save()
     if args.flex:
         print("[bench] flex on CPU ...", file=sys.stderr, flush=True)
-        result["flex_cpu"] = bench_flex_cpu(args.configs[0], args.tokens[0], args.block_size, 0.25, args.repeats)
+        result["flex_cpu"] = bench_flex_cpu(args.flex_config, args.flex_tokens, args.block_size, 0.25, args.repeats)
         save()
     print(json.dumps(result, indent=1))
     print(markdown(result))
