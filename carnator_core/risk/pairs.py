@@ -152,7 +152,8 @@ def embedded_queries(seed: int, n: int, warm: Sequence[PairRequest], scenes: Map
                      kinds: Sequence[str] = QUERY_KINDS, p_same_seed: float = 0.5) -> list[PairRequest]:
     """``n`` query requests, each derived from a uniformly drawn warm request by one kind of change.
 
-    Kinds cycle through ``kinds`` in a seeded random order (each kind gets n / len(kinds) queries ± 1). Edits
+    Kinds cycle through ``kinds`` in a seeded random order (each kind gets n / len(kinds) queries ± 1); the
+    first m queries of a run of n > m are the queries of a run of m (prefix-stable). Edits
     (and paraphrases) keep the source's seed with probability ``p_same_seed``, else draw a new one; "repeat"
     always keeps it and "reseed" never does. An edit that is impossible for the drawn source (e.g. no other
     compatible colour) redraws the source.
@@ -163,11 +164,14 @@ def embedded_queries(seed: int, n: int, warm: Sequence[PairRequest], scenes: Map
         if k not in QUERY_KINDS:
             raise ValueError(f"unknown query kind {k!r}; expected some of {QUERY_KINDS}")
     rng = np.random.default_rng([seed, 1])
-    order: list[str] = []
-    while len(order) < n:
-        order.extend(str(kinds[i]) for i in rng.permutation(len(kinds)))
     out: list[PairRequest] = []
-    for j, kind in enumerate(order[:n]):
+    perm: list[int] = []
+    for j in range(n):
+        # A fresh permutation of the kinds every len(kinds) queries, drawn from the same stream as the queries:
+        # query j depends only on draws made for queries < j, so a longer run extends a shorter one.
+        if j % len(kinds) == 0:
+            perm = [int(i) for i in rng.permutation(len(kinds))]
+        kind = str(kinds[perm[j % len(kinds)]])
         for _attempt in range(1000):
             src = warm[int(rng.integers(len(warm)))]
             scene, cap_seed = scenes[src.request_id]

@@ -1,0 +1,236 @@
+"""The shipped risk rule of the embedded model (rules/embedded.json) and the pair-generation machinery behind it.
+
+Fast tests (no model): the embedded request sampler (deterministic, one controlled change per query), the two
+labelers (checker and tolerance) on ground-truth renders, and that rows written by ``risk.pairs`` are read by
+the calibration's reader.
+
+Slow test (the issue-6 acceptance test): on a *fresh* stream of the embedded world — a warm set and queries
+drawn with a seed the calibration never used — the shipped rule's unsafe rate among the reuses it accepts is
+≤ α (asserted on the counts: unsafe ≤ ceil(α · accepted), because the stream is small), and the prompt-only
+filter (NIRVANA-style, threshold calibrated the same way, from the rule's ``comparison`` section) is measured
+on the same stream and reported next to it. Measured numbers: BENCHMARKS.md "Risk filter (issue 6)".
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RULE_PATH = ROOT / "rules" / "embedded.json"
+PAIRS_PATH = ROOT / "rules" / "embedded_pairs.jsonl"
+
+# The fresh stream: another seed than the calibration run (seed 0, see the rule's provenance), and small enough
+# for ~3-4 minutes on an idle 2-core machine. TOP_K must equal the calibration run's --top-k: the rule decides
+# among the candidates recall returns, so a different K is different traffic.
+FRESH_SEED = 7
+N_WARM = 12
+N_QUERIES = 18
+TOP_K = 3
+
+
+# ----------------------------------------------------------------------------------------- fast (no model)
+
+
+def test_embedded_requests_are_deterministic_and_controlled():
+    from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.risk import pairs
+
+    warm, scenes = pairs.embedded_warm_set(3, 10)
+    warm2, _ = pairs.embedded_warm_set(3, 10)
+    assert warm == warm2
+    assert len({w.request_id for w in warm}) == 10
+    for w in warm:
+        scene, _ = scenes[w.request_id]
+        assert not any(world.is_held_out(o) for o in scene.objects)
+        assert world.parse_caption(w.prompt) == scene  # the caption names exactly the scene
+    qs = pairs.embedded_queries(3, 27, warm, scenes)
+    assert qs == pairs.embedded_queries(3, 27, warm, scenes)
+    assert [q.kind for q in qs].count("colour") == 3  # kinds cycle: 27 queries / 9 kinds
+    assert pairs.embedded_queries(3, 31, warm, scenes)[:27] == qs  # prefix-stable: a longer run extends a shorter
+    by_id = {w.request_id: w for w in warm}
+    for q in qs:
+        src = by_id[q.source]
+        s_src, s_q = world.parse_caption(src.prompt), world.parse_caption(q.prompt)
+        if q.kind == "repeat":
+            assert (q.prompt, q.seed) == (src.prompt, src.seed)
+        elif q.kind == "reseed":
+            assert q.prompt == src.prompt and q.seed != src.seed
+        elif q.kind == "paraphrase":
+            assert s_q == s_src
+        elif q.kind == "background":
+            assert s_q.background != s_src.background and s_q.objects == s_src.objects
+        else:
+            attr = {"colour": "colour", "size": "size", "position": "position", "motion": "motion",
+                    "object": "shape"}[q.kind]
+            a, b = s_src.objects[0], s_q.objects[0]
+            assert getattr(a, attr) != getattr(b, attr)
+            changed = [f for f in ("shape", "colour", "size", "position", "motion") if getattr(a, f) != getattr(b, f)]
+            assert changed == [attr], (q.kind, src.prompt, q.prompt)
+            assert s_q.objects[1:] == s_src.objects[1:] and s_q.background == s_src.background
+
+
+def test_checker_labeler_on_ground_truth_renders():
+    from dataclasses import replace
+
+    from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.risk import pairs
+
+    lab = pairs.embedded_checker_labeler()
+    scene = world.Scene((world.ObjectSpec("ball", "red", "big", "top left", "right"),), "grass")
+    prompt = world.caption(scene, np.random.default_rng(0))
+    clip, _ = world.render(scene)
+    ref = lab.reference(clip, prompt)
+    assert all(ref.values()) and "o0.colour" in ref and "background" in ref
+    assert lab.label(ref, clip, prompt) == (False, {"broken": [], "dense_failed": []})
+    blue, _ = world.render(replace(scene, objects=(replace(scene.objects[0], colour="blue"),)))
+    unsafe, diag = lab.label(ref, blue, prompt)
+    assert unsafe and diag["broken"] == ["o0.colour"]
+    # An attribute the dense output already fails is the model's failure, not the reuse's.
+    ref_failed = {**ref, "o0.colour": False}
+    assert lab.label(ref_failed, blue, prompt)[0] is False
+
+
+def test_tolerance_labeler():
+    from carnator.carnator_core.risk import pairs
+
+    rng = np.random.default_rng(0)
+    a = rng.random((4, 16, 16, 3)).astype(np.float32)
+    assert pairs.psnr_db(a, a) == float("inf")
+    b = np.clip(a + 0.01, 0, 1)
+    lab = pairs.ToleranceLabeler("psnr", 25.0)
+    assert lab.label(lab.reference(a, ""), b, "")[0] is False  # ~40 dB
+    c = np.clip(a + 0.2 * rng.standard_normal(a.shape), 0, 1)
+    unsafe, diag = lab.label(lab.reference(a, ""), c, "")
+    assert unsafe and diag["psnr_db"] < 25.0
+    s = pairs.ToleranceLabeler("ssim", 0.9)
+    assert s.label(s.reference(a, ""), a, "")[0] is False
+    assert s.label(s.reference(a, ""), c, "")[0] is True
+    assert "PSNR" in lab.definition and "SSIM" in s.definition
+    with pytest.raises(ValueError, match="psnr"):
+        pairs.ToleranceLabeler("lpips", 0.1)
+
+
+def test_rows_round_trip_and_resume(tmp_path):
+    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.risk.certify import read_pairs_jsonl
+    from carnator.carnator_core.risk.discrepancy import Discrepancies
+
+    path = tmp_path / "part.jsonl"
+    pairs.write_header(path, {"model_fingerprint": "m", "config_fingerprint": "c", "dataset": "t"})
+    req = pairs.PairRequest("q0001", "a red ball", 5, "colour", "w0000")
+    d = Discrepancies(1.0, 0.1, 0.2, 3.0)
+    out = pairs.RequestOutcome(req, None, (pairs.CandidateOutcome("abc", 0.9, d, True, True, {"broken": ["o0.colour"]}),),
+                               {"dense_s": 1.0}, 1.0)
+    pairs.append_rows(path, pairs.outcome_rows(out, {"abc": "w0000"}))
+    with path.open("a") as fh:
+        fh.write('{"request_id": "q0002", "entr')  # a torn write from a crash
+    header, rows = pairs.read_rows(path)
+    assert header["model_fingerprint"] == "m" and pairs.done_requests(rows) == {"q0001"}
+    path.write_text("\n".join(path.read_text().split("\n")[:2]) + "\n")
+    h2, ps = read_pairs_jsonl(path)
+    assert h2["config_fingerprint"] == "c"
+    assert ps[0].entry_id == "w0000" and ps[0].unsafe and ps[0].appearance == 3.0
+    unlabelled = pairs.RequestOutcome(req, None, (pairs.CandidateOutcome("abc", 0.9, d, False, None, {}),), {}, 0.0)
+    with pytest.raises(ValueError, match="not labelled"):
+        pairs.outcome_rows(unlabelled, {})
+    # A missing-object candidate skipped under missing="top" is left out and named in the diagnostics.
+    dm = Discrepancies(1.0, 0.1, 0.2, 3.0, missing_objects=("cube (candidate only)",))
+    mixed = pairs.RequestOutcome(req, None, (pairs.CandidateOutcome("abc", 0.9, d, True, False, {}),
+                                             pairs.CandidateOutcome("def", 0.8, dm, False, None, {})), {}, 0.0)
+    rows = pairs.outcome_rows(mixed, {"abc": "w0000", "def": "w0001"})
+    assert [r["entry_id"] for r in rows] == ["w0000"] and rows[0]["diag"]["skipped_missing"] == ["w0001"]
+
+
+def test_shipped_rule_is_certified_and_matches_its_pairs():
+    """The committed rule loads (bound recomputed, certificate holds) and was made from the committed pairs."""
+    import hashlib
+
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    if not RULE_PATH.exists():
+        pytest.fail(f"{RULE_PATH} is missing: the embedded model's rule must ship (rules/README.md)")
+    rule = RiskRule.load(RULE_PATH)
+    c = rule.certificate
+    assert c.passed and c.upper_bound <= c.alpha
+    assert rule.arch == "embedded"
+    assert rule.provenance["unsafe_definition"]
+    if PAIRS_PATH.exists():
+        digest = hashlib.sha256(PAIRS_PATH.read_bytes()).hexdigest()[:16]
+        assert rule.provenance["pairs_sha256"] == digest, "rules/embedded_pairs.jsonl is not the file the rule was made from"
+
+
+# ----------------------------------------------------------------------------------------- slow (the model)
+
+
+@pytest.fixture(scope="module")
+def embedded_ready(comfy_env):
+    from carnator.carnator_core.embedded import config as ecfg
+
+    if not ecfg.DEFAULT_WEIGHTS.exists():
+        pytest.skip(f"embedded model weights not found at {ecfg.DEFAULT_WEIGHTS}")
+    return ecfg
+
+
+@pytest.mark.slow
+@pytest.mark.comfy
+def test_shipped_rule_on_fresh_stream(embedded_ready, tmp_path):
+    import torch
+
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    rule = RiskRule.load(RULE_PATH)
+    alpha = rule.certificate.alpha
+    # Prompt-only at the threshold calibrated the same way (rule.comparison), or — when no prompt-only threshold
+    # qualifies under the calibration constraint, as for the shipped rule — at the rule's own minimum prompt
+    # similarity: the same similarity bar without the signature checks (and without the missing-object reject).
+    po = rule.comparison.get("prompt_only", {})
+    if "threshold" in po:
+        po_threshold = float(po["threshold"])
+    elif rule.thresholds.min_similarity is not None:
+        po_threshold = float(rule.thresholds.min_similarity)
+    else:
+        po_threshold = 0.9  # the Risk Filter node's default prompt_threshold
+    thresholds = {"prompt_only": po_threshold}
+    # Not the calibration's seed: a fresh warm set and fresh queries.
+    assert str(FRESH_SEED) not in json.dumps(rule.provenance.get("seeds", "")), "fresh seed collides with calibration"
+
+    store = Store.open(tmp_path / "store", key_path=tmp_path / "index.key", durable=False)
+    threads = torch.get_num_threads()
+    # One thread: the model is tiny (256 tokens), and on a shared machine more threads per process
+    # oversubscribe the cores and slow it down many-fold.
+    torch.set_num_threads(1)
+    try:
+        ctx = pairs.embedded_context(store, None, top_k=TOP_K)
+        warm, scenes = pairs.embedded_warm_set(FRESH_SEED, N_WARM)
+        for req in warm:
+            pairs.warm_entry(ctx, req)
+        queries = pairs.embedded_queries(FRESH_SEED, N_QUERIES, warm, scenes)
+        # measure_stream checks the rule against the probe's model/config fingerprints (RuleMismatchError if the
+        # shipped weights were retrained without recalibrating).
+        result = pairs.measure_stream(ctx, queries, pairs.embedded_checker_labeler(), rule,
+                                      prompt_thresholds=thresholds, progress=print)
+    finally:
+        torch.set_num_threads(threads)
+        store.close()
+
+    summary = result.summary()
+    print("\nfresh stream (seed", FRESH_SEED, "):", json.dumps(summary, indent=1))
+    n_req, n, k = result.counts("rule")
+    assert n_req == N_QUERIES
+    assert n >= 1, "the shipped rule accepted no reuse on the fresh stream: the test would be vacuous"
+    # Small stream: bound the count, not the rate (k/n ≤ α would demand 0 unsafe for n < 20).
+    assert k <= math.ceil(alpha * n), f"rule: {k} unsafe of {n} accepted exceeds ceil(α·n) = {math.ceil(alpha * n)}"
+    _, n_po, k_po = result.counts("prompt_only")
+    print(f"rule: {k}/{n} unsafe (coverage {n}/{n_req}); prompt-only (threshold {po_threshold:.4g}): "
+          f"{k_po}/{n_po} unsafe (coverage {n_po}/{n_req})")
+    # Whether prompt-only's unsafe rate is higher on this small stream is reported, not asserted (BENCHMARKS.md
+    # has the numbers on a 300-request fresh stream). What must hold: at the rule's own similarity bar, prompt-only
+    # accepts whenever the rule does (the rule only adds checks), so it never covers less.
+    if rule.thresholds.min_similarity is not None and po_threshold <= rule.thresholds.min_similarity:
+        assert n_po >= n
