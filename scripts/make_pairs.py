@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="worker processes (1)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (1: on a shared machine more threads per process oversubscribe)")
+    p.add_argument("--evaluate", default="",
+                   help="a rule file: after writing the pairs, report its unsafe rate among accepted on them and "
+                   "prompt-only's (a fresh-stream check of a shipped rule; use another --seed than its calibration)")
     p.add_argument("--limit-s", type=float, default=0.0,
                    help="stop starting new queries after this many seconds (0 = no limit); re-run to resume")
     return p
@@ -254,6 +257,35 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
     return len(by_req), n_pairs, n_unsafe
 
 
+def evaluate_rule(rule_path: str, pairs_path: str) -> dict:
+    """The rule's and prompt-only's outcome on a pairs file (the filter's per-request decision, certify.evaluate)."""
+    from carnator.carnator_core.risk.certify import (clopper_pearson_upper, evaluate, evaluate_prompt_only,
+                                                     read_pairs_jsonl)
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    rule = RiskRule.load(rule_path)
+    header, ps = read_pairs_jsonl(pairs_path)
+    rule.check_applicable(header.get("model_fingerprint", ""), header.get("config_fingerprint", ""))
+    delta = rule.certificate.delta
+
+    def row(ev) -> dict:
+        return {"requests": ev.n_requests, "accepted": ev.n_accepted, "unsafe": ev.k_unsafe,
+                "coverage": round(ev.coverage, 4), "unsafe_rate": round(ev.unsafe_rate, 4),
+                "upper_bound": round(clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, delta), 4)}
+
+    out = {"rule": row(evaluate(rule.thresholds, ps))}
+    po = rule.comparison.get("prompt_only", {})
+    bars = {}
+    if "threshold" in po:
+        bars["calibrated"] = float(po["threshold"])
+    if rule.thresholds.min_similarity is not None:
+        bars["rule_min_similarity"] = float(rule.thresholds.min_similarity)
+    bars["node_default"] = 0.9
+    for name, t in bars.items():
+        out[f"prompt_only@{name}={t:.4g}"] = row(evaluate_prompt_only(t, ps))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     args = {k: getattr(ns, k) for k in vars(ns)}
@@ -281,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     t2 = time.time()
     n_req, n_pairs, n_unsafe = merge(args, command)
     print(f"queries {t2 - t1:.0f} s; wrote {args['out']}: {n_req} requests, {n_pairs} pairs, {n_unsafe} unsafe")
+    if args["evaluate"]:
+        print(json.dumps(evaluate_rule(args["evaluate"], args["out"]), indent=1))
     return 0 if n_req == args["queries"] else 4
 
 
