@@ -610,7 +610,7 @@ def object_info_from_temp_server() -> dict[str, Any]:
     from harness_server import ComfyServer  # the project's real-server harness (start/stop by PID)
 
     with tempfile.TemporaryDirectory(prefix="carnator-workflows-") as tmp:
-        with ComfyServer(Path(tmp)) as server:
+        with ComfyServer(Path(tmp), startup_timeout=600) as server:  # minutes on a busy machine
             return server.get("/object_info", timeout=60)
 
 
