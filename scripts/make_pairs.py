@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(description="Labelled pairs on the embedded model (docs/CALIBRATION.md).")
     p.add_argument("--out", required=True, help="pairs JSONL file to write")
-    p.add_argument("--work", required=True, help="work directory (cache + progress); reuse it to resume")
+    p.add_argument("--work", default="", help="work directory (cache + progress); reuse it to resume (required "
+                   "unless --combine)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="FILE=PREFIX",
+                   help="instead of generating: combine pairs files of the same model/config into --out, prefixing "
+                   "their request/entry ids (e.g. a.jsonl=s0 b.jsonl=s11)")
     p.add_argument("--weights", default="", help="embedded weights file (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm set and the queries (0)")
     p.add_argument("--warm", type=int, default=60, help="warm (cached) requests (60)")
@@ -287,11 +291,32 @@ def evaluate_rule(rule_path: str, pairs_path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     args = {k: getattr(ns, k) for k in vars(ns)}
+    command = "scripts/make_pairs.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    if args["combine"]:
+        from carnator.carnator_core.risk import pairs
+
+        sources = []
+        for item in args["combine"]:
+            path, sep, prefix = item.rpartition("=")
+            if not sep:
+                parser.error(f"--combine takes FILE=PREFIX items, got {item!r}")
+            sources.append((path, prefix))
+        try:
+            header = pairs.combine_pairs_files(sources, args["out"], generator=command)
+        except ValueError as e:
+            parser.error(str(e))
+        n = sum(x["requests"] for x in header["sources"])
+        print(f"wrote {args['out']}: {n} requests from {len(sources)} files")
+        if args["evaluate"]:
+            print(json.dumps(evaluate_rule(args["evaluate"], args["out"]), indent=1))
+        return 0
+    if not args["work"]:
+        parser.error("--work is required (unless --combine)")
     if args["weights"]:
         args["weights"] = str(Path(args["weights"]).resolve())
-    command = "scripts/make_pairs.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     work = Path(args["work"])
     work.mkdir(parents=True, exist_ok=True)
     run_file = work / "run.json"

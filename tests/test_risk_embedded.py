@@ -145,6 +145,27 @@ def test_rows_round_trip_and_resume(tmp_path):
     assert [r["entry_id"] for r in rows] == ["w0000"] and rows[0]["diag"]["skipped_missing"] == ["w0001"]
 
 
+def test_combine_pairs_files(tmp_path):
+    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.risk.certify import read_pairs_jsonl
+
+    head = {"model_fingerprint": "m", "config_fingerprint": "c", "unsafe_definition": "u", "dataset": "d"}
+    row = {"request_id": "q0000", "entry_id": "w0001", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
+           "appearance": 3.0, "missing": False, "unsafe": False}
+    for name in ("a", "b"):
+        pairs.write_header(tmp_path / f"{name}.jsonl", {**head, "seeds": name})
+        pairs.append_rows(tmp_path / f"{name}.jsonl", [row])
+    h = pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "b.jsonl", "s1")], tmp_path / "ab.jsonl")
+    assert h["seeds"] == {"s0": "a", "s1": "b"} and len(h["sources"]) == 2
+    h2, ps = read_pairs_jsonl(tmp_path / "ab.jsonl")
+    assert sorted(p.request_id for p in ps) == ["s0:q0000", "s1:q0000"] and h2["model_fingerprint"] == "m"
+    pairs.write_header(tmp_path / "c.jsonl", {**head, "config_fingerprint": "other"})
+    with pytest.raises(ValueError, match="config_fingerprint"):
+        pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "c.jsonl", "s2")], tmp_path / "x.jsonl")
+    with pytest.raises(ValueError, match="distinct"):
+        pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "b.jsonl", "s0")], tmp_path / "x.jsonl")
+
+
 def test_shipped_rule_is_certified_and_matches_its_pairs():
     """The committed rule loads (bound recomputed, certificate holds) and was made from the committed pairs."""
     import hashlib

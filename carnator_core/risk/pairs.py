@@ -635,8 +635,68 @@ def header_for(probe: Any, *, dataset: str, seeds: Sequence[int] | Mapping[str, 
     }
 
 
+def combine_pairs_files(sources: Sequence[tuple[str | os.PathLike, str]], out: str | os.PathLike,
+                        generator: str = "") -> dict[str, Any]:
+    """Concatenate pairs files made with the same model, config and definition of unsafe into one.
+
+    sources: (path, prefix) per file; request and entry ids become ``"<prefix>:<id>"`` so runs with their own
+    warm sets and query ids never collide (pairs of one request stay together). The combined header keeps the
+    common fingerprints, config and unsafe definition and lists every source (dataset, seeds, generator,
+    sha256, requests). Raises ValueError when headers disagree. Returns the combined header.
+    """
+    import hashlib
+
+    if not sources:
+        raise ValueError("no pairs files to combine")
+    prefixes = [p for _, p in sources]
+    if len(set(prefixes)) != len(prefixes) or any(not p or ":" in p for p in prefixes):
+        raise ValueError(f"prefixes must be distinct, non-empty and without ':', got {prefixes}")
+    header: dict[str, Any] | None = None
+    listed = []
+    all_rows: list[dict[str, Any]] = []
+    keys = ("model_fingerprint", "config_fingerprint", "unsafe_definition")
+    for path, prefix in sources:
+        h, rows = read_rows(path)
+        if h is None:
+            raise ValueError(f"{path} has no header row: cannot check it was made with the same model and config")
+        h = {k: v for k, v in h.items() if k != "type"}
+        if header is None:
+            header = {k: h[k] for k in ("model_fingerprint", "config_fingerprint", "arch", "config",
+                                        "unsafe_definition") if k in h}
+        bad = [k for k in keys if h.get(k) != header.get(k)]
+        if bad:
+            raise ValueError(f"{path} differs from {sources[0][0]} in {bad}: only pairs of one model, config and "
+                             "definition of unsafe can be combined")
+        listed.append({"file": Path(path).name, "prefix": prefix, "dataset": h.get("dataset", ""),
+                       "seeds": h.get("seeds", ""), "generator": h.get("generator", ""),
+                       "requests": len({r["request_id"] for r in rows}), "pairs": len(rows),
+                       "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]})
+        for r in rows:
+            r = dict(r)
+            r["request_id"] = f"{prefix}:{r['request_id']}"
+            r["entry_id"] = f"{prefix}:{r['entry_id']}"
+            all_rows.append(r)
+    assert header is not None
+    header.update({
+        "dataset": (f"{len(listed)} runs combined (request ids prefixed {[x['prefix'] for x in listed]}), each: "
+                    + listed[0]["dataset"] if len({x["dataset"] for x in listed}) == 1 else
+                    "combined: " + "; ".join(f"[{x['prefix']}] {x['dataset']}" for x in listed)),
+        "seeds": {x["prefix"]: x["seeds"] for x in listed},
+        "generator": generator or "risk.pairs.combine_pairs_files",
+        "sources": listed,
+    })
+    path = Path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(json.dumps({"type": "header", **header}, sort_keys=True) + "\n")
+        for r in all_rows:
+            fh.write(json.dumps(r, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return header
+
+
 __all__ = [
-    "CandidateOutcome", "CheckerLabeler", "EMBEDDED_UNSAFE_DEFINITION", "Labeler", "PairContext", "PairRequest",
+    "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler", "PairContext", "PairRequest",
     "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
     "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
     "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
