@@ -9,6 +9,7 @@ One process, one workload (scripts/workload.py flags), one generation config (th
 
 * ``dense``            plain KSampler path (``comfy.sample.sample``, as ComfyUI's KSampler calls it); no cache.
 * ``prompt_only``      NIRVANA-style: the most similar cached prompt is reused if similarity >= ``--prompt-threshold``
+                       (default: the rule's calibrated prompt-only threshold, else the rule's min_similarity)
                        (same probe, retrieval and joint reuse as Carnator; no signature check, no certificate).
 * ``carnator``         Early Signature + certified risk rule + joint reuse (region + historical sparse attention).
 * ``latent_only``      Carnator's filter, region-guided latent reuse only.
@@ -253,13 +254,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"rule: {rule_status['summary']}", flush=True)
         prompt_threshold = args.prompt_threshold
         if prompt_threshold is None:
+            # The rule's own prompt-only comparison threshold (calibrated under the same risk constraint) if it
+            # has one; else the rule's minimum similarity (then prompt-only = Carnator's recall gate without the
+            # signature check, the seed's "prompt similarity only" ablation); else 0.98.
             po = (rule.comparison or {}).get("prompt_only") if rule is not None else None
-            prompt_threshold = float(po["threshold"]) if isinstance(po, dict) and "threshold" in po else 0.98
-            info["prompt_threshold_source"] = "rule comparison (calibrated like the rule)" if isinstance(po, dict) \
-                and "threshold" in po else "default 0.98 (see --help)"
+            min_sim = rule.thresholds.min_similarity if rule is not None else None
+            if isinstance(po, dict) and "threshold" in po:
+                prompt_threshold, src = float(po["threshold"]), "the rule's calibrated prompt-only comparison"
+            elif min_sim is not None:
+                prompt_threshold, src = float(min_sim), "the rule's min_similarity (same recall gate, no signature)"
+            else:
+                prompt_threshold, src = 0.98, "default 0.98 (see --help)"
+            info["prompt_threshold_source"] = src
         else:
             info["prompt_threshold_source"] = "--prompt-threshold"
         info["prompt_threshold"] = prompt_threshold
+        print(f"prompt-only threshold: {prompt_threshold:.4f} ({info['prompt_threshold_source']})", flush=True)
 
         t0 = time.perf_counter()
         for i, req in enumerate(wl.warm):
@@ -404,8 +414,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="context,size,shape,appearance thresholds of the UNCERTIFIED development rule")
     ap.add_argument("--prompt-threshold", type=float, default=None,
                     help="similarity threshold of prompt_only (default: the rule's calibrated prompt-only "
-                         "comparison threshold if it has one, else 0.98: with the embedded text encoder, one-word "
-                         "edits of a prompt score about 0.98-1.0 and unrelated scenes of the world 0.93-0.97)")
+                         "comparison threshold if it has one, else the rule's min_similarity, else 0.98: with the "
+                         "embedded text encoder, one-word edits score about 0.98-1.0 and unrelated scenes of the "
+                         "world 0.93-0.97)")
     ap.add_argument("--easycache-threshold", type=float, default=0.2)
     ap.add_argument("--easycache-start", type=float, default=0.15)
     ap.add_argument("--easycache-end", type=float, default=0.95)
