@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="pairs JSONL file to write")
     p.add_argument("--work", default="", help="work directory (cache + progress); reuse it to resume (required "
                    "unless --combine)")
-    p.add_argument("--combine", nargs="+", default=None, metavar="FILE=PREFIX",
+    p.add_argument("--combine", nargs="+", default=None, metavar="FILE=PREFIX[:SPLIT]",
                    help="instead of generating: combine pairs files of the same model/config into --out, prefixing "
-                   "their request/entry ids (e.g. a.jsonl=s0 b.jsonl=s11)")
+                   "their request/entry ids (e.g. a.jsonl=s0 b.jsonl=s11); with :calib / :cert on every item the "
+                   "calibration/certification split is fixed per file (e.g. certify on a run with its own warm set)")
     p.add_argument("--weights", default="", help="embedded weights file (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm set and the queries (0)")
     p.add_argument("--warm", type=int, default=60, help="warm (cached) requests (60)")
@@ -302,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         for item in args["combine"]:
             path, sep, prefix = item.rpartition("=")
             if not sep:
-                parser.error(f"--combine takes FILE=PREFIX items, got {item!r}")
-            sources.append((path, prefix))
+                parser.error(f"--combine takes FILE=PREFIX[:SPLIT] items, got {item!r}")
+            prefix, _, split = prefix.partition(":")
+            sources.append((path, prefix, split or None))
         try:
             header = pairs.combine_pairs_files(sources, args["out"], generator=command)
         except ValueError as e:

@@ -162,6 +162,13 @@ def test_combine_pairs_files(tmp_path):
     pairs.write_header(tmp_path / "c.jsonl", {**head, "config_fingerprint": "other"})
     with pytest.raises(ValueError, match="config_fingerprint"):
         pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "c.jsonl", "s2")], tmp_path / "x.jsonl")
+    pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0", "calib"), (tmp_path / "b.jsonl", "s1", "cert")],
+                              tmp_path / "ab2.jsonl")
+    _, ps2 = read_pairs_jsonl(tmp_path / "ab2.jsonl")
+    assert {(p.request_id, p.split) for p in ps2} == {("s0:q0000", "calib"), ("s1:q0000", "cert")}
+    with pytest.raises(ValueError, match="every file"):
+        pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0", "calib"), (tmp_path / "b.jsonl", "s1")],
+                                  tmp_path / "x.jsonl")
     with pytest.raises(ValueError, match="distinct"):
         pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "b.jsonl", "s0")], tmp_path / "x.jsonl")
 

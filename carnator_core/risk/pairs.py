@@ -635,12 +635,14 @@ def header_for(probe: Any, *, dataset: str, seeds: Sequence[int] | Mapping[str, 
     }
 
 
-def combine_pairs_files(sources: Sequence[tuple[str | os.PathLike, str]], out: str | os.PathLike,
+def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLike,
                         generator: str = "") -> dict[str, Any]:
     """Concatenate pairs files made with the same model, config and definition of unsafe into one.
 
-    sources: (path, prefix) per file; request and entry ids become ``"<prefix>:<id>"`` so runs with their own
-    warm sets and query ids never collide (pairs of one request stay together). The combined header keeps the
+    sources: (path, prefix) or (path, prefix, split) per file; request and entry ids become ``"<prefix>:<id>"``
+    so runs with their own warm sets and query ids never collide (pairs of one request stay together). ``split``
+    ("calib" / "cert") fixes the calibration/certification split per file — e.g. certify on a run with its own
+    warm set that calibration never saw; give it for every file or for none. The combined header keeps the
     common fingerprints, config and unsafe definition and lists every source (dataset, seeds, generator,
     sha256, requests). Raises ValueError when headers disagree. Returns the combined header.
     """
@@ -648,14 +650,18 @@ def combine_pairs_files(sources: Sequence[tuple[str | os.PathLike, str]], out: s
 
     if not sources:
         raise ValueError("no pairs files to combine")
-    prefixes = [p for _, p in sources]
+    sources = [tuple(x) + (None,) * (3 - len(x)) for x in sources]
+    prefixes = [x[1] for x in sources]
+    splits = [x[2] for x in sources]
+    if any(sp is not None for sp in splits) and (None in splits or not set(splits) <= {"calib", "cert"}):
+        raise ValueError(f"split must be 'calib' or 'cert' for every file (or for none), got {splits}")
     if len(set(prefixes)) != len(prefixes) or any(not p or ":" in p for p in prefixes):
         raise ValueError(f"prefixes must be distinct, non-empty and without ':', got {prefixes}")
     header: dict[str, Any] | None = None
     listed = []
     all_rows: list[dict[str, Any]] = []
     keys = ("model_fingerprint", "config_fingerprint", "unsafe_definition")
-    for path, prefix in sources:
+    for path, prefix, split in sources:
         h, rows = read_rows(path)
         if h is None:
             raise ValueError(f"{path} has no header row: cannot check it was made with the same model and config")
@@ -669,12 +675,14 @@ def combine_pairs_files(sources: Sequence[tuple[str | os.PathLike, str]], out: s
                              "definition of unsafe can be combined")
         listed.append({"file": Path(path).name, "prefix": prefix, "dataset": h.get("dataset", ""),
                        "seeds": h.get("seeds", ""), "generator": h.get("generator", ""),
-                       "requests": len({r["request_id"] for r in rows}), "pairs": len(rows),
+                       "requests": len({r["request_id"] for r in rows}), "pairs": len(rows), "split": split,
                        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]})
         for r in rows:
             r = dict(r)
             r["request_id"] = f"{prefix}:{r['request_id']}"
             r["entry_id"] = f"{prefix}:{r['entry_id']}"
+            if split is not None:
+                r["split"] = split
             all_rows.append(r)
     assert header is not None
     header.update({
