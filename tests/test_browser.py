@@ -57,13 +57,14 @@ def page(server: ComfyServer) -> Any:
             context = browser.new_context(viewport={"width": 1600, "height": 900})
             # The "Nodes 2.0" banner would cover the top of the canvas.
             context.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
+            context.set_default_timeout(120_000)  # a busy 2-core machine serves the 48 MB frontend slowly
             pg = context.new_page()
             pg.on("dialog", lambda d: d.accept())  # the panel's purge confirmation
             PAGE_ERRORS[:] = []
             pg.on("pageerror", lambda e: PAGE_ERRORS.append(f"{e}\n{e.stack or ''}"))
-            pg.goto(server.url)
+            pg.goto(server.url, timeout=600_000)
             pg.wait_for_function("() => window.app?.graph && window.app.extensionManager && window.carnator",
-                                 timeout=120_000)
+                                 timeout=600_000)
             yield pg
         finally:
             browser.close()
