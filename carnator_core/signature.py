@@ -2,8 +2,9 @@
 
 Per object (one per ``probe.objects`` entry, in that order):
 
-* **mask** — float32 [T, H, W] soft support over the token grid. The object's cross-attention map is read
-  relative to its own range: ``r = (map - baseline) / (peak - baseline)`` where ``baseline`` is the
+* **mask** — float32 [T, H, W] soft support over the token grid. The object's cross-attention map is first
+  smoothed with a small Gaussian (``smooth_sigma_t`` / ``smooth_sigma_hw`` tokens: single-token attention spikes
+  are noise, objects span several tokens), then read relative to its own range: ``r = (map - baseline) / (peak - baseline)`` where ``baseline`` is the
   ``baseline_quantile`` of the map (most of the grid is *not* the object, so a middle quantile is the level of
   attention that background tokens pay to the object's words) and ``peak`` its maximum. Then a linear ramp:
   ``mask = clip((r - low) / (high - low), 0, 1)``. A flat map (peak ≈ baseline: the probe found no localised
@@ -15,9 +16,12 @@ Per object (one per ``probe.objects`` entry, in that order):
   (``v = x·F + b`` is RGB in [-1, 1]; ``rgb = clamp((v + 1) / 2, 0, 1)``). An empty mask takes the colour of the
   token where the object's attention peaks.
 
-Context: the non-object weight of each token is ``1 - union`` (union = elementwise max of the object masks);
-``context_lab`` [gh, gw, 3] holds the context-weighted mean CIELAB of each cell of a coarse ``context_grid``
-over (H, W), averaged over time. Cells without context weight hold the global context mean.
+Context: the non-object weight of each token is ``1 - union`` where union is the elementwise max of the object
+masks, grown by ``context_dilation`` tokens in H and W (an object's visible extent is usually a little larger
+than where its words draw attention, and object pixels leaking into the context would make an object change
+look like a background change); ``context_lab`` [gh, gw, 3] holds the context-weighted mean CIELAB of each cell
+of a coarse ``context_grid`` over (H, W), averaged over time. Cells without context weight hold the global
+context mean.
 
 Pure numpy + scikit-image (no ComfyUI, no torch import: ``x0_probe`` is read through ``.detach()`` if it is a
 tensor). Deterministic: the same probe gives a bit-identical signature.
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+from scipy.ndimage import gaussian_filter, maximum_filter
 from skimage.color import lab2rgb, rgb2lab
 
 from .types import ObjectSignature, Probe, Signature
@@ -55,13 +60,24 @@ class SignatureConfig:
                        ``high`` -> 1, linear in between (``low == high`` gives a hard threshold).
     min_contrast:      a map whose (peak - baseline) is at most this fraction of its peak is flat: the object is
                        not localised, its mask is empty (noted in the signature).
+    smooth_sigma_t, smooth_sigma_hw: Gaussian smoothing of each attention map before thresholding, in tokens
+                       along time and along height/width (0 disables).
+    context_dilation:  how many tokens (in H and W) the object union is grown by before the context weight is
+                       taken; 0 uses the masks as they are.
     context_grid:      (rows, cols) of the coarse context-appearance grid over the token grid's (H, W).
+
+    The defaults were chosen on the embedded model's probes (colour- and background-change prompt pairs, see
+    tests/test_signature_semantics.py): smoothing and a 1-token context dilation roughly halve how much an object
+    colour change moves the context axis, without changing the object axes.
     """
 
     baseline_quantile: float = 0.5
     low: float = 0.3
     high: float = 0.6
     min_contrast: float = 1e-3
+    smooth_sigma_t: float = 0.5
+    smooth_sigma_hw: float = 1.0
+    context_dilation: int = 1
     context_grid: tuple[int, int] = (4, 4)
 
     def __post_init__(self) -> None:
@@ -71,13 +87,19 @@ class SignatureConfig:
                 raise ValueError(f"SignatureConfig.{name} must be a finite number, got {v!r}")
             return float(v)
 
-        q, lo, hi, mc = (finite(n) for n in ("baseline_quantile", "low", "high", "min_contrast"))
+        q, lo, hi, mc, st, shw = (finite(n) for n in ("baseline_quantile", "low", "high", "min_contrast",
+                                                       "smooth_sigma_t", "smooth_sigma_hw"))
         if not 0.0 <= q < 1.0:
             raise ValueError(f"SignatureConfig.baseline_quantile must be in [0, 1), got {q}")
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"SignatureConfig needs 0 <= low <= high <= 1, got low={lo}, high={hi}")
         if not 0.0 <= mc < 1.0:
             raise ValueError(f"SignatureConfig.min_contrast must be in [0, 1), got {mc}")
+        if st < 0 or shw < 0:
+            raise ValueError(f"SignatureConfig smoothing sigmas must be >= 0, got t={st}, hw={shw}")
+        d = self.context_dilation
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+            raise ValueError(f"SignatureConfig.context_dilation must be an integer >= 0, got {d!r}")
         g = tuple(self.context_grid)
         if len(g) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in g):
             raise ValueError(f"SignatureConfig.context_grid must be two positive integers, got {self.context_grid!r}")
@@ -85,7 +107,9 @@ class SignatureConfig:
 
     def to_meta(self) -> dict[str, Any]:
         return {"baseline_quantile": self.baseline_quantile, "low": self.low, "high": self.high,
-                "min_contrast": self.min_contrast, "context_grid": list(self.context_grid)}
+                "min_contrast": self.min_contrast, "smooth_sigma_t": self.smooth_sigma_t,
+                "smooth_sigma_hw": self.smooth_sigma_hw, "context_dilation": int(self.context_dilation),
+                "context_grid": list(self.context_grid)}
 
 
 # --- latent -> RGB -> CIELAB on the token grid ---------------------------------------------------------------
@@ -152,6 +176,9 @@ def object_mask(attn: np.ndarray, config: SignatureConfig) -> tuple[np.ndarray, 
     m = np.asarray(attn, dtype=np.float64)
     if not np.all(np.isfinite(m)):
         raise ValueError("attention map contains NaN/inf: the probe's attention capture failed")
+    if m.ndim == 3 and m.size and (config.smooth_sigma_t > 0 or config.smooth_sigma_hw > 0):
+        m = gaussian_filter(m, sigma=(config.smooth_sigma_t, config.smooth_sigma_hw, config.smooth_sigma_hw),
+                            mode="nearest")
     peak = float(m.max()) if m.size else 0.0
     base = float(np.quantile(m, config.baseline_quantile)) if m.size else 0.0
     span = peak - base
@@ -235,6 +262,9 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
     if not objects:
         notes.insert(0, CONTEXT_ONLY_NOTE + (f" (object source: {probe.object_source})"
                                              if probe.object_source else ""))
+    if cfg.context_dilation > 0 and objects:
+        size = 2 * int(cfg.context_dilation) + 1
+        union = maximum_filter(union, size=(1, size, size), mode="nearest")
     ctx, ctx_note = context_lab(lab, 1.0 - union, cfg.context_grid)
     if ctx_note:
         notes.append(ctx_note)

@@ -42,6 +42,16 @@ class CarnatorSignatureBuilder(io.ComfyNode):
                     "min_contrast", default=_DEFAULT.min_contrast, min=0.0, max=0.99, step=0.001,
                     tooltip="An attention map whose peak exceeds its baseline by at most this fraction of the peak "
                             "is treated as not localised (empty mask).")),
+                advanced(io.Float.Input(
+                    "smooth_sigma_hw", default=_DEFAULT.smooth_sigma_hw, min=0.0, max=8.0, step=0.1,
+                    tooltip="Gaussian smoothing of each attention map across height/width, in tokens (0 = off).")),
+                advanced(io.Float.Input(
+                    "smooth_sigma_t", default=_DEFAULT.smooth_sigma_t, min=0.0, max=8.0, step=0.1,
+                    tooltip="Gaussian smoothing of each attention map across time, in tokens (0 = off).")),
+                advanced(io.Int.Input(
+                    "context_dilation", default=_DEFAULT.context_dilation, min=0, max=16,
+                    tooltip="Grow the object masks by this many tokens before measuring the context colour, so "
+                            "object pixels at the edges do not count as background.")),
                 advanced(io.Int.Input(
                     "context_rows", default=_DEFAULT.context_grid[0], min=1, max=64,
                     tooltip="Rows of the coarse grid on which the context (non-object) colour is measured.")),
@@ -54,12 +64,15 @@ class CarnatorSignatureBuilder(io.ComfyNode):
 
     @classmethod
     def execute(cls, probe, baseline_quantile=_DEFAULT.baseline_quantile, mask_low=_DEFAULT.low,
-                mask_high=_DEFAULT.high, min_contrast=_DEFAULT.min_contrast,
+                mask_high=_DEFAULT.high, min_contrast=_DEFAULT.min_contrast, smooth_sigma_hw=_DEFAULT.smooth_sigma_hw,
+                smooth_sigma_t=_DEFAULT.smooth_sigma_t, context_dilation=_DEFAULT.context_dilation,
                 context_rows=_DEFAULT.context_grid[0], context_cols=_DEFAULT.context_grid[1]) -> io.NodeOutput:
         if not isinstance(probe, Probe):
             raise TypeError(f"'probe' must come from a Carnator Early Probe node, got {type(probe).__name__}")
         config = SignatureConfig(baseline_quantile=float(baseline_quantile), low=float(mask_low),
                                  high=float(mask_high), min_contrast=float(min_contrast),
+                                 smooth_sigma_t=float(smooth_sigma_t), smooth_sigma_hw=float(smooth_sigma_hw),
+                                 context_dilation=int(context_dilation),
                                  context_grid=(int(context_rows), int(context_cols)))
         signature, ms = build_signature_timed(probe, config)
         return io.NodeOutput(signature, summarize(signature, build_ms=ms))

@@ -35,6 +35,8 @@ C = 4
 FACTORS = np.array([[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 0]], dtype=np.float32)
 BIAS = np.zeros(3, dtype=np.float32)
 RED, GREEN, BLUE = (0.9, 0.1, 0.1), (0.1, 0.7, 0.2), (0.15, 0.3, 0.95)
+# No smoothing, no context dilation: masks and context are exactly the constructed boxes.
+EXACT = SignatureConfig(smooth_sigma_t=0.0, smooth_sigma_hw=0.0, context_dilation=0)
 
 
 def _config() -> GenConfig:
@@ -74,7 +76,7 @@ def lab_of(rgb) -> np.ndarray:
 
 def test_mask_size_colour_on_constructed_maps():
     probe = make_probe({"ball": (slice(1, 4), slice(2, 5), RED)})
-    sig = build_signature(probe)
+    sig = build_signature(probe, EXACT)
     (ball,) = sig.objects
     expected = np.zeros(GRID, np.float32)
     expected[:, 1:4, 2:5] = 1.0
@@ -91,7 +93,7 @@ def test_mask_size_colour_on_constructed_maps():
 def test_two_objects_and_context_cells():
     probe = make_probe({"ball": (slice(0, 2), slice(0, 2), RED), "cube": (slice(5, 8), slice(5, 8), BLUE)},
                        background=GREEN)
-    sig = build_signature(probe)
+    sig = build_signature(probe, EXACT)
     assert sig.object_names() == ("ball", "cube")
     assert sig.get("cube").size == pytest.approx(9 / 64)
     np.testing.assert_allclose(sig.get("cube").lab, lab_of(BLUE), atol=1e-4)
@@ -128,13 +130,39 @@ def test_torch_x0_gives_same_signature():
     assert a.objects[0].lab == b.objects[0].lab
 
 
+def test_default_smoothing_and_context_dilation():
+    probe = make_probe({"ball": (slice(2, 5), slice(2, 5), RED)})
+    sig = build_signature(probe)
+    mask = sig.objects[0].mask
+    # Smoothing keeps the support where the attention is, softly: inside ~1, far away 0.
+    assert mask[:, 3, 3].min() > 0.99 and mask[:, 0, 7].max() == 0.0
+    assert sig.objects[0].size == pytest.approx(9 / 64, abs=0.03)
+    np.testing.assert_allclose(sig.objects[0].lab, lab_of(RED), atol=1.0)
+    # A single-token attention spike is smoothed away relative to a 3x3 object of the same peak.
+    spiky = np.full(GRID, 0.05, np.float32)
+    spiky[:, 2:5, 2:5] = 1.0
+    spiky[:, 6, 6] = 1.0
+    plain = build_signature(make_probe({"ball": (slice(2, 5), slice(2, 5), RED)}, maps={"ball": spiky}))
+    assert plain.objects[0].mask[:, 6, 6].max() < 0.5 and plain.objects[0].mask[:, 3, 3].min() > 0.99
+    # Context dilation: red pixels right next to the mask (which attention missed) stay out of the context.
+    rgb = np.broadcast_to(np.asarray(GREEN, np.float32), GRID + (3,)).copy()
+    rgb[:, 1:6, 1:6] = RED  # the object is larger than where attention points (2:5)
+    leaky = make_probe({"ball": (slice(2, 5), slice(2, 5), RED)}, x0=_latent(rgb))
+    tight = build_signature(leaky, EXACT)
+    grown = build_signature(leaky, SignatureConfig(smooth_sigma_t=0.0, smooth_sigma_hw=0.0, context_dilation=1))
+    green = lab_of(GREEN)
+    err = lambda s: float(np.abs(s.context_lab - green).max())  # noqa: E731
+    assert err(grown) < 1e-3 < err(tight)
+
+
 def test_soft_ramp():
-    cfg = SignatureConfig(baseline_quantile=0.0, low=0.25, high=0.75)
+    cfg = SignatureConfig(baseline_quantile=0.0, low=0.25, high=0.75, smooth_sigma_t=0.0, smooth_sigma_hw=0.0)
     attn = np.linspace(0.0, 1.0, 5, dtype=np.float32).reshape(1, 1, 5)  # r = 0, .25, .5, .75, 1
     mask, localised = object_mask(attn, cfg)
     assert localised
     np.testing.assert_allclose(mask.ravel(), [0.0, 0.0, 0.5, 1.0, 1.0], atol=1e-6)
-    hard, _ = object_mask(attn, SignatureConfig(baseline_quantile=0.0, low=0.5, high=0.5))
+    hard, _ = object_mask(attn, SignatureConfig(baseline_quantile=0.0, low=0.5, high=0.5, smooth_sigma_hw=0.0,
+                                                smooth_sigma_t=0.0))
     np.testing.assert_array_equal(hard.ravel(), [0, 0, 1, 1, 1])
 
 
@@ -213,7 +241,8 @@ def test_inconsistent_probe_errors():
 
 
 @pytest.mark.parametrize("kwargs", [dict(low=0.7, high=0.2), dict(baseline_quantile=1.0), dict(context_grid=(0, 4)),
-                                    dict(low=float("nan")), dict(context_grid=(4,))])
+                                    dict(low=float("nan")), dict(context_grid=(4,)), dict(smooth_sigma_hw=-1.0),
+                                    dict(context_dilation=-1), dict(context_dilation=1.5)])
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         SignatureConfig(**kwargs)
