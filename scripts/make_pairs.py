@@ -3,7 +3,7 @@
 Usage (from the repository root, host python)::
 
     .host/venv/bin/python scripts/make_pairs.py --out rules/embedded_pairs.jsonl --work /tmp/carnator-pairs \\
-        [--weights PATH] [--seed 0] [--warm 60] [--queries 160] [--top-k 3] [--workers 2] [--threads 1] \\
+        [--weights PATH] [--seed 0] [--warm 60] [--queries 300] [--top-k 3] [--workers 4] [--threads 1] \\
         [--kinds repeat,reseed,...] [--labeler checker|psnr|ssim] [--tolerance 25]
 
 then::
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="", help="embedded weights file (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm set and the queries (0)")
     p.add_argument("--warm", type=int, default=60, help="warm (cached) requests (60)")
-    p.add_argument("--queries", type=int, default=160, help="query requests (160)")
+    p.add_argument("--queries", type=int, default=300, help="query requests (300)")
     p.add_argument("--top-k", type=int, default=3, help="candidates recalled and labelled per query (3)")
     p.add_argument("--kinds", default=",".join(QUERY_KINDS), help="query kinds, comma separated")
     p.add_argument("--p-same-seed", type=float, default=0.5,

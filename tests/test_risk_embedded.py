@@ -8,7 +8,9 @@ Slow test (the issue-6 acceptance test): on a *fresh* stream of the embedded wor
 drawn with a seed the calibration never used — the shipped rule's unsafe rate among the reuses it accepts is
 ≤ α (asserted on the counts: unsafe ≤ ceil(α · accepted), because the stream is small), and the prompt-only
 filter (NIRVANA-style, threshold calibrated the same way, from the rule's ``comparison`` section) is measured
-on the same stream and reported next to it. Measured numbers: BENCHMARKS.md "Risk filter (issue 6)".
+on the same stream and reported next to it — not asserted to be worse, because on this model it is not (on 900
+fresh requests prompt-only measured 3.9 % unsafe against the rule's 4.66 %). Measured numbers: BENCHMARKS.md
+"Risk filter (issue 6)".
 """
 from __future__ import annotations
 
