@@ -46,9 +46,12 @@ class Result:
     files: list[str] = field(default_factory=list)  # /view URLs of saved images/animations
     reports: list[dict[str, Any]] = field(default_factory=list)  # carnator_report of every sampler node
     seconds: float = 0.0  # queue-to-history wall time seen by this client
+    # ComfyUI answered from its own execution cache (an identical prompt ran just before): nothing was
+    # recomputed, so the sampler sent no new report.
+    cached: bool = False
 
     def line(self) -> str:
-        r = self.reports[0] if self.reports else {}
+        r = self.reports[0] if self.reports else ({"decision": "cached"} if self.cached else {})
         total = (r.get("timings_ms") or {}).get("total")
         saving = r.get("saving")
         return (f"{self.prompt_id[:8]} seed={self.seed:<4d} {str(r.get('decision', '?')).upper():5s} "
@@ -187,6 +190,10 @@ def run_stream(client: ComfyClient, workflow: dict[str, Any], requests: list[tup
     for pid, text, seed in queued:
         outputs = history[pid].get("outputs", {})
         res = Result(pid, text, seed, seconds=finished_at.get(pid, time.time()) - started)
+        cached_nodes = {str(n) for event, data in history[pid].get("status", {}).get("messages", [])
+                        if event == "execution_cached" for n in data.get("nodes", [])}
+        samplers = {k for k, n in workflow.items() if n.get("class_type") == "CarnatorJointReuseSampler"}
+        res.cached = bool(samplers) and samplers <= cached_nodes
         for node_id in sorted(outputs, key=lambda k: (len(k), k)):
             out = outputs[node_id]
             res.reports.extend(out.get("carnator_report", []))

@@ -345,11 +345,18 @@ def _outputs(history: dict[str, Any], class_type: str, api: dict[str, Any]) -> l
 
 @pytest.fixture(scope="module")
 def embedded_runs(server: ComfyServer) -> dict[str, Any]:
-    """Warm the cache with one request, then run the same request through the full reuse path."""
+    """Warm the cache with the workflow's request (seed 42) and with seed 43, then run the seed-42 request through
+    the full reuse path. (Seed 43 is for the API client: an identical prompt would be answered from ComfyUI's own
+    execution cache without running anything.)"""
     _need_embedded()
     _, warm = load("embedded_warm_cache")
     _, reuse = load("embedded")
     warm_history, warm_messages = server.run_prompt_ws(warm, timeout=600)
+    warm_43 = json.loads(json.dumps(warm))
+    for node in warm_43.values():
+        if node["class_type"] == "CarnatorEarlyProbe":
+            node["inputs"]["seed"] = 43
+    server.run_prompt_ws(warm_43, timeout=600)
     reuse_history, reuse_messages = server.run_prompt_ws(reuse, timeout=600)
     return {"warm": (warm, warm_history, warm_messages), "reuse": (reuse, reuse_history, reuse_messages)}
 
@@ -384,7 +391,7 @@ def test_embedded_identical_request_is_a_hit(embedded_runs: dict[str, Any], serv
     assert len(re.findall(r"carnator request: ", log)) >= 2, "one log line per request expected"
 
     stats = server.get("/carnator/cache/stats?directory=carnator_cache")
-    assert stats["exists"] and stats["entries"] >= 1 and stats["hits"] >= 1 and stats["bytes"] > 0
+    assert stats["exists"] and stats["entries"] >= 2 and stats["hits"] >= 1 and stats["bytes"] > 0
 
 
 @pytest.mark.slow
@@ -393,16 +400,16 @@ def test_api_client_streams_prompts(embedded_runs: dict[str, Any], server: Comfy
     out = tmp_path / "results.json"
     texts = ["a big red ball moves to the right in the top left, on green grass",  # the warmed request: a hit
              "a small blue cube moves down in the bottom right, on sand"]
-    argv = ["--server", server.url, "--seeds", "42", "--json", str(out)]
+    argv = ["--server", server.url, "--seeds", "43", "--json", str(out)]
     for text in texts:
         argv += ["--prompt", text]
     assert client.main(argv) == 0
     results = json.loads(out.read_text())
-    assert [(r["text"], r["seed"]) for r in results] == [(t, 42) for t in texts]
+    assert [(r["text"], r["seed"]) for r in results] == [(t, 43) for t in texts]
     for r in results:
         assert r["files"] and r["reports"] and r["reports"][0]["decision"] in ("hit", "miss", "dense")
         assert r["files"][0].startswith(server.url + "/view?")
-    assert results[0]["reports"][0]["decision"] == "hit", "the warmed request must be reused"
+    assert results[0]["reports"][0]["decision"] == "hit", "the warmed request (seed 43) must be reused"
 
 
 @pytest.mark.slow
