@@ -109,6 +109,9 @@ def make_dataset(synth: Synth, n: int, queries: np.ndarray, k: int, workdir: Pat
     t0 = time.perf_counter()
     c0 = time.process_time()
     path = workdir / f"{synth.kind}-{n}.f16"
+    gt_path = workdir / f"{synth.kind}-{n}-q{len(queries)}-k{k}.gt.npy"
+    if path.exists() and gt_path.exists() and path.stat().st_size == n * synth.dim * 2:  # --keep-data reuse
+        return np.memmap(path, dtype=np.float16, mode="r", shape=(n, synth.dim)), np.load(gt_path), 0.0
     mm = np.memmap(path, dtype=np.float16, mode="w+", shape=(n, synth.dim))
     best_s = np.full((len(queries), k), -np.inf, np.float32)
     best_i = np.zeros((len(queries), k), np.int64)
@@ -125,6 +128,7 @@ def make_dataset(synth: Synth, n: int, queries: np.ndarray, k: int, workdir: Pat
         if (s // chunk) % 20 == 0:
             print(f"  generated {s + len(rows):,}/{n:,} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     mm.flush()
+    np.save(gt_path, best_i)
     return mm, best_i, time.process_time() - c0
 
 
@@ -156,7 +160,7 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
             if index.kind == "pca-ivf" else [args.scan]
         for scan in scans:
             p = IndexParams(flat_max=args.flat_max, nprobe=args.nprobe, scan=scan)
-            for q in queries[: min(20, len(queries))]:  # warm-up (page cache, allocator)
+            for q in queries:  # warm-up pass: steady state (page cache holds what these queries touch)
                 index.search(q, args.k, p, fetch=fetch)
             lat, cpu, rec = [], [], []
             load0 = os.getloadavg()[0]
@@ -168,6 +172,19 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
                 cpu.append((time.thread_time() - c) * 1000)
                 rec.append(len({i for i, _ in res} & set(gt[qi].tolist())) / args.k)
             ivf = index.kind == "pca-ivf"
+            stage = {}
+            if ivf:  # the FAISS stage alone (projection + IVF search), and its recall without the exact re-rank
+                kk = max(p.rerank_factor * args.k, p.rerank_min)
+                faiss.extract_index_ivf(index.index).nprobe = index.effective_nprobe(p)
+                slat, srec = [], []
+                for qi, q in enumerate(queries):
+                    t = time.perf_counter()
+                    qr = np.einsum("d,rd->r", q - index.mean, index.components).astype(np.float32)[None, :]
+                    _, cand = index.index.search(qr, kk)
+                    slat.append((time.perf_counter() - t) * 1000)
+                    srec.append(len(set(cand[0][: args.k].tolist()) & set(gt[qi].tolist())) / args.k)
+                stage = {"faiss_p50_ms": pct(slat, 50), "faiss_p99_ms": pct(slat, 99),
+                         "recall_without_rerank": float(np.mean(srec))}
             row = {"bench": "retrieval", "data": args.data, "n": n, "dim": DIM, "kind": index.kind,
                    "nlist": int(faiss.extract_index_ivf(index.index).nlist) if ivf else None,
                    "scan": scan if ivf else None, "nprobe": index.effective_nprobe(p) if ivf else None,
@@ -176,7 +193,7 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
                    "k": args.k, "queries": len(queries), "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
                    "max_ms": max(lat), "cpu_p50_ms": pct(cpu, 50), "cpu_p99_ms": pct(cpu, 99),
                    "recall": float(np.mean(rec)), "build_s": build_s, "build_cpu_s": build_cpu_s,
-                   "generate_cpu_s": gen_s,
+                   "generate_cpu_s": gen_s, **stage,
                    "loadavg": [load0, os.getloadavg()[0]]}
             out.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -202,7 +219,8 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
             print(json.dumps(row), file=sys.stderr, flush=True)
             del flat
         del index, mm
-        (workdir / f"{args.data}-{n}.f16").unlink(missing_ok=True)
+        if not args.keep_data:
+            (workdir / f"{args.data}-{n}.f16").unlink(missing_ok=True)
     return out
 
 
@@ -349,8 +367,11 @@ def markdown(rows: list[dict]) -> str:
             build = (f"{r['build_cpu_s']:.0f} CPU-s ({r['build_s']:.0f} s wall)" if r.get("build_s") is not None
                      else "–")
             load = f"{r['loadavg'][0]:.1f}" if r.get("loadavg") else ""
+            stage = (f"{r['faiss_p50_ms']:.2f} / {r['faiss_p99_ms']:.2f} | {r['recall_without_rerank']:.3f}"
+                     if "faiss_p50_ms" in r else "– | –")
             lines.append(f"| {r['data']} | {r['n']:,} | {desc} | {r['p50_ms']:.2f} / {r['p99_ms']:.2f} | "
-                         f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['recall']:.3f} | {build} | {load} |")
+                         f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['recall']:.3f} | {stage} | {build} | "
+                         f"{load} |")
         elif r["bench"] == "store.query":
             lines.append(f"| {r['data']} | {r['n']:,} | {r['kind']} | {r['p50_ms']:.2f} / {r['p99_ms']:.2f} | "
                          f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['first_query_cpu_s']:.1f} CPU-s | "
@@ -378,6 +399,7 @@ def main() -> None:
     ap.add_argument("--flat-compare", type=int, default=100000, help="also time exact flat search up to this N")
     ap.add_argument("--writes", type=int, default=5)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--keep-data", action="store_true", help="keep (and reuse) the generated dataset in --workdir")
     ap.add_argument("--out", default=str(ROOT / "artifacts" / "bench_cache.jsonl"))
     args = ap.parse_args()
     print(f"machine: {machine()}", file=sys.stderr, flush=True)

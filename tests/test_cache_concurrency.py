@@ -44,7 +44,8 @@ def _worker(wid: int, cache: str, key: str, start, results, max_bytes: int | Non
         from test_cache_store import CFG, make_entry
 
         st = Store.open(cache, key_path=key, max_bytes=max_bytes,
-                        index_params=IndexParams(flat_max=12, train_sample=64, reduced_dim=8, persist_every=3))
+                        index_params=IndexParams(flat_max=12, train_sample=64, reduced_dim=8, persist_every=3,
+                                                 min_explained=0.0))
         rng = np.random.default_rng(wid)
         start.wait(timeout=900)
         mine, seen, errors = [], set(), []
@@ -96,7 +97,8 @@ def test_four_processes_write_and_read_at_once(tmp_path):
     written = [eid for r in out for eid in r["ids"]]
     assert len(written) == WORKERS * PER_WORKER and len(set(written)) == len(written)  # nothing duplicated
     st = Store.open(tmp_path / "cache", key_path=tmp_path / "index.key",
-                    index_params=IndexParams(flat_max=12, train_sample=64, reduced_dim=8, persist_every=3))
+                    index_params=IndexParams(flat_max=12, train_sample=64, reduced_dim=8, persist_every=3,
+                                                 min_explained=0.0))
     assert sorted(st.entry_ids()) == sorted(written)  # nothing lost, nothing extra
     seen = {eid for r in out for eid in r["seen"]}
     assert seen <= set(written)

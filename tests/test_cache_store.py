@@ -27,7 +27,8 @@ CFG = GenConfig(arch="wan21", latent_shape=(16, 2, 4, 4), steps=10, sampler="eul
                 sigmas_digest="s1", probe_steps=2)
 GRID = (2, 2, 2)
 DIM = 32
-SMALL_IVF = IndexParams(flat_max=8, train_sample=64, reduced_dim=8, persist_every=4)
+# min_explained=0: these tiny random embeddings are not low-rank; the tests exercise the IVF machinery itself
+SMALL_IVF = IndexParams(flat_max=8, train_sample=64, reduced_dim=8, persist_every=4, min_explained=0.0)
 
 
 def make_sig(names: tuple[str, ...] = ("cat",), seed: int = 0) -> Signature:
@@ -381,6 +382,27 @@ def test_two_instances_stay_in_sync(tmp_path):
     c_id = a.put(make_entry(500, emb=more[3]))
     assert b.query(ns, more[3], k=3)[0][0] == c_id
     assert a.verify().ok and b.verify().ok
+
+
+def test_unstructured_embeddings_fall_back_to_exact_search(tmp_path, caplog):
+    """PCA-IVF on embeddings without low-rank structure would return near-random candidates: the index notices
+    (variance explained by the PCA) and stays exact, with one warning, and persists that choice."""
+    params = IndexParams(flat_max=8, train_sample=64, reduced_dim=4, persist_every=4)
+    st = open_store(tmp_path, index_params=params)
+    embs = np.random.default_rng(0).standard_normal((20, DIM)).astype(np.float32)
+    ids = [st.put(make_entry(i, emb=embs[i])) for i in range(20)]
+    ns = namespace_key("model-a", CFG)
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        got = st.query(ns, embs[11], k=20)
+    assert st.index_kind(ns) == "flat" and [g[0] for g in got][0] == ids[11] and len(got) == 20
+    assert any("exact flat search" in r.getMessage() for r in carnator_warnings(caplog))
+    assert (tmp_path / "cache" / "index" / f"{ns}.safetensors").exists()
+    st.close()
+    again = open_store(tmp_path, index_params=params)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        assert again.query(ns, embs[11], k=20) == got  # loaded from the file: no new PCA attempt, no warning
+    assert not carnator_warnings(caplog) and again.verify().ok
 
 
 # ------------------------------------------------------------------------------------------ catalogue

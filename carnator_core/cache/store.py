@@ -1157,9 +1157,10 @@ class Store:
         return st, ""
 
     def _persist(self, ns: str, st: _NsIndex, *, force: bool, index_gen: int | None = None) -> None:
-        """Write the namespace's index file (IVF kinds only) when forced or enough changes accumulated, then prune
-        the change log up to it. Flat namespaces only get their change log trimmed."""
-        if st.index.kind == "flat" or self._key is None:
+        """Write the namespace's index file when forced or enough changes accumulated, then prune the change log up
+        to it. Small flat namespaces are not persisted (rebuilding is as cheap) and only get their log trimmed; a flat
+        index chosen above flat_max (unstructured embeddings) is persisted like an IVF one."""
+        if (st.index.kind == "flat" and not st.index.trained_n) or self._key is None:
             self._trim_log(ns, st.generation)
             return
         every = self.index_params.persist_every or max(64, st.index.ntotal // 16)
