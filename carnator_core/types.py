@@ -21,6 +21,14 @@ def stable_digest(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
+#: Version of the Early-Signature / discrepancy computation. It is part of every config fingerprint, so a cache
+#: entry (which stores its signature) and a certified risk rule (whose thresholds are in units of these
+#: discrepancies) made by other signature code are never mixed with this code's: they fall into another
+#: namespace / are refused as calibrated for another config. Bump it whenever signature.py, the latent -> colour
+#: path or risk/discrepancy.py change what they compute.
+SIGNATURE_VERSION = 2
+
+
 @dataclass(frozen=True)
 class GenConfig:
     """The generation configuration that must match for a cache entry to be reusable.
@@ -49,6 +57,7 @@ class GenConfig:
                 "cfg": round(float(self.cfg), 6),
                 "sigmas": self.sigmas_digest,
                 "probe_steps": self.probe_steps,
+                "signature_version": SIGNATURE_VERSION,
             }
         )
 

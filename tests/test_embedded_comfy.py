@@ -82,3 +82,20 @@ def test_unknown_words_warn_not_crash(glue) -> None:
 def test_missing_weights_say_how_to_fix(glue, tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="retrained"):
         glue.load_embedded(tmp_path / "nope.safetensors")
+
+
+def test_latent_preview_factors_follow_comfyui_convention(glue) -> None:
+    """ComfyUI's previewer maps rgb = ((latent @ factors + bias) + 1) / 2; for the embedded codec that must give
+    each 2x2 pixel cell's mean colour back (the Signature Builder measures object colours this way)."""
+    from carnator.carnator_core.embedded import codec, config
+
+    g = torch.Generator().manual_seed(3)
+    rgb = torch.rand(1, config.FRAMES, config.HEIGHT, config.WIDTH, 3, generator=g)
+    latent = codec.rgb_to_latent(rgb)[0]  # [C, T, h, w]
+    fmt = glue.EmbeddedLatent()
+    factors = torch.tensor(fmt.latent_rgb_factors)
+    bias = torch.tensor(fmt.latent_rgb_factors_bias)
+    preview = ((torch.einsum("cthw,ck->thwk", latent, factors) + bias) + 1.0) / 2.0
+    cells = rgb[0].reshape(config.FRAMES, config.HEIGHT // 2, 2, config.WIDTH // 2, 2, 3).mean(dim=(2, 4))
+    assert preview.shape == cells.shape
+    assert torch.allclose(preview, cells, atol=1e-5)
