@@ -7,12 +7,12 @@ Accepted decision -> from step k on (``comfy_patch.resume_sample`` replays the p
   dilated). Outside A the model sees the cached final x0 re-noised to the current sigma with the target's noise
   and its prediction there is the cached x0 (ComfyUI's inpainting rule), so inactive tokens follow the cached
   trajectory and end exactly at the cached result.
-* **historical sparse-connectivity reuse**: in the middle layers only tokens of A (plus the context tokens their
-  recorded attention blocks need) go through the block, and self-attention is restricted to the blocks recorded
+* **historical sparse-connectivity reuse**: in the middle layers only tokens of A (plus a margin of context
+  tokens around it) go through the block, and self-attention among them is restricted to the blocks recorded
   for the cached request (structure, not values). First/last layers stay dense.
 
-Modes: ``joint`` (both), ``latent`` (A + local context, full attention among them), ``attention`` (all tokens,
-block-sparse attention only), ``dense`` (no reuse; with recording of the block structure for the cache).
+Modes: ``joint`` (both: A + margin, recorded blocks among them), ``latent`` (A + margin, full attention among
+them), ``attention`` (all tokens, block-sparse attention only), ``dense`` (no reuse; with recording of the block structure for the cache).
 Rejected decision -> plain dense resume (identical to KSampler).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ReuseConfig:
                      (``auto_block_size``: about 16 blocks per sequence, between 16 and 128 tokens).
     record_mass:     attention mass the recorded key blocks must cover per query block.
     record_steps:    how many representative steps to record at (spread over the schedule after the probe).
-    context_margin_blocks: latent-only mode: tokens of 3-D context margin around the active region.
+    context_margin_blocks: latent and joint modes: tokens of 3-D context margin around the active region.
     """
 
     mode: str = "joint"
@@ -245,7 +245,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             token_mask = torch.from_numpy(A.astype(np.float32))
             active = torch.from_numpy(np.flatnonzero(A.reshape(-1))).long()
         context = None
-        if config.mode == "latent" and token_mask is not None:
+        if config.mode in ("latent", "joint") and token_mask is not None:
             from scipy.ndimage import binary_dilation
 
             A3 = token_mask.numpy() > 0

@@ -7,8 +7,12 @@ joint. Reports per-step (one model call) and per-request times, medians of --rep
 fraction, the recorded block density and the counters of what was computed. Every stage the sampler runs is
 inside the timed region (probe replay, masking, subset gathering, block-sparse attention).
 
+``--model embedded`` runs the same comparison on the shipped embedded model (its real text conditioning, its
+latent geometry and default 20 steps / probe 4 unless given) instead of a random-weight Wan.
+
 Usage (from the repo root, host python):
     .host/venv/bin/python scripts/bench_reuse.py --latent 16,21,30,52 --dim 256 --layers 6 --steps 10 --probe 2
+    .host/venv/bin/python scripts/bench_reuse.py --model embedded --repeats 5
 """
 from __future__ import annotations
 
@@ -61,13 +65,15 @@ def box_signature(grid, frac: float, shift: int = 0):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("wan", "embedded"), default="wan",
+                    help="random-weight Wan of --dim/--layers at --latent, or the shipped embedded model")
     ap.add_argument("--latent", default="16,21,30,52")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--probe", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="default: 10 (wan) / the embedded default (20)")
+    ap.add_argument("--probe", type=int, default=None, help="default: 2 (wan) / the embedded default (4)")
     ap.add_argument("--active", type=float, default=0.25, help="target active fraction of the cache hit")
-    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=None, help="default: 128 (wan) / 16 (embedded, 256 tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="dense,latent,attention,joint")
     ap.add_argument("--json", default="")
@@ -79,12 +85,30 @@ def main() -> int:
 
     import tiny_models as tm
 
-    shape = tuple(int(x) for x in args.latent.split(","))
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(args.dim, args.layers, Path(tmp))
-    pos, neg = tm.conditioning("wan21")
+    if args.model == "embedded":
+        from carnator.carnator_core.embedded import comfy_glue, config as ecfg
+
+        model, te, _dec = comfy_glue.load_embedded()
+        prompt = "a big red ball sits still in the middle, on green grass"
+        pos, neg = te.encode(prompt), te.encode("")
+        shape = tuple(int(x) for x in ecfg.LATENT_SHAPE)
+        args.steps = args.steps or ecfg.DEFAULT_STEPS
+        args.probe = args.probe or ecfg.DEFAULT_PROBE_STEP
+        args.block_size = args.block_size or 16
+        cfg_scale = float(ecfg.DEFAULT_CFG)
+        args.dim, args.layers = ecfg.DIM, ecfg.NUM_LAYERS
+    else:
+        shape = tuple(int(x) for x in args.latent.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            model = build_model(args.dim, args.layers, Path(tmp))
+        pos, neg = tm.conditioning("wan21")
+        prompt = "a ball"
+        args.steps = args.steps or 10
+        args.probe = args.probe or 2
+        args.block_size = args.block_size or 128
+        cfg_scale = 5.0
     lat = {"samples": torch.zeros((1,) + shape)}
-    kw = dict(steps=args.steps, cfg=5.0, sampler_name="euler", scheduler="simple", prompt="a ball", objects=(),
+    kw = dict(steps=args.steps, cfg=cfg_scale, sampler_name="euler", scheduler="simple", prompt=prompt, objects=(),
               object_source="none", config=ProbeConfig(probe_steps=args.probe))
     cfg = reuse.ReuseConfig(mode="dense", block_size=args.block_size, x0_threshold=1e9, dilation=0,
                             context_margin_blocks=1)
@@ -134,7 +158,7 @@ def main() -> int:
     for r in rows:
         if dense_step:
             r["speedup_step"] = round(dense_step / r["per_model_call_s"], 2)
-    out = {"tokens": n_tokens, "grid": grid, "latent": shape, "dim": args.dim, "layers": args.layers,
+    out = {"model": args.model, "tokens": n_tokens, "grid": grid, "latent": shape, "dim": args.dim, "layers": args.layers,
            "steps": args.steps, "probe_steps": args.probe, "block_size": args.block_size,
            "recorded_density": rep_a.block_structure.density if rep_a.block_structure is not None else None,
            "record_ms": rep_a.timings_ms.get("record"), "dense_resume_ms_with_record": rep_a.timings_ms.get("resume"),

@@ -175,3 +175,38 @@ def test_mismatched_latent_is_a_clear_error(env):
     probe, pos, neg, lat = _probe(m, tm, "wan21", seed=1)
     with pytest.raises(ValueError, match="differs from the probed one"):
         _run(m, pos, neg, {"samples": torch.zeros(1, 16, 3, 8, 12)}, probe)
+
+
+def test_joint_never_computes_more_than_latent_only(env):
+    """Joint = latent-only's token subset (A + margin) with the recorded blocks among those tokens: never more
+    tokens or attention pairs than latent-only, and a finite result (rows whose recorded keys all lie outside
+    the subset keep their own block)."""
+    import torch
+
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.types import ObjectSignature, Signature
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=6)
+    final, rep = _run(m, pos, neg, lat, probe)
+    assert rep.block_structure is not None
+    T, H, W = probe.grid
+    mask = np.zeros((T, H, W), np.float32)
+    mask[:, : H // 2, : W // 2] = 1.0
+    sig = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
+                    np.zeros((4, 4, 3), np.float32), probe.grid)
+    target = Signature((ObjectSignature("ball", np.roll(mask, W // 2, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
+                       np.zeros((4, 4, 3), np.float32), probe.grid)
+    cached = reuse.CachedRun("entry-1", final[0], probe.x0_probe, sig, rep.block_structure)
+    reports = {}
+    for mode in ("latent", "joint"):
+        out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached,
+                              reuse.ReuseConfig(mode=mode, block_size=8, dilation=0, x0_threshold=1e9),
+                              target_signature=target)
+        assert torch.isfinite(out).all()
+        reports[mode] = r
+    assert 0 < reports["joint"].active_fraction < 1
+    assert reports["joint"].token_fraction <= reports["latent"].token_fraction + 1e-9
+    assert reports["joint"].attention_fraction <= reports["latent"].attention_fraction + 1e-9
+    assert reports["joint"].token_fraction < 1.0
