@@ -2,13 +2,16 @@
 PY := .host/venv/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup demo test test-fast test-core test-server bench clean-host
+.PHONY: setup setup-host demo test test-fast test-core test-server bench clean-host
 
-setup:
+setup-host:
 	@bash scripts/setup_host.sh
+
+setup: setup-host
 	@bash scripts/setup_browser.sh
 
-demo: setup
+# The demo needs no browser: only the host (keeps a fresh clone's `make demo` inside its 10 minutes).
+demo: setup-host
 	$(PY) scripts/demo.py
 
 # The whole suite (core, in-process ComfyUI, live server, browser).
@@ -23,7 +26,7 @@ test-server: setup
 
 # The benchmarks that run in minutes on 2 cores (each prints JSON/Markdown; BENCHMARKS.md lists every benchmark
 # with its exact command, including the long ones: cache at 1M entries, random-weight Wan at 8k tokens).
-bench: setup
+bench: setup-host
 	$(PY) scripts/bench_reuse.py --model embedded --repeats 5 --json artifacts/bench_reuse_embedded.json
 	$(PY) scripts/bench_signature.py
 	$(PY) scripts/bench_table1.py --warm 24 --stream 24
