@@ -164,4 +164,26 @@ def objects_for(prompt: str, clip: Any | None, override: str | None) -> tuple[tu
     phrases, source = extract_objects(prompt, override)
     if not phrases:
         return (), "none"
-    return token_positions(prompt, phrases, word_tokens_for(prompt, clip)), source
+    objects = token_positions(prompt, phrases, word_tokens_for(prompt, clip))
+    return canonical_objects(objects, clip), source
+
+
+def canonical_objects(objects: tuple[ObjectTokens, ...], clip: Any | None) -> tuple[ObjectTokens, ...]:
+    """Rename objects by the text encoder's ``carnator_canonical_name(noun)`` hook when it has one.
+
+    Objects are matched across requests by name, and "a named object on one side only" rejects reuse; a model
+    whose text encoder maps synonyms to one concept (the embedded model does) says so through this hook, so a
+    paraphrase ("wedge" for "triangle") still matches. Names stay unique ("ball", "ball#2"). Without the hook
+    (stock CLIPs) names are the prompt's lemmas, unchanged."""
+    canon = getattr(clip, "carnator_canonical_name", None)
+    if not callable(canon) or not objects:
+        return tuple(objects)
+    import dataclasses
+
+    seen: dict[str, int] = {}
+    out = []
+    for o in objects:
+        head = str(canon(o.name.split("#", 1)[0])) or o.name
+        seen[head] = seen.get(head, 0) + 1
+        out.append(dataclasses.replace(o, name=head if seen[head] == 1 else f"{head}#{seen[head]}"))
+    return tuple(out)

@@ -296,3 +296,29 @@ def test_wan_umt5_tokenizer_class(comfy_env, nlp):
     assert len(batch) == 512  # Wan pads umT5 to 512 positions, no start token
     wt = comfy_word_tokens(clip, "a crimson sphere")
     assert sum(1 for _, w in wt if w == 2) >= 2, pieces  # "crimson" is several pieces with this vocabulary
+
+
+def test_synonyms_share_a_name_through_the_text_encoders_hook(nlp):
+    """A paraphrase that names an object by a synonym ("wedge" for "triangle") must match it across requests:
+    the embedded text encoder gives synonyms one concept and says so through carnator_canonical_name."""
+    from carnator.carnator_core.probe import canonical_objects, objects_for
+
+    class Hooked:
+        def carnator_word_tokens(self, prompt):
+            return embedded_word_tokens(prompt)
+
+        def carnator_canonical_name(self, noun):
+            return world.canonical_noun(noun)
+
+    a, _ = objects_for("a red wedge and a blue orb on the grass", Hooked(), None)
+    b, _ = objects_for("a red triangle and a blue ball on the grass", Hooked(), None)
+    assert [o.name for o in a] == [o.name for o in b] == ["triangle", "ball"]
+    assert [o.positions for o in a] == [o.positions for o in b]  # same token layout, names only
+    # two synonyms of one concept stay two objects with unique names
+    c, _ = objects_for("a red ball and a blue sphere", Hooked(), None)
+    assert [o.name for o in c] == ["ball", "ball#2"]
+    # no hook: the prompt's lemmas, unchanged; the input tuple is not mutated
+    plain, _ = objects_for("a red wedge on the grass", None, None)
+    assert [o.name for o in plain] == ["wedge"]
+    assert canonical_objects(plain, object()) == plain
+    assert world.canonical_noun("Wedge") == "triangle" and world.canonical_noun("grass") == "grass"

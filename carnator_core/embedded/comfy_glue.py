@@ -126,6 +126,13 @@ class EmbeddedTextEncoder:
 
         return embedded_word_tokens(prompt)
 
+    def carnator_canonical_name(self, noun: str) -> str:
+        """The probe's optional hook: the object name used to match objects across requests (synonyms of one
+        concept share it; see ``world.canonical_noun``)."""
+        from .world import canonical_noun
+
+        return canonical_noun(noun)
+
 
 @dataclass(frozen=True)
 class EmbeddedDecoder:

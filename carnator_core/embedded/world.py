@@ -287,6 +287,15 @@ for _canon, _words in BACKGROUND_WORDS.items():
     _WORD_CONCEPT.update({w: f"bg:{_canon}" for w in _words})
 
 
+def canonical_noun(word: str) -> str:
+    """The world's canonical name of an object noun ("wedge" -> "triangle", "orb" -> "ball"); other words as
+    given (lower-case). The text encoder gives synonyms one concept vector, so a paraphrase names the same
+    object: the Early Signature matches objects by this name across requests."""
+    w = word.lower()
+    c = _WORD_CONCEPT.get(w, "")
+    return c.split(":", 1)[1] if c.startswith("shape:") else w
+
+
 def vocabulary() -> tuple[str, ...]:
     """Every word the world's captions, parser and text encoder know (sorted)."""
     words = set(_WORD_CONCEPT) | set(VERTICAL_WORDS) | set(CENTRE_WORDS) | set(HORIZONTAL_WORDS)
