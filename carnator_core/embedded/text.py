@@ -10,7 +10,9 @@ each known word becomes one token whose vector is
 Each vector is a fixed pseudo-random Gaussian vector seeded by the sha256 of its name, so the encoder
 needs no weights file and gives the same output on every machine. The slot vector does the binding work a
 contextual language model would do (which colour belongs to which shape); the denoiser's own text
-projection (WanModel.text_embedding) is trained. Tokens are packed in word order and zero-padded to
+projection (WanModel.text_embedding) stays at its seeded random initialisation (``train.py
+--freeze-text-embedding``, since the v2 weights: trained, its GELU died for every word that was not useful
+early, which silenced size, position and motion words; see docs/MODEL_CARD.md). Tokens are packed in word order and zero-padded to
 ``TEXT_LEN`` (the empty prompt is all zeros: the unconditional input used for classifier-free guidance).
 
 Unknown words are ignored with a ``UserWarning`` (they get no token); words past ``TEXT_LEN`` tokens are

@@ -2,8 +2,10 @@
 
 Run from the repository root with the host python:
 
-    .host/venv/bin/python -m carnator_core.embedded.train \\
-        --out carnator_core/embedded/weights/carnator_embedded_v1.safetensors --minutes 80 --seed 0
+    .host/venv/bin/python -m carnator_core.embedded.train --freeze-text-embedding \\
+        --out carnator_core/embedded/weights/carnator_embedded_v2.safetensors --minutes 125 --steps 20000 --seed 0
+
+(the command that made the shipped v2 weights; docs/MODEL_CARD.md has its measured time and quality).
 
 Recipe (why each choice, see docs/MODEL_CARD.md): scenes rendered on the fly from a seeded generator
 (held-out attribute combinations never drawn); x_t = (1 - s) x0 + s eps, the model predicts the velocity
