@@ -51,3 +51,34 @@ def test_one_clip_under_ten_seconds(gate) -> None:
     _, glue = gate
     seconds = glue.time_one_clip()
     assert seconds < 10.0, seconds
+
+
+# --- v2 weights (ship beside v1; not the default until a risk rule certifies for them) -----------------------
+@pytest.fixture(scope="module")
+def gate_v2(comfy_env):
+    import torch
+
+    from carnator.carnator_core.embedded import comfy_glue, config
+
+    torch.set_num_threads(2)
+    path = config.WEIGHTS_DIR / "carnator_embedded_v2.safetensors"
+    assert path.exists(), f"shipped v2 weights missing: {path}"
+    model, _, _ = comfy_glue.load_embedded(path)
+    return comfy_glue.evaluate(comfy_glue.gate_captions(), model=model)
+
+
+def test_v2_held_out_colour_position_motion_and_attention(gate_v2) -> None:
+    rates = gate_v2
+    print("v2 gate rates:", rates)
+    assert rates["colour"] >= 0.90, rates
+    assert rates["position"] >= 0.60, rates
+    assert rates["motion"] >= 0.50, rates
+    assert rates["attn_peak_on_object"] >= 0.80, rates
+
+
+@pytest.mark.xfail(strict=True, reason="v2 weights miss size (0.53 < 0.80) and the x0 colour at the probe step "
+                                       "(0.70 < 0.90); docs/MODEL_CARD.md")
+def test_v2_size_and_x0_colour(gate_v2) -> None:
+    rates = gate_v2
+    assert rates["size"] >= 0.80, rates
+    assert rates["x0_colour_match"] >= 0.90, rates
