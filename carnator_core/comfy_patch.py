@@ -269,26 +269,15 @@ def _subset_tokens(run: _Run, layer: int, plan: ReusePlan, n_tokens: int) -> tup
 
     Returns (subset indices, positions of the active tokens within the subset). Latent and joint modes give
     ``context_tokens`` (A dilated by a margin); joint then restricts attention *within* that subset to the
-    recorded blocks (``_subset_attention``), so joint never computes more than latent-only. Taking instead
-    every token of every key block some active query block keeps would pull in nearly the whole sequence
-    whenever the recorded structure is not very sparse (measured: density 0.65 on the embedded model gave a
-    token fraction of 1.0, i.e. no saving). That union is used only when no context set is given.
+    recorded blocks (``_subset_attention``), so joint never computes more than latent-only. (Taking instead
+    every token of every key block some active query block keeps pulled in nearly the whole sequence whenever
+    the recorded structure is not very sparse: density 0.65 on the embedded model gave a token fraction of 1.0.)
     """
     key = ("subset", layer)
     if key in run.subset_cache:
         return run.subset_cache[key]
     active = plan.active_tokens
-    if plan.context_tokens is not None:
-        ctx = plan.context_tokens
-    elif plan.structure is not None:
-        bs = plan.structure.block_size
-        keep = keep_for_layer(plan.structure, layer).any(0)  # [Qb, Kb], union over heads
-        qblocks = torch.unique(active // bs)
-        kblocks = keep[qblocks].any(0).nonzero().flatten()
-        ctx = (kblocks.unsqueeze(1) * bs + torch.arange(bs).unsqueeze(0)).flatten()
-        ctx = ctx[ctx < n_tokens]
-    else:
-        ctx = active
+    ctx = plan.context_tokens if plan.context_tokens is not None else active
     subset = torch.unique(torch.cat([active, ctx]))
     pos = torch.searchsorted(subset, active)
     run.subset_cache[key] = (subset, pos)
@@ -400,14 +389,13 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
         # A query's own block is always kept: its recorded key blocks may all lie outside the subset, and a row
         # with no key would make softmax undefined (NaN).
         mask = kb[sb][:, sb] | (sb[:, None] == sb[None, :])  # [S, S]
-        run.subset_cache[key] = mask
-    mask = run.subset_cache[key]
-    if mask is None:
+        kept = int(mask.sum().item())
+        # The same for every call of this run: build, count and decide once per layer.
+        run.subset_cache[key] = None if kept > dense_above * mask.numel() else (mask, kept)
+    cached = run.subset_cache[key]
+    if cached is None:
         return None
-    kept = int(mask.sum().item())
-    if kept > dense_above * mask.numel():
-        run.subset_cache[key] = None  # the same for every call of this run: decide once
-        return None
+    mask, kept = cached
     run.stats["attn_pairs"] += kept
     run.stats["attn_pairs_dense"] += run.n_tokens ** 2
     B, S, HD = q.shape

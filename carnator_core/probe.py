@@ -180,10 +180,7 @@ def canonical_objects(objects: tuple[ObjectTokens, ...], clip: Any | None) -> tu
         return tuple(objects)
     import dataclasses
 
-    seen: dict[str, int] = {}
-    out = []
-    for o in objects:
-        head = str(canon(o.name.split("#", 1)[0])) or o.name
-        seen[head] = seen.get(head, 0) + 1
-        out.append(dataclasses.replace(o, name=head if seen[head] == 1 else f"{head}#{seen[head]}"))
-    return tuple(out)
+    from .objects import _unique_names
+
+    heads = [str(canon(o.name.split("#", 1)[0])) or o.name for o in objects]
+    return tuple(dataclasses.replace(o, name=n) for o, n in zip(objects, _unique_names(heads)))

@@ -12,7 +12,8 @@ Accepted decision -> from step k on (``comfy_patch.resume_sample`` replays the p
   for the cached request (structure, not values). First/last layers stay dense.
 
 Modes: ``joint`` (both: A + margin, recorded blocks among them), ``latent`` (A + margin, full attention among
-them), ``attention`` (all tokens, block-sparse attention only), ``dense`` (no reuse; with recording of the block structure for the cache).
+them), ``attention`` (all tokens, block-sparse attention only), ``dense`` (no reuse; with recording of the
+block structure for the cache).
 Rejected decision -> plain dense resume (identical to KSampler).
 """
 from __future__ import annotations

@@ -21,13 +21,6 @@ def stable_digest(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
-#: Version of the Early-Signature / discrepancy computation. NOT yet part of the config fingerprint: the shipped
-#: rule (rules/embedded.json) was certified with fingerprints that do not carry it, and no rule for the current
-#: signature code has certified yet (issue 6 note). When a rule is next certified, add it to
-#: ``GenConfig.fingerprint`` so stale rules and cache entries are refused / fall into another namespace.
-SIGNATURE_VERSION = 2
-
-
 @dataclass(frozen=True)
 class GenConfig:
     """The generation configuration that must match for a cache entry to be reusable.

@@ -48,7 +48,7 @@ class EmbeddedLatent(comfy.latent_formats.LatentFormat):
         # Preview (latent -> RGB) factors in ComfyUI's convention: the previewer computes
         # rgb = ((latent @ factors + bias) + 1) / 2. Channel c of the first 12 carries colour c // 4 at one of the
         # four sub-pixels of a latent cell, each holding 2*value-1, so 0.25 per channel averages the four back
-        # into [-1, 1] and the bias is zero (tests/test_embedded_glue.py pins the round trip against the codec).
+        # into [-1, 1] and the bias is zero (tests/test_embedded_comfy.py pins the round trip against the codec).
         factors = [[0.0, 0.0, 0.0] for _ in range(config.LATENT_CHANNELS)]
         for c in range(12):
             factors[c][c // 4] = 0.25
