@@ -9,9 +9,17 @@ Per object (one per ``probe.objects`` entry, in that order):
   attention that background tokens pay to the object's words) and ``peak`` its maximum. Then a linear ramp:
   ``mask = clip((r - low) / (high - low), 0, 1)``. A flat map (peak ≈ baseline: the probe found no localised
   attention) gives an empty mask and a note.
-* **size** — mask mass / number of grid cells, in [0, 1].
-* **lab** — mean CIELAB (scikit-image ``rgb2lab``, D65) of the x0 prediction under the mask, weighted by the
-  mask. Latent -> RGB at token-grid resolution: average the latent cells of each token (``probe.patch``), apply
+* **size** — the object's visible extent at the probe as a fraction of the grid, in [0, 1]: the tokens of its
+  support grown by ``context_dilation`` whose colour is nearer the object's colour (below) than the context
+  reference. (Attention mass alone hardly tells a big object from a small one — on the embedded model v2 a
+  position change moved it as much as a size change — while the colour extent follows the size words: see
+  tests/test_signature_semantics.py.)
+* **lab** — mean CIELAB (scikit-image ``rgb2lab``, D65) of the x0 prediction over the *distinct half* of the
+  object's support, weighted by the mask: the tokens whose colour is at least the (mask-weighted) median
+  CIELAB distance from the context reference colour (the mean colour outside every object's mask). The
+  early x0 is blurred, so the outer part of a support blends object and background; averaging it in pulls
+  every object colour towards its background (measured on the embedded model v2 at the default probe step:
+  the colour under the whole final mask names the final colour in 70% of clips, its distinct half in 94%). Latent -> RGB at token-grid resolution: average the latent cells of each token (``probe.patch``), apply
   the model's latent format ``latent_rgb_factors``/``latent_rgb_bias`` the way ComfyUI's latent previewer does
   (``v = x·F + b`` is RGB in [-1, 1]; ``rgb = clamp((v + 1) / 2, 0, 1)``). An empty mask takes the colour of the
   token where the object's attention peaks.
@@ -197,6 +205,40 @@ def _cell_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def _context_reference(lab: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Weighted mean CIELAB outside the objects (the whole grid's mean where objects cover every token)."""
+    w = weight.astype(np.float64)
+    total = float(w.sum())
+    if total <= 1e-9:
+        return lab.reshape(-1, 3).mean(axis=0)
+    return (lab * w[..., None]).reshape(-1, 3).sum(axis=0) / total
+
+
+def _distinct_colour(lab: np.ndarray, mask: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Mask-weighted mean CIELAB over the tokens at least the weighted-median distance from ``reference``."""
+    flat, w = lab.reshape(-1, 3), mask.reshape(-1)
+    keep = w > 0
+    flat, w = flat[keep], w[keep]
+    dist = np.linalg.norm(flat - reference, axis=-1)
+    order = np.argsort(dist, kind="stable")
+    cum = np.cumsum(w[order])
+    median = dist[order][int(np.searchsorted(cum, 0.5 * cum[-1]))]
+    sel = dist >= median
+    return (flat[sel] * w[sel, None]).sum(axis=0) / w[sel].sum()
+
+
+def _colour_support(lab: np.ndarray, mask: np.ndarray, colour: np.ndarray, reference: np.ndarray,
+                    dilation: int) -> float:
+    """Tokens near the object's support (grown by ``dilation``) whose colour is nearer the object's than the
+    context's: the object's visible extent at the probe, in tokens."""
+    support = mask > 0
+    if dilation > 0:
+        size = 2 * int(dilation) + 1
+        support = maximum_filter(support, size=(1, size, size), mode="constant")
+    nearer = np.linalg.norm(lab - colour, axis=-1) < np.linalg.norm(lab - reference, axis=-1)
+    return float(np.count_nonzero(support & nearer))
+
+
 def context_lab(lab: np.ndarray, weight: np.ndarray, grid: tuple[int, int]) -> tuple[np.ndarray, str]:
     """[gh, gw, 3] context-weighted mean CIELAB per coarse cell over (H, W), all frames; and a note ("" if none).
 
@@ -239,6 +281,7 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
     notes: list[str] = []
     objects: list[ObjectSignature] = []
     union = np.zeros(grid, dtype=np.float64)
+    masks: list[tuple[Any, np.ndarray, np.ndarray, bool]] = []
     for ot in probe.objects:
         if ot.name not in probe.object_maps:
             raise ValueError(f"the probe names object {ot.name!r} but captured no attention map for it: the probe "
@@ -250,15 +293,20 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
         mask, localised = object_mask(attn, cfg)
         if not localised:
             notes.append(f"object {ot.name!r}: no localised attention (empty mask)")
+        masks.append((ot, attn, mask, localised))
+        union = np.maximum(union, mask)
+    reference = _context_reference(lab, 1.0 - union)
+    for ot, attn, mask, _ in masks:
         mass = float(mask.sum(dtype=np.float64))
         if mass > 0.0:
-            colour = (lab * mask[..., None].astype(np.float64)).reshape(-1, 3).sum(axis=0) / mass
+            colour = _distinct_colour(lab, mask.astype(np.float64), reference)
+            size = _colour_support(lab, mask, colour, reference, cfg.context_dilation) / mask.size
         else:
             # No support: the colour where the object's words draw the most attention (first such token).
             colour = lab.reshape(-1, 3)[int(np.argmax(attn.reshape(-1)))]
-        objects.append(ObjectSignature(name=ot.name, mask=mask, size=mass / mask.size,
+            size = 0.0
+        objects.append(ObjectSignature(name=ot.name, mask=mask, size=size,
                                        lab=tuple(float(v) for v in colour)))  # type: ignore[arg-type]
-        union = np.maximum(union, mask)
     if not objects:
         notes.insert(0, CONTEXT_ONLY_NOTE + (f" (object source: {probe.object_source})"
                                              if probe.object_source else ""))

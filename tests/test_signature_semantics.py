@@ -44,12 +44,17 @@ RESPONSIVE_FRACTION = 0.75
 JND = {"context": 1.0, "size": 0.02, "shape": 0.02, "appearance": 1.0}
 
 
-@pytest.fixture(scope="module")
-def embedded(comfy_env):
+# Both shipped weight files: the default (v1) and v2 (which follows position and motion words).
+WEIGHTS = {"v1": "carnator_embedded_v1.safetensors", "v2": "carnator_embedded_v2.safetensors"}
+
+
+@pytest.fixture(scope="module", params=sorted(WEIGHTS))
+def embedded(comfy_env, request):
     from carnator.carnator_core.embedded import config as ecfg
 
-    if not ecfg.DEFAULT_WEIGHTS.exists():
-        pytest.skip(f"embedded model weights not found at {ecfg.DEFAULT_WEIGHTS}")
+    path = ecfg.WEIGHTS_DIR / WEIGHTS[request.param]
+    if not path.exists():
+        pytest.fail(f"shipped embedded model weights not found at {path}")
     try:
         from carnator.carnator_core.embedded import comfy_glue
     except ImportError as exc:
@@ -59,7 +64,7 @@ def embedded(comfy_env):
     # One intra-op thread: the embedded model is small, and on a shared 2-core machine 2 threads are slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model, enc, _dec = comfy_glue.load_embedded(None)
+    model, enc, _dec = comfy_glue.load_embedded(path)
     yield ecfg, comfy_glue, model, enc
     torch.set_num_threads(threads)
 

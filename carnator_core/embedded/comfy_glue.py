@@ -298,7 +298,8 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     ``attn_peak_on_object`` (the peak of the mean cross-attention of object 0's colour+shape tokens over
     ``config.PROBE_LAYERS`` at ``probe_step`` lands on a token whose 2-frame x 4x4-pixel region is at least
     25% covered by the final object's mask) and ``x0_colour_match`` (the nearest palette colour of the
-    probe-step x0 prediction under the final object's mask equals the final clip's object colour).
+    probe-step x0 prediction under the final object's mask, read from the half of those pixels most distinct from
+    the x0's background, equals the final clip's object colour).
     """
     import numpy as np
 
@@ -325,7 +326,13 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
             region = mask[t * pt:(t + 1) * pt, y * ph:(y + 1) * ph, x * pw:(x + 1) * pw]
             hits += int(region.mean() >= 0.25)
         if x0_rgb is not None:
+            # The early x0 is blurred: under the final mask it blends object and background. Read the object's
+            # colour from the half of those pixels most distinct from the x0's background (the same rule as the
+            # checker's half-contrast size and the Signature Builder's object colour).
+            bg = np.median(x0_rgb[i].reshape(-1, 3), axis=0)
             px = x0_rgb[i][mask]
+            dist = np.linalg.norm(px - bg, axis=-1)
+            px = px[dist >= np.median(dist)]
             name = palette_names[int(np.argmin(np.linalg.norm(palette - np.median(px, axis=0), axis=1)))]
             colour_hits += int(name == obj.measured.get("colour"))
     rates.update({
