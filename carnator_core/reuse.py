@@ -39,6 +39,11 @@ class ReuseConfig:
     x0_threshold:    a token is active where the per-token mean |x0_target - x0_cached| at step k exceeds this
                      multiple of the typical (median) per-token difference magnitude of the target's x0.
     dilation:        tokens of dilation (space and time) around the evidence, so object borders are recomputed.
+    whole_objects:   when any evidence touches an object (its masks differ, its colour differs, or the x0
+                     predictions disagree on its support), recompute the whole support of that object in both
+                     requests, not only the tokens where the evidence is. Measured on the embedded model v2
+                     (rules/README.md): with evidence-only regions, reuses recomputing 10-30% of the tokens failed
+                     the checker in a third of the pairs (an object half kept from the cached run).
     block_size:      tokens per attention block when recording structure in dense runs; 0 = automatic
                      (``auto_block_size``: about 16 blocks per sequence, between 16 and 128 tokens).
     record_mass:     attention mass the recorded key blocks must cover per query block.
@@ -52,6 +57,7 @@ class ReuseConfig:
     mask_threshold: float = 0.5
     x0_threshold: float = 1.0
     dilation: int = 1
+    whole_objects: bool = True
     block_size: int = 0
     record_mass: float = 0.9
     record_steps: int = 3
@@ -147,7 +153,9 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
 
     Tokens are active where an object's (thresholded) mask differs between the two signatures, where an
     object's colour differs by more than ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or
-    where the x0 predictions at step k disagree; then dilated by ``config.dilation`` tokens.
+    where the x0 predictions at step k disagree; with ``config.whole_objects`` any of these evidences touching
+    an object activates that object's whole support in both requests; then dilated by ``config.dilation``
+    tokens. Identical signatures and x0 predictions give an empty region.
     """
     from scipy.ndimage import binary_dilation
 
@@ -156,6 +164,9 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
         raise ValueError(f"token grids differ ({grid} vs {tuple(cached.grid)}): the entry is from another config")
     A = np.zeros(grid, dtype=bool)
     t = config.mask_threshold
+    diff = _token_pool(np.asarray(target_x0, dtype=np.float32) - np.asarray(cached_x0, dtype=np.float32), patch, grid)
+    scale = float(np.median(_token_pool(np.asarray(target_x0, dtype=np.float32), patch, grid))) + 1e-6
+    x0_differs = diff > config.x0_threshold * scale
     for obj in target.objects:
         other = cached.get(obj.name)
         mt = obj.mask >= t * max(float(obj.mask.max()), 1e-8)
@@ -163,12 +174,14 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
             A |= mt
             continue
         mc = other.mask >= t * max(float(other.mask.max()), 1e-8)
-        A |= mt ^ mc
-        if float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta:
-            A |= mt | mc
-    diff = _token_pool(np.asarray(target_x0, dtype=np.float32) - np.asarray(cached_x0, dtype=np.float32), patch, grid)
-    scale = float(np.median(_token_pool(np.asarray(target_x0, dtype=np.float32), patch, grid))) + 1e-6
-    A |= diff > config.x0_threshold * scale
+        both = mt | mc
+        moved = mt ^ mc
+        recolour = float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta
+        if recolour or (config.whole_objects and (moved.any() or (x0_differs & both).any())):
+            A |= both
+        else:
+            A |= moved
+    A |= x0_differs
     if config.dilation > 0 and A.any():
         A = binary_dilation(A, iterations=config.dilation)
     return A

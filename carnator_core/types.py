@@ -21,6 +21,15 @@ def stable_digest(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
+# Version of what an Early Signature, its discrepancies and a reuse's active region mean (signature.py,
+# risk/discrepancy.py, reuse.active_region: a rule's labels depend on all three). It is part
+# of every config fingerprint, so a risk rule (whose thresholds are in these units) and cached signatures are
+# never compared across versions. Bump it whenever either file changes what a value measures.
+# 2: object colour from the distinct half of the support, size from the colour extent (was: attention mass);
+#    a changed object is recomputed whole (ReuseConfig.whole_objects).
+SIGNATURE_VERSION = 2
+
+
 @dataclass(frozen=True)
 class GenConfig:
     """The generation configuration that must match for a cache entry to be reusable.
@@ -49,6 +58,7 @@ class GenConfig:
                 "cfg": round(float(self.cfg), 6),
                 "sigmas": self.sigmas_digest,
                 "probe_steps": self.probe_steps,
+                "signature_version": SIGNATURE_VERSION,
             }
         )
 

@@ -29,7 +29,7 @@ class CarnatorEmbeddedLoader(io.ComfyNode):
             inputs=[
                 advanced(io.String.Input("weights_path", default="",
                                 tooltip="Path to a weights file; empty uses the shipped "
-                                        "carnator_embedded_v1.safetensors.")),
+                                        "carnator_embedded_v2.safetensors.")),
             ],
             outputs=[
                 io.Model.Output(display_name="MODEL", tooltip="The denoiser, for the stock KSampler."),

@@ -55,7 +55,7 @@ from carnator.carnator_core.bench.workload import Request, build_workload, descr
 WARM_WORKFLOW = ROOT / "workflows" / "api" / "embedded_warm_cache.json"
 STREAM_WORKFLOW = ROOT / "workflows" / "api" / "embedded.json"
 SHIPPED_RULE = ROOT / "rules" / "embedded.json"
-DEFAULT_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v1.safetensors"
+DEFAULT_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v2.safetensors"
 CACHE_DIR = "carnator_demo_cache"
 DEV_RULE = "embedded-demo-dev.json"
 

@@ -53,7 +53,7 @@ DEFAULT_SCHEDULER = "simple"
 DEFAULT_PROBE_STEP = 4  # the step (0-based count of finished steps) at which the Early Signature probes
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-DEFAULT_WEIGHTS = WEIGHTS_DIR / "carnator_embedded_v1.safetensors"
+DEFAULT_WEIGHTS = WEIGHTS_DIR / "carnator_embedded_v2.safetensors"
 
 
 def model_config() -> dict[str, Any]:
