@@ -112,3 +112,16 @@ def test_corrupted_or_missing_file(tmp_path):
         RiskRule.load(path)
     with pytest.raises(RuleFormatError, match="not found"):
         RiskRule.load(tmp_path / "missing.json")
+
+
+def test_rule_made_with_other_signature_code_is_refused(monkeypatch):
+    """The config fingerprint covers the signature/reuse semantics version: a rule certified with other
+    signature code (other discrepancy scales) is refused like a rule for another config."""
+    from carnator.carnator_core import types
+
+    rule = make_rule()
+    rule.check_applicable(MODEL_FP, CONFIG.fingerprint())
+    monkeypatch.setattr(types, "SIGNATURE_VERSION", types.SIGNATURE_VERSION + 1)
+    assert CONFIG.fingerprint() != rule.config_fingerprint
+    with pytest.raises(RuleMismatchError, match="generation config"):
+        rule.check_applicable(MODEL_FP, CONFIG.fingerprint())
