@@ -93,3 +93,19 @@ def test_calibrate_rule_in_dirs_confines_names(tmp_path):
         calibrate_rule_in_dirs("p.jsonl", [pairs_dir], "../escape", rules_dir)
     with pytest.raises(PathNotAllowedError):
         calibrate_rule_in_dirs(str(tmp_path / "elsewhere.jsonl"), [pairs_dir], "x", rules_dir)
+
+
+def test_cli_calib_alpha_calibrates_tighter_and_certifies_at_alpha(tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, synthetic_pairs(400, seed=11), header=HEADER)
+    loose, tight = tmp_path / "loose.json", tmp_path / "tight.json"
+    assert main(["--pairs", str(pairs), "--out", str(loose), "--write-uncertified"]) in (0, 3)
+    assert main(["--pairs", str(pairs), "--out", str(tight), "--calib-alpha", "0.035", "--write-uncertified"]) in (0, 3)
+    capsys.readouterr()
+    a, b = RiskRule.load(loose, allow_uncertified=True), RiskRule.load(tight, allow_uncertified=True)
+    assert b.certificate.alpha == a.certificate.alpha == 0.05  # the certificate stays at --alpha
+    assert b.provenance["calib_alpha"] == 0.035 and a.provenance["calib_alpha"] == 0.05
+    assert b.calibration["alpha"] == 0.035 and b.calibration["calib_upper_bound"] <= 0.035  # the search respected the tighter level on its own split
+    assert b.calibration["n_accepted"] <= a.calibration["n_accepted"]
+    rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "bad.json"), "--calib-alpha", "0.1"])
+    assert rc == 2 and "calib_alpha must be in" in capsys.readouterr().err

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", required=True, help="labelled pairs JSONL file")
     p.add_argument("--out", required=True, help="where to write the rule JSON")
     p.add_argument("--alpha", type=float, default=0.05, help="risk level α: max unsafe rate among accepted (0.05)")
+    p.add_argument("--calib-alpha", type=float, default=None,
+                   help="risk level the threshold search targets on the calibration split (default: --alpha); "
+                        "smaller leaves room for riskier certification traffic. The certificate uses --alpha")
     p.add_argument("--delta", type=float, default=0.1, help="δ: the certificate holds with probability ≥ 1−δ (0.1)")
     p.add_argument("--calib-frac", type=float, default=0.5, help="fraction of requests used for calibration (0.5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request split (0)")
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pairs,
             args.out,
             alpha=args.alpha,
+            calib_alpha=args.calib_alpha,
             delta=args.delta,
             calib_frac=args.calib_frac,
             seed=args.seed,

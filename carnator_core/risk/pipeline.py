@@ -123,17 +123,29 @@ def calibrate_rule(
     levels: int = 12,
     search_similarity: bool = False,
     provenance: Mapping[str, Any] | None = None,
+    calib_alpha: float | None = None,
 ) -> tuple[RiskRule, Calibration]:
-    """Split, calibrate, certify; return the rule (certified or not — check ``rule.certificate.passed``)."""
+    """Split, calibrate, certify; return the rule (certified or not — check ``rule.certificate.passed``).
+
+    ``calib_alpha`` (default: ``alpha``) is the risk level the threshold search targets on the calibration
+    split; the certificate is always computed at ``alpha``. A smaller ``calib_alpha`` leaves room for the
+    certification traffic to be riskier than the calibration traffic (requests served from different caches
+    differ: docs/CALIBRATION.md).
+    """
     header = dict(header or {})
     model_fp, config_fp, arch, meta = _resolve_fingerprints(header, model_fingerprint, config_fingerprint)
+    if calib_alpha is None:
+        calib_alpha = alpha
+    if not 0.0 < calib_alpha <= alpha:
+        raise CalibrationError(f"calib_alpha must be in (0, alpha={alpha}], got {calib_alpha}")
     calib, cert = split_pairs(pairs, calib_frac, seed)
-    cal = calibrate(calib, alpha, delta, constraint=constraint, levels=levels, search_similarity=search_similarity)
+    cal = calibrate(calib, calib_alpha, delta, constraint=constraint, levels=levels,
+                    search_similarity=search_similarity)
     certificate = certify(cal.thresholds, cert, alpha, delta)
 
     comparison: dict[str, Any] = {}
     try:
-        pt, pcal = calibrate_prompt_only(calib, alpha, delta, constraint=constraint)
+        pt, pcal = calibrate_prompt_only(calib, calib_alpha, delta, constraint=constraint)
         pev = evaluate_prompt_only(pt, cert)
         comparison["prompt_only"] = {
             "threshold": pt,
@@ -156,6 +168,7 @@ def calibrate_rule(
         "seeds": header.get("seeds", ""),
         "unsafe_definition": header.get("unsafe_definition", ""),
         "generator": header.get("generator", ""),
+        "calib_alpha": calib_alpha,
         "split": {
             "method": "rows' split field" if pairs and pairs[0].split is not None else "seeded shuffle of request ids",
             "calib_frac": calib_frac,
@@ -202,6 +215,7 @@ def calibrate_rule_file(
     constraint: Constraint = "bound",
     levels: int = 12,
     search_similarity: bool = False,
+    calib_alpha: float | None = None,
     write_uncertified: bool = False,
     command: str = "",
 ) -> CalibrationReport:
@@ -221,6 +235,7 @@ def calibrate_rule_file(
         constraint=constraint,
         levels=levels,
         search_similarity=search_similarity,
+        calib_alpha=calib_alpha,
         provenance={"pairs_file": pairs_path.name, "pairs_sha256": _file_digest(pairs_path), "command": command},
     )
     written = None
