@@ -37,7 +37,8 @@ class ServeOptions:
     method:        "dense" (no cache), "carnator" (signature filter + reuse), "prompt_only" (NIRVANA-style
                    filter + the same reuse), "never" (probe + retrieval + filter run, always dense).
     reuse_mode:    sampler mode on a hit: "joint" | "latent" | "attention".
-    rule:          RiskRule for "carnator" (None only with allow_uncertified-free synthetic use in tests).
+    rule:          RiskRule for "carnator".
+    allow_uncertified: accept a rule whose certificate fails (experiments; decisions carry the UNCERTIFIED banner).
     prompt_threshold: similarity threshold of "prompt_only".
     top_k:         candidates recalled.
     write:         persist the finished generation as a cache entry (misses only; hits reuse an entry).
@@ -46,6 +47,7 @@ class ServeOptions:
     method: str = "carnator"
     reuse_mode: str = "joint"
     rule: Any = None
+    allow_uncertified: bool = False
     prompt_threshold: float = 0.9
     top_k: int = 4
     write: bool = True
@@ -95,7 +97,8 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
         mode = {"carnator": "signature", "prompt_only": "prompt_only", "never": "never"}[options.method]
         decision = decide(sig, candidates, options.rule if mode == "signature" else None, mode,
                           options.prompt_threshold, model_fingerprint=probe.model_fingerprint,
-                          config_fingerprint=probe.config.fingerprint())
+                          config_fingerprint=probe.config.fingerprint(),
+                          allow_uncertified=options.allow_uncertified)
         t["filter"] = decision.filter_ms
         if decision.accepted:
             cached = store.load(decision.candidate.entry_id).cached_run()

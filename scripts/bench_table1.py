@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -144,18 +143,6 @@ def dev_rule(thresholds: str, probe: Any) -> Any:
                     provenance={"note": "UNCERTIFIED development rule from --dev-thresholds (bench_table1.py)"})
 
 
-def allow_uncertified_in_serve() -> None:
-    """``request.serve`` calls ``risk.filter.decide`` without ``allow_uncertified``; for explicitly requested
-    development runs, make that call accept an uncertified rule (its decisions then carry the UNCERTIFIED banner).
-    Only reached with ``--allow-uncertified``."""
-    from carnator.carnator_core.risk import filter as rf
-
-    if not getattr(rf.decide, "_carnator_dev", False):
-        patched = functools.partial(rf.decide, allow_uncertified=True)
-        patched._carnator_dev = True  # type: ignore[attr-defined]
-        rf.decide = patched
-
-
 # ----------------------------------------------------------------------------------------------------- serving
 def dense_run(env: Env, model: Any, positive, negative, req: Request) -> Any:
     """What ComfyUI's KSampler does (nodes.common_ksampler), without the preview callback."""
@@ -175,6 +162,7 @@ def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, wri
     mode = {"latent_only": "latent", "attention_only": "attention"}.get(method, "joint")
     filt = "prompt_only" if method == "prompt_only" else ("dense" if method == "dense" else "carnator")
     return ServeOptions(method=filt, reuse_mode=mode, rule=rule if filt == "carnator" else None,
+                        allow_uncertified=bool(rule is not None and not rule.certificate.passed),
                         prompt_threshold=prompt_threshold, top_k=env.top_k, write=write,
                         probe=ProbeConfig(probe_steps=env.probe_steps))
 
@@ -346,8 +334,6 @@ def resolve_rule(args: argparse.Namespace, probe: Any) -> tuple[Any, dict[str, A
         except RuleError as e:
             raise SystemExit(f"cannot use risk rule {path}: {e}")
         c = rule.certificate
-        if not c.passed:
-            allow_uncertified_in_serve()
         return rule, {"summary": f"{path} ({rule.rule_id}; {'CERTIFIED' if c.passed else 'UNCERTIFIED'}: "
                                  f"{c.k} unsafe of {c.n}, U={c.upper_bound:.4f}, α={c.alpha}, δ={c.delta})",
                       "path": str(path), "rule_id": rule.rule_id, "certified": c.passed,
@@ -357,7 +343,6 @@ def resolve_rule(args: argparse.Namespace, probe: Any) -> tuple[Any, dict[str, A
                          "model (rules/embedded.json, see rules/README.md). For a development run only, pass "
                          "--allow-uncertified (with --dev-thresholds) — such numbers must not be published.")
     rule = dev_rule(args.dev_thresholds, probe)
-    allow_uncertified_in_serve()
     return rule, {"summary": f"UNCERTIFIED development rule, thresholds {rule.thresholds.to_dict()} "
                              f"({path} not found)", "certified": False, "thresholds": rule.thresholds.to_dict(),
                   "path": None, "rule_id": rule.rule_id}

@@ -194,10 +194,16 @@ def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tup
         rule = json.loads(SHIPPED_RULE.read_text(encoding="utf-8"))
         same = rule.get("model", {}).get("fingerprint") == model_fp and rule.get("config", {}).get("fingerprint") == config_fp
         certified = bool(rule.get("certificate", {}).get("passed"))
+        c = rule.get("certificate", {})
         if same and certified:
-            c = rule["certificate"]
             return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} accepted, "
                                             f"U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} (δ = {c['delta']})")
+        if same:
+            # The shipped rule is for these weights and this config but its certificate fails: use it, marked.
+            return "embedded.json", True, (f"UNCERTIFIED shipped rule rules/embedded.json: {c.get('k')} unsafe of "
+                                           f"{c.get('n')} accepted on its certification split, U = "
+                                           f"{float(c.get('upper_bound', 1.0)):.4f} > α = {c.get('alpha')} "
+                                           "(rules/README.md)")
         why = ("rules/embedded.json is not certified" if not certified else
                "rules/embedded.json was calibrated for other weights/config than the ones in use")
     c, s, sh, a = (float(x) for x in dev_thresholds.split(","))

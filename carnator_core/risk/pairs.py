@@ -532,7 +532,8 @@ class StreamResult:
 
 def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: Labeler, rule: Any, *,
                    prompt_thresholds: Mapping[str, float] | None = None,
-                   progress: Callable[[str], None] | None = None) -> StreamResult:
+                   progress: Callable[[str], None] | None = None,
+                   allow_uncertified: bool = False) -> StreamResult:
     """Serve a stream of requests and measure, per filter, the unsafe rate among the reuses it accepts.
 
     Methods: "rule" — the Risk Filter in signature mode with ``rule`` (a loaded :class:`.rule.RiskRule`; checked
@@ -550,7 +551,7 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
         def select(res: Any) -> list[str]:
             probe = res.probe
             dec = decide(res.signature, res.candidates, rule, "signature", model_fingerprint=probe.model_fingerprint,
-                         config_fingerprint=probe.config.fingerprint())
+                         config_fingerprint=probe.config.fingerprint(), allow_uncertified=allow_uncertified)
             chosen["rule"] = dec.candidate.entry_id if dec.accepted else None
             for name, t in (prompt_thresholds or {}).items():
                 d = decide(None, res.candidates, None, "prompt_only", float(t))
