@@ -366,7 +366,7 @@ def markdown(info: dict[str, Any]) -> str:
     for m, r in s.items():
         label = LABELS[m]
         if m in ("carnator", "latent_only", "attention_only", "carnator_easycache") and cert is False:
-            label += " — UNCERTIFIED dev rule"
+            label += " — UNCERTIFIED rule"
         if m == "dense":
             hit_lat = f"{_f(s.get('carnator', {}).get('dense_latency_on_hits_s'), '.2f')} (on Carnator's hits)" \
                 if "carnator" in s else "—"
