@@ -205,6 +205,14 @@ def _cell_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def _grow(mask: np.ndarray, dilation: int) -> np.ndarray:
+    """``mask`` [T, H, W] grown by ``dilation`` tokens in H and W (a maximum filter; unchanged for 0)."""
+    if dilation <= 0:
+        return mask
+    size = 2 * int(dilation) + 1
+    return maximum_filter(mask, size=(1, size, size), mode="nearest")
+
+
 def _context_reference(lab: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """Weighted mean CIELAB outside the objects (the whole grid's mean where objects cover every token)."""
     w = weight.astype(np.float64)
@@ -231,10 +239,7 @@ def _colour_support(lab: np.ndarray, mask: np.ndarray, colour: np.ndarray, refer
                     dilation: int) -> float:
     """Tokens near the object's support (grown by ``dilation``) whose colour is nearer the object's than the
     context's: the object's visible extent at the probe, in tokens."""
-    support = mask > 0
-    if dilation > 0:
-        size = 2 * int(dilation) + 1
-        support = maximum_filter(support, size=(1, size, size), mode="constant")
+    support = _grow(mask > 0, dilation)
     nearer = np.linalg.norm(lab - colour, axis=-1) < np.linalg.norm(lab - reference, axis=-1)
     return float(np.count_nonzero(support & nearer))
 
@@ -244,15 +249,13 @@ def context_lab(lab: np.ndarray, weight: np.ndarray, grid: tuple[int, int]) -> t
 
     lab: [T, H, W, 3]; weight: [T, H, W] in [0, 1] (non-object weight)."""
     w = weight.astype(np.float64)
-    total = float(w.sum())
     note = ""
-    if total <= 1e-9:
+    if float(w.sum()) <= 1e-9:
         # Objects cover every token: the context colour is undefined, fall back to the whole frame's mean.
         w = np.ones_like(w)
-        total = float(w.size)
         note = "objects cover the whole frame: context is the whole-frame mean"
     wl = lab * w[..., None]
-    global_mean = wl.reshape(-1, 3).sum(axis=0) / total
+    global_mean = _context_reference(lab, w)
     gh, gw = grid
     out = np.empty((gh, gw, 3), dtype=np.float64)
     for i, (r0, r1) in enumerate(_cell_bounds(lab.shape[1], gh)):
@@ -281,7 +284,7 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
     notes: list[str] = []
     objects: list[ObjectSignature] = []
     union = np.zeros(grid, dtype=np.float64)
-    masks: list[tuple[Any, np.ndarray, np.ndarray, bool]] = []
+    masks: list[tuple[Any, np.ndarray, np.ndarray]] = []
     for ot in probe.objects:
         if ot.name not in probe.object_maps:
             raise ValueError(f"the probe names object {ot.name!r} but captured no attention map for it: the probe "
@@ -293,10 +296,10 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
         mask, localised = object_mask(attn, cfg)
         if not localised:
             notes.append(f"object {ot.name!r}: no localised attention (empty mask)")
-        masks.append((ot, attn, mask, localised))
+        masks.append((ot, attn, mask))
         union = np.maximum(union, mask)
     reference = _context_reference(lab, 1.0 - union)
-    for ot, attn, mask, _ in masks:
+    for ot, attn, mask in masks:
         mass = float(mask.sum(dtype=np.float64))
         if mass > 0.0:
             colour = _distinct_colour(lab, mask.astype(np.float64), reference)
@@ -310,9 +313,8 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
     if not objects:
         notes.insert(0, CONTEXT_ONLY_NOTE + (f" (object source: {probe.object_source})"
                                              if probe.object_source else ""))
-    if cfg.context_dilation > 0 and objects:
-        size = 2 * int(cfg.context_dilation) + 1
-        union = maximum_filter(union, size=(1, size, size), mode="nearest")
+    if objects:
+        union = _grow(union, cfg.context_dilation)
     ctx, ctx_note = context_lab(lab, 1.0 - union, cfg.context_grid)
     if ctx_note:
         notes.append(ctx_note)

@@ -164,14 +164,20 @@ def _shape_guess(mask: np.ndarray) -> Optional[str]:
     return "triangle" if off > 0.07 else "diamond"
 
 
+def distinct_colour(x: np.ndarray, mask: np.ndarray, bg: np.ndarray) -> np.ndarray:
+    """Median RGB of the half of ``x[mask]`` most distinct from ``bg`` (a blurred object's own colour; also how
+    the quality gate reads the probe-step x0 colour). ``mask`` must select at least one pixel."""
+    px = x[mask]
+    dist = np.linalg.norm(px - bg, axis=-1)
+    return np.median(px[dist >= np.median(dist)], axis=0)
+
+
 def _half_contrast(x: np.ndarray, mask: np.ndarray, bg: np.ndarray) -> np.ndarray:
     """The object's pixels nearer its own colour than the background's (see rule 4 of the module doc)."""
-    d_bg = np.linalg.norm(x - bg, axis=-1)
     if not mask.any():
         return mask
-    core = mask & (d_bg >= np.median(d_bg[mask]))
-    colour = np.median(x[core], axis=0)
-    return mask & (np.linalg.norm(x - colour, axis=-1) < d_bg)
+    colour = distinct_colour(x, mask, bg)
+    return mask & (np.linalg.norm(x - colour, axis=-1) < np.linalg.norm(x - bg, axis=-1))
 
 
 def _measure(x: np.ndarray, mask: np.ndarray, palette_label: np.ndarray, bg: np.ndarray) -> dict[str, Any]:

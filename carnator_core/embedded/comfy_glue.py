@@ -330,10 +330,8 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
             # colour from the half of those pixels most distinct from the x0's background (the same rule as the
             # checker's half-contrast size and the Signature Builder's object colour).
             bg = np.median(x0_rgb[i].reshape(-1, 3), axis=0)
-            px = x0_rgb[i][mask]
-            dist = np.linalg.norm(px - bg, axis=-1)
-            px = px[dist >= np.median(dist)]
-            name = palette_names[int(np.argmin(np.linalg.norm(palette - np.median(px, axis=0), axis=1)))]
+            colour = checker.distinct_colour(x0_rgb[i], mask, bg)
+            name = palette_names[int(np.argmin(np.linalg.norm(palette - colour, axis=1)))]
             colour_hits += int(name == obj.measured.get("colour"))
     rates.update({
         "n_captions": len(captions),
