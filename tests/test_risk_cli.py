@@ -109,3 +109,70 @@ def test_cli_calib_alpha_calibrates_tighter_and_certifies_at_alpha(tmp_path, cap
     assert b.calibration["n_accepted"] <= a.calibration["n_accepted"]
     rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "bad.json"), "--calib-alpha", "0.1"])
     assert rc == 2 and "calib_alpha must be in" in capsys.readouterr().err
+
+
+def _runs(n_runs: int, per_run: int, split: str, seed: int) -> list:
+    """Pairs of ``n_runs`` independent runs, request ids ``<run>:q<i>`` like scripts/make_pairs.py --combine."""
+    import dataclasses
+
+    out = []
+    for r in range(n_runs):
+        run = f"{split}{r}"
+        for p in synthetic_pairs(per_run, seed=seed + r, request_prefix=f"{run}:q"):
+            out.append(dataclasses.replace(p, entry_id=f"{run}:{p.entry_id}", split=split))
+    return out
+
+
+def test_plan_helpers_match_references():
+    from scipy.stats import binom
+
+    from carnator.carnator_core.risk.plan import binomial_cdf, k_max_for_certificate
+
+    for k, n, p in ((0, 50, 0.02), (3, 168, 0.017), (7, 242, 0.056), (20, 400, 0.05), (5, 5, 0.3)):
+        assert binomial_cdf(k, n, p) == pytest.approx(float(binom.cdf(k, n, p)), rel=1e-9, abs=1e-12)
+    assert binomial_cdf(-1, 10, 0.1) == 0.0
+    # U(0, 45) = 0.0499 ≤ 0.05 < U(0, 44); U(1, 50) = 0.0756 > 0.05
+    assert k_max_for_certificate(44, 0.05, 0.1) == -1
+    assert k_max_for_certificate(45, 0.05, 0.1) == 0
+    assert k_max_for_certificate(50, 0.05, 0.1) == 0
+    assert k_max_for_certificate(168, 0.05, 0.1) == 4
+
+
+def test_cli_plan_cross_validates_on_calibration_rows_only(tmp_path, capsys):
+    import dataclasses
+
+    calib = _runs(4, 150, "calib", seed=30)
+    cert = _runs(1, 200, "cert", seed=90)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_pairs_jsonl(a, calib + cert, header=HEADER)
+    # same calibration rows; certification labels inverted: planning must not read them
+    write_pairs_jsonl(b, calib + [dataclasses.replace(p, unsafe=not p.unsafe) for p in cert], header=HEADER)
+    outs = []
+    for f in (a, b):
+        assert main(["--pairs", str(f), "--plan", "0.05,0.03", "--levels", "6"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    text = outs[0]
+    assert "4 folds (one per run" in text and "planned on 200 requests" in text
+    assert text.count("held-out") == 2
+    assert "recommended: --calib-alpha" in text or "no level is likely" in text
+    assert not list(tmp_path.glob("*.json"))  # planning writes nothing
+
+    from carnator.carnator_core.risk.plan import plan_calib_alpha
+
+    plan = plan_calib_alpha(calib, [0.05, 0.03], cert_requests=200, levels=6)
+    for row in plan.rows:
+        assert row.folds_failed or row.n_requests == 600  # every held-out request once
+        assert 0.0 <= row.p_pass <= 1.0
+    assert plan.best in plan.rows
+
+
+def test_cli_plan_errors(tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, synthetic_pairs(60, seed=3), header=HEADER)
+    assert main(["--pairs", str(pairs), "--plan", "0.2"]) == 2
+    assert "calibration levels must be in (0, α=0.05]" in capsys.readouterr().err
+    assert main(["--pairs", str(pairs), "--plan", "x"]) == 2
+    assert "comma-separated levels" in capsys.readouterr().err
+    assert main(["--pairs", str(pairs)]) == 2
+    assert "--out is required" in capsys.readouterr().err

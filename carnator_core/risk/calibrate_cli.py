@@ -7,6 +7,10 @@ Usage (from the extension folder, with the Python that runs ComfyUI)::
         [--model-fingerprint FP] [--config-fingerprint FP] \\
         [--constraint bound|empirical] [--levels 12] [--search-similarity] [--write-uncertified]
 
+    # choose --calib-alpha first, by cross-validation on the calibration split only (nothing is written):
+    python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --plan 0.05,0.03,0.02 \\
+        [--cert-requests N] [--folds 5] [--search-similarity]
+
 Pairs file (JSON Lines, UTF-8; one JSON object per line; blank lines ignored)
 ------------------------------------------------------------------------------
 Optional first row, the header (recommended: it makes the rule self-describing)::
@@ -30,6 +34,11 @@ Then one row per (request, recalled cache entry)::
 * ``--model-fingerprint``/``--config-fingerprint`` are needed only if the header lacks them; when both are
   given they must agree.
 
+``--plan`` (carnator_core/risk/plan.py) calibrates each listed level on all folds of the calibration split
+but one and evaluates it on the held-out fold (folds = runs when request ids look like ``run:request``), then
+prints the out-of-sample unsafe rate, coverage and the estimated probability that a certificate on
+``--cert-requests`` requests (default: the certification split's size) passes, and the level to use.
+
 Output: the rule JSON (written only if its certificate holds, unless ``--write-uncertified``) and the report on
 stdout. Exit status: 0 certified and written, 3 certificate fails, 2 unusable input.
 See docs/CALIBRATION.md for the procedure.
@@ -40,8 +49,9 @@ import argparse
 import shlex
 import sys
 
-from .certify import CalibrationError
+from .certify import CalibrationError, read_pairs_jsonl, split_pairs
 from .pipeline import calibrate_rule_file
+from .plan import plan_calib_alpha
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Calibrate and certify a Carnator risk rule from labelled pairs (docs/CALIBRATION.md).",
     )
     p.add_argument("--pairs", required=True, help="labelled pairs JSONL file")
-    p.add_argument("--out", required=True, help="where to write the rule JSON")
+    p.add_argument("--out", default=None, help="where to write the rule JSON (required unless --plan)")
     p.add_argument("--alpha", type=float, default=0.05, help="risk level α: max unsafe rate among accepted (0.05)")
     p.add_argument("--calib-alpha", type=float, default=None,
                    help="risk level the threshold search targets on the calibration split (default: --alpha); "
@@ -69,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--levels", type=int, default=12, help="threshold levels searched per axis (12)")
     p.add_argument("--search-similarity", action="store_true", help="also search a minimum prompt similarity")
+    p.add_argument("--plan", default=None, metavar="A1,A2,...",
+                   help="cross-validate these calibration levels on the calibration split, print which to use as "
+                        "--calib-alpha, write nothing")
+    p.add_argument("--cert-requests", type=int, default=None,
+                   help="with --plan: size of the planned certification split (default: this file's)")
+    p.add_argument("--folds", type=int, default=5,
+                   help="with --plan: random folds when request ids carry no 'run:' prefix (5)")
     p.add_argument("--write-uncertified", action="store_true", help="write the rule even if its certificate fails")
     return p
 
@@ -78,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m carnator_core.risk.calibrate_cli " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
+    if args.plan is not None:
+        return _plan(args)
+    if not args.out:
+        print("calibration failed: --out is required (where to write the rule JSON)", file=sys.stderr)
+        return 2
     try:
         report = calibrate_rule_file(
             args.pairs,
@@ -100,6 +122,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(report.text())
     return 0 if report.certificate.passed else 3
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        try:
+            levels = [float(a) for a in args.plan.split(",") if a.strip()]
+        except ValueError:
+            raise CalibrationError(f"--plan takes comma-separated levels like 0.05,0.03,0.02, got {args.plan!r}") from None
+        _, pairs = read_pairs_jsonl(args.pairs)
+        if pairs and all(p.split == "calib" for p in pairs):  # planning before certification data exist
+            calib, cert = list(pairs), []
+        else:
+            calib, cert = split_pairs(pairs, args.calib_frac, args.seed)
+        cert_requests = args.cert_requests or len({p.request_id for p in cert})
+        if not cert_requests:
+            raise CalibrationError("the file has no certification split: give --cert-requests (planned size)")
+        plan = plan_calib_alpha(calib, levels, cert_requests=cert_requests, alpha=args.alpha, delta=args.delta,
+                                levels=args.levels, search_similarity=args.search_similarity,
+                                n_folds=args.folds, seed=args.seed)
+    except CalibrationError as e:
+        print(f"planning failed: {e}", file=sys.stderr)
+        return 2
+    print(plan.text())
+    return 0
 
 
 if __name__ == "__main__":
