@@ -176,3 +176,9 @@ def test_cli_plan_errors(tmp_path, capsys):
     assert "comma-separated levels" in capsys.readouterr().err
     assert main(["--pairs", str(pairs)]) == 2
     assert "--out is required" in capsys.readouterr().err
+    only_calib = tmp_path / "calib_only.jsonl"  # planning before any certification data exist
+    write_pairs_jsonl(only_calib, _runs(2, 40, "calib", seed=5), header=HEADER)
+    assert main(["--pairs", str(only_calib), "--plan", "0.05"]) == 2
+    assert "give --cert-requests" in capsys.readouterr().err
+    assert main(["--pairs", str(only_calib), "--plan", "0.05", "--cert-requests", "100", "--levels", "4"]) == 0
+    assert "2 folds" in capsys.readouterr().out
