@@ -136,6 +136,10 @@ def test_plan_helpers_match_references():
     assert k_max_for_certificate(45, 0.05, 0.1) == 0
     assert k_max_for_certificate(50, 0.05, 0.1) == 0
     assert k_max_for_certificate(168, 0.05, 0.1) == 4
+    from carnator.carnator_core.risk.plan import PlanRow
+
+    assert "too few accepted for any certificate" in PlanRow(0.02, 100, 3, 0, 0, 2, -1, 0.0).line()
+    assert "passes if k ≤ 0: P(pass) ≈ 0.50" in PlanRow(0.02, 100, 30, 1, 0, 60, 0, 0.5).line()
 
 
 def test_cli_plan_cross_validates_on_calibration_rows_only(tmp_path, capsys):

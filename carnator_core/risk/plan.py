@@ -51,7 +51,9 @@ class PlanRow:
         return (
             f"calib α {self.calib_alpha:g}: held-out {self.k_unsafe} unsafe of {self.n_accepted} accepted / "
             f"{self.n_requests} requests (coverage {self.coverage:.1%}, rate {self.unsafe_rate:.2%}){failed}; "
-            f"planned certificate n ≈ {self.planned_n}, passes if k ≤ {self.k_max}: P(pass) ≈ {self.p_pass:.2f}"
+            + (f"planned certificate n ≈ {self.planned_n}, passes if k ≤ {self.k_max}: P(pass) ≈ {self.p_pass:.2f}"
+               if self.k_max >= 0 else
+               f"planned certificate n ≈ {self.planned_n}: too few accepted for any certificate to pass")
         )
 
 
