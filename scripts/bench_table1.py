@@ -8,6 +8,8 @@ One process, one workload (scripts/workload.py flags), one generation config (th
 20 Euler steps, simple schedule, CFG 5, probe 4 steps). Methods (``--methods``):
 
 * ``dense``            plain KSampler path (``comfy.sample.sample``, as ComfyUI's KSampler calls it); no cache.
+* ``easycache``        the same KSampler path on a MODEL patched by ComfyUI core's EasyCache node alone (no
+                       Carnator): the step-skipping baseline that ``carnator_easycache`` composes with.
 * ``prompt_only``      NIRVANA-style: the most similar cached prompt is reused if similarity >= ``--prompt-threshold``
                        (default: the rule's calibrated prompt-only threshold, else the rule's min_similarity)
                        (same probe, retrieval and joint reuse as Carnator; no signature check, no certificate).
@@ -62,9 +64,12 @@ register_package()
 from carnator.carnator_core.bench import metrics as M  # noqa: E402
 from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
 
-ALL_METHODS = ("dense", "prompt_only", "carnator", "latent_only", "attention_only", "carnator_easycache")
+ALL_METHODS = ("dense", "easycache", "prompt_only", "carnator", "latent_only", "attention_only", "carnator_easycache")
+NO_CACHE = ("dense", "easycache")  # KSampler path, no cross-request cache
+ON_EASYCACHE = ("easycache", "carnator_easycache")  # run on the EasyCache-patched MODEL
 LABELS = {
     "dense": "Dense (KSampler)",
+    "easycache": "EasyCache only (KSampler)",
     "prompt_only": "Prompt-similarity only",
     "carnator": "Carnator (joint)",
     "latent_only": "Carnator, latent reuse only",
@@ -119,7 +124,7 @@ def load_env(args: argparse.Namespace, tmp: Path) -> Env:
 
     model, enc, dec = comfy_glue.load_embedded(frozen)
     easy = None
-    if "carnator_easycache" in args.methods:
+    if any(m in args.methods for m in ON_EASYCACHE):
         from comfy_extras.nodes_easycache import EasyCacheNode
 
         easy = EasyCacheNode.execute(model, args.easycache_threshold, args.easycache_start, args.easycache_end,
@@ -171,11 +176,11 @@ def run_request(env: Env, method: str, req: Request, store: Any, options: Any) -
     """Serve one request with one method; returns (final latent samples, wall seconds, RequestResult | None)."""
     from carnator.carnator_core.request import RequestSpec, serve
 
-    model = env.easy_model if method == "carnator_easycache" else env.model
+    model = env.easy_model if method in ON_EASYCACHE else env.model
     t0 = time.perf_counter()
     positive = env.enc.encode(req.prompt)
     negative = env.enc.encode("")
-    if method == "dense":
+    if method in NO_CACHE:
         samples = dense_run(env, model, positive, negative, req)
         return samples, time.perf_counter() - t0, None
     spec = RequestSpec(prompt=req.prompt, seed=req.seed, steps=env.steps, cfg=env.cfg)
@@ -272,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         methods = [m for m in ALL_METHODS if m in args.methods]
         stores: dict[str, Any] = {}
         for m in methods:
-            if m != "dense":
+            if m not in NO_CACHE:
                 shutil.copytree(warm_dir, tmp / m)
                 stores[m] = Store.open(tmp / m, key_path=key)
         records: dict[str, list[M.RequestRecord]] = {m: [] for m in methods}
@@ -372,6 +377,11 @@ def markdown(info: dict[str, Any]) -> str:
                 if "carnator" in s else "—"
             lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | {hit_lat} | 1.00× | "
                          f"{_f(r['checker_pass'], '.1%')} | — | — | — |")
+            continue
+        if m in NO_CACHE:  # no cache: no hits; PSNR/SSIM over every request against dense
+            lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | — | {_f(r['speedup'], '.2f', '×')} / — "
+                         f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_all'], '.1f')} (all requests) "
+                         f"| {_f(r['ssim'], '.3f')} | — |")
             continue
         same = f" ({r['psnr_hits_identical']} identical)" if r["psnr_hits_identical"] else ""
         lines.append(

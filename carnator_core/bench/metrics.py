@@ -126,6 +126,7 @@ def summarize(records: Sequence[RequestRecord], dense: Sequence[RequestRecord]) 
     hit_rate; mean_latency_s (all requests); hit_latency_s (mean over this method's hits); dense_latency_on_hits_s
     (dense mean over the same requests); speedup (dense mean / method mean, all requests); hit_speedup
     (dense_latency_on_hits_s / hit_latency_s); checker_pass; psnr_hits (mean over hits, inf excluded and counted);
+    psnr_all (mean over every request with a finite PSNR: for methods without a cache);
     ssim (mean over all requests); unsafe_rate (unsafe hits / hits); unsafe_of_all (unsafe / requests).
     """
     by_rid = {r.rid: r for r in dense}
@@ -149,6 +150,7 @@ def summarize(records: Sequence[RequestRecord], dense: Sequence[RequestRecord]) 
         "checker_pass": _mean(float(r.checker_pass) for r in records),
         "psnr_hits": float(np.mean(finite_psnr)) if finite_psnr else (math.inf if hits else math.nan),
         "psnr_hits_identical": sum(1 for r in hits if r.psnr is not None and math.isinf(r.psnr)),
+        "psnr_all": _mean(r.psnr for r in records if r.psnr is not None and math.isfinite(r.psnr)),
         "ssim": _mean(r.ssim for r in records),
         "ssim_hits": _mean(r.ssim for r in hits),
         "unsafe": unsafe,
