@@ -136,10 +136,11 @@ def test_plan_helpers_match_references():
     assert k_max_for_certificate(45, 0.05, 0.1) == 0
     assert k_max_for_certificate(50, 0.05, 0.1) == 0
     assert k_max_for_certificate(168, 0.05, 0.1) == 4
+    from carnator.carnator_core.risk.certify import Evaluation
     from carnator.carnator_core.risk.plan import PlanRow
 
-    assert "too few accepted for any certificate" in PlanRow(0.02, 100, 3, 0, 0, 2, -1, 0.0).line()
-    assert "passes if k ≤ 0: P(pass) ≈ 0.50" in PlanRow(0.02, 100, 30, 1, 0, 60, 0, 0.5).line()
+    assert "too few accepted for any certificate" in PlanRow(0.02, Evaluation(100, 3, 0), 0, 2, -1, 0.0).line()
+    assert "passes if k ≤ 0: P(pass) ≈ 0.50" in PlanRow(0.02, Evaluation(100, 30, 1), 0, 60, 0, 0.5).line()
 
 
 def test_cli_plan_cross_validates_on_calibration_rows_only(tmp_path, capsys):
@@ -166,7 +167,7 @@ def test_cli_plan_cross_validates_on_calibration_rows_only(tmp_path, capsys):
 
     plan = plan_calib_alpha(calib, [0.05, 0.03], cert_requests=200, levels=6)
     for row in plan.rows:
-        assert row.folds_failed or row.n_requests == 600  # every held-out request once
+        assert row.folds_failed or row.held_out.n_requests == 600  # every held-out request once
         assert 0.0 <= row.p_pass <= 1.0
     assert plan.best in plan.rows
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .certify import CalibrationError, LabelledPair, calibrate, clopper_pearson_upper, evaluate
+from .certify import CalibrationError, Evaluation, LabelledPair, calibrate, clopper_pearson_upper, evaluate
 
 
 @dataclass(frozen=True)
@@ -30,27 +30,18 @@ class PlanRow:
     """Out-of-sample outcome of calibrating at one level, pooled over the held-out folds."""
 
     calib_alpha: float
-    n_requests: int  # held-out requests evaluated (folds whose calibration failed are not counted)
-    n_accepted: int
-    k_unsafe: int
+    held_out: Evaluation  # pooled over the held-out folds (folds whose calibration failed are not counted)
     folds_failed: int  # folds where no threshold setting qualified at this level
     planned_n: int  # expected accepted requests in a certificate of the planned size
     k_max: int  # most unsafe a certificate with planned_n accepted may contain (-1: none can pass)
     p_pass: float
 
-    @property
-    def coverage(self) -> float:
-        return self.n_accepted / self.n_requests if self.n_requests else 0.0
-
-    @property
-    def unsafe_rate(self) -> float:
-        return self.k_unsafe / self.n_accepted if self.n_accepted else 0.0
-
     def line(self) -> str:
+        h = self.held_out
         failed = f", {self.folds_failed} fold(s) without a qualifying setting" if self.folds_failed else ""
         return (
-            f"calib α {self.calib_alpha:g}: held-out {self.k_unsafe} unsafe of {self.n_accepted} accepted / "
-            f"{self.n_requests} requests (coverage {self.coverage:.1%}, rate {self.unsafe_rate:.2%}){failed}; "
+            f"calib α {self.calib_alpha:g}: held-out {h.k_unsafe} unsafe of {h.n_accepted} accepted / "
+            f"{h.n_requests} requests (coverage {h.coverage:.1%}, rate {h.unsafe_rate:.2%}){failed}; "
             + (f"planned certificate n ≈ {self.planned_n}, passes if k ≤ {self.k_max}: P(pass) ≈ {self.p_pass:.2f}"
                if self.k_max >= 0 else
                f"planned certificate n ≈ {self.planned_n}: too few accepted for any certificate to pass")
@@ -68,7 +59,7 @@ class Plan:
 
     @property
     def best(self) -> PlanRow:
-        return max(self.rows, key=lambda r: (round(r.p_pass, 6), r.coverage, r.calib_alpha))
+        return max(self.rows, key=lambda r: (round(r.p_pass, 6), r.held_out.coverage, r.calib_alpha))
 
     def text(self) -> str:
         head = (
@@ -154,9 +145,9 @@ def plan_calib_alpha(
                 continue
             ev = evaluate(cal.thresholds, held)
             n_req, n_acc, k = n_req + ev.n_requests, n_acc + ev.n_accepted, k + ev.k_unsafe
-        cov = n_acc / n_req if n_req else 0.0
-        planned = int(round(cert_requests * cov))
+        held = Evaluation(n_req, n_acc, k)
+        planned = int(round(cert_requests * held.coverage))
         kmax = k_max_for_certificate(planned, alpha, delta)
-        rate = k / n_acc if n_acc else 1.0
-        rows.append(PlanRow(a, n_req, n_acc, k, failed, planned, kmax, binomial_cdf(kmax, planned, rate)))
+        rate = held.unsafe_rate if n_acc else 1.0  # nothing accepted held out: no evidence of safety
+        rows.append(PlanRow(a, held, failed, planned, kmax, binomial_cdf(kmax, planned, rate)))
     return Plan(tuple(rows), names, method, int(cert_requests), alpha, delta)
