@@ -104,7 +104,7 @@ def test_demo_quick_writes_report_with_clips_and_plots(tmp_path):
     assert report.exists()
     page = report.read_text(encoding="utf-8")
     clips = sorted((out / "clips").glob("*.webp"))
-    assert len(clips) == 5
+    assert len(clips) == 5 + 3  # every request's clip, and a dense twin's for each stream request
     for clip in clips:
         assert clip.read_bytes()[:4] == b"RIFF" and clip.read_bytes()[8:12] == b"WEBP"
         assert f'src="clips/{clip.name}"' in page
@@ -114,4 +114,6 @@ def test_demo_quick_writes_report_with_clips_and_plots(tmp_path):
     results = json.loads((out / "results.json").read_text())
     stream = [r for r in results["rows"] if r["phase"] == "stream"]
     assert len(stream) == 3 and all(r["decision"] in ("hit", "miss") for r in stream)
-    assert results["summary"]["stream"] == 3
+    # each stream request was measured beside its dense twin (the same request through a plain KSampler graph)
+    assert all(r["dense_latency_s"] > 0 and r["dense_clip"] == f"clips/{r['rid']}_dense.webp" for r in stream)
+    assert results["summary"]["stream"] == 3 and results["summary"]["stream_speedup_vs_dense"] > 0
