@@ -61,8 +61,8 @@ from workload import add_workload_args, register_package, spec_from_args  # noqa
 
 register_package()
 
-from carnator.carnator_core.bench import metrics as M  # noqa: E402
-from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab import metrics as M  # noqa: E402
+from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 ALL_METHODS = ("dense", "easycache", "prompt_only", "carnator", "latent_only", "attention_only", "carnator_easycache")
 NO_CACHE = ("dense", "easycache")  # KSampler path, no cross-request cache

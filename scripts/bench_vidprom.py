@@ -45,7 +45,7 @@ register_package()
 
 import numpy as np  # noqa: E402
 
-from carnator.carnator_core.bench.workload import max_jaccard  # noqa: E402
+from carnator.carnator_core.lab.workload import max_jaccard  # noqa: E402
 from carnator.carnator_core.cache.index import IndexParams, VectorIndex, normalize_rows  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "vidprom_4k.jsonl"

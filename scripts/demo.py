@@ -5,7 +5,7 @@ What it does, from a fresh clone (``make demo`` sets up the local ComfyUI host f
 
 1. starts a real ComfyUI server (``tests/harness_server.py``: ``main.py --cpu`` on a free loopback port, with its
    own temporary base directory and Carnator linked into ``custom_nodes``) and lists the Carnator nodes it loaded;
-2. warms a Carnator cache: the warm set of the embedded-world workload (``carnator_core/bench/workload.py``) goes
+2. warms a Carnator cache: the warm set of the embedded-world workload (``carnator_core/lab/workload.py``) goes
    through ``POST /prompt`` as the ``workflows/api/embedded_warm_cache.json`` graph (Early Probe -> dense Joint
    Reuse Sampler with attention-structure recording -> Cache Writer -> decode -> SaveAnimatedWEBP);
 3. serves the stream through ``POST /prompt`` as the ``workflows/api/embedded.json`` graph (probe -> signature ->
@@ -50,7 +50,7 @@ register_package()
 from api_client import ComfyClient, set_request  # noqa: E402
 from harness_server import ComfyServer  # noqa: E402
 
-from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 WARM_WORKFLOW = ROOT / "workflows" / "api" / "embedded_warm_cache.json"
 STREAM_WORKFLOW = ROOT / "workflows" / "api" / "embedded.json"

@@ -8,10 +8,10 @@ Usage (from the repository root, host python)::
 
 then::
 
-    .host/venv/bin/python -m carnator_core.risk.calibrate_cli --pairs rules/embedded_pairs.jsonl \\
+    .host/venv/bin/python -m carnator_core.lab.calibrate_cli --pairs rules/embedded_pairs.jsonl \\
         --out rules/embedded.json
 
-What it does (core logic: carnator_core/risk/pairs.py; procedure: docs/CALIBRATION.md §3):
+What it does (core logic: carnator_core/lab/pairs.py; procedure: docs/CALIBRATION.md §3):
 
 1. **Warm set.** ``--warm`` requests sampled from the embedded world (held-in combinations, 1–2 objects,
    seeded by ``--seed``) are generated densely and written to a fresh cache under ``--work/store`` (the
@@ -53,7 +53,7 @@ RUN_KEYS = ("weights", "seed", "warm", "queries", "top_k", "kinds", "labeler", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from carnator.carnator_core.risk.pairs import QUERY_KINDS
+    from carnator.carnator_core.lab.pairs import QUERY_KINDS
 
     p = argparse.ArgumentParser(description="Labelled pairs on the embedded model (docs/CALIBRATION.md).")
     p.add_argument("--out", required=True, help="pairs JSONL file to write")
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _labeler(args: dict):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     if args["labeler"] == "checker":
         return pairs.embedded_checker_labeler()
@@ -103,7 +103,7 @@ def _labeler(args: dict):
 
 
 def _requests(args: dict):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     warm, scenes = pairs.embedded_warm_set(args["seed"], args["warm"])
     queries = pairs.embedded_queries(args["seed"], args["queries"], warm, scenes,
@@ -118,7 +118,7 @@ def _open(args: dict, threads: int):
 
     torch.set_num_threads(max(1, threads))
     from carnator.carnator_core.cache.store import Store
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     work = Path(args["work"])
     store = Store.open(work / "store", key_path=work / "index.key", durable=False)
@@ -141,7 +141,7 @@ def _warm_manifest(work: Path) -> dict[str, str]:
 
 def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> None:
     """One worker: its slice (index % n_shards == shard) of the warm set or of the queries."""
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     work = Path(args["work"])
     warm, queries = _requests(args)
@@ -207,7 +207,7 @@ def _run_phase(args: dict, phase: str, n: int, threads: int) -> None:
 
 def merge(args: dict, command: str) -> tuple[int, int, int]:
     """Merge the part files into --out (queries in order). Returns (requests, pairs, unsafe pairs)."""
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     work = Path(args["work"])
     _warm, queries = _requests(args)
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {k: getattr(ns, k) for k in vars(ns)}
     command = "scripts/make_pairs.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args["combine"]:
-        from carnator.carnator_core.risk import pairs
+        from carnator.carnator_core.lab import pairs
 
         sources = []
         for item in args["combine"]:

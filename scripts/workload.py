@@ -5,7 +5,7 @@
     .host/venv/bin/python scripts/workload.py --warm 24 --stream 24 --out artifacts/workload.jsonl
 
 The workload is deterministic for a given set of flags (its digest is printed); how it is built and why it is
-realistic: ``carnator_core/bench/workload.py`` and BENCHMARKS.md. The benchmark (scripts/bench_table1.py) and the
+realistic: ``carnator_core/lab/workload.py`` and BENCHMARKS.md. The benchmark (scripts/bench_table1.py) and the
 demo (scripts/demo.py) build it with the same code and flags.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def register_package() -> None:
 
 register_package()
 
-from carnator.carnator_core.bench.workload import Mix, WorkloadSpec, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab.workload import Mix, WorkloadSpec, build_workload, describe  # noqa: E402
 
 
 def add_workload_args(ap: argparse.ArgumentParser, warm: int = 24, stream: int = 24) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from carnator.carnator_core import objects as objects_mod
-from carnator.carnator_core.comfy_tokens import comfy_word_tokens, embedded_word_tokens
+from carnator.carnator_core.comfy_tokens import comfy_word_tokens
+from carnator.carnator_core.embedded.text import word_tokens as embedded_word_tokens
 from carnator.carnator_core.embedded import world
 from carnator.carnator_core.embedded.text import encode
 from carnator.carnator_core.objects import (

@@ -23,7 +23,7 @@ from carnator.carnator_core.risk.certify import (
     split_pairs,
     write_pairs_jsonl,
 )
-from carnator.carnator_core.risk.synthetic import synthetic_pairs
+from carnator.carnator_core.lab.synthetic import synthetic_pairs
 from carnator.carnator_core.risk.thresholds import Thresholds
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from carnator.carnator_core.risk.calibrate_cli import main
+from carnator.carnator_core.lab.calibrate_cli import main
 from carnator.carnator_core.risk.certify import write_pairs_jsonl
 from carnator.carnator_core.risk.pipeline import calibrate_rule_in_dirs
 from carnator.carnator_core.risk.paths import PathNotAllowedError
 from carnator.carnator_core.risk.rule import RiskRule, UncertifiedRuleError
-from carnator.carnator_core.risk.synthetic import synthetic_pairs
+from carnator.carnator_core.lab.synthetic import synthetic_pairs
 from carnator.carnator_core.types import GenConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_cli_writes_certified_rule(tmp_path, capsys):
     assert rule.certificate.passed and rule.model_fingerprint == "m" * 32 and rule.config_meta["steps"] == 20
     p = rule.provenance
     assert p["dataset"] == "synthetic (tests)" and p["split"]["calib_requests"] == 200 and p["split"]["cert_requests"] == 200
-    assert p["command"].startswith("python -m carnator_core.risk.calibrate_cli") and len(p["pairs_sha256"]) == 16
+    assert p["command"].startswith("python -m carnator_core.lab.calibrate_cli") and len(p["pairs_sha256"]) == 16
     rule.check_applicable("m" * 32, CONFIG.fingerprint())
 
 
@@ -76,7 +76,7 @@ def test_module_entry_point_runs(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     write_pairs_jsonl(pairs, synthetic_pairs(300, seed=11), header=HEADER)
     res = subprocess.run(
-        [sys.executable, "-m", "carnator_core.risk.calibrate_cli", "--pairs", str(pairs), "--out", str(tmp_path / "r.json")],
+        [sys.executable, "-m", "carnator_core.lab.calibrate_cli", "--pairs", str(pairs), "--out", str(tmp_path / "r.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert res.returncode in (0, 3), res.stderr
@@ -126,7 +126,7 @@ def _runs(n_runs: int, per_run: int, split: str, seed: int) -> list:
 def test_plan_helpers_match_references():
     from scipy.stats import binom
 
-    from carnator.carnator_core.risk.plan import binomial_cdf, k_max_for_certificate
+    from carnator.carnator_core.lab.plan import binomial_cdf, k_max_for_certificate
 
     for k, n, p in ((0, 50, 0.02), (3, 168, 0.017), (7, 242, 0.056), (20, 400, 0.05), (5, 5, 0.3)):
         assert binomial_cdf(k, n, p) == pytest.approx(float(binom.cdf(k, n, p)), rel=1e-9, abs=1e-12)
@@ -137,7 +137,7 @@ def test_plan_helpers_match_references():
     assert k_max_for_certificate(50, 0.05, 0.1) == 0
     assert k_max_for_certificate(168, 0.05, 0.1) == 4
     from carnator.carnator_core.risk.certify import Evaluation
-    from carnator.carnator_core.risk.plan import PlanRow
+    from carnator.carnator_core.lab.plan import PlanRow
 
     assert "too few accepted for any certificate" in PlanRow(0.02, Evaluation(100, 3, 0), 0, 2, -1, 0.0).line()
     assert "passes if k ≤ 0: P(pass) ≈ 0.50" in PlanRow(0.02, Evaluation(100, 30, 1), 0, 60, 0, 0.5).line()
@@ -163,7 +163,7 @@ def test_cli_plan_cross_validates_on_calibration_rows_only(tmp_path, capsys):
     assert "recommended: --calib-alpha" in text or "no level is likely" in text
     assert not list(tmp_path.glob("*.json"))  # planning writes nothing
 
-    from carnator.carnator_core.risk.plan import plan_calib_alpha
+    from carnator.carnator_core.lab.plan import plan_calib_alpha
 
     plan = plan_calib_alpha(calib, [0.05, 0.03], cert_requests=200, levels=6)
     for row in plan.rows:

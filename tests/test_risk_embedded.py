@@ -1,7 +1,7 @@
 """The shipped risk rule of the embedded model (rules/embedded.json) and the pair-generation machinery behind it.
 
 Fast tests (no model): the embedded request sampler (deterministic, one controlled change per query), the two
-labelers (checker and tolerance) on ground-truth renders, and that rows written by ``risk.pairs`` are read by
+labelers (checker and tolerance) on ground-truth renders, and that rows written by ``lab.pairs`` are read by
 the calibration's reader.
 
 Slow test (the issue-6 acceptance test): on a *fresh* stream of the embedded world — a warm set and queries
@@ -40,7 +40,7 @@ TOP_K = 3
 
 def test_embedded_requests_are_deterministic_and_controlled():
     from carnator.carnator_core.embedded import world
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     warm, scenes = pairs.embedded_warm_set(3, 10)
     warm2, _ = pairs.embedded_warm_set(3, 10)
@@ -80,7 +80,7 @@ def test_checker_labeler_on_ground_truth_renders():
     from dataclasses import replace
 
     from carnator.carnator_core.embedded import world
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     lab = pairs.embedded_checker_labeler()
     scene = world.Scene((world.ObjectSpec("ball", "red", "big", "top left", "right"),), "grass")
@@ -98,7 +98,7 @@ def test_checker_labeler_on_ground_truth_renders():
 
 
 def test_tolerance_labeler():
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     rng = np.random.default_rng(0)
     a = rng.random((4, 16, 16, 3)).astype(np.float32)
@@ -118,7 +118,7 @@ def test_tolerance_labeler():
 
 
 def test_rows_round_trip_and_resume(tmp_path):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.certify import read_pairs_jsonl
     from carnator.carnator_core.risk.discrepancy import Discrepancies
 
@@ -149,7 +149,7 @@ def test_rows_round_trip_and_resume(tmp_path):
 
 
 def test_combine_pairs_files(tmp_path):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.certify import read_pairs_jsonl
 
     head = {"model_fingerprint": "m", "config_fingerprint": "c", "unsafe_definition": "u", "dataset": "d"}
@@ -217,7 +217,7 @@ def test_shipped_rule_on_fresh_stream(embedded_ready, tmp_path):
     import torch
 
     from carnator.carnator_core.cache.store import Store
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.rule import RiskRule
 
     rule = RiskRule.load(RULE_PATH)  # certified (test_shipped_rule_is_certified); refuses otherwise

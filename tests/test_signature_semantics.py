@@ -73,7 +73,7 @@ def embedded(comfy_env, request):
 
 
 def _signature(embedded, prompt: str, seed: int):
-    from carnator.carnator_core.comfy_tokens import embedded_word_tokens
+    from carnator.carnator_core.embedded.text import word_tokens as embedded_word_tokens
     from carnator.carnator_core.objects import extract_objects, token_positions
     from carnator.carnator_core.probe import ProbeConfig, run_probe
     from carnator.carnator_core.signature import build_signature

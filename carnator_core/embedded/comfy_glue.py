@@ -121,10 +121,8 @@ class EmbeddedTextEncoder:
 
     def carnator_word_tokens(self, prompt: str) -> list[tuple[int, int]]:
         """``(conditioning position, 1-based whitespace word id)`` per token: the probe's contract
-        (see carnator_core/comfy_tokens.py)."""
-        from ..comfy_tokens import embedded_word_tokens
-
-        return embedded_word_tokens(prompt)
+        (see docs/ARCHITECTURE.md)."""
+        return text.word_tokens(prompt)
 
     def carnator_canonical_name(self, noun: str) -> str:
         """The probe's optional hook: the object name used to match objects across requests (synonyms of one

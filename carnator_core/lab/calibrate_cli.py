@@ -2,13 +2,13 @@
 
 Usage (from the extension folder, with the Python that runs ComfyUI)::
 
-    python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --out rules/my_model.json \\
+    python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --out rules/my_model.json \\
         [--alpha 0.05] [--delta 0.1] [--calib-frac 0.5] [--seed 0] \\
         [--model-fingerprint FP] [--config-fingerprint FP] \\
         [--constraint bound|empirical] [--levels 12] [--search-similarity] [--write-uncertified]
 
     # choose --calib-alpha first, by cross-validation on the calibration split only (nothing is written):
-    python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --plan 0.05,0.03,0.02 \\
+    python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --plan 0.05,0.03,0.02 \\
         [--cert-requests N] [--folds 5] [--search-similarity]
 
 Pairs file (JSON Lines, UTF-8; one JSON object per line; blank lines ignored)
@@ -34,7 +34,7 @@ Then one row per (request, recalled cache entry)::
 * ``--model-fingerprint``/``--config-fingerprint`` are needed only if the header lacks them; when both are
   given they must agree.
 
-``--plan`` (carnator_core/risk/plan.py) calibrates each listed level on all folds of the calibration split
+``--plan`` (carnator_core/lab/plan.py) calibrates each listed level on all folds of the calibration split
 but one and evaluates it on the held-out fold (folds = runs when request ids look like ``run:request``), then
 prints the out-of-sample unsafe rate, coverage and the estimated probability that a certificate on
 ``--cert-requests`` requests (default: the certification split's size) passes, and the level to use.
@@ -49,14 +49,14 @@ import argparse
 import shlex
 import sys
 
-from .certify import CalibrationError, read_pairs_jsonl, split_pairs
-from .pipeline import calibrate_rule_file
+from ..risk.certify import CalibrationError, read_pairs_jsonl, split_pairs
+from ..risk.pipeline import calibrate_rule_file
 from .plan import plan_calib_alpha
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m carnator_core.risk.calibrate_cli",
+        prog="python -m carnator_core.lab.calibrate_cli",
         description="Calibrate and certify a Carnator risk rule from labelled pairs (docs/CALIBRATION.md).",
     )
     p.add_argument("--pairs", required=True, help="labelled pairs JSONL file")
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = "python -m carnator_core.risk.calibrate_cli " + " ".join(
+    command = "python -m carnator_core.lab.calibrate_cli " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     if args.plan is not None:

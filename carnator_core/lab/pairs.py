@@ -44,8 +44,8 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 from ..types import Decision
-from .certify import LabelledPair
-from .discrepancy import discrepancies
+from ..risk.certify import LabelledPair
+from ..risk.discrepancy import discrepancies
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -541,7 +541,7 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
     and one prompt-only filter per entry of ``prompt_thresholds`` (name -> similarity threshold). Each query is
     served once (probe, recall, dense); only the candidates some method accepts get a reuse run and a label.
     """
-    from .filter import decide
+    from ..risk.filter import decide
 
     methods = ("rule", *tuple(prompt_thresholds or {}))
     records = []
@@ -691,7 +691,7 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
                     + listed[0]["dataset"] if len({x["dataset"] for x in listed}) == 1 else
                     "combined: " + "; ".join(f"[{x['prefix']}] {x['dataset']}" for x in listed)),
         "seeds": {x["prefix"]: x["seeds"] for x in listed},
-        "generator": generator or "risk.pairs.combine_pairs_files",
+        "generator": generator or "lab.pairs.combine_pairs_files",
         "sources": listed,
     })
     path = Path(out)

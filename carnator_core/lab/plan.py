@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .certify import CalibrationError, Evaluation, LabelledPair, calibrate, clopper_pearson_upper, evaluate
+from ..risk.certify import CalibrationError, Evaluation, LabelledPair, calibrate, clopper_pearson_upper, evaluate
 
 
 @dataclass(frozen=True)

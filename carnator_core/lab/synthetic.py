@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .certify import LabelledPair
+from ..risk.certify import LabelledPair
 
 #: Rough scale of each axis when z = 1 (ΔE units for colours, |log ratio| for size, 1 − IoU for shape).
 AXIS_SCALE = (30.0, 1.5, 0.9, 40.0)

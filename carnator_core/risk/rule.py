@@ -23,7 +23,7 @@ SCHEMA_VERSION = 1
 #: How to make a rule, quoted in every refusal so the user knows the way out.
 CALIBRATE_HINT = (
     "Calibrate a rule for this model and config: write labelled pairs (docs/CALIBRATION.md), then run "
-    "`python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
+    "`python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
     "folder (or use the 'Carnator Calibrate Rule' node)."
 )
 
