@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from comfy_api.latest import io, ui
 
 from ..carnator_core.cache import (
     POLICIES,
@@ -22,13 +21,8 @@ from ..carnator_core.cache import (
     roots_from_env,
 )
 from ..carnator_core.types import Signature, namespace_key
+from ._api import CACHE, CANDIDATES, PROBE, REPORT, SIGNATURE, io, ui
 from ._common import advanced
-
-CACHE = io.Custom("CARNATOR_CACHE")
-PROBE = io.Custom("CARNATOR_PROBE")
-SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
-CANDIDATES = io.Custom("CARNATOR_CANDIDATES")
-REPORT = io.Custom("CARNATOR_REPORT")
 
 
 def allowed_roots() -> list[Path]:
