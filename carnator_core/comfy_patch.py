@@ -28,7 +28,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-import comfy.model_management
 import comfy.patcher_extension
 import comfy.sample
 import comfy.samplers
@@ -557,7 +556,3 @@ def latent_rgb(model: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
     b = getattr(fmt, "latent_rgb_factors_bias", None)
     return (np.asarray(f, dtype=np.float32) if f is not None else None,
             np.asarray(b, dtype=np.float32) if b is not None else None)
-
-
-def interrupt_check() -> None:
-    comfy.model_management.throw_exception_if_processing_interrupted()

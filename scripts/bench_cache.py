@@ -33,7 +33,6 @@ prompt-specific variation in a 64-d subspace + isotropic noise (norms 1 : 1 : 0.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -46,16 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _register() -> None:
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
+sys.path.insert(0, str(ROOT / "tests"))
+from repo_package import register_package  # noqa: E402
 
-
-_register()
+register_package()
 
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402

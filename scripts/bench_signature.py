@@ -18,7 +18,6 @@ Prints a JSON object and the markdown lines for BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -34,14 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _register() -> None:
     """Import the repo as the package ``carnator`` (as ComfyUI and the tests do), without ComfyUI."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
+    from repo_package import register_package
+
+    register_package()
 
 
 def _median_ms(fn, repeats: int) -> float:

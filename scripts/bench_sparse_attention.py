@@ -24,7 +24,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -45,11 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _import_core():
     """Import carnator_core as package ``carnator`` (as ComfyUI and the tests do) without importing ComfyUI."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from repo_package import register_package
+
+    register_package()
     from carnator.carnator_core import sparse_attention
 
     return sparse_attention

@@ -11,7 +11,6 @@ demo (scripts/demo.py) build it with the same code and flags.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -19,15 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def register_package() -> None:
-    """Import the repository as the package ``carnator`` (the name ComfyUI gives it), without ComfyUI."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
-
+sys.path.insert(0, str(ROOT / "tests"))
+from repo_package import register_package  # noqa: E402  (re-exported for demo.py and the benchmarks)
 
 register_package()
 

@@ -3,28 +3,19 @@ index switching to IVF, being persisted and log-pruned meanwhile). Afterwards: n
 entries, and every index agrees with the catalogue. Pure core (no ComfyUI)."""
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
+from repo_package import register_package
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ensure_package() -> None:
-    """Spawned children do not run conftest: register the repo as package ``carnator`` the same way."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
-
-
-_ensure_package()
+# Spawned children do not run conftest: they register the repo as package ``carnator`` here, the same way.
+register_package()
 
 WORKERS = 4
 PER_WORKER = 10

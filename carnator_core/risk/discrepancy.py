@@ -108,12 +108,6 @@ def _context_arrays(target: Signature, cand: Signature) -> tuple[np.ndarray, np.
     return t.reshape(-1, 3), c.reshape(-1, 3)
 
 
-def context_discrepancy(target: Signature, cand: Signature) -> float:
-    """Mean CIEDE2000 ΔE over the context grid cells (grids must have the same shape)."""
-    t, c = _context_arrays(target, cand)
-    return float(np.mean(deltaE_ciede2000(t, c))) if len(t) else 0.0
-
-
 def _object_pair(t: ObjectSignature, c: ObjectSignature) -> tuple[float, float]:
     """(size, shape) of a matched object pair; appearance is computed in one batched ΔE call by the caller."""
     mt = np.asarray(t.mask, dtype=np.float64)
