@@ -17,7 +17,7 @@ import folder_paths
 
 from ..carnator_core.risk.filter import MODES, decide_with_rule_file
 from ..carnator_core.risk.paths import PathNotAllowedError, resolve_confined
-from ..carnator_core.risk.pipeline import calibrate_rule_in_dirs
+from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
 from ._api import CANDIDATES, DECISION, PROBE, SIGNATURE, io
 from ._common import mark_advanced as _advanced  # advanced but required: the node's execute has no defaults
 
@@ -198,11 +198,10 @@ class CarnatorCalibrateRule(io.ComfyNode):
         search_similarity: bool,
         probe: Any = None,
     ) -> io.NodeOutput:
-        report = calibrate_rule_in_dirs(
-            pairs_file, pairs_roots(), rule_name, user_rules_dir(), probe=probe,
-            alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed, constraint=constraint,
-            search_similarity=search_similarity, command=f"CarnatorCalibrateRule(pairs_file={pairs_file!r})",
-        )
+        settings = CalibrationSettings(alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed, constraint=constraint,
+                                       search_similarity=search_similarity)
+        report = calibrate_rule_in_dirs(pairs_file, pairs_roots(), rule_name, user_rules_dir(), settings, probe=probe,
+                                        command=f"CarnatorCalibrateRule(pairs_file={pairs_file!r})")
         text = report.text()
         return io.NodeOutput(text, ui={"text": [text]})
 

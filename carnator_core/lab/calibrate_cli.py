@@ -50,7 +50,7 @@ import shlex
 import sys
 
 from ..risk.certify import CalibrationError, read_pairs_jsonl, split_pairs
-from ..risk.pipeline import calibrate_rule_file
+from ..risk.pipeline import CalibrationSettings, calibrate_rule_file
 from .plan import plan_calib_alpha
 
 
@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print("calibration failed: --out is required (where to write the rule JSON)", file=sys.stderr)
         return 2
     try:
-        report = calibrate_rule_file(
-            args.pairs,
-            args.out,
+        settings = CalibrationSettings(
             alpha=args.alpha,
             calib_alpha=args.calib_alpha,
             delta=args.delta,
@@ -114,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             constraint=args.constraint,
             levels=args.levels,
             search_similarity=args.search_similarity,
-            write_uncertified=args.write_uncertified,
-            command=command,
         )
+        report = calibrate_rule_file(args.pairs, args.out, settings, write_uncertified=args.write_uncertified,
+                                     command=command)
     except CalibrationError as e:
         print(f"calibration failed: {e}", file=sys.stderr)
         return 2
