@@ -25,12 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 import comfy.patcher_extension
 import comfy.sample
 import comfy.samplers
+import numpy as np
+import torch
 
 from .adapters import ArchAdapter, adapter_for
 from .sparse_attention import BlockRecorder, block_sparse_attention_bld, keep_for_layer

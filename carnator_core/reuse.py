@@ -19,7 +19,7 @@ Rejected decision -> plain dense resume (identical to KSampler).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np

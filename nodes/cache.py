@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-
 from ..carnator_core.cache import (
     POLICIES,
     CacheHandle,
@@ -178,8 +177,10 @@ class CarnatorCacheWriter(io.ComfyNode):
             inputs=[
                 CACHE.Input("cache", tooltip="The cache to write to (from Carnator Cache)."),
                 PROBE.Input("probe", tooltip="The probed request (from Carnator Early Probe)."),
-                SIGNATURE.Input("signature", tooltip="The request's Early Signature (from Carnator Signature Builder)."),
-                io.Latent.Input("latent", tooltip="The finished LATENT of this request (from the Joint Reuse Sampler)."),
+                SIGNATURE.Input("signature",
+                                tooltip="The request's Early Signature (from Carnator Signature Builder)."),
+                io.Latent.Input("latent",
+                                tooltip="The finished LATENT of this request (from the Joint Reuse Sampler)."),
                 REPORT.Input("report", optional=True,
                              tooltip="The sampler's run report: adds the recorded attention block structure."),
                 advanced(io.Boolean.Input("store_reused", default=False,

@@ -6,13 +6,9 @@ See docs/MODEL_CARD.md for the world, vocabulary and measured quality.
 """
 from __future__ import annotations
 
-import torch
-
+from ..carnator_core.embedded import comfy_glue, config
 from ._api import EMBEDDED_DECODER, TEXT_ENCODER, io
 from ._common import advanced
-
-from ..carnator_core.embedded import comfy_glue, config
-
 
 
 class CarnatorEmbeddedLoader(io.ComfyNode):
@@ -33,7 +29,8 @@ class CarnatorEmbeddedLoader(io.ComfyNode):
                 io.Model.Output(display_name="MODEL", tooltip="The denoiser, for the stock KSampler."),
                 TEXT_ENCODER.Output(display_name="TEXT_ENCODER",
                                    tooltip="The embedded world's text encoder (use Carnator Embedded Text Encode)."),
-                EMBEDDED_DECODER.Output(display_name="DECODER", tooltip="Latent-to-frames decoder (Carnator Embedded Decode)."),
+                EMBEDDED_DECODER.Output(display_name="DECODER",
+                                        tooltip="Latent-to-frames decoder (Carnator Embedded Decode)."),
             ],
         )
 
@@ -53,7 +50,8 @@ class CarnatorEmbeddedTextEncode(io.ComfyNode):
             description="Encodes a prompt for the embedded model. Unknown words are ignored with a warning.",
             inputs=[
                 TEXT_ENCODER.Input("text_encoder", tooltip="From Carnator Embedded Model Loader."),
-                io.String.Input("text", multiline=True, default="a big red ball moves to the right in the top left, on green grass",
+                io.String.Input("text", multiline=True,
+                                default="a big red ball moves to the right in the top left, on green grass",
                                 tooltip="Prompt in the embedded world's vocabulary (see docs/MODEL_CARD.md); "
                                         "leave empty for the negative/unconditional prompt."),
             ],

@@ -86,7 +86,8 @@ class CarnatorRiskFilter(io.ComfyNode):
                 )),
             ],
             outputs=[
-                DECISION.Output(display_name="decision", tooltip="Accepted entry (or none) with per-candidate reasons."),
+                DECISION.Output(display_name="decision",
+                                tooltip="Accepted entry (or none) with per-candidate reasons."),
                 io.String.Output(display_name="summary", tooltip="One-line human-readable verdict."),
             ],
         )
@@ -198,8 +199,8 @@ class CarnatorCalibrateRule(io.ComfyNode):
         search_similarity: bool,
         probe: Any = None,
     ) -> io.NodeOutput:
-        settings = CalibrationSettings(alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed, constraint=constraint,
-                                       search_similarity=search_similarity)
+        settings = CalibrationSettings(alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed,
+                                       constraint=constraint, search_similarity=search_similarity)
         report = calibrate_rule_in_dirs(pairs_file, pairs_roots(), rule_name, user_rules_dir(), settings, probe=probe,
                                         command=f"CarnatorCalibrateRule(pairs_file={pairs_file!r})")
         text = report.text()

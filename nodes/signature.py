@@ -1,12 +1,10 @@
 """Carnator Signature Builder node: Early Probe -> Early Signature (thin: validate, build config, one core call)."""
 from __future__ import annotations
 
-
 from ..carnator_core.signature import SignatureConfig, build_signature_timed, summarize
 from ..carnator_core.types import Probe
 from ._api import PROBE, SIGNATURE, io
 from ._common import advanced
-
 
 _DEFAULT = SignatureConfig()
 

@@ -26,7 +26,6 @@ certified risk level).
 from __future__ import annotations
 
 import argparse
-import copy
 import html
 import json
 import os
@@ -192,12 +191,14 @@ def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tup
     why = f"{SHIPPED_RULE.relative_to(ROOT)} not found (the certified rule for the embedded model)"
     if SHIPPED_RULE.exists():
         rule = json.loads(SHIPPED_RULE.read_text(encoding="utf-8"))
-        same = rule.get("model", {}).get("fingerprint") == model_fp and rule.get("config", {}).get("fingerprint") == config_fp
+        same = (rule.get("model", {}).get("fingerprint") == model_fp
+                and rule.get("config", {}).get("fingerprint") == config_fp)
         certified = bool(rule.get("certificate", {}).get("passed"))
         c = rule.get("certificate", {})
         if same and certified:
-            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} accepted, "
-                                            f"U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} (δ = {c['delta']})")
+            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} "
+                                            f"accepted, U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} "
+                                            f"(δ = {c['delta']})")
         if same:
             # The shipped rule is for these weights and this config but its certificate fails: use it, marked.
             return "embedded.json", True, (f"UNCERTIFIED shipped rule rules/embedded.json: {c.get('k')} unsafe of "
@@ -227,7 +228,8 @@ def fmt_row(row: dict[str, Any]) -> str:
     lat = row["latency_s"]
     act = row["active_fraction"]
     dec = str(row["decision"]).upper()
-    what = f"reuses {row['reused']}" if row["decision"] == "hit" else (f"stored {row['written']}" if row["written"] else "")
+    what = (f"reuses {row['reused']}" if row["decision"] == "hit"
+            else (f"stored {row['written']}" if row["written"] else ""))
     return (f"{row['rid']} {row['kind']:16s} {dec:5s} {what:24s} "
             f"active={'-' if act is None or row['decision'] != 'hit' else f'{act:.0%}':>4s} "
             f"compute={'-' if row['compute_fraction'] is None else format(row['compute_fraction'], '.0%'):>4s} "
@@ -320,7 +322,8 @@ def make_plots(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return names
 
 
-def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: list[str], info: dict[str, Any]) -> Path:
+def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: list[str],
+               info: dict[str, Any]) -> Path:
     by_entry = {r["written"]: r for r in rows if r.get("written")}
     e = html.escape
     banner = "" if not info["uncertified"] else (

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import shlex
 import sys
 import time
@@ -264,8 +263,12 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
 
 def evaluate_rule(rule_path: str, pairs_path: str) -> dict:
     """The rule's and prompt-only's outcome on a pairs file (the filter's per-request decision, certify.evaluate)."""
-    from carnator.carnator_core.risk.certify import (clopper_pearson_upper, evaluate, evaluate_prompt_only,
-                                                     read_pairs_jsonl)
+    from carnator.carnator_core.risk.certify import (
+        clopper_pearson_upper,
+        evaluate,
+        evaluate_prompt_only,
+        read_pairs_jsonl,
+    )
     from carnator.carnator_core.risk.rule import RiskRule
 
     rule = RiskRule.load(rule_path)

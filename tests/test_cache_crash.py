@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_cache_store import CFG, DIM, make_entry, open_store
 
 from carnator.carnator_core.types import namespace_key

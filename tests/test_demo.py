@@ -38,8 +38,8 @@ def test_workload_is_deterministic_and_disjoint():
 
 
 def test_workload_requests_are_valid_and_edits_change_one_attribute():
-    from carnator.carnator_core.lab.workload import Request, WorkloadSpec, build_workload, valid_scene
     from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.lab.workload import Request, WorkloadSpec, build_workload, valid_scene
 
     wl = build_workload(WorkloadSpec(n_warm=16, n_stream=32, seed=1))
     by_rid = {r.rid: r for r in wl.requests}

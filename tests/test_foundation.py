@@ -66,10 +66,10 @@ def test_no_absolute_machine_paths_in_repo():
 @pytest.mark.parametrize("name,model_cls,format_cls", [("wan21", "WAN21", "Wan21"), ("wan22", "WAN22", "Wan22"),
                                                        ("ltxv", "LTXV", "LTXV")])
 def test_tiny_models_are_detected_and_sample(comfy_env, tmp_path_factory, name, model_cls, format_cls):
+    import tiny_models as tm
     import torch
 
     import nodes as comfy_nodes
-    import tiny_models as tm
 
     m = tm.load_tiny_model(name, tmp_path_factory.mktemp("tiny"))
     assert type(m.model).__name__ == model_cls

@@ -3,8 +3,6 @@ untouched; bad input gets a clear error. Runs on tiny random-weight Wan 2.1 / Wa
 through ComfyUI's own detection."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 

@@ -44,8 +44,8 @@ def _plain_observed(tm, model, sampler: str) -> tuple[torch.Tensor, bool, bool]:
     """A plain KSampler run plus what it did: (latent, one model call per step at the schedule's sigmas, did the
     sampler add a post-CFG hook)."""
     import comfy.patcher_extension
-    import nodes as comfy_nodes
 
+    import nodes as comfy_nodes
     from carnator.carnator_core.comfy_patch import compute_sigmas
 
     seen = {"sigmas": [], "post_cfg": False}

@@ -46,7 +46,6 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_identical_request_reuse_reproduces_cached_output(emb):
     import nodes as comfy_nodes
-
     from carnator.carnator_core.embedded import checker, comfy_glue
 
     model, te, dec, config, store = emb

@@ -126,8 +126,8 @@ def test_rows_round_trip_and_resume(tmp_path):
     pairs.write_header(path, {"model_fingerprint": "m", "config_fingerprint": "c", "dataset": "t"})
     req = pairs.PairRequest("q0001", "a red ball", 5, "colour", "w0000")
     d = Discrepancies(1.0, 0.1, 0.2, 3.0)
-    out = pairs.RequestOutcome(req, None, (pairs.CandidateOutcome("abc", 0.9, d, True, True, {"broken": ["o0.colour"]}),),
-                               {"dense_s": 1.0}, 1.0)
+    cand = pairs.CandidateOutcome("abc", 0.9, d, True, True, {"broken": ["o0.colour"]})
+    out = pairs.RequestOutcome(req, None, (cand,), {"dense_s": 1.0}, 1.0)
     pairs.append_rows(path, pairs.outcome_rows(out, {"abc": "w0000"}))
     with path.open("a") as fh:
         fh.write('{"request_id": "q0002", "entr')  # a torn write from a crash
@@ -189,7 +189,8 @@ def test_shipped_rule_loads_and_matches_its_pairs():
     assert rule.arch == "embedded"
     assert rule.provenance["unsafe_definition"]
     digest = hashlib.sha256(PAIRS_PATH.read_bytes()).hexdigest()[:16]
-    assert rule.provenance["pairs_sha256"] == digest, "rules/embedded_pairs.jsonl is not the file the rule was made from"
+    assert rule.provenance["pairs_sha256"] == digest, \
+        "rules/embedded_pairs.jsonl is not the file the rule was made from"
 
 
 def test_shipped_rule_is_certified():

@@ -69,7 +69,6 @@ def _run(m, pos, neg, lat, probe, decision=None, sig=None, mode="dense", cached=
 @pytest.mark.parametrize("name", ["wan21", "wan22", "ltxv"])
 def test_dense_mode_node_equals_ksampler_and_inputs_untouched(env, name):
     import nodes as comfy_nodes
-
     from carnator.nodes.sampler import CarnatorJointReuseSampler
 
     tm, models = env
@@ -117,9 +116,7 @@ def test_partial_reuse_computes_fewer_tokens_and_keeps_inactive_tokens_cached(en
     moved = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
                       np.zeros((4, 4, 3), np.float32), probe.grid)
     cached = _cached(probe, {"samples": final}, rep)
-    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe,
-                          Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
-                                    np.zeros((4, 4, 3), np.float32), probe.grid), None)
+    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe, moved, None)
     from carnator.carnator_core import reuse
 
     target_sig = Signature((ObjectSignature("ball", np.roll(mask, 1, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
@@ -177,12 +174,14 @@ def test_model_unchanged_after_reuse_runs(env):
     tm, models = env
     m = models["wan21"]
     pos, neg = tm.conditioning("wan21")
-    before = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg, tm.empty_latent("wan21"))[0]["samples"]
+    before = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg,
+                                         tm.empty_latent("wan21"))[0]["samples"]
     probe, pos, neg, lat = _probe(m, tm, "wan21", seed=9)
     final, rep = _run(m, pos, neg, lat, probe)
     sig = _signature(probe)
     _run(m, pos, neg, lat, probe, _accept(sig), sig, "attention", _cached(probe, {"samples": final}, rep))
-    after = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg, tm.empty_latent("wan21"))[0]["samples"]
+    after = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg,
+                                        tm.empty_latent("wan21"))[0]["samples"]
     assert torch.equal(before, after)
     assert "patches_replace" not in m.model_options.get("transformer_options", {})
 
@@ -196,9 +195,9 @@ def test_composes_with_core_easycache(env, caplog):
     import logging
     import re
 
-    import nodes as comfy_nodes
     from comfy_extras.nodes_easycache import EasyCacheNode
 
+    import nodes as comfy_nodes
     from carnator.carnator_core import reuse
     from carnator.carnator_core.signature import build_signature
 
@@ -276,8 +275,8 @@ def test_joint_never_computes_more_than_latent_only(env):
     mask[:, : H // 2, : W // 2] = 1.0
     sig = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
                     np.zeros((4, 4, 3), np.float32), probe.grid)
-    target = Signature((ObjectSignature("ball", np.roll(mask, W // 2, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
-                       np.zeros((4, 4, 3), np.float32), probe.grid)
+    moved = ObjectSignature("ball", np.roll(mask, W // 2, axis=2), float(mask.mean()), (50.0, 10.0, 10.0))
+    target = Signature((moved,), np.zeros((4, 4, 3), np.float32), probe.grid)
     cached = reuse.CachedRun("entry-1", final[0], probe.x0_probe, sig, rep.block_structure)
     reports = {}
     for mode in ("latent", "joint"):

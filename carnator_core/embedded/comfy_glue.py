@@ -229,7 +229,6 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
     if probe_step is not None:
         maps: list[torch.Tensor] = []
         state = {"layer": 0}
-        grid = config.TOKEN_GRID
 
         def attn_override(func, *args, **kwargs):  # noqa: ANN001 (ComfyUI's override signature)
             q, k = args[0], args[1]

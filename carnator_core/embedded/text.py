@@ -13,7 +13,8 @@ contextual language model would do (which colour belongs to which shape); the de
 projection (WanModel.text_embedding) stays at its seeded random initialisation (``train.py
 --freeze-text-embedding``, since the v2 weights: trained, its GELU died for every word that was not useful
 early, which silenced size, position and motion words; see docs/MODEL_CARD.md). Tokens are packed in word
-order and zero-padded to ``TEXT_LEN`` (the empty prompt is all zeros: the unconditional input used for classifier-free guidance).
+order and zero-padded to ``TEXT_LEN`` (the empty prompt is all zeros: the unconditional input used for
+classifier-free guidance).
 
 Unknown words are ignored with a ``UserWarning`` (they get no token); words past ``TEXT_LEN`` tokens are
 dropped with a warning. Torch/numpy only; no ComfyUI.

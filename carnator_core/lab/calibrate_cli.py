@@ -127,7 +127,8 @@ def _plan(args: argparse.Namespace) -> int:
         try:
             levels = [float(a) for a in args.plan.split(",") if a.strip()]
         except ValueError:
-            raise CalibrationError(f"--plan takes comma-separated levels like 0.05,0.03,0.02, got {args.plan!r}") from None
+            raise CalibrationError(
+                f"--plan takes comma-separated levels like 0.05,0.03,0.02, got {args.plan!r}") from None
         _, pairs = read_pairs_jsonl(args.pairs)
         if pairs and all(p.split == "calib" for p in pairs):  # planning before certification data exist
             calib, cert = list(pairs), []

@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..types import Decision
 from ..risk.certify import LabelledPair
 from ..risk.discrepancy import discrepancies
+from ..types import Decision
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -302,7 +302,8 @@ class ToleranceLabeler:
         if self.metric == "psnr":
             return (f"decoded joint-reuse output vs the dense output of the same request: PSNR over all pixels "
                     f"< {self.threshold:g} dB")
-        return f"decoded joint-reuse output vs the dense output of the same request: mean per-frame SSIM < {self.threshold:g}"
+        return ("decoded joint-reuse output vs the dense output of the same request: mean per-frame SSIM < "
+                f"{self.threshold:g}")
 
     def reference(self, dense_clip: np.ndarray, prompt: str) -> np.ndarray:
         return np.asarray(dense_clip)
@@ -705,7 +706,8 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
 
 
 __all__ = [
-    "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler", "PairContext", "PairRequest",
+    "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler",
+    "PairContext", "PairRequest",
     "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
     "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
     "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",

@@ -32,7 +32,8 @@ from .rule import RiskRule, RuleError, RuleFormatError, RuleMismatchError, Uncer
 from .thresholds import Thresholds
 
 __all__ = [
-    "AXES", "MODES", "CalibrationError", "CalibrationReport", "CalibrationSettings", "Certificate", "Discrepancies", "Evaluation",
+    "AXES", "MODES", "CalibrationError", "CalibrationReport", "CalibrationSettings", "Certificate", "Discrepancies",
+    "Evaluation",
     "LabelledPair", "ObjectDiscrepancy", "PathNotAllowedError", "RiskRule", "RuleError", "RuleFormatError",
     "RuleMismatchError", "SignatureMismatchError", "Thresholds", "UncertifiedRuleError", "calibrate",
     "calibrate_prompt_only", "calibrate_rule", "calibrate_rule_file", "clopper_pearson_upper", "decide",

@@ -127,7 +127,8 @@ class LabelledPair:
     def from_discrepancies(
         cls, request_id: str, entry_id: str, similarity: float, d: Discrepancies, unsafe: bool, split: str | None = None
     ) -> "LabelledPair":
-        return cls(request_id, entry_id, float(similarity), *d.vector(), missing=d.missing, unsafe=bool(unsafe), split=split)
+        return cls(request_id, entry_id, float(similarity), *d.vector(), missing=d.missing, unsafe=bool(unsafe),
+                   split=split)
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -172,7 +173,8 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
     split = row.get("split")
     if split is not None:
         if not isinstance(split, str) or split.lower() not in CALIB_SPLITS + CERT_SPLITS:
-            raise CalibrationError(f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
+            raise CalibrationError(
+                f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
         split = "calib" if split.lower() in CALIB_SPLITS else "cert"
     return LabelledPair(
         request_id=str(row["request_id"]),
@@ -208,7 +210,8 @@ def read_pairs_jsonl(path: str | Path) -> tuple[dict[str, Any], list[LabelledPai
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise CalibrationError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise CalibrationError(
+                    f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             if isinstance(row, dict) and row.get("type") == "header":
                 if header or pairs:
                     raise CalibrationError(f"{where}: a header row must be the first row, and only one is allowed")
@@ -216,7 +219,8 @@ def read_pairs_jsonl(path: str | Path) -> tuple[dict[str, Any], list[LabelledPai
                 continue
             p = pair_from_row(row, where)
             if (p.request_id, p.entry_id) in seen:
-                raise CalibrationError(f"{where}: duplicate pair (request_id={p.request_id!r}, entry_id={p.entry_id!r})")
+                raise CalibrationError(
+                    f"{where}: duplicate pair (request_id={p.request_id!r}, entry_id={p.entry_id!r})")
             seen.add((p.request_id, p.entry_id))
             pairs.append(p)
     if not pairs:
@@ -510,7 +514,8 @@ def calibrate(
 
 
 def calibrate_prompt_only(
-    pairs: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1, *, constraint: Constraint = "bound", levels: int = 50
+    pairs: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1, *, constraint: Constraint = "bound",
+    levels: int = 50
 ) -> tuple[float, Evaluation]:
     """Calibrate the prompt-only (NIRVANA-style) similarity threshold under the same constraint, for comparison.
 
@@ -582,7 +587,8 @@ class Certificate:
         )
 
 
-def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1) -> Certificate:
+def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: float = 0.05,
+            delta: float = 0.1) -> Certificate:
     """Apply fixed thresholds to the certification split and bound the unsafe rate among accepted reuses."""
     _check_alpha_delta(alpha, delta)
     ev = evaluate(thresholds, pairs_cert)

@@ -16,9 +16,9 @@ from typing import Any, Mapping, Sequence
 from .. import __version__
 from ..types import GenConfig
 from .certify import (
+    Calibration,
     CalibrationError,
     Certificate,
-    Calibration,
     Constraint,
     LabelledPair,
     calibrate,

@@ -88,7 +88,8 @@ class RiskRule:
             bits.append(f"arch {self.arch}")
         bits.append(f"config {self.config_fingerprint}")
         if cfg:
-            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps") if k in cfg}
+            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps")
+                     if k in cfg}
             bits.append(str(shown))
         return ", ".join(bits)
 
@@ -151,7 +152,8 @@ class RiskRule:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
         tmp.replace(path)
         return path
 
@@ -198,10 +200,12 @@ class RiskRule:
                 f"for k={c['k']}, n={c['n']}, δ={c['delta']} (edited by hand or corrupted)"
             )
         cert = Certificate(
-            n=c["n"], k=c["k"], upper_bound=expect, alpha=float(c["alpha"]), delta=float(c["delta"]), n_requests=c["n_requests"]
+            n=c["n"], k=c["k"], upper_bound=expect, alpha=float(c["alpha"]), delta=float(c["delta"]),
+            n_requests=c["n_requests"]
         )
         if "passed" in c and bool(c["passed"]) != cert.passed:
-            raise bad(f"certificate.passed is {c['passed']} but U = {expect:.4f} vs α = {cert.alpha} says {cert.passed}")
+            raise bad(
+                f"certificate.passed is {c['passed']} but U = {expect:.4f} vs α = {cert.alpha} says {cert.passed}")
 
         model, config = data["model"], data["config"]
         for sec, name in ((model, "model"), (config, "config")):
