@@ -1,4 +1,4 @@
-"""The Signature Builder: an Early Probe -> the request's Early Signature (DESIGN.md §3).
+"""The Signature Builder: an Early Probe -> the request's Early Signature.
 
 Per object (one per ``probe.objects`` entry, in that order):
 

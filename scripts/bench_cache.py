@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Cache store benchmarks (issue 4): retrieval latency/recall at scale and write-path cost per entry.
+"""Cache store benchmarks: retrieval latency/recall at scale and write-path cost per entry.
 
 Run from the repository root with the host python, e.g.::
 

@@ -1,4 +1,4 @@
-"""Joint Reuse Sampler speed, side by side in one process (issue 5 benchmark; not a test).
+"""Joint Reuse Sampler speed, side by side in one process (a benchmark, not a test).
 
 Builds a random-weight ComfyUI WanModel (saved and loaded back through ComfyUI's detection) at a realistic
 token count, runs one dense request (which records the attention block structure), then serves a second

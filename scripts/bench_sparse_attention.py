@@ -1,4 +1,4 @@
-"""Benchmark block-sparse attention and block-structure recording on the CPU (issue 5).
+"""Benchmark block-sparse attention and block-structure recording on the CPU.
 
 Everything is measured side by side in one process: a warm-up round, then ``--repeats`` rounds in which every
 variant runs once (round-robin, so load from other processes hits all variants alike); the median and minimum

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark in the layout of the seed's Table 1, on the embedded model (issue 8).
+"""Serving benchmark in the layout of the seed's Table 1, on the embedded model.
 
     .host/venv/bin/python scripts/bench_table1.py --warm 24 --stream 24 --json artifacts/table1.json \
         --md artifacts/table1.md

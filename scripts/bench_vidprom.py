@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""VidProM retrieval workload (issue 8): real prompts, a real text embedding, the cache's own FAISS index.
+"""VidProM retrieval workload: real prompts, a real text embedding, the cache's own FAISS index.
 
     .host/venv/bin/python scripts/bench_vidprom.py --json artifacts/vidprom.json --md artifacts/vidprom.md
 

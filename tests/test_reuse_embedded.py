@@ -1,4 +1,4 @@
-"""Joint reuse semantics on the embedded model (issue 5 tests): identical-request reuse reproduces the cached
+"""Joint reuse semantics on the embedded model: identical-request reuse reproduces the cached
 output; reuse accepted by the shipped certified rule passes the pixel checker at least as often as dense
 generation of the same requests, minus 2 points; the input MODEL is unchanged after reuse runs."""
 from __future__ import annotations

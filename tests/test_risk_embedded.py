@@ -10,7 +10,7 @@ drawn with a seed the calibration never used — the shipped rule's unsafe rate 
 filter (NIRVANA-style, threshold calibrated the same way, from the rule's ``comparison`` section) is measured
 on the same stream and reported next to it — not asserted to be worse, because on this model it is not (on 900
 fresh requests prompt-only measured 3.9 % unsafe against the rule's 4.66 %). Measured numbers: BENCHMARKS.md
-"Risk filter (issue 6)".
+"Risk filter".
 """
 from __future__ import annotations
 

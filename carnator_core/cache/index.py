@@ -10,7 +10,7 @@ Contract
 
   - ``flat``: ``IndexFlatIP`` on the full vectors: exact search. Its cost grows linearly with the entries
     (memory bound: every vector is read per query); ``flat_max`` = 4096 keeps it within the retrieval
-    budget at dim 4096 (measured numbers: BENCHMARKS.md, "Cache store (issue 4)").
+    budget at dim 4096 (measured numbers: BENCHMARKS.md, "Cache store").
   - ``pca-ivf``: a PCA projection to ``reduced_dim`` dimensions (fitted on a sample of the entries, randomized
     SVD in numpy) followed by ``IndexIVFFlat`` (L2 in the reduced space: for unit vectors
     ``|x - q|^2 = 2 - 2 cos``, and PCA centring preserves L2 but not inner products). The IVF returns

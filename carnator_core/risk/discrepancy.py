@@ -1,4 +1,4 @@
-"""The four discrepancies between a target Early Signature and a candidate's (DESIGN.md §3).
+"""The four discrepancies between a target Early Signature and a candidate's (docs/ARCHITECTURE.md, step 5).
 
 Contract of :func:`discrepancies` (pure, deterministic, never modifies its inputs):
 
