@@ -32,11 +32,16 @@ def env(comfy_env, tmp_path_factory):
 
 
 def _samplers() -> list[str]:
+    """Every sampler name the host's KSampler offers (read at collection: the parameters are the host's list)."""
     from conftest import ensure_comfy_importable
 
-    ensure_comfy_importable()
-    import comfy.samplers
-
+    try:
+        ensure_comfy_importable()
+        import comfy.samplers
+    except Exception as e:
+        # No host: one case that then fails in the comfy_env fixture, rather than a collection error that would
+        # stop every other test of the suite.
+        return [f"<ComfyUI not importable: {type(e).__name__}>"]
     return list(comfy.samplers.KSampler.SAMPLERS)
 
 
