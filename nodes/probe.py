@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import comfy.samplers
 import comfy.utils
-from comfy_api.latest import io
 
 from ..carnator_core.probe import ProbeConfig, objects_for, run_probe
+from ._api import PROBE, TEXT_ENCODER, io
 from ._common import advanced, parse_int_list
 
-PROBE = io.Custom("CARNATOR_PROBE")
-TEXT_ENCODER = io.Custom("CARNATOR_TEXT_ENCODER")
 
 
 

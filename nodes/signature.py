@@ -1,14 +1,10 @@
 """Carnator Signature Builder node: Early Probe -> Early Signature (thin: validate, build config, one core call)."""
 from __future__ import annotations
 
-from comfy_api.latest import io
-
 from ..carnator_core.signature import SignatureConfig, build_signature_timed, summarize
 from ..carnator_core.types import Probe
+from ._api import PROBE, SIGNATURE, io
 from ._common import advanced
-
-PROBE = io.Custom("CARNATOR_PROBE")
-SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
 
 _DEFAULT = SignatureConfig()
 

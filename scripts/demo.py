@@ -5,7 +5,7 @@ What it does, from a fresh clone (``make demo`` sets up the local ComfyUI host f
 
 1. starts a real ComfyUI server (``tests/harness_server.py``: ``main.py --cpu`` on a free loopback port, with its
    own temporary base directory and Carnator linked into ``custom_nodes``) and lists the Carnator nodes it loaded;
-2. warms a Carnator cache: the warm set of the embedded-world workload (``carnator_core/bench/workload.py``) goes
+2. warms a Carnator cache: the warm set of the embedded-world workload (``carnator_core/lab/workload.py``) goes
    through ``POST /prompt`` as the ``workflows/api/embedded_warm_cache.json`` graph (Early Probe -> dense Joint
    Reuse Sampler with attention-structure recording -> Cache Writer -> decode -> SaveAnimatedWEBP);
 3. serves the stream through ``POST /prompt`` as the ``workflows/api/embedded.json`` graph (probe -> signature ->
@@ -51,7 +51,7 @@ register_package()
 from api_client import ComfyClient, set_request  # noqa: E402
 from harness_server import ComfyServer  # noqa: E402
 
-from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 WARM_WORKFLOW = ROOT / "workflows" / "api" / "embedded_warm_cache.json"
 STREAM_WORKFLOW = ROOT / "workflows" / "api" / "embedded.json"
@@ -223,12 +223,14 @@ def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tup
     why = f"{SHIPPED_RULE.relative_to(ROOT)} not found (the certified rule for the embedded model)"
     if SHIPPED_RULE.exists():
         rule = json.loads(SHIPPED_RULE.read_text(encoding="utf-8"))
-        same = rule.get("model", {}).get("fingerprint") == model_fp and rule.get("config", {}).get("fingerprint") == config_fp
+        same = (rule.get("model", {}).get("fingerprint") == model_fp
+                and rule.get("config", {}).get("fingerprint") == config_fp)
         certified = bool(rule.get("certificate", {}).get("passed"))
         c = rule.get("certificate", {})
         if same and certified:
-            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} accepted, "
-                                            f"U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} (δ = {c['delta']})")
+            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} "
+                                            f"accepted, U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} "
+                                            f"(δ = {c['delta']})")
         if same:
             # The shipped rule is for these weights and this config but its certificate fails: use it, marked.
             return "embedded.json", True, (f"UNCERTIFIED shipped rule rules/embedded.json: {c.get('k')} unsafe of "
@@ -258,7 +260,8 @@ def fmt_row(row: dict[str, Any]) -> str:
     lat = row["latency_s"]
     act = row["active_fraction"]
     dec = str(row["decision"]).upper()
-    what = f"reuses {row['reused']}" if row["decision"] == "hit" else (f"stored {row['written']}" if row["written"] else "")
+    what = (f"reuses {row['reused']}" if row["decision"] == "hit"
+            else (f"stored {row['written']}" if row["written"] else ""))
     return (f"{row['rid']} {row['kind']:16s} {dec:5s} {what:24s} "
             f"active={'-' if act is None or row['decision'] != 'hit' else f'{act:.0%}':>4s} "
             f"compute={'-' if row['compute_fraction'] is None else format(row['compute_fraction'], '.0%'):>4s} "
@@ -362,7 +365,8 @@ def make_plots(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return names
 
 
-def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: list[str], info: dict[str, Any]) -> Path:
+def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: list[str],
+               info: dict[str, Any]) -> Path:
     by_entry = {r["written"]: r for r in rows if r.get("written")}
     e = html.escape
     banner = "" if not info["uncertified"] else (

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------ workload (core)
 def test_workload_is_deterministic_and_disjoint():
-    from carnator.carnator_core.bench.workload import WorkloadSpec, build_workload, describe
+    from carnator.carnator_core.lab.workload import WorkloadSpec, build_workload, describe
 
     spec = WorkloadSpec(n_warm=12, n_stream=20, seed=3)
     a, b = build_workload(spec), build_workload(spec)
@@ -38,8 +38,8 @@ def test_workload_is_deterministic_and_disjoint():
 
 
 def test_workload_requests_are_valid_and_edits_change_one_attribute():
-    from carnator.carnator_core.bench.workload import Request, WorkloadSpec, build_workload, valid_scene
     from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.lab.workload import Request, WorkloadSpec, build_workload, valid_scene
 
     wl = build_workload(WorkloadSpec(n_warm=16, n_stream=32, seed=1))
     by_rid = {r.rid: r for r in wl.requests}
@@ -74,7 +74,7 @@ def test_workload_requests_are_valid_and_edits_change_one_attribute():
 
 
 def test_workload_popularity_is_heavy_tailed():
-    from carnator.carnator_core.bench.workload import WorkloadSpec, build_workload, describe, zipf_probs
+    from carnator.carnator_core.lab.workload import WorkloadSpec, build_workload, describe, zipf_probs
 
     p = zipf_probs(16, 1.1)
     assert abs(p.sum() - 1) < 1e-12 and p[0] > 5 * p[-1]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import beta
 
+from carnator.carnator_core.lab.synthetic import synthetic_pairs
 from carnator.carnator_core.risk.certify import (
     CalibrationError,
     LabelledPair,
@@ -23,9 +24,7 @@ from carnator.carnator_core.risk.certify import (
     split_pairs,
     write_pairs_jsonl,
 )
-from carnator.carnator_core.risk.synthetic import synthetic_pairs
 from carnator.carnator_core.risk.thresholds import Thresholds
-
 
 # ----------------------------------------------------------------------------------------- the bound
 
@@ -37,7 +36,8 @@ def test_seed_reference_value():
 
 @pytest.mark.parametrize(
     "k,n,delta",
-    [(0, 1, 0.1), (0, 10, 0.05), (1, 50, 0.1), (3, 70, 0.1), (5, 100, 0.05), (10, 200, 0.01), (49, 50, 0.1), (7, 9, 0.3)],
+    [(0, 1, 0.1), (0, 10, 0.05), (1, 50, 0.1), (3, 70, 0.1), (5, 100, 0.05), (10, 200, 0.01), (49, 50, 0.1),
+     (7, 9, 0.3)],
 )
 def test_bound_matches_scipy(k, n, delta):
     assert clopper_pearson_upper(k, n, delta) == pytest.approx(beta.ppf(1 - delta, k + 1, n - k), rel=1e-12)
@@ -257,7 +257,8 @@ def test_pairs_jsonl_round_trip_and_errors(tmp_path):
 
     good = json.dumps(pairs[0].to_row())
     bad(["{not json"], r"bad.jsonl:1: not valid JSON")
-    bad([good, json.dumps({**pairs[1].to_row(), "unsafe": "yes"})], r"bad.jsonl:2: field 'unsafe' must be true or false")
+    bad([good, json.dumps({**pairs[1].to_row(), "unsafe": "yes"})],
+        r"bad.jsonl:2: field 'unsafe' must be true or false")
     bad([json.dumps({**pairs[0].to_row(), "shape": -1})], r"'shape' must be a finite number ≥ 0")
     bad([json.dumps({k: v for k, v in pairs[0].to_row().items() if k != "context"})], r"missing field 'context'")
     bad([good, good], "duplicate pair")

@@ -35,8 +35,7 @@ import math
 import numpy as np
 from scipy.optimize import minimize_scalar
 from scipy.special import gammaln
-from scipy.stats import beta as _beta
-from scipy.stats import norm as _norm
+from scipy.stats import beta as _beta, norm as _norm
 
 __all__ = [
     "clopper_pearson_upper",

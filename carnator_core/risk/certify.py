@@ -136,7 +136,8 @@ class LabelledPair:
     def from_discrepancies(
         cls, request_id: str, entry_id: str, similarity: float, d: Discrepancies, unsafe: bool, split: str | None = None
     ) -> "LabelledPair":
-        return cls(request_id, entry_id, float(similarity), *d.vector(), missing=d.missing, unsafe=bool(unsafe), split=split)
+        return cls(request_id, entry_id, float(similarity), *d.vector(), missing=d.missing, unsafe=bool(unsafe),
+                   split=split)
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -185,7 +186,8 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
     split = row.get("split")
     if split is not None:
         if not isinstance(split, str) or split.lower() not in CALIB_SPLITS + CERT_SPLITS:
-            raise CalibrationError(f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
+            raise CalibrationError(
+                f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
         split = "calib" if split.lower() in CALIB_SPLITS else "cert"
     better = _flag(row, "better", where) if "better" in row else False
     unsafe = _flag(row, "unsafe", where)
@@ -231,7 +233,8 @@ def read_pairs_jsonl(path: str | Path) -> tuple[dict[str, Any], list[LabelledPai
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise CalibrationError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise CalibrationError(
+                    f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             if isinstance(row, dict) and row.get("type") == "header":
                 if header or pairs:
                     raise CalibrationError(f"{where}: a header row must be the first row, and only one is allowed")
@@ -239,7 +242,8 @@ def read_pairs_jsonl(path: str | Path) -> tuple[dict[str, Any], list[LabelledPai
                 continue
             p = pair_from_row(row, where)
             if (p.request_id, p.entry_id) in seen:
-                raise CalibrationError(f"{where}: duplicate pair (request_id={p.request_id!r}, entry_id={p.entry_id!r})")
+                raise CalibrationError(
+                    f"{where}: duplicate pair (request_id={p.request_id!r}, entry_id={p.entry_id!r})")
             seen.add((p.request_id, p.entry_id))
             pairs.append(p)
     if not pairs:
@@ -667,7 +671,8 @@ class Certificate:
             raise ValueError(f"{where}.label must be one of {LABELS}, got {label!r}")
         k, n, nreq, cc = c["k"], c["n"], c["n_requests"], int(c.get("c", 0))
         if not (k + cc <= n <= nreq):
-            raise ValueError(f"{where} needs k ≤ n ≤ n_requests and k + c ≤ n, got k={k}, c={cc}, n={n}, n_requests={nreq}")
+            raise ValueError(f"{where} needs k ≤ n ≤ n_requests and k + c ≤ n, got k={k}, c={cc}, n={n}, "
+                             f"n_requests={nreq}")
         if not (0 < c["alpha"] < 1 and 0 < c["delta"] < 1):
             raise ValueError(f"{where} α and δ must be in (0, 1), got α={c['alpha']}, δ={c['delta']}")
         expect = certificate_bound(label, n, k, cc, c["delta"])

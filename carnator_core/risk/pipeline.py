@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .. import __version__
 from ..types import GenConfig
 from .certify import (
+    Calibration,
     CalibrationError,
     Certificate,
-    Calibration,
     Constraint,
     LabelledPair,
     calibrate,
@@ -30,6 +30,34 @@ from .certify import (
     split_pairs,
 )
 from .rule import RiskRule
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How a rule is calibrated and certified (what the CLI's flags and the Calibrate node's widgets set).
+
+    alpha, delta:     the certificate: the unsafe-rate bound α, holding with probability ≥ 1 − δ.
+    calib_alpha:      the level the threshold search targets on the calibration split (None: ``alpha``; a
+                      smaller one leaves room for certification traffic riskier than calibration traffic).
+    calib_frac, seed: the seeded split of requests into calibration and certification (unless the pairs carry
+                      their own split field).
+    constraint:       "bound" (calibration split's own Clopper–Pearson bound ≤ α) or "empirical" (rate ≤ α).
+    levels:           candidate values per threshold axis in the search.
+    search_similarity: also search a minimum prompt similarity as a fifth threshold.
+    model_fingerprint, config_fingerprint: what the rule certifies; None: from the pairs file's header (when
+                      both are given they must agree).
+    """
+
+    alpha: float = 0.05
+    delta: float = 0.1
+    calib_alpha: float | None = None
+    calib_frac: float = 0.5
+    seed: int = 0
+    constraint: Constraint = "bound"
+    levels: int = 12
+    search_similarity: bool = False
+    model_fingerprint: str | None = None
+    config_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,28 +140,22 @@ def _resolve_fingerprints(
 def calibrate_rule(
     pairs: Sequence[LabelledPair],
     header: Mapping[str, Any] | None = None,
+    settings: CalibrationSettings = CalibrationSettings(),
     *,
-    alpha: float = 0.05,
-    delta: float = 0.1,
-    calib_frac: float = 0.5,
-    seed: int = 0,
-    model_fingerprint: str | None = None,
-    config_fingerprint: str | None = None,
-    constraint: Constraint = "bound",
-    levels: int = 12,
-    search_similarity: bool = False,
     provenance: Mapping[str, Any] | None = None,
-    calib_alpha: float | None = None,
 ) -> tuple[RiskRule, Calibration]:
     """Split, calibrate, certify; return the rule (certified or not — check ``rule.certificate.passed``).
 
-    ``calib_alpha`` (default: ``alpha``) is the risk level the threshold search targets on the calibration
-    split; the certificate is always computed at ``alpha``. A smaller ``calib_alpha`` leaves room for the
-    certification traffic to be riskier than the calibration traffic (requests served from different caches
+    ``settings.calib_alpha`` (default: ``alpha``) is the risk level the threshold search targets on the
+    calibration split; the certificate is always computed at ``alpha``. A smaller ``calib_alpha`` leaves room for
+    the certification traffic to be riskier than the calibration traffic (requests served from different caches
     differ: docs/CALIBRATION.md).
     """
+    s = settings
+    alpha, delta, calib_alpha, calib_frac, seed = s.alpha, s.delta, s.calib_alpha, s.calib_frac, s.seed
+    constraint, levels, search_similarity = s.constraint, s.levels, s.search_similarity
     header = dict(header or {})
-    model_fp, config_fp, arch, meta = _resolve_fingerprints(header, model_fingerprint, config_fingerprint)
+    model_fp, config_fp, arch, meta = _resolve_fingerprints(header, s.model_fingerprint, s.config_fingerprint)
     if calib_alpha is None:
         calib_alpha = alpha
     if not 0.0 < calib_alpha <= alpha:
@@ -205,17 +227,8 @@ def _file_digest(path: Path) -> str:
 def calibrate_rule_file(
     pairs_path: str | Path,
     out_path: str | Path,
+    settings: CalibrationSettings = CalibrationSettings(),
     *,
-    alpha: float = 0.05,
-    delta: float = 0.1,
-    calib_frac: float = 0.5,
-    seed: int = 0,
-    model_fingerprint: str | None = None,
-    config_fingerprint: str | None = None,
-    constraint: Constraint = "bound",
-    levels: int = 12,
-    search_similarity: bool = False,
-    calib_alpha: float | None = None,
     write_uncertified: bool = False,
     command: str = "",
 ) -> CalibrationReport:
@@ -224,18 +237,7 @@ def calibrate_rule_file(
     pairs_path = Path(pairs_path)
     header, pairs = read_pairs_jsonl(pairs_path)
     rule, cal = calibrate_rule(
-        pairs,
-        header,
-        alpha=alpha,
-        delta=delta,
-        calib_frac=calib_frac,
-        seed=seed,
-        model_fingerprint=model_fingerprint,
-        config_fingerprint=config_fingerprint,
-        constraint=constraint,
-        levels=levels,
-        search_similarity=search_similarity,
-        calib_alpha=calib_alpha,
+        pairs, header, settings,
         provenance={"pairs_file": pairs_path.name, "pairs_sha256": _file_digest(pairs_path), "command": command},
     )
     written = None
@@ -249,13 +251,14 @@ def calibrate_rule_in_dirs(
     pairs_roots: Sequence[str | Path],
     rule_name: str,
     rules_dir: str | Path,
+    settings: CalibrationSettings = CalibrationSettings(),
     *,
     probe: Any = None,
-    **kwargs: Any,
+    command: str = "",
 ) -> CalibrationReport:
     """What the Calibrate Rule node runs: resolve the pairs file inside ``pairs_roots`` and the output name
     inside ``rules_dir`` (no escaping either), take fingerprints from ``probe`` if given, then
-    :func:`calibrate_rule_file` (``kwargs`` are passed on)."""
+    :func:`calibrate_rule_file`."""
     from .filter import probe_fingerprints
     from .paths import resolve_confined
 
@@ -264,5 +267,6 @@ def calibrate_rule_in_dirs(
     name = name if name.endswith(".json") else name + ".json"
     out = resolve_confined(name, [rules_dir], must_exist=False, what="rule file")
     if probe is not None:
-        kwargs["model_fingerprint"], kwargs["config_fingerprint"] = probe_fingerprints(probe)
-    return calibrate_rule_file(pairs, out, **kwargs)
+        model_fp, config_fp = probe_fingerprints(probe)
+        settings = replace(settings, model_fingerprint=model_fp, config_fingerprint=config_fp)
+    return calibrate_rule_file(pairs, out, settings, command=command)

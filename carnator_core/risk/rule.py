@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 #: How to make a rule, quoted in every refusal so the user knows the way out.
 CALIBRATE_HINT = (
     "Calibrate a rule for this model and config: write labelled pairs (docs/CALIBRATION.md), then run "
-    "`python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
+    "`python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
     "folder (or use the 'Carnator Calibrate Rule' node)."
 )
 
@@ -87,7 +87,8 @@ class RiskRule:
             bits.append(f"arch {self.arch}")
         bits.append(f"config {self.config_fingerprint}")
         if cfg:
-            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps") if k in cfg}
+            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps")
+                     if k in cfg}
             bits.append(str(shown))
         return ", ".join(bits)
 
@@ -149,7 +150,8 @@ class RiskRule:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
         tmp.replace(path)
         return path
 
