@@ -191,3 +191,28 @@ def test_cli_plan_errors(tmp_path, capsys):
     assert "give --cert-requests" in capsys.readouterr().err
     assert main(["--pairs", str(only_calib), "--plan", "0.05", "--cert-requests", "100", "--levels", "4"]) == 0
     assert "2 folds" in capsys.readouterr().out
+
+
+def test_cli_certifies_the_excess_label_with_a_required_stratum(tmp_path, capsys):
+    # the same synthetic pairs, with the dense output failing too on some requests: half of each request's
+    # "unsafe" labels become concordant failures, and some safe ones become "better" (reuse fixed a dense failure)
+    rows = []
+    for i, p in enumerate(synthetic_pairs(400, seed=11)):
+        stratum = "1obj" if i % 3 else "2obj"
+        better = (not p.unsafe) and i % 17 == 0
+        rows.append(p.__class__(**{**p.__dict__, "better": better, "stratum": stratum}))
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, rows, header=HEADER)
+    out = tmp_path / "r.json"
+    rc = main(["--pairs", str(pairs), "--out", str(out), "--label", "excess", "--require-stratum", "1obj"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "label excess" in text and "excess failure (b − c)/n" in text
+    rule = RiskRule.load(out)
+    cert = rule.certificate
+    assert cert.label == "excess" and cert.c > 0 and cert.required_strata == ("1obj",)
+    assert set(cert.strata) == {"1obj", "2obj"} and cert.strata["1obj"].passed
+    assert cert.unsafe_upper_bound >= cert.upper_bound  # b/n alone is never the easier bound here
+    rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "x.json"), "--label", "excess",
+               "--require-stratum", "3obj"])
+    assert rc == 2 and "required strata ['3obj'] have no certification requests" in capsys.readouterr().err

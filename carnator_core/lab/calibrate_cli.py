@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "'empirical' = unsafe rate ≤ α with enough accepted pairs for a certificate to be possible",
     )
     p.add_argument("--levels", type=int, default=12, help="threshold levels searched per axis (12)")
+    p.add_argument("--label", choices=("unsafe", "excess"), default="unsafe",
+                   help="what is certified: 'unsafe' = b/n, reuse fails where dense passes (default, the first "
+                        "label); 'excess' = (b - c)/n, reuse charged only for failures it adds over the dense output "
+                        "of the same request (rows' 'better' field = c; docs/CALIBRATION.md)")
+    p.add_argument("--require-stratum", action="append", default=[], metavar="NAME",
+                   help="a stratum (rows' 'stratum' field) that must certify on its own; repeatable")
     p.add_argument("--search-similarity", action="store_true", help="also search a minimum prompt similarity")
     p.add_argument("--plan", default=None, metavar="A1,A2,...",
                    help="cross-validate these calibration levels on the calibration split, print which to use as "
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             constraint=args.constraint,
             levels=args.levels,
             search_similarity=args.search_similarity,
+            label=args.label,
+            required_strata=tuple(args.require_stratum),
         )
         report = calibrate_rule_file(args.pairs, args.out, settings, write_uncertified=args.write_uncertified,
                                      command=command)

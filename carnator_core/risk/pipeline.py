@@ -23,6 +23,7 @@ from .certify import (
     LabelledPair,
     calibrate,
     calibrate_prompt_only,
+    certificate_bound,
     certify,
     clopper_pearson_upper,
     evaluate_prompt_only,
@@ -46,6 +47,9 @@ class CalibrationSettings:
     search_similarity: also search a minimum prompt similarity as a fifth threshold.
     model_fingerprint, config_fingerprint: what the rule certifies; None: from the pairs file's header (when
                       both are given they must agree).
+    label:            what is certified (certify.LABELS): "unsafe" = b/n, "excess" = (b − c)/n
+                      (docs/CALIBRATION.md, "The excess label").
+    required_strata:  strata (the pairs' ``stratum`` field) that must each certify on their own.
     """
 
     alpha: float = 0.05
@@ -58,6 +62,8 @@ class CalibrationSettings:
     search_similarity: bool = False
     model_fingerprint: str | None = None
     config_fingerprint: str | None = None
+    label: str = "unsafe"
+    required_strata: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,9 @@ class CalibrationReport:
             "thresholds: "
             + ", ".join(f"{k}={v:.4g}" for k, v in th.to_dict().items() if v is not None)
             + ("" if th.min_similarity is not None else " (no min similarity)"),
-            f"calibration ({cal.constraint} constraint): {cal.evaluation.k_unsafe} unsafe of "
-            f"{cal.evaluation.n_accepted} accepted / {cal.evaluation.n_requests} requests "
+            f"calibration ({cal.constraint} constraint, label {cal.label}): {cal.evaluation.k_unsafe} unsafe"
+            + (f", {cal.evaluation.k_better} better" if cal.label == "excess" else "")
+            + f" of {cal.evaluation.n_accepted} accepted / {cal.evaluation.n_requests} requests "
             f"(coverage {cal.evaluation.coverage:.1%}), {cal.combinations} threshold settings searched",
             c.line(),
         ]
@@ -91,7 +98,8 @@ class CalibrationReport:
             pc = po["cert"]
             lines.append(
                 f"prompt-only baseline (threshold {po['threshold']:.4g}, calibrated the same way): "
-                f"{pc['k']} unsafe of {pc['n']} accepted (coverage {pc['coverage']:.1%}), U = {pc['upper_bound']:.4f}"
+                f"{pc['k']} unsafe" + (f", {pc['c']} better" if "c" in pc else "")
+                + f" of {pc['n']} accepted (coverage {pc['coverage']:.1%}), U = {pc['upper_bound']:.4f}"
             )
         elif isinstance(po, dict) and "error" in po:
             lines.append(f"prompt-only baseline: {po['error']}")
@@ -162,24 +170,24 @@ def calibrate_rule(
         raise CalibrationError(f"calib_alpha must be in (0, alpha={alpha}], got {calib_alpha}")
     calib, cert = split_pairs(pairs, calib_frac, seed)
     cal = calibrate(calib, calib_alpha, delta, constraint=constraint, levels=levels,
-                    search_similarity=search_similarity)
-    certificate = certify(cal.thresholds, cert, alpha, delta)
+                    search_similarity=search_similarity, label=s.label)
+    certificate = certify(cal.thresholds, cert, alpha, delta, label=s.label, required_strata=s.required_strata)
 
     comparison: dict[str, Any] = {}
     try:
-        pt, pcal = calibrate_prompt_only(calib, calib_alpha, delta, constraint=constraint)
+        pt, pcal = calibrate_prompt_only(calib, calib_alpha, delta, constraint=constraint, label=s.label)
         pev = evaluate_prompt_only(pt, cert)
-        comparison["prompt_only"] = {
-            "threshold": pt,
-            "calib": pcal.to_dict(),
-            "cert": {
-                "n": pev.n_accepted,
-                "k": pev.k_unsafe,
-                "coverage": pev.coverage,
-                "unsafe_rate": pev.unsafe_rate,
-                "upper_bound": clopper_pearson_upper(pev.k_unsafe, pev.n_accepted, delta),
-            },
+        pcert = {
+            "n": pev.n_accepted,
+            "k": pev.k_unsafe,
+            "coverage": pev.coverage,
+            "unsafe_rate": pev.unsafe_rate,
+            "upper_bound": certificate_bound(s.label, pev.n_accepted, pev.k_unsafe, pev.k_better, delta),
         }
+        if s.label == "excess":
+            pcert.update(c=pev.k_better, excess_rate=pev.excess_rate,
+                         unsafe_upper_bound=clopper_pearson_upper(pev.k_unsafe, pev.n_accepted, delta))
+        comparison["prompt_only"] = {"threshold": pt, "calib": pcal.to_dict(), "cert": pcert}
     except CalibrationError as e:
         comparison["prompt_only"] = {"error": f"no prompt-only threshold qualifies: {e}"}
 
