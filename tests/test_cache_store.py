@@ -258,7 +258,19 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(b"")
 
 
-@pytest.mark.parametrize("how", ["truncate", "flip_tensor_byte", "garbage_header", "missing", "empty"])
+def test_entry_whose_file_vanished_is_no_longer_cached(tmp_path, caplog):
+    """A file removed under a row (another process evicting it right now: files go first) is "no longer cached",
+    not corruption: EntryNotFoundError, the row dropped, no warning."""
+    st = open_store(tmp_path)
+    ids = [st.put(make_entry(i)) for i in range(2)]
+    (tmp_path / "cache" / "entries" / namespace_key("model-a", CFG) / f"{ids[0]}.safetensors").unlink()
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        with pytest.raises(EntryNotFoundError, match="no longer in the cache"):
+            st.load(ids[0])
+    assert not carnator_warnings(caplog) and st.entry_ids() == [ids[1]] and st.verify(deep=True).ok
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip_tensor_byte", "garbage_header", "empty"])
 def test_corrupt_entry_is_quarantined(tmp_path, caplog, how):
     st = open_store(tmp_path)
     ids = [st.put(make_entry(i)) for i in range(3)]
@@ -272,10 +284,9 @@ def test_corrupt_entry_is_quarantined(tmp_path, caplog, how):
     warnings = carnator_warnings(caplog)
     assert len(warnings) == 1 and ids[1] in warnings[0].getMessage()
     assert not victim.exists()
-    if how != "missing":
-        assert (tmp_path / "cache" / "quarantine" / ns / victim.name).exists()
-        assert (tmp_path / "cache" / "quarantine" / ns / f"{ids[1]}.reason.txt").exists()
-        assert st.stats().quarantined == 1
+    assert (tmp_path / "cache" / "quarantine" / ns / victim.name).exists()
+    assert (tmp_path / "cache" / "quarantine" / ns / f"{ids[1]}.reason.txt").exists()
+    assert st.stats().quarantined == 1
     with pytest.raises(EntryNotFoundError):  # second attempt: a clean "not found", no second log line
         st.load(ids[1])
     assert len(carnator_warnings(caplog)) == 1

@@ -6,11 +6,20 @@ Public API (see each module's docstring for contracts)::
     store.put(EntryData) -> entry_id            store.load(entry_id, count_hit=True) -> Entry
     store.query(ns, embedding, k) -> [(id, sim)] store.candidates(ns, embedding, k) -> types.Candidates
     store.record_hit(id) / record_lookup(ns)    store.stats(ns=None) / purge(ns=None) / verify() / scan()
+    encode_entry(EntryData, entry_id=, created=) -> EncodedEntry (bytes)   decode_entry(bytes) -> DecodedEntry
     embed_conditioning(cond_tensor, attention_mask=None) -> np.ndarray
     resolve_cache_dir(user_path, allowed_roots) -> Path
     CacheHandle(path, max_bytes, policy).store() -> Store (one per process and directory)
 """
 from .embed import embed_comfy_conditioning, embed_conditioning
+from .entry import DecodedEntry, EncodedEntry, decode_entry, encode_entry
+from .errors import (
+    CacheFullError,
+    CacheSettingsError,
+    CatalogError,
+    EntryFormatError,
+    NotACacheDirectoryError,
+)
 from .handle import CacheHandle, open_store
 from .index import IndexParams, VectorIndex
 from .paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
@@ -30,7 +39,9 @@ from .store import (
 )
 
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheHandle", "CachePathError", "CacheStats", "CorruptEntryError", "ENV_ROOTS",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CacheHandle", "CachePathError", "CacheSettingsError",
+    "CacheStats", "CatalogError", "CorruptEntryError", "DecodedEntry", "ENV_ROOTS", "EncodedEntry", "EntryFormatError",
+    "NotACacheDirectoryError", "decode_entry", "encode_entry",
     "Entry", "EntryData", "EntryNotFoundError", "IndexParams", "NamespaceMismatchError", "NamespaceStats", "POLICIES",
     "Store", "VectorIndex", "VerifyReport", "embed_comfy_conditioning", "embed_conditioning", "open_store",
     "resolve_cache_dir", "roots_from_env",
