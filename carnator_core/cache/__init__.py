@@ -22,7 +22,7 @@ from .errors import (
 )
 from .handle import CacheHandle, open_store
 from .index import IndexParams, VectorIndex
-from .paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
+from ..paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
 from .policy import POLICIES
 from .store import (
     CacheBudgetError,
@@ -36,12 +36,13 @@ from .store import (
     NamespaceStats,
     Store,
     VerifyReport,
+    adoption_problem,
 )
 
 __all__ = [
     "CacheBudgetError", "CacheError", "CacheFullError", "CacheHandle", "CachePathError", "CacheSettingsError",
     "CacheStats", "CatalogError", "CorruptEntryError", "DecodedEntry", "ENV_ROOTS", "EncodedEntry", "EntryFormatError",
-    "NotACacheDirectoryError", "decode_entry", "encode_entry",
+    "NotACacheDirectoryError", "adoption_problem", "decode_entry", "encode_entry",
     "Entry", "EntryData", "EntryNotFoundError", "IndexParams", "NamespaceMismatchError", "NamespaceStats", "POLICIES",
     "Store", "VectorIndex", "VerifyReport", "embed_comfy_conditioning", "embed_conditioning", "open_store",
     "resolve_cache_dir", "roots_from_env",

@@ -236,13 +236,9 @@ def _claim_directory(root: Path) -> None:
         if root.exists() and not root.is_dir():
             raise NotACacheDirectoryError(f"{root} is a file, not a directory; choose a directory for the cache")
         root.mkdir(parents=True, exist_ok=True)
-        foreign = sorted(p.name for p in root.iterdir() if not _may_precede_marker(p))
-        if foreign and not marker.exists():  # re-check: another process may have claimed it meanwhile
-            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise NotACacheDirectoryError(
-                f"{root} is not empty ({shown}) and is not a Carnator cache (it has no {MARKER}). Carnator only "
-                "uses an empty or new directory, or one it created, so it never touches files that are not its "
-                "own: choose another directory name (e.g. a subdirectory such as 'carnator_cache').")
+        why = adoption_problem(root)
+        if why:
+            raise NotACacheDirectoryError(why)
         if not marker.exists():
             tmp = root / f".{MARKER}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -264,6 +260,25 @@ def _claim_directory(root: Path) -> None:
         got = m if not isinstance(m, dict) else f"{m.get('format')!r} v{m.get('version')!r}"
         raise CacheError(f"{root} holds cache format {got}; this Carnator reads {STORE_FORMAT!r} v{STORE_VERSION}. "
                          "Use another directory or upgrade Carnator.")
+
+
+def adoption_problem(root: Path) -> str | None:
+    """Why ``root`` must not become (or be used as) a cache, or None: it is new, empty, or already a Carnator
+    cache (marker present). For queue-time checks; ``Store.open`` enforces it."""
+    try:
+        if (root / MARKER).exists() or not root.exists():
+            return None
+        if not root.is_dir():
+            return f"{root} is a file, not a directory; choose a directory for the cache"
+        foreign = sorted(p.name for p in root.iterdir() if not _may_precede_marker(p))
+    except OSError as e:
+        return f"{root} cannot be used as a cache directory: {e.strerror or e}"
+    if not foreign or (root / MARKER).exists():  # re-check: another process may have claimed it meanwhile
+        return None
+    shown = ", ".join(repr(n[:60]) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return (f"{root} is not empty ({shown}) and is not a Carnator cache (it has no {MARKER}). Carnator only uses an "
+            "empty or new directory, or one it created, so it never touches files that are not its own: choose "
+            "another directory name (e.g. a subdirectory such as 'carnator_cache').")
 
 
 def _may_precede_marker(p: Path) -> bool:
@@ -1491,5 +1506,5 @@ def _atomic_write(root: Path, final: Path, blob: bytes, durable: bool,
 __all__ = [
     "CacheBudgetError", "CacheError", "CacheFullError", "CacheStats", "CatalogError", "CorruptEntryError", "Entry",
     "EntryData", "EntryNotFoundError", "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "Store",
-    "VerifyReport", "default_key_path",
+    "VerifyReport", "adoption_problem", "default_key_path",
 ]
