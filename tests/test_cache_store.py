@@ -479,3 +479,33 @@ def test_embed_conditioning_ignores_padding():
         embed_conditioning(np.zeros((4, 16)))
     with pytest.raises(ValueError, match="shape"):
         embed_conditioning(np.zeros(16))
+
+
+def test_a_second_handle_does_not_change_the_first_ones_settings(tmp_path):
+    from carnator.carnator_core.cache import CacheHandle
+
+    path = str((tmp_path / "cache").resolve())
+    a = CacheHandle(path=path, max_bytes=10 << 20, policy="lcbfu", key_path=str(tmp_path / "k"))
+    b = CacheHandle(path=path, max_bytes=1 << 20, policy="lru", key_path=str(tmp_path / "k"))
+    sa = a.store()
+    sb = b.store()
+    assert (sa.max_bytes, sa.policy) == (10 << 20, "lcbfu") and (sb.max_bytes, sb.policy) == (1 << 20, "lru")
+    assert a.store() is sa and CacheHandle(path=path, max_bytes=10 << 20, key_path=str(tmp_path / "k")).store() is sa
+    eid = sb.put(make_entry(1))
+    assert sa.load(eid, count_hit=False).entry_id == eid  # one directory: both see the same entries
+
+
+def test_priority_is_policy_priority_everywhere(tmp_path):
+    """The catalogue's eviction priority is ``policy.priority`` on insert and after hits (one definition)."""
+    from carnator.carnator_core.cache.policy import priority
+
+    st = open_store(tmp_path)
+    eid = st.put(make_entry(1))
+    for hits in (0, 1, 2):
+        if hits:
+            st.load(eid)
+        with st._read() as c:
+            prio, work, nbytes, h = c.execute("SELECT priority, work, nbytes, hits FROM entries WHERE id=?",
+                                              (eid,)).fetchone()
+            inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
+        assert h == hits and prio == pytest.approx(priority(inflation, hits, work, nbytes))
