@@ -509,3 +509,28 @@ def test_priority_is_policy_priority_everywhere(tmp_path):
                                               (eid,)).fetchone()
             inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
         assert h == hits and prio == pytest.approx(priority(inflation, hits, work, nbytes))
+
+
+def test_entry_format_bytes_api_round_trip_and_tamper():
+    """encode_entry / decode_entry work on bytes alone (what another store backend reuses)."""
+    from safetensors.torch import save as st_save
+
+    from carnator.carnator_core.cache import EntryFormatError, decode_entry, encode_entry
+
+    data = make_entry(3)
+    enc = encode_entry(data, entry_id="0123456789abcdef", created=1.0)
+    dec = decode_entry(enc.blob, entry_id="0123456789abcdef", namespace=data.namespace, meta_digest=enc.meta_digest)
+    assert dec.namespace == data.namespace and dec.prompt == "prompt 3" and dec.seed == 3
+    assert torch.equal(dec.tensors["latent_final"], data.tensors["latent_final"])
+    assert dec.block_structure.layers == (1, 2) and np.allclose(dec.embedding, enc.embedding)
+    assert decode_entry(bytearray(enc.blob)).entry_id == "0123456789abcdef"
+    n = int.from_bytes(enc.blob[:8], "little")
+    for bad, match in [(enc.blob[:-5], None), (enc.blob[: 8 + n] + bytes([enc.blob[8 + n] ^ 1]) + enc.blob[9 + n :],
+                                              "checksum"),
+                       (st_save({"x": torch.zeros(2)}), "not a Carnator entry"), (b"", None)]:
+        with pytest.raises(EntryFormatError, match=match):
+            decode_entry(bad)
+    with pytest.raises(EntryFormatError, match="metadata checksum"):
+        decode_entry(enc.blob, meta_digest="0" * 64)
+    with pytest.raises(EntryFormatError, match="claims id"):
+        decode_entry(enc.blob, entry_id="fedcba9876543210")

@@ -334,7 +334,8 @@ def decode_entry(raw: bytes, *, entry_id: str | None = None, namespace: str | No
 def _decode(raw: bytes, entry_id: str | None, ns: str | None, meta_digest: str | None) -> DecodedEntry:
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise TypeError(f"decode_entry takes bytes, got {type(raw).__name__}")
-    raw = bytes(raw)
+    if not isinstance(raw, bytes):
+        raw = bytes(raw)
     meta_json = _header_meta(raw)
     digest = meta_digest_of(meta_json)
     if meta_digest is not None and digest != meta_digest:
