@@ -230,6 +230,19 @@ def test_reads_delete_and_purge_work_on_a_full_disk(tmp_path, full_disk, caplog)
     assert st.load(st.put(make_entry(11))).prompt == "prompt 11"
 
 
+def _fill(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (65536, 4096, 512):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
 def test_a_really_full_disk(tmp_path):
     """The same on a real filesystem that runs out of space (a 3 MiB tmpfs)."""
     mnt = tmp_path / "mnt"
@@ -242,14 +255,7 @@ def test_a_really_full_disk(tmp_path):
         st = Store.open(mnt / "cache", key_path=tmp_path / "k")
         emb = np.ones(DIM, np.float32)
         ids = [st.put(make_entry(i, emb=emb * (i + 1))) for i in range(6)]
-        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while True:
-                os.write(fd, b"\0" * 65536)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        _fill(mnt / "filler")
         c = st.candidates(NS, emb, k=6)
         assert sorted(x.entry_id for x in c.items) == sorted(ids)
         assert st.load(ids[2]).entry_id == ids[2]
@@ -261,11 +267,24 @@ def test_a_really_full_disk(tmp_path):
         assert st.purge() in (5, 6)  # (6: the row of the entry deleted above was still there)
         assert st.stats().entries == 0 and not list((mnt / "cache" / "entries").glob("*/*.safetensors"))
         (mnt / "filler").unlink()
-        assert st.load(st.put(make_entry(21))).prompt == "prompt 21"
+        ids = [st.put(make_entry(i, emb=emb * (i + 1))) for i in range(30, 33)]
+        st.close()
+        _fill(mnt / "filler")
+        # A restart on a full disk: SQLite cannot create its WAL / shared-memory files; the store opens read-only.
+        st = Store.open(mnt / "cache", key_path=tmp_path / "k")
+        assert st.read_only
+        assert sorted(x.entry_id for x in st.candidates(NS, emb, k=6).items) == sorted(ids)
+        assert st.load(ids[1]).entry_id == ids[1]
+        with pytest.raises(CacheFullError, match="full"):
+            st.put(make_entry(22))
+        st.close()
+        (mnt / "filler").unlink()
+        st = Store.open(mnt / "cache", key_path=tmp_path / "k")
+        assert not st.read_only and st.load(st.put(make_entry(21))).prompt == "prompt 21"
     finally:
         if st is not None:
             st.close()
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_errors_are_cache_errors_that_say_what_to_do(tmp_path):

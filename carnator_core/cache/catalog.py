@@ -22,6 +22,7 @@ import secrets
 import sqlite3
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 
@@ -53,15 +54,26 @@ SCHEMA = (
 )
 
 
-def connect(path: Path, *, wal: bool = True) -> sqlite3.Connection:
-    """A connection with Carnator's settings (autocommit mode: callers use explicit transactions)."""
-    conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA busy_timeout=60000")
-    conn.execute("PRAGMA trusted_schema=OFF")
-    if wal:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-    conn.create_function("carnator_priority", 4, priority, deterministic=True)
+def connect(path: Path, *, wal: bool = True, read_only: bool = False) -> sqlite3.Connection:
+    """A connection with Carnator's settings (autocommit mode: callers use explicit transactions).
+
+    read_only: open the file as immutable (no WAL, no locks, no writes at all) — the fallback that keeps reads
+    working when the disk is too full for SQLite to create its WAL / shared-memory files."""
+    if read_only:
+        conn = sqlite3.connect(f"file:{quote(str(path))}?immutable=1", uri=True, isolation_level=None,
+                               check_same_thread=False)
+    else:
+        conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("PRAGMA busy_timeout=60000")
+        conn.execute("PRAGMA trusted_schema=OFF")
+        if wal and not read_only:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+        conn.create_function("carnator_priority", 4, priority, deterministic=True)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

@@ -10,6 +10,7 @@ handle never changes the budget or policy the first one's users rely on. Instanc
 """
 from __future__ import annotations
 
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ def open_store(handle: CacheHandle) -> Store:
     key = (handle.path, int(handle.max_bytes) if handle.max_bytes else None, handle.policy, handle.key_path)
     with _LOCK:
         st = _STORES.get(key)
+        if st is not None and st.read_only and shutil.disk_usage(handle.path).free >= (64 << 20):
+            st.close()  # opened read-only on a full disk; there is room again: reopen writable
         if st is not None and st._conn is not None:  # noqa: SLF001 - closed stores are reopened
             _STORES.move_to_end(key)
             return st

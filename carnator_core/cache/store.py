@@ -57,6 +57,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
@@ -340,6 +341,7 @@ class Store:
         self._fault: Callable[[str], None] | None = None
         self._conn: sqlite3.Connection = None  # type: ignore[assignment]
         self._db_id: tuple[int, int] | None = None
+        self.read_only = False  # opened on a full disk: reads only (see _try_connect)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -381,7 +383,8 @@ class Store:
     @_public
     def _open_catalog_checked(self) -> None:
         self._open_catalog()
-        self.scan()
+        if not self.read_only:
+            self.scan()
 
     def close(self) -> None:
         with self._lock:
@@ -405,6 +408,9 @@ class Store:
         with self._lock, self._catalog_lock():
             conn, reason = self._try_connect()
             if conn is None:
+                if _disk_full(self.root):
+                    raise sqlite3.OperationalError(f"database or disk is full (the catalogue needs a rebuild: "
+                                                   f"{reason})")
                 self._rebuild_locked(reason)
                 conn, reason = self._try_connect()
                 if conn is None:
@@ -428,12 +434,24 @@ class Store:
         except sqlite3.DatabaseError as e:
             if conn is not None:
                 conn.close()
-            if not catalog.is_corruption(e):
+            if catalog.is_corruption(e):
+                return None, f"{type(e).__name__}: {e}"
+            if not _disk_full(self.root):
                 raise
-            return None, f"{type(e).__name__}: {e}"
+            # Too full for SQLite's WAL / shared-memory files: read the (checkpointed) catalogue as it is.
+            conn = catalog.connect(db, read_only=True)
+            why = catalog.problem(conn)
+            if why:
+                conn.close()
+                raise
+            self.read_only = True
+            log.warning("carnator cache: the disk holding %s is full; the cache is open read-only (retrieval and "
+                        "loading work, nothing is written) until space is freed and it is reopened", self.root)
+            return conn, ""
         if why:
             conn.close()
             return None, why
+        self.read_only = False
         return conn, ""
 
     def rebuild_catalog(self, reason: str = "requested") -> None:
@@ -571,6 +589,9 @@ class Store:
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             c = self._current()
+            if self.read_only:  # answered like the full disk it is: best-effort callers skip, others translate
+                raise sqlite3.OperationalError("database or disk is full (the cache was opened read-only on a full "
+                                               "disk; free space and reopen it)")
             c.execute("BEGIN IMMEDIATE")
             try:
                 yield c
@@ -1466,6 +1487,14 @@ class Store:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _disk_full(root: Path) -> bool:
+    """Less than 1 MiB free where the cache lives (SQLite's WAL and shared memory need more than that)."""
+    try:
+        return shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        return False
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
