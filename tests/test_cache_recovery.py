@@ -321,3 +321,19 @@ def test_reads_compare_the_full_model_fingerprint(tmp_path):
         st.load(eid, model_fingerprint=b)
     assert st.load(eid, model_fingerprint=a).entry_id == eid
     assert st.candidates(ns, None, k=3).items == ()  # no embedding (unembeddable prompt): no retrieval
+
+
+def test_a_catalogue_from_before_the_completion_flag_is_kept_and_completed_by_scan(tmp_path, caplog):
+    """Caches written by earlier versions (no 'complete' row) open without a rebuild; entry files their catalogue
+    lacks (e.g. an old interrupted rebuild) are adopted."""
+    ids, cache = _filled(tmp_path, n=6)
+    conn = sqlite3.connect(cache / "catalog.sqlite3")
+    conn.execute("DELETE FROM info WHERE key='complete'")
+    conn.execute("DELETE FROM embeddings WHERE seq IN (SELECT seq FROM entries ORDER BY seq LIMIT 3)")
+    conn.execute("DELETE FROM entries WHERE seq IN (SELECT seq FROM entries ORDER BY seq LIMIT 3)")
+    conn.commit()
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        st = open_store(tmp_path)
+    assert not any("rebuild" in r.getMessage() for r in carnator_warnings(caplog))
+    _assert_all_there(st, ids)

@@ -124,7 +124,9 @@ def problem(conn: sqlite3.Connection) -> str | None:
     info = dict(conn.execute("SELECT key, value FROM info").fetchall())
     if info.get("format") != STORE_FORMAT or info.get("version") != str(STORE_VERSION):
         return f"catalogue is format {info.get('format')!r} v{info.get('version')!r}"
-    if info.get("complete") != "1":
+    # Catalogues written before this flag existed have no "complete" row; they are accepted, and any entry file
+    # they lack is adopted by the store's scan (entry files without rows are never deleted).
+    if info.get("complete", "1") != "1":
         return "catalogue was never completed (a rebuild was interrupted)"
     check = [r[0] for r in conn.execute("PRAGMA quick_check(5)").fetchall()]
     if check != ["ok"]:
