@@ -337,3 +337,26 @@ def test_a_catalogue_from_before_the_completion_flag_is_kept_and_completed_by_sc
         st = open_store(tmp_path)
     assert not any("rebuild" in r.getMessage() for r in carnator_warnings(caplog))
     _assert_all_there(st, ids)
+
+
+def test_damage_found_mid_operation_is_rebuilt_at_once(tmp_path, monkeypatch):
+    """Catalogues too big for an integrity check at open: the first query that reaches a damaged page fails with
+    a CatalogError that says the catalogue was rebuilt; the retry works and nothing is lost."""
+    from carnator.carnator_core.cache import CatalogError
+
+    ids, cache = _filled(tmp_path)
+    monkeypatch.setattr(store_mod, "QUICK_CHECK_MAX_BYTES", 0)
+    db = cache / "catalog.sqlite3"
+    conn = sqlite3.connect(db)
+    root_page = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='embeddings'").fetchone()[0]
+    conn.close()
+    raw = bytearray(db.read_bytes())
+    raw[(root_page - 1) * 4096 : (root_page - 1) * 4096 + 16] = b"\xff" * 16  # the embeddings table's root page
+    db.write_bytes(bytes(raw))
+    st = open_store(tmp_path)  # no integrity check at open: the damage is not noticed yet
+    emb = st.load(ids[3], count_hit=False).embedding
+    with pytest.raises(CatalogError, match="rebuilt from the entry files. Retry"):
+        st.query(NS, emb, k=1)
+    assert st.query(NS, emb, k=1)[0][0] == ids[3]
+    assert list((cache / "quarantine").glob("catalog-*.sqlite3"))
+    _assert_all_there(st, ids)

@@ -106,6 +106,7 @@ MARKER = "carnator-cache.json"
 ENV_KEY_FILE = "CARNATOR_INDEX_KEY_FILE"
 DEFAULT_GRACE_S = 600.0  # files younger than this may be another process's write in flight
 CHANGE_LOG_KEEP = 20000  # change-log rows kept per namespace that has no persisted index
+QUICK_CHECK_MAX_BYTES = 256 << 20  # catalogues up to this size get PRAGMA quick_check at open (~15k entries)
 SUBDIRS = ("entries", "index", "quarantine", "tmp", "locks")
 _TMP_RE = re.compile(r"^[A-Za-z0-9_.-]+\.\d+\.[0-9a-f]{8}\.tmp$")  # the temp files this cache creates
 _MARKER_TMP_RE = re.compile(r"^\." + re.escape(MARKER) + r"\.\d+\.[0-9a-f]{8}\.tmp$")
@@ -428,9 +429,12 @@ class Store:
         if not db.exists():
             return None, "missing"
         conn = None
+        # A full integrity check reads the whole file: affordable at open up to QUICK_CHECK_MAX_BYTES; damage in a
+        # larger catalogue is found when a query reaches it (then it is rebuilt at once, see _public / _recover).
+        integrity = db.stat().st_size <= QUICK_CHECK_MAX_BYTES
         try:
             conn = catalog.connect(db)
-            why = catalog.problem(conn)
+            why = catalog.problem(conn, integrity=integrity)
         except sqlite3.DatabaseError as e:
             if conn is not None:
                 conn.close()
@@ -440,7 +444,7 @@ class Store:
                 raise
             # Too full for SQLite's WAL / shared-memory files: read the (checkpointed) catalogue as it is.
             conn = catalog.connect(db, read_only=True)
-            why = catalog.problem(conn)
+            why = catalog.problem(conn, integrity=integrity)
             if why:
                 conn.close()
                 raise
@@ -517,12 +521,23 @@ class Store:
             log.warning("carnator cache: catalogue rebuilt with %d entries", adopted)
 
     def _recover(self, reason: str) -> None:
-        """A corruption error mid-operation: rebuild unless another process already did."""
+        """A corruption error mid-operation: rebuild the catalogue unless another process already swapped in a new
+        one (its inode changed since this connection was opened)."""
         try:
             with self._lock:
+                failed = self._db_id
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None  # type: ignore[assignment]
+                self._indexes.clear()
+                with self._catalog_lock():
+                    try:
+                        st = os.stat(self.root / CATALOG)
+                        same = (st.st_dev, st.st_ino) == failed
+                    except FileNotFoundError:
+                        same = False
+                    if same:
+                        self._rebuild_locked(reason)
                 self._open_catalog()
         except Exception as e:  # noqa: BLE001 - the caller raises the original problem
             log.warning("carnator cache: could not rebuild the catalogue after %s: %s", reason, e)
