@@ -114,10 +114,10 @@ def model_fingerprint(model: Any, arch: str) -> str:
             h.update(f"{attr}={float(getattr(ms, attr)):.6f}".encode())
     # Function patches change the result as much as weights do (RescaleCFG, CFGZeroStar, model wrappers, attention
     # patches): digest what ModelPatcher holds besides weights, by code identity and captured values.
-    opts = getattr(model, "model_options", None) or {}
-    h.update(_digest_value({k: opts.get(k) for k in _FUNCTION_OPTIONS}).encode())
-    topts = opts.get("transformer_options") or {}
-    h.update(_digest_value({k: topts.get(k) for k in _TRANSFORMER_FUNCTION_OPTIONS}).encode())
+    opts = dict(getattr(model, "model_options", None) or {})
+    topts = {k: v for k, v in (opts.pop("transformer_options", None) or {}).items() if k not in _PER_RUN_OPTIONS}
+    h.update(_digest_value({k: v for k, v in opts.items() if k not in _PER_RUN_OPTIONS}).encode())
+    h.update(_digest_value(topts).encode())
     h.update(_digest_value({"wrappers": getattr(model, "wrappers", None),
                             "callbacks": getattr(model, "callbacks", None),
                             "object_patches": {k: type(v).__qualname__
@@ -126,9 +126,8 @@ def model_fingerprint(model: Any, arch: str) -> str:
     return h.hexdigest()[:24]
 
 
-_FUNCTION_OPTIONS = ("sampler_cfg_function", "sampler_post_cfg_function", "sampler_pre_cfg_function",
-                     "model_function_wrapper", "sampler_calc_cond_batch_function", "disable_cfg1_optimization")
-_TRANSFORMER_FUNCTION_OPTIONS = ("patches", "patches_replace", "wrappers", "callbacks")
+# Keys ComfyUI sets on a copy of the options while it samples; never part of the MODEL a node receives.
+_PER_RUN_OPTIONS = frozenset({"cond_or_uncond", "sigmas", "sample_sigmas", "uuids", "block_index", "total_blocks"})
 _PACKAGE = __name__.rsplit(".", 2)[0]  # this extension's package: its own patches are not part of the model
 
 

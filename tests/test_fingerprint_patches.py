@@ -32,8 +32,13 @@ def test_function_patches_change_the_fingerprint(tiny):
     wrapped = tiny.clone()
     wrapped.set_model_unet_function_wrapper(lambda apply_model, args: apply_model(args["input"], args["timestep"],
                                                                                   **args["c"]))
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    easy = EasyCacheNode.execute(tiny, 0.2, 0.15, 0.95, False)[0]
+    easy_other = EasyCacheNode.execute(tiny, 0.3, 0.15, 0.95, False)[0]
     got = {"plain": plain, "rescale 0.7": fp(rescaled), "rescale 0.3": fp(rescaled_other),
-           "cfg zero star": fp(zero_star), "unet wrapper": fp(wrapped)}
+           "cfg zero star": fp(zero_star), "unet wrapper": fp(wrapped), "easycache 0.2": fp(easy),
+           "easycache 0.3": fp(easy_other)}
     assert len(set(got.values())) == len(got), got  # every patch set is its own model
     assert fp(rescaled_again) == got["rescale 0.7"]  # stable: same patch, same value, new closure object
     assert fp(tiny.clone()) == plain and fp(tiny) == plain  # cloning and fingerprinting change nothing
