@@ -360,3 +360,18 @@ def test_damage_found_mid_operation_is_rebuilt_at_once(tmp_path, monkeypatch):
     assert st.query(NS, emb, k=1)[0][0] == ids[3]
     assert list((cache / "quarantine").glob("catalog-*.sqlite3"))
     _assert_all_there(st, ids)
+
+
+def test_open_recovers_from_damage_its_scan_runs_into(tmp_path, monkeypatch):
+    """A big catalogue (no integrity check at open) whose entries table is damaged: open itself rebuilds and
+    succeeds, instead of asking the caller to retry."""
+    ids, cache = _filled(tmp_path)
+    monkeypatch.setattr(store_mod, "QUICK_CHECK_MAX_BYTES", 0)
+    db = cache / "catalog.sqlite3"
+    conn = sqlite3.connect(db)
+    root_page = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='entries'").fetchone()[0]
+    conn.close()
+    raw = bytearray(db.read_bytes())
+    raw[(root_page - 1) * 4096 : (root_page - 1) * 4096 + 16] = b"\xff" * 16
+    db.write_bytes(bytes(raw))
+    _assert_all_there(open_store(tmp_path), ids)

@@ -15,8 +15,8 @@ from .embed import embed_comfy_conditioning, embed_conditioning
 from .entry import DecodedEntry, EncodedEntry, decode_entry, encode_entry
 from .errors import (
     CacheFullError,
-    CacheSettingsError,
     CatalogError,
+    CatalogRebuiltError,
     EntryFormatError,
     NotACacheDirectoryError,
 )
@@ -40,10 +40,10 @@ from .store import (
 )
 
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheFullError", "CacheHandle", "CachePathError", "CacheSettingsError",
-    "CacheStats", "CatalogError", "CorruptEntryError", "DecodedEntry", "ENV_ROOTS", "EncodedEntry", "EntryFormatError",
-    "NotACacheDirectoryError", "adoption_problem", "decode_entry", "encode_entry",
-    "Entry", "EntryData", "EntryNotFoundError", "IndexParams", "NamespaceMismatchError", "NamespaceStats", "POLICIES",
-    "Store", "VectorIndex", "VerifyReport", "embed_comfy_conditioning", "embed_conditioning", "open_store",
-    "resolve_cache_dir", "roots_from_env",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CacheHandle", "CachePathError",
+    "CacheStats", "CatalogError", "CatalogRebuiltError", "CorruptEntryError", "DecodedEntry", "ENV_ROOTS",
+    "EncodedEntry", "Entry", "EntryData", "EntryFormatError", "EntryNotFoundError", "IndexParams",
+    "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "POLICIES", "Store", "VectorIndex",
+    "VerifyReport", "adoption_problem", "decode_entry", "embed_comfy_conditioning", "embed_conditioning",
+    "encode_entry", "open_store", "resolve_cache_dir", "roots_from_env",
 ]

@@ -42,11 +42,12 @@ class CatalogError(CacheError):
     """The catalogue could not be read or written (locked past the timeout, permissions, damage)."""
 
 
-class CacheSettingsError(CacheError):
-    """Two handles of one process disagree about a directory's settings."""
+class CatalogRebuiltError(CatalogError):
+    """The catalogue turned out damaged during the call and has been rebuilt from the entry files: retry."""
 
 
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheFullError", "CacheSettingsError", "CatalogError", "CorruptEntryError",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CatalogError", "CatalogRebuiltError",
+    "CorruptEntryError",
     "EntryFormatError", "EntryNotFoundError", "NamespaceMismatchError", "NotACacheDirectoryError",
 ]

@@ -91,6 +91,7 @@ from .errors import (
     CacheError,
     CacheFullError,
     CatalogError,
+    CatalogRebuiltError,
     CorruptEntryError,
     EntryFormatError,
     EntryNotFoundError,
@@ -306,7 +307,7 @@ def _public(fn: Callable) -> Callable:
         except sqlite3.Error as e:
             if catalog.is_corruption(e):
                 self._recover(f"{type(e).__name__}: {e}")
-                raise CatalogError(
+                raise CatalogRebuiltError(
                     f"the cache catalogue at {self.root / CATALOG} was damaged ({e}); it has been set aside in "
                     "quarantine/ and rebuilt from the entry files. Retry the operation.") from e
             raise self._translate(e, fn.__name__) from e
@@ -378,7 +379,10 @@ class Store:
             key = _load_or_create_key(kp)
         store = cls(root, max_bytes=max_bytes, policy=policy, index_params=index_params or IndexParams(), key=key,
                     grace_s=grace_s, durable=durable)
-        store._open_catalog_checked()
+        try:
+            store._open_catalog_checked()
+        except CatalogRebuiltError:  # damage the open-time scan ran into: rebuilt; open the new catalogue
+            store._open_catalog_checked()
         return store
 
     @_public
