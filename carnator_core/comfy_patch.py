@@ -115,14 +115,19 @@ def model_fingerprint(model: Any, arch: str) -> str:
     # Function patches change the result as much as weights do (RescaleCFG, CFGZeroStar, model wrappers, attention
     # patches): digest what ModelPatcher holds besides weights, by code identity and captured values.
     opts = dict(getattr(model, "model_options", None) or {})
-    topts = {k: v for k, v in (opts.pop("transformer_options", None) or {}).items() if k not in _PER_RUN_OPTIONS}
-    h.update(_digest_value({k: v for k, v in opts.items() if k not in _PER_RUN_OPTIONS}).encode())
-    h.update(_digest_value(topts).encode())
-    h.update(_digest_value({"wrappers": getattr(model, "wrappers", None),
-                            "callbacks": getattr(model, "callbacks", None),
-                            "object_patches": {k: type(v).__qualname__
-                                               for k, v in (getattr(model, "object_patches", None) or {}).items()}
-                            }).encode())
+    topts = {k: v for k, v in (opts.pop("transformer_options", None) or {}).items()
+             if k not in _PER_RUN_OPTIONS and not _empty(v)}
+    extra = {
+        "options": {k: v for k, v in opts.items() if k not in _PER_RUN_OPTIONS and not _empty(v)},
+        "transformer_options": topts,
+        "wrappers": {k: v for k, v in (getattr(model, "wrappers", None) or {}).items() if v},
+        "callbacks": {k: v for k, v in (getattr(model, "callbacks", None) or {}).items() if v},
+        # model_sampling is digested above by its values (shift, multiplier)
+        "object_patches": {k: type(v).__qualname__ for k, v in (getattr(model, "object_patches", None) or {}).items()
+                           if k != "model_sampling"},
+    }
+    if any(extra.values()):  # a model without function patches keeps the fingerprint it always had
+        h.update(_digest_value(extra).encode())
     return h.hexdigest()[:24]
 
 
@@ -171,6 +176,10 @@ def _digest_value(v: Any, depth: int = 0) -> str:
     attrs = {k: x for k, x in (vars(v).items() if hasattr(v, "__dict__") else ())
              if not k.startswith("__") and not callable(x) or torch.is_tensor(x)}
     return f"obj({t.__module__}.{t.__qualname__},{_digest_value(attrs, d)})"
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, (dict, list, tuple, set)) and not v)
 
 
 def _has_contents(cell: Any) -> bool:
