@@ -462,6 +462,7 @@ class Store:
         self.read_only = False
         return conn, ""
 
+    @_public
     def rebuild_catalog(self, reason: str = "requested") -> None:
         """Rebuild the catalogue from the entry files now (the current one is moved to ``quarantine/``)."""
         with self._lock, self._catalog_lock():
@@ -1483,20 +1484,24 @@ class Store:
             index_bytes=sum(p.stat().st_size for p in (self.root / "index").glob("*.safetensors")),
             namespaces=tuple(per))
 
+    @_public
     def content_version(self) -> int:
         """A counter that changes whenever any entry is added or removed (any process)."""
         with self._read() as c:
             return int(c.execute("SELECT value FROM info WHERE key='content_version'").fetchone()[0])
 
+    @_public
     def namespaces(self) -> list[str]:
         with self._read() as c:
             return [r[0] for r in c.execute("SELECT namespace FROM namespaces ORDER BY namespace")]
 
+    @_public
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         where, args = ("WHERE namespace=?", (namespace,)) if namespace else ("", ())
         with self._read() as c:
             return [r[0] for r in c.execute(f"SELECT id FROM entries {where} ORDER BY seq", args)]
 
+    @_public
     def index_kind(self, namespace: str) -> str | None:
         """The kind of this process's index for ``namespace`` ("flat" / "pca-ivf"), after syncing; None if empty."""
         with self._lock:
