@@ -15,6 +15,7 @@ from ..carnator_core.cache import (
     CacheHandle,
     CachePathError,
     EntryData,
+    adoption_problem,
     open_store,
     resolve_cache_dir,
     roots_from_env,
@@ -51,7 +52,8 @@ def _probe_parts(probe: Any) -> tuple[str, Any, str, int, Any]:
     config = _need(probe, "config", "probe", src)
     prompt = getattr(probe, "prompt", "")
     seed = _need(probe, "seed", "probe", src)
-    emb = _need(probe, "embedding", "probe", src)
+    _need(probe, "x0_probe", "probe", src)  # a probe at all (its embedding may be None: prompt not embeddable)
+    emb = getattr(probe, "embedding", None)
     return str(fp), config, str(prompt or ""), int(seed), emb
 
 
@@ -79,14 +81,15 @@ class CarnatorCacheLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, directory: str = "carnator_cache", **kwargs: Any) -> bool | str:
+    def validate_inputs(cls, directory: str = "carnator_cache") -> bool | str:
+        # Only `directory` is named: ComfyUI keeps checking max_gb's range and policy's options itself.
         if directory is None:  # linked from another node: checked at execution
             return True
         try:
-            resolve_cache_dir(directory, allowed_roots())
+            path = resolve_cache_dir(directory, allowed_roots())
         except CachePathError as e:
             return str(e)
-        return True
+        return adoption_problem(path) or True
 
     @classmethod
     def execute(cls, directory: str, max_gb: float = 0.0, policy: str = "lcbfu") -> io.NodeOutput:
@@ -161,7 +164,8 @@ class CarnatorCacheRetriever(io.ComfyNode):
     def execute(cls, cache: CacheHandle, probe: Any, k: int = 5, min_similarity: float = 0.0) -> io.NodeOutput:
         fp, config, _, _, emb = _probe_parts(probe)
         store = open_store(_handle(cache))
-        found = store.candidates(namespace_key(fp, config), emb, int(k), min_similarity=float(min_similarity))
+        found = store.candidates(namespace_key(fp, config), emb, int(k), min_similarity=float(min_similarity),
+                                 model_fingerprint=fp)
         return io.NodeOutput(found)
 
 
@@ -200,6 +204,9 @@ class CarnatorCacheWriter(io.ComfyNode):
         if report is not None and getattr(report, "decision", None) == "hit" and not store_reused:
             text = ("not stored: this result reused cache entry "
                     f"{getattr(report, 'entry_id', '?')} (enable store_reused to keep reused results too)")
+            return io.NodeOutput("", ui=ui.PreviewText(text))
+        if emb is None:
+            text = "not stored: the prompt could not be embedded for retrieval (see the probe's summary)"
             return io.NodeOutput("", ui=ui.PreviewText(text))
         samples = latent.get("samples") if isinstance(latent, dict) else None
         if samples is None or getattr(samples, "ndim", 0) != 5:

@@ -17,6 +17,7 @@ else is answered with 400 and the reason, so a browser cannot read or delete arb
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ log = logging.getLogger("carnator")
 NODES: list = []  # discovery imports every module in nodes/; this one contributes routes, not nodes
 
 DEFAULT_DIRECTORY = "carnator_cache"
+MAX_BODY = 64 << 10  # a purge request is a few bytes of JSON; refuse to buffer anything large
 
 
 class RouteError(Exception):
@@ -46,7 +48,7 @@ def allowed_roots() -> list[Path]:
 
 
 def resolve_directory(directory: str | None) -> Path:
-    from ..carnator_core.cache.paths import CachePathError, resolve_cache_dir
+    from ..carnator_core.paths import CachePathError, resolve_cache_dir
 
     try:
         return resolve_cache_dir(directory if directory is not None else DEFAULT_DIRECTORY, allowed_roots())
@@ -59,7 +61,10 @@ def _is_cache_dir(path: Path) -> bool:
     cache: ``Store.open`` would create one, so stats and purge only open directories that already are caches."""
     from ..carnator_core.cache.store import MARKER
 
-    return path.is_dir() and (path / MARKER).is_file()
+    try:
+        return path.is_dir() and (path / MARKER).is_file()
+    except OSError as e:
+        raise RouteError(400, f"the cache directory cannot be used: {e.strerror or e}") from None
 
 
 def _store_class() -> Any:
@@ -136,11 +141,16 @@ def cache_purge(directory: str | None) -> dict[str, Any]:
 async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:
     from aiohttp import web
 
+    from ..carnator_core.cache.errors import CacheError
+
     try:
         # SQLite and file work off the event loop: the server keeps serving websockets meanwhile.
         return web.json_response(await asyncio.to_thread(fn, directory))
     except RouteError as e:
         return web.json_response({"error": str(e)}, status=e.status)
+    except CacheError as e:  # the store's errors say what to do
+        log.warning("carnator: cache route failed: %s", e)
+        return web.json_response({"error": str(e)}, status=500)
     except Exception as e:  # noqa: BLE001 — a panel request must answer with the reason, not hang the UI
         log.exception("carnator: cache route failed")
         return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
@@ -157,9 +167,16 @@ def register(routes: Any) -> None:
     async def carnator_cache_purge(request: Any) -> Any:
         from aiohttp import web
 
+        too_big = web.json_response({"error": f"the request body is larger than {MAX_BODY} bytes; send JSON like "
+                                              '{"directory": "carnator_cache"}'}, status=413)
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return too_big
+        raw = await request.content.read(MAX_BODY + 1)  # bounded even without a Content-Length
+        if len(raw) > MAX_BODY:
+            return too_big
         try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             return web.json_response({"error": 'send JSON like {"directory": "carnator_cache"}'}, status=400)
         if not isinstance(body, dict) or not isinstance(body.get("directory", DEFAULT_DIRECTORY), str):
             return web.json_response({"error": '"directory" must be a string'}, status=400)
