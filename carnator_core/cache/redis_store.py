@@ -374,12 +374,13 @@ class RedisStore:
     @classmethod
     def open(cls, url: str, *, max_bytes: int | None = None, policy: str = "lcbfu",
              index_params: IndexParams | None = None, retry_s: float = 2.0, socket_timeout: float = 30.0,
-             connect_timeout: float = 2.0, full_url: str | None = None) -> "RedisStore":
+             connect_timeout: float = 2.0, full_url: str | None = None, claim: bool = True) -> "RedisStore":
         """Open the store on the Redis named by ``url`` (public form; the credentials come from
         ``CARNATOR_REDIS_URL`` via ``redis_url.connect_url`` unless ``full_url`` is given, e.g. by tests).
 
         Never fails because Redis is down (the store starts "unavailable", logs once and retries later); raises
-        CacheError if the Redis holds another cache format, RedisConfigError for an unconfigured URL.
+        CacheError if the Redis holds another cache format, RedisConfigError for an unconfigured URL. ``claim``:
+        write the format marker into an empty Redis (False: only check it, e.g. for read-only statistics).
         """
         public = public_url(url)
         full = full_url or connect_url(public)
@@ -388,14 +389,18 @@ class RedisStore:
         st = cls(public, client, max_bytes=max_bytes, policy=policy, index_params=index_params or IndexParams(),
                  retry_s=retry_s)
         try:
-            st._check_format()
+            st._check_format(claim)
         except CacheUnavailableError:
             pass  # already logged; operations retry after retry_s
         return st
 
-    def _check_format(self) -> None:
+    def _check_format(self, claim: bool = True) -> bool:
+        """True if the Redis holds a Carnator cache (after claiming an empty one when ``claim``)."""
         marker = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "backend": "redis"})
-        got = self._call(lambda: (self._r.set(f"{PREFIX}:format", marker, nx=True), self._r.get(f"{PREFIX}:format")))
+        got = self._call(lambda: (claim and self._r.set(f"{PREFIX}:format", marker, nx=True),
+                                  self._r.get(f"{PREFIX}:format")))
+        if got[1] is None and not claim:
+            return False
         try:
             m = json.loads(got[1])
         except (TypeError, ValueError):
@@ -404,6 +409,11 @@ class RedisStore:
             raise CacheError(f"the Redis at {self.url} holds cache format {m.get('format')!r} v{m.get('version')!r}; "
                              f"this Carnator uses {STORE_FORMAT!r} v{STORE_VERSION}. Use another Redis database "
                              "(redis://host:port/N) or upgrade Carnator.")
+        return True
+
+    def exists(self) -> bool:
+        """True if this Redis holds a Carnator cache (its format marker); raises CacheUnavailableError if down."""
+        return self._check_format(claim=False)
 
     def close(self) -> None:
         with self._lock:
