@@ -70,6 +70,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import numpy as np
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -187,7 +189,8 @@ def decode_entry(blob: bytes, entry_id: str, ns: str, meta_digest: str) -> tuple
     for name, t in tensors.items():
         m = manifest[name]
         if _dtype_name(t) != m["dtype"] or list(t.shape) != list(m["shape"]):
-            raise ValueError(f"tensor {name} is {_dtype_name(t)}{list(t.shape)}, manifest says {m['dtype']}{m['shape']}")
+            raise ValueError(f"tensor {name} is {_dtype_name(t)}{list(t.shape)}, manifest says "
+                             f"{m['dtype']}{m['shape']}")
         if _sha256(t) != m["sha256"]:
             raise ValueError(f"tensor {name} checksum mismatch")
     if namespace_key(meta["model_fingerprint"], GenConfig.from_meta(meta["config"])) != ns:
@@ -203,13 +206,13 @@ local p = KEYS[1]
 local id = ARGV[1]
 local stage = p .. 'stage:' .. id
 local nchunks = tonumber(ARGV[12])
-if redis.call('EXISTS', stage) == 0 or redis.call('LLEN', stage) ~= nchunks then
-  return {'incomplete'}
-end
 local dup = redis.call('HGET', p .. 'dedup', ARGV[14])
 if dup then
   redis.call('DEL', stage)
   return {'dup', dup}
+end
+if redis.call('EXISTS', stage) == 0 or redis.call('LLEN', stage) ~= nchunks then
+  return {'incomplete'}
 end
 local meta = p .. 'meta'
 if redis.call('EXISTS', meta) == 1 then
@@ -384,15 +387,30 @@ class RedisStore:
         """
         public = public_url(url)
         full = full_url or connect_url(public)
+        # One immediate retry: a pooled connection broken by a Redis restart is replaced at once instead of
+        # costing a "down" period. Scripts stay safe when re-run (publish dedupes, delete/hit check existence).
         client = redis.Redis.from_url(full, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                                      health_check_interval=30, retry=None)
+                                      health_check_interval=30, retry=Retry(NoBackoff(), 1))
         st = cls(public, client, max_bytes=max_bytes, policy=policy, index_params=index_params or IndexParams(),
                  retry_s=retry_s)
         try:
             st._check_format(claim)
+            st._check_eviction_policy()
         except CacheUnavailableError:
             pass  # already logged; operations retry after retry_s
         return st
+
+    def _check_eviction_policy(self) -> None:
+        """Warn once if Redis may evict keys by itself (it would drop parts of entries; Carnator's budget must
+        decide). Managed Redis services often forbid CONFIG: then nothing is said."""
+        try:
+            policy = self._r.config_get("maxmemory-policy").get("maxmemory-policy")
+        except redis.ResponseError:
+            return
+        if policy and policy != "noeviction":
+            log.warning("carnator cache: Redis at %s runs with maxmemory-policy %s; set it to noeviction (Redis "
+                        "would otherwise drop parts of entries, which are then quarantined). Carnator's own byte "
+                        "budget (max_gb on the Cache node) decides what is evicted.", self.url, policy)
 
     def _check_format(self, claim: bool = True) -> bool:
         """True if the Redis holds a Carnator cache (after claiming an empty one when ``claim``)."""
@@ -573,7 +591,10 @@ class RedisStore:
             raise CacheError(f"could not find a free entry id in namespace {ns} after 8 tries")
         if self._fault:
             self._fault("after_publish")
-        self._evict_if_needed(protect={entry_id})
+        try:
+            self._evict_if_needed(protect={entry_id})
+        except CacheUnavailableError:
+            pass  # published; the next write enforces the budget (the outage is logged once)
         return entry_id, True
 
     # ------------------------------------------------------------------ deletes / eviction / purge
@@ -637,7 +658,7 @@ class RedisStore:
                         evicted += 1
                         progressed = True
                         top = score if top is None else max(top, score)
-                    self._r.pexpire(lock, LOCK_TTL_MS)
+                    self._call(lambda: self._r.pexpire(lock, LOCK_TTL_MS))
                 if not progressed:
                     break
                 total = self._total_bytes(nss)
@@ -722,9 +743,8 @@ class RedisStore:
             raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
         hits_now = int(hits)
         if count_hit:
-            hits_now = self._bump(entry_id, ns)
-            if hits_now < 0:
-                raise self._gone(entry_id)
+            bumped = self._bump(entry_id, ns)
+            hits_now = bumped if bumped >= 0 else hits_now  # evicted since the read: the bytes are still valid
         user = {k: v for k, v in tensors.items() if k != "embedding" and not k.startswith(_RESERVED)}
         return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=meta["model_fingerprint"], config=config,
                      prompt=prompt, seed=int(seed), created=float(created), hits=hits_now, nbytes=int(nbytes),
@@ -836,6 +856,7 @@ class RedisStore:
             except ValueError as e:
                 return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000,
                                   note=f"no retrieval: {e}")
+            recalled = bool(found)
             found = [(i, s) for i, s in found if s >= min_similarity]
             if found:
                 pipe = self._r.pipeline(transaction=False)
@@ -857,7 +878,7 @@ class RedisStore:
                     items.append(Candidate(entry_id=entry_id, similarity=float(sim), prompt=_s(row[0]),
                                            signature=sig, seed=int(_s(row[1]))))
             if not items and not notes:
-                notes.append("no cached entry in this namespace (same model + config)" if not found
+                notes.append("no cached entry in this namespace (same model + config)" if not recalled
                              else f"no entry with similarity >= {min_similarity}")
         except CacheUnavailableError as e:
             notes.append(f"cache unavailable: {e}")
@@ -1030,9 +1051,10 @@ class RedisStore:
                 pipe.hgetall(p + "sid")
                 pipe.hkeys(p + "emb")
                 pipe.get(p + "bytes")
+                pipe.get(p + "gen")
                 return pipe.execute()
 
-            lru, prio, sid, emb_keys, nbytes = self._call(snapshot)
+            lru, prio, sid, emb_keys, nbytes, gen = self._call(snapshot)
             members = {_s(m) for m in lru}
             if members != {_s(m) for m in prio}:
                 problems.append(f"namespace {ns}: the priority and recency sets differ")
@@ -1063,11 +1085,13 @@ class RedisStore:
                 st = self._sync(ns)
                 got = set(st.ids) if st else set()
                 idx_ids = st.index.ids().tolist() if st else []
-            if len(idx_ids) != len(set(idx_ids)):
-                problems.append(f"namespace {ns}: index holds duplicate ids")
-            if set(idx_ids) != got or (got != set(by_seq) and st is not None and st.generation == int(
-                    self._call(lambda p=p: self._r.get(p + "gen")) or 0)):
+                at_snapshot = st is not None and st.generation == int(gen or 0)
+            if len(idx_ids) != len(set(idx_ids)) or set(idx_ids) != got:
+                problems.append(f"namespace {ns}: index holds duplicate or untracked ids")
+            if at_snapshot and got != set(by_seq):
                 problems.append(f"namespace {ns}: index has {len(got)} ids, the cache {len(by_seq)} entries")
+            elif not at_snapshot:
+                notes.append(f"namespace {ns}: index not compared (the namespace changed meanwhile)")
             if deep:
                 for i in by_seq.values():
                     try:

@@ -119,5 +119,5 @@ def connect_url(public: str, environ: dict[str, str] | None = None) -> str:
     raise RedisConfigError(f"{want} is no longer configured in {ENV_URL} on this server")
 
 
-__all__ = ["ENV_URL", "CacheUnavailableError", "RedisConfigError", "configured_urls", "connect_url", "is_redis_url", "public_url",
-           "resolve_redis_url"]
+__all__ = ["ENV_URL", "CacheUnavailableError", "RedisConfigError", "configured_urls", "connect_url", "is_redis_url",
+           "public_url", "resolve_redis_url"]
