@@ -376,6 +376,8 @@ def test_index_follows_the_stream_and_rebuilds_after_a_gap(redis_url):
     got = [h[0] for h in reader.query(NS_A, embs[6], k=30)]
     assert ids[6] not in got and ids[5] not in got and len(got) == 28
     assert reader.verify().ok
+    joining = store(redis_url, index_params=SMALL_IVF)  # a worker joining the farm builds its indexes up front
+    assert joining.warm() == {NS_A: 28} and joining._indexes[NS_A].ids == reader._indexes[NS_A].ids
 
 
 # ------------------------------------------------------------------------------------------ faults

@@ -68,6 +68,9 @@ def _open_redis(handle: CacheHandle) -> Any:
         if st is None or st._closed:  # noqa: SLF001 - closed stores are reopened
             st = RedisStore.open(handle.path, max_bytes=handle.max_bytes, policy=handle.policy)
             _STORES[handle.path] = st
+            # Build the recall indexes of a running farm's cache in the background: the first request finds them
+            # ready (or waits for the same build it would have done itself).
+            threading.Thread(target=st.warm, name="carnator-redis-warm", daemon=True).start()
         else:
             st.max_bytes = int(handle.max_bytes) if handle.max_bytes else None
             st.policy = handle.policy

@@ -991,6 +991,19 @@ class RedisStore:
         self._apply(ns, st, self._read_log(ns, xid0))
         return st
 
+    def warm(self) -> dict[str, int]:
+        """Build (or catch up) this process's index of every namespace now, instead of at its first recall.
+        Returns entries indexed per namespace; an unreachable Redis is logged (once) and gives ``{}``."""
+        out: dict[str, int] = {}
+        try:
+            for ns in self.namespaces():
+                with self._lock:
+                    st = self._sync(ns)
+                out[ns] = st.index.ntotal if st else 0
+        except CacheUnavailableError:
+            return {}
+        return out
+
     def index_kind(self, namespace: str) -> str | None:
         """The kind of this process's index for ``namespace`` ("flat" / "pca-ivf"), after syncing; None if empty."""
         with self._lock:
