@@ -233,9 +233,27 @@ def test_hits_lookups_stats_purge(redis_url):
 
 
 # ------------------------------------------------------------------------------------------ eviction
+class _Clock:
+    """``time`` for the store with a clock whose timestamps all print with the same number of digits: entry sizes
+    (the metadata holds the creation time) are then equal, so LCBFU's work-per-byte ties exactly."""
+
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.25
+
+    def time(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def __getattr__(self, name: str):
+        import time
+
+        return getattr(time, name)
+
+
 @pytest.mark.parametrize("policy,evicted", [("lru", 0), ("lcbfu", 1)])
-def test_eviction_policies(redis_url, policy, evicted):
+def test_eviction_policies(redis_url, policy, evicted, monkeypatch):
     """As on disk: entry 0 reused once, 1 and 2 written; writing 3 evicts LRU's 0 or LCBFU's 1."""
+    monkeypatch.setattr(rs, "time", _Clock())
     size = _entry_bytes(redis_url)
     st = store(redis_url, max_bytes=int(size * 3.5), policy=policy)
     reader = store(redis_url)
@@ -255,7 +273,8 @@ def test_eviction_policies(redis_url, policy, evicted):
     assert st.verify().ok and reader.verify().ok
 
 
-def test_lcbfu_ages_and_budget_error(redis_url):
+def test_lcbfu_ages_and_budget_error(redis_url, monkeypatch):
+    monkeypatch.setattr(rs, "time", _Clock())
     size = _entry_bytes(redis_url)
     st = store(redis_url, max_bytes=int(size * 2.5))
     first = st.put(make_entry(0))
