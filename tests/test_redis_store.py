@@ -443,7 +443,9 @@ def test_redis_outage_degrades_then_resumes(tmp_path, caplog):
         assert st.query(NS_A, np.ones(DIM)) == [] and st.candidates(NS_A, np.ones(DIM)).items == ()
         with pytest.raises(EntryNotFoundError):
             st.load(kept)
-        assert st.put(make_entry(3)) and len(st.query(NS_A, np.ones(DIM))) == 1
+        new = st.put(make_entry(3))
+        assert len(st.query(NS_A, np.ones(DIM))) == 1
+        assert store(srv.url).load(new).entry_id == new  # the lost namespace registry was written again
     finally:
         srv.stop()
 

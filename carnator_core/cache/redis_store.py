@@ -405,7 +405,7 @@ class RedisStore:
         decide). Managed Redis services often forbid CONFIG: then nothing is said."""
         try:
             policy = self._r.config_get("maxmemory-policy").get("maxmemory-policy")
-        except redis.ResponseError:
+        except (redis.ResponseError, *_CONN_ERRORS):
             return
         if policy and policy != "noeviction":
             log.warning("carnator cache: Redis at %s runs with maxmemory-policy %s; set it to noeviction (Redis "
@@ -495,9 +495,9 @@ class RedisStore:
         return ns
 
     def _register_ns(self, ns: str) -> None:
+        """Record the namespace and its id tag (on every write: a Redis that lost its data must learn them again,
+        or other workers could not resolve the new ids)."""
         tag = ns_tag(ns)
-        if self._tags.get(tag) == ns:
-            return
         pipe = self._r.pipeline(transaction=False)
         pipe.sadd(f"{PREFIX}:namespaces", ns)
         pipe.hsetnx(f"{PREFIX}:tags", tag, ns)
