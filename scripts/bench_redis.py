@@ -7,6 +7,7 @@ a free loopback port, without persistence, and stops it by PID)::
 
     .host/venv/bin/python scripts/bench_redis.py entry --writes 5
     .host/venv/bin/python scripts/bench_redis.py recall --entries 100000 --queries 300
+    .host/venv/bin/python scripts/bench_redis.py farm --warm 24 --stream 24
 
 Every command prints Markdown table rows and appends a JSON line per result to ``--out``
 (default artifacts/bench_redis.jsonl).
@@ -27,6 +28,12 @@ What is measured
     steady and with another worker publishing one entry every 10 queries (the stream catch-up path), beside the
     bare in-process ``VectorIndex.search`` over the same index (the floor: no Redis round trips);
   - catch-up of a running worker after 1,000 publishes by another one (stream replay).
+* ``farm``: two real ComfyUI servers (``tests/harness_server.py``, ``--cache-none`` so every queued prompt really
+  runs) on loopback, the Table-1 workload (``scripts/workload.py`` flags) split round-robin between them in
+  timeline order: warm requests through ``workflows/api/embedded_warm_cache.json``, stream requests through
+  ``workflows/api/embedded.json`` (recall, certified filter, joint reuse, misses written), one at a time through
+  ``POST /prompt``. Once with one shared Redis cache (database 0 for both), once with a private cache per server
+  (databases 1 and 2 of the same Redis). Hit rate = stream requests whose sampler report says "hit".
 """
 from __future__ import annotations
 
@@ -242,6 +249,65 @@ def bench_recall(args: argparse.Namespace, srv: RedisServer) -> list[dict]:
     return rows
 
 
+def bench_farm(args: argparse.Namespace, srv: RedisServer) -> list[dict]:
+    import copy
+
+    from harness_server import ComfyServer
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from workload import spec_from_args
+
+    from carnator.carnator_core.bench.workload import build_workload
+
+    wl = build_workload(spec_from_args(args))
+    urls = [f"redis://127.0.0.1:{srv.port}/{db}" for db in (0, 1, 2)]
+    env = {"CARNATOR_REDIS_URL": " ".join(urls)}
+    apis = {name: json.loads((ROOT / "workflows" / "api" / f"{name}.json").read_text())
+            for name in ("embedded_warm_cache", "embedded")}
+
+    def graph(name: str, prompt: str, seed: int, directory: str) -> dict:
+        g = copy.deepcopy(apis[name])
+        for node in g.values():
+            if node["class_type"] == "PrimitiveStringMultiline":
+                node["inputs"]["value"] = prompt
+            elif node["class_type"] == "CarnatorEarlyProbe":
+                node["inputs"]["seed"] = int(seed)
+            elif node["class_type"] == "CarnatorCacheLoader":
+                node["inputs"]["directory"] = directory
+        return g
+
+    def report(history: dict, g: dict) -> dict:
+        sid = next(i for i, n in g.items() if n["class_type"] == "CarnatorJointReuseSampler")
+        return history["outputs"][sid]["carnator_report"][0]
+
+    base = Path(tempfile.mkdtemp(prefix="bench_farm_", dir=args.workdir))
+    rows = []
+    with ComfyServer(base / "a", env=env, extra_args=["--cache-none"], startup_timeout=900) as a, \
+            ComfyServer(base / "b", env=env, extra_args=["--cache-none"], startup_timeout=900) as b:
+        servers = (a, b)
+        for config, dirs in (("shared", (urls[0], urls[0])), ("private", (urls[1], urls[2]))):
+            t0 = time.perf_counter()
+            for i, r in enumerate(wl.warm):
+                g = graph("embedded_warm_cache", r.prompt, r.seed, dirs[i % 2])
+                servers[i % 2].run_prompt_ws(g, timeout=1800)
+            decisions, savings, per_server = [], [], [0, 0]
+            for i, r in enumerate(wl.stream):
+                g = graph("embedded", r.prompt, r.seed, dirs[i % 2])
+                history, _ = servers[i % 2].run_prompt_ws(g, timeout=1800)
+                rep = report(history, g)
+                decisions.append(rep["decision"])
+                savings.append(float(rep.get("saving") or 0.0))
+                per_server[i % 2] += rep["decision"] == "hit"
+                print(f"  {config} {r.rid} on {'AB'[i % 2]}: {rep['decision']}", file=sys.stderr, flush=True)
+            hits = sum(d == "hit" for d in decisions)
+            rows.append({"bench": "farm", "cache": config, "warm": len(wl.warm), "stream": len(wl.stream),
+                         "hits": hits, "hit_rate": hits / max(1, len(wl.stream)), "hits_a": per_server[0],
+                         "hits_b": per_server[1], "mean_saving": float(np.mean(savings)) if savings else 0.0,
+                         "wall_s": time.perf_counter() - t0, "loadavg": os.getloadavg()[0]})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -251,6 +317,10 @@ def markdown(rows: list[dict]) -> str:
             out.append(f"| {r['store']} | {r['bytes_per_entry'] / 2**20:.1f} MiB | {r['put_ms_p50']:.0f} | "
                        f"{r['put_cpu_ms_p50']:.0f} | {r['load_ms_p50']:.0f} | {r['load_cpu_ms_p50']:.0f} | "
                        f"{r['load_signature_ms_p50']:.1f}{extra} | {r['loadavg']:.1f} |")
+        elif r["bench"] == "farm":
+            out.append(f"| {r['cache']} | {r['warm']} + {r['stream']} | {r['hits']} / {r['stream']} "
+                       f"({r['hit_rate']:.1%}) | {r['hits_a']} / {r['hits_b']} | {r['mean_saving']:.1%} | "
+                       f"{r['wall_s']:.0f} | {r['loadavg']:.1f} |")
         elif r["bench"] == "recall":
             out.append(f"| {r['load']} | {r['entries']:,} | {r['index']} | {r['floor_ms_p50']:.2f} / "
                        f"{r['floor_ms_p99']:.2f} | {r['query_ms_p50']:.2f} / {r['query_ms_p99']:.2f} | "
@@ -264,21 +334,25 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("entry", "recall"))
+    ap.add_argument("what", choices=("entry", "recall", "farm"))
     ap.add_argument("--writes", type=int, default=5)
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--workdir", default=tempfile.gettempdir())
     ap.add_argument("--out", default=str(ROOT / "artifacts" / "bench_redis.jsonl"))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from workload import add_workload_args
+
+    add_workload_args(ap)
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench_redis_", dir=args.workdir))
     srv = RedisServer(workdir / "redis")
     srv.start()
     try:
-        rows = bench_entry(args, srv) if args.what == "entry" else bench_recall(args, srv)
+        rows = {"entry": bench_entry, "recall": bench_recall, "farm": bench_farm}[args.what](args, srv)
     finally:
         srv.stop()
-    print(f"machine: {BC.machine()}, redis-server {srv.client and _redis_version()}")
+    print(f"machine: {BC.machine()}, redis-server {_redis_version()}")
     print(markdown(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
