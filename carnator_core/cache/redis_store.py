@@ -111,7 +111,10 @@ from .store import (
 log = logging.getLogger("carnator")
 
 PREFIX = "carnator"
-CHUNK_BYTES = 4 << 20  # 4 MiB values: a Wan-size entry (~23 MiB) is 6 chunks; no single huge Redis value
+# Entry bytes are stored in values just under 4 MiB (a Wan entry of ~23 MiB is 6 of them): no single huge value,
+# and a value plus Redis's header stays inside jemalloc's 4 MiB size class (exactly 4 MiB would be rounded up to
+# the 5 MiB class: +25% memory, measured in BENCHMARKS.md).
+CHUNK_BYTES = (4 << 20) - 4096
 STAGE_TTL_S = 600  # a staging key outlives any healthy write, and vanishes after a writer died
 QUARANTINE_TTL_S = 7 * 86400  # quarantined bytes are kept a week for inspection (memory is precious in Redis)
 STREAM_KEEP = 50_000  # change records kept per namespace; a worker further behind rebuilds its index
