@@ -106,14 +106,22 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+_PANEL_STORES: dict[str, Any] = {}
+
+
 def _redis_store(url: str) -> Any:
-    """A RedisStore of its own for this request (closed by the caller); RouteError for a URL the server owner did
-    not configure."""
+    """The panel's RedisStore for ``url`` (one per URL and process, kept open: an outage is then logged once, not
+    on every poll; it has no byte budget of its own and never claims an empty Redis). RouteError for a URL the
+    server owner did not configure."""
     from ..carnator_core.cache.redis_store import RedisStore
     from ..carnator_core.cache.redis_url import RedisConfigError, resolve_redis_url
 
     try:
-        return RedisStore.open(resolve_redis_url(url), claim=False)
+        public = resolve_redis_url(url)
+        st = _PANEL_STORES.get(public)
+        if st is None:
+            st = _PANEL_STORES[public] = RedisStore.open(public, claim=False)
+        return st
     except RedisConfigError as e:
         raise RouteError(400, str(e)) from None
 
@@ -134,8 +142,6 @@ def _redis_answer(directory: str, purge: bool) -> dict[str, Any]:
         return {**base, "exists": True, **_jsonable(store.stats())}
     except CacheUnavailableError as e:
         raise RouteError(503, str(e)) from None
-    finally:
-        store.close()
 
 
 def cache_stats(directory: str | None) -> dict[str, Any]:

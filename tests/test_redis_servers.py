@@ -1,6 +1,7 @@
 """Two real ComfyUI servers share one real Redis: a request served (dense) by server A is a hit on server B through
 ``POST /prompt`` with the embedded workflow, and both servers' cache panel routes read the shared statistics
-(and refuse a Redis URL that carries a password or names an unconfigured server)."""
+(and refuse a Redis URL that carries a password or names an unconfigured server); with Redis gone, a prompt
+still succeeds dense and the panel answers 503."""
 from __future__ import annotations
 
 import json
@@ -76,3 +77,13 @@ def test_request_served_by_a_is_a_hit_on_b(tmp_path):
             assert code == 400 and "CARNATOR_REDIS_URL" in body["error"]
             purged = b.post("/carnator/cache/purge", {"directory": "redis://"})
             assert purged["purged"] == 1 and a.get("/carnator/cache/stats?directory=redis://")["entries"] == 0
+
+            # Redis goes away mid-run: the prompt still succeeds (dense, not stored), the panel answers 503
+            redis_srv.stop()
+            history_a2, _ = a.run_prompt_ws(reuse, timeout=900)
+            assert history_a2["status"]["status_str"] == "success"
+            assert _report(history_a2, reuse)["decision"] != "hit"
+            assert "not stored" in json.dumps(history_a2["outputs"].get(writer, {}))
+            code, body = _get_error(a, "/carnator/cache/stats?directory=redis://")
+            assert code == 503 and "unreachable" in body["error"]
+            assert a.log_tail(200_000).count("requests continue without the shared cache") == 1

@@ -52,8 +52,8 @@ Contracts
   noeviction``): Carnator's budget decides what goes.
 * **Faults.** When Redis cannot be reached, every operation raises ``CacheUnavailableError`` quickly (after a
   failure Redis is not retried for ``retry_s``), except ``candidates``, which answers "no candidates" with the
-  reason so the request runs dense. One warning is logged when Redis goes away and one info line when it is
-  back; reuse resumes by itself.
+  reason so the request runs dense. One warning per process is logged when Redis goes away and one info line
+  when it is back; reuse resumes by itself.
 """
 from __future__ import annotations
 
@@ -328,6 +328,10 @@ return 0
 """
 
 _CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# URLs whose outage has been logged in this process (by any store instance: the nodes' and the panel's), so an
+# outage is one warning and its end one info line, however many handles notice it.
+_OUTAGES: set[str] = set()
+_OUTAGES_LOCK = threading.Lock()
 
 
 @dataclass
@@ -459,17 +463,23 @@ class RedisStore:
         try:
             out = fn()
         except _CONN_ERRORS as e:
-            was_up = not self._down_reason
             self._down_reason = f"{type(e).__name__}: {e}"
             self._down_until = time.monotonic() + self.retry_s
-            if was_up:
+            with _OUTAGES_LOCK:
+                first = self.url not in _OUTAGES
+                _OUTAGES.add(self.url)
+            if first:
                 log.warning("carnator cache: Redis at %s is unreachable (%s); requests continue without the shared "
                             "cache (dense) and reuse resumes when it is back", self.url, self._down_reason)
             raise CacheUnavailableError(f"the shared cache at {self.url} is unreachable ({self._down_reason}); "
                                         "continuing without it") from None
-        if self._down_reason:
+        if self._down_reason or self.url in _OUTAGES:
             self._down_reason = ""
-            log.info("carnator cache: Redis at %s is reachable again; reuse resumes", self.url)
+            with _OUTAGES_LOCK:
+                was_down = self.url in _OUTAGES
+                _OUTAGES.discard(self.url)
+            if was_down:
+                log.info("carnator cache: Redis at %s is reachable again; reuse resumes", self.url)
         return out
 
     @property
