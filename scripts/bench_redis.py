@@ -34,6 +34,8 @@ What is measured
   ``workflows/api/embedded.json`` (recall, certified filter, joint reuse, misses written), one at a time through
   ``POST /prompt``. Once with one shared Redis cache (database 0 for both), once with a private cache per server
   (databases 1 and 2 of the same Redis). Hit rate = stream requests whose sampler report says "hit".
+  ``--assign random`` sends each request to a server drawn by a seeded coin instead of round-robin (round-robin
+  puts requests an even distance apart on the same server, which decides where repeats land).
 """
 from __future__ import annotations
 
@@ -280,6 +282,9 @@ def bench_farm(args: argparse.Namespace, srv: RedisServer) -> list[dict]:
         sid = next(i for i, n in g.items() if n["class_type"] == "CarnatorJointReuseSampler")
         return history["outputs"][sid]["carnator_report"][0]
 
+    rng = np.random.default_rng(args.assign_seed)
+    n = len(wl.warm) + len(wl.stream)
+    where = (rng.integers(0, 2, size=n) if args.assign == "random" else np.arange(n) % 2).tolist()
     base = Path(tempfile.mkdtemp(prefix="bench_farm_", dir=args.workdir))
     rows = []
     with ComfyServer(base / "a", env=env, extra_args=["--cache-none"], startup_timeout=900) as a, \
@@ -288,19 +293,23 @@ def bench_farm(args: argparse.Namespace, srv: RedisServer) -> list[dict]:
         for config, dirs in (("shared", (urls[0], urls[0])), ("private", (urls[1], urls[2]))):
             t0 = time.perf_counter()
             for i, r in enumerate(wl.warm):
-                g = graph("embedded_warm_cache", r.prompt, r.seed, dirs[i % 2])
-                servers[i % 2].run_prompt_ws(g, timeout=1800)
+                w = where[i]
+                g = graph("embedded_warm_cache", r.prompt, r.seed, dirs[w])
+                servers[w].run_prompt_ws(g, timeout=1800)
             decisions, savings, per_server = [], [], [0, 0]
             for i, r in enumerate(wl.stream):
-                g = graph("embedded", r.prompt, r.seed, dirs[i % 2])
-                history, _ = servers[i % 2].run_prompt_ws(g, timeout=1800)
+                w = where[len(wl.warm) + i]
+                g = graph("embedded", r.prompt, r.seed, dirs[w])
+                history, _ = servers[w].run_prompt_ws(g, timeout=1800)
                 rep = report(history, g)
                 decisions.append(rep["decision"])
                 savings.append(float(rep.get("saving") or 0.0))
-                per_server[i % 2] += rep["decision"] == "hit"
-                print(f"  {config} {r.rid} on {'AB'[i % 2]}: {rep['decision']}", file=sys.stderr, flush=True)
+                per_server[w] += rep["decision"] == "hit"
+                print(f"  {config} {r.rid} on {'AB'[w]}: {rep['decision']} {rep.get('entry_id') or ''}",
+                      file=sys.stderr, flush=True)
             hits = sum(d == "hit" for d in decisions)
-            rows.append({"bench": "farm", "cache": config, "warm": len(wl.warm), "stream": len(wl.stream),
+            rows.append({"bench": "farm", "cache": config, "assign": args.assign, "warm": len(wl.warm),
+                         "stream": len(wl.stream),
                          "hits": hits, "hit_rate": hits / max(1, len(wl.stream)), "hits_a": per_server[0],
                          "hits_b": per_server[1], "mean_saving": float(np.mean(savings)) if savings else 0.0,
                          "wall_s": time.perf_counter() - t0, "loadavg": os.getloadavg()[0]})
@@ -318,7 +327,7 @@ def markdown(rows: list[dict]) -> str:
                        f"{r['put_cpu_ms_p50']:.0f} | {r['load_ms_p50']:.0f} | {r['load_cpu_ms_p50']:.0f} | "
                        f"{r['load_signature_ms_p50']:.1f}{extra} | {r['loadavg']:.1f} |")
         elif r["bench"] == "farm":
-            out.append(f"| {r['cache']} | {r['warm']} + {r['stream']} | {r['hits']} / {r['stream']} "
+            out.append(f"| {r['cache']} | {r['assign']} | {r['warm']} + {r['stream']} | {r['hits']} / {r['stream']} "
                        f"({r['hit_rate']:.1%}) | {r['hits_a']} / {r['hits_b']} | {r['mean_saving']:.1%} | "
                        f"{r['wall_s']:.0f} | {r['loadavg']:.1f} |")
         elif r["bench"] == "recall":
@@ -339,6 +348,9 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--workdir", default=tempfile.gettempdir())
+    ap.add_argument("--assign", choices=("round-robin", "random"), default="round-robin",
+                    help="farm: how requests are split between the two servers")
+    ap.add_argument("--assign-seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "artifacts" / "bench_redis.jsonl"))
     sys.path.insert(0, str(ROOT / "scripts"))
     from workload import add_workload_args
