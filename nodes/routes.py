@@ -12,7 +12,9 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
 resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
 the server owner lists in ``CARNATOR_CACHE_ROOTS``; relative paths are relative to the output directory. Anything
-else is answered with 400 and the reason, so a browser cannot read or delete arbitrary folders.
+else is answered with 400 and the reason, so a browser cannot read or delete arbitrary folders. A credential-free
+``redis://host:port/db`` (or ``redis://``) names the shared Redis cache instead; it must match a Redis the server
+owner configured in ``CARNATOR_REDIS_URL`` (400 otherwise), and an unreachable Redis answers 503.
 """
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ def resolve_directory(directory: str | None) -> Path:
         return resolve_cache_dir(directory if directory is not None else DEFAULT_DIRECTORY, allowed_roots())
     except CachePathError as e:
         raise RouteError(400, str(e)) from None
+
+
+def _is_redis(directory: str | None) -> bool:
+    from ..carnator_core.cache.redis_url import is_redis_url
+
+    return is_redis_url(directory)
 
 
 def _is_cache_dir(path: Path) -> bool:
@@ -103,8 +111,48 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+_PANEL_STORES: dict[str, Any] = {}
+
+
+def _redis_store(url: str) -> Any:
+    """The panel's RedisStore for ``url`` (one per URL and process, kept open: an outage is then logged once, not
+    on every poll; it has no byte budget of its own and never claims an empty Redis). RouteError for a URL the
+    server owner did not configure."""
+    from ..carnator_core.cache.redis_store import RedisStore
+    from ..carnator_core.cache.redis_url import RedisConfigError, resolve_redis_url
+
+    try:
+        public = resolve_redis_url(url)
+        st = _PANEL_STORES.get(public)
+        if st is None:
+            st = _PANEL_STORES[public] = RedisStore.open(public, claim=False)
+        return st
+    except RedisConfigError as e:
+        raise RouteError(400, str(e)) from None
+
+
+def _redis_answer(directory: str, purge: bool) -> dict[str, Any]:
+    from ..carnator_core.cache.redis_url import CacheUnavailableError
+
+    store = _redis_store(directory)
+    base = {"directory": directory, "path": store.url}
+    try:
+        if not store.exists():
+            empty = {"purged": 0} if purge else {"entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None}
+            return {**base, "exists": False, **empty}
+        if purge:
+            result = store.purge()
+            log.info("carnator: cache %s purged from the web panel: %s", store.url, result)
+            return {**base, "exists": True, "purged": result}
+        return {**base, "exists": True, **_jsonable(store.stats())}
+    except CacheUnavailableError as e:
+        raise RouteError(503, str(e)) from None
+
+
 def cache_stats(directory: str | None) -> dict[str, Any]:
     """Statistics of the cache in ``directory`` (confined); zeros if it does not exist yet."""
+    if _is_redis(directory):
+        return _redis_answer(str(directory).strip(), purge=False)
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
     if not _is_cache_dir(path):
@@ -123,6 +171,8 @@ def cache_stats(directory: str | None) -> dict[str, Any]:
 
 def cache_purge(directory: str | None) -> dict[str, Any]:
     """Removes every entry of the cache in ``directory`` (confined); the directory itself stays."""
+    if _is_redis(directory):
+        return _redis_answer(str(directory).strip(), purge=True)
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
     if not _is_cache_dir(path):

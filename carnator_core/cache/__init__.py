@@ -10,6 +10,7 @@ Public API (see each module's docstring for contracts)::
     embed_conditioning(cond_tensor, attention_mask=None) -> np.ndarray
     resolve_cache_dir(user_path, allowed_roots) -> Path
     CacheHandle(path, max_bytes, policy).store() -> Store (one per process and directory)
+    CacheHandle("redis://host:port/db", ...).store() -> RedisStore (shared by many workers; redis_store.py)
 """
 from ..paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
 from .embed import embed_comfy_conditioning, embed_conditioning
@@ -24,6 +25,13 @@ from .errors import (
 from .handle import CacheHandle, open_store
 from .index import IndexParams, VectorIndex
 from .policy import POLICIES
+from .redis_url import (
+    ENV_URL as ENV_REDIS_URL,
+    CacheUnavailableError,
+    RedisConfigError,
+    is_redis_url,
+    resolve_redis_url,
+)
 from .store import (
     CacheBudgetError,
     CacheError,
@@ -46,4 +54,5 @@ __all__ = [
     "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "POLICIES", "Store", "VectorIndex",
     "VerifyReport", "adoption_problem", "decode_entry", "embed_comfy_conditioning", "embed_conditioning",
     "encode_entry", "open_store", "resolve_cache_dir", "roots_from_env",
+    "CacheUnavailableError", "ENV_REDIS_URL", "RedisConfigError", "is_redis_url", "resolve_redis_url",
 ]
