@@ -102,17 +102,36 @@ def open_workflow(page: Any, name: str) -> dict[str, Any]:
     """Load workflows/<name>.json through the frontend's own file input (what "Open" and drag-and-drop run);
     returns the API prompt the frontend makes of it."""
     path = ROOT / "workflows" / f"{name}.json"
-    types = sorted(n["type"] for n in json.loads(path.read_text(encoding="utf-8"))["nodes"])
+    workflow = json.loads(path.read_text(encoding="utf-8"))
+    want = {"types": sorted(n["type"] for n in workflow["nodes"]), "links": len(workflow["links"])}
+    # Mark the nodes on the canvas: when the same workflow is open already, its node types alone would match
+    # before the new copy is configured (links not yet connected).
+    page.evaluate("() => app.graph._nodes.forEach(n => { n.__carnatorStale = true })")
     page.set_input_files("#comfy-file-input", str(path))
-    page.wait_for_function("(types) => JSON.stringify(app.graph._nodes.map(n => n.type).sort()) === "
-                           "JSON.stringify(types)", arg=types, timeout=30_000)
+    page.wait_for_function("""(want) => {
+        const nodes = app.graph._nodes;
+        const linked = nodes.reduce((k, n) => k + (n.inputs || []).filter(i => i.link != null).length, 0);
+        return !nodes.some(n => n.__carnatorStale) && linked === want.links
+            && JSON.stringify(nodes.map(n => n.type).sort()) === JSON.stringify(want.types);
+    }""", arg=want, timeout=30_000)
     return page.evaluate("async () => (await app.graphToPrompt()).output")
 
 
-def run_and_wait_for_badge(page: Any) -> dict[str, Any]:
+def run_and_wait_for_badge(page: Any, server: ComfyServer) -> dict[str, Any]:
+    """Queue the open workflow with the Run button; wait for the badge and for the whole prompt to finish (the
+    decode and save nodes run after the sampler: their "executed" messages, arriving after the next workflow is
+    open, would land on the nodes that have the same ids there)."""
     page.evaluate("() => app.graph._nodes.forEach(n => { delete n.carnatorReport })")
     page.locator('[data-testid="queue-button"]').first.click()
     page.wait_for_function(f"() => {SAMPLER_JS}?.carnatorReport", timeout=RUN_TIMEOUT_MS)
+    deadline = time.time() + RUN_TIMEOUT_MS / 1000
+    while True:
+        queue = server.get("/queue")
+        if not queue["queue_running"] and not queue["queue_pending"]:
+            break
+        assert time.time() < deadline, f"prompt still running after {RUN_TIMEOUT_MS / 1000:.0f} s: {queue}"
+        time.sleep(0.25)
+    time.sleep(1.0)  # the last websocket messages reach the page
     return page.evaluate(f"() => {SAMPLER_JS}.carnatorReport")
 
 
@@ -170,14 +189,14 @@ def test_warm_then_hit_badge_and_cache_panel(page: Any, server: ComfyServer, ui:
     # 1. Warm the cache: a dense run, written to the cache.
     prompt = open_workflow(page, "embedded_warm_cache")
     assert executable(prompt) == api_file("embedded_warm_cache"), "the frontend makes another prompt of it"
-    report = run_and_wait_for_badge(page)
+    report = run_and_wait_for_badge(page, server)
     assert report["decision"] == "dense", report
     page.screenshot(path=str(out / "warm_cache.png"))
 
     # 2. The same request through the full reuse path: a HIT, with per-axis verdicts on the badge.
     prompt = open_workflow(page, "embedded")
     assert executable(prompt) == api_file("embedded")
-    report = run_and_wait_for_badge(page)
+    report = run_and_wait_for_badge(page, server)
     assert report["decision"] == "hit", f"identical request not reused: {json.dumps(report)[:2000]}"
     lines = page.evaluate(f"() => window.carnator.badgeLines({SAMPLER_JS}.carnatorReport).lines.map(l => l.text)")
     assert lines[0].startswith("HIT"), lines
@@ -234,6 +253,25 @@ def test_warm_then_hit_badge_and_cache_panel(page: Any, server: ComfyServer, ui:
     assert server.get("/carnator/cache/stats?directory=carnator_cache")["entries"] == 0
     ours = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
     assert not ours, ours
+
+
+def test_badge_from_the_executed_event_alone_and_a_new_decision(page: Any) -> None:
+    """The API's "executed" event alone shows the badge (the node's onExecuted hook switched off, as where a
+    frontend does not call it), and a decision the badge does not know yet shows under its own name."""
+    open_workflow(page, "embedded_warm_cache")
+    report = {"decision": "exact", "mode": "joint", "saving": 0.5, "timings_ms": {"total": 120.0}, "verdicts": []}
+    page.evaluate("""(report) => {
+        const n = app.graph._nodes.find(n => n.comfyClass === 'CarnatorJointReuseSampler');
+        n.onExecuted = undefined;  // only the event listener can deliver it now
+        app.api.dispatchEvent(new CustomEvent('executed',
+            {detail: {node: String(n.id), display_node: String(n.id), output: {carnator_report: [report]}}}));
+    }""", report)
+    page.wait_for_function(f"() => {SAMPLER_JS}.carnatorReport?.decision === 'exact'", timeout=30_000)
+    badge = page.locator(".carnator-badge")
+    badge.wait_for(state="visible", timeout=30_000)
+    shown = page.evaluate("() => [...document.querySelectorAll('.carnator-badge > div')].map(d => d.textContent)")
+    assert shown == ["EXACT", "no cached candidate", "saved 50% of dense compute · 0.12 s"], shown
+    assert page.evaluate("() => document.querySelector('.carnator-badge').dataset.decision") == "exact"
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "workflows").glob("*.json")))
