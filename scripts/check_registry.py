@@ -30,10 +30,11 @@ import struct
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_COMFY = ROOT / ".host" / "registry-tools" / "bin" / "comfy"
@@ -118,7 +119,7 @@ def run_tool(comfy: Path, args: list[str], cwd: Path, home: Path) -> subprocess.
            "XDG_CONFIG_HOME": str(home / "config"), "HOME": str(home), "NO_COLOR": "1", "COLUMNS": "200"}
     try:
         return subprocess.run([str(comfy), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                              timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"`comfy {' '.join(args)}` did not finish within {TOOL_TIMEOUT_S} s (waiting on the "
                            f"network?); output so far: {e.stdout!r} {e.stderr!r}") from None

@@ -23,9 +23,8 @@ def env(comfy_env, tmp_path_factory):
     import comfy.model_base as mb
     import comfy.ops
     import tiny_models as tm
-    from comfy.ldm.wan.model import WanModel
-
     from carnator.carnator_core.adapters import UnsupportedModelError, detect_arch
+    from comfy.ldm.wan.model import WanModel
 
     d = tmp_path_factory.mktemp("tiny_detect")
     models = {name: tm.load_tiny_model(name, d) for name in tm.SPECS}

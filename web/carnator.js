@@ -295,7 +295,9 @@ function renderPanel(root) {
         row("bytes", bytes(s.bytes ?? 0)),
         row("hits", String(s.hits ?? 0)),
         row("hit rate", s.hit_rate == null ? "–" : pct(s.hit_rate, 1)),
-        ...(s.namespaces != null ? [row("namespaces", String(Array.isArray(s.namespaces) ? s.namespaces.length : s.namespaces))] : []),
+        ...(s.namespaces != null
+          ? [row("namespaces", String(Array.isArray(s.namespaces) ? s.namespaces.length : s.namespaces))]
+          : []),
         row("this session", sessionLine()),
       );
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";

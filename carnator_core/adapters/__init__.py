@@ -76,12 +76,12 @@ SUPPORTED = ("Wan 2.1 T2V (1.3B, 14B), Wan 2.2 TI2V 5B, LTX-Video 0.9.x (2B, 13B
 # (pattern over the model's and its backbone's class and module names, what it is, why reuse does not apply)
 _REFUSED_FAMILIES: tuple[tuple[re.Pattern[str], str, str], ...] = (
     (re.compile(r"FlowRVS|IMG_TO_IMG"), "an image-to-image flow Wan variant (e.g. WAN21_FlowRVS)",
-     "it transports an input image's latent instead of denoising noise, so the probe's noise schedule, the Early "
-     "Signature and the cached text-to-video runs do not describe it"),
-    (re.compile(r"Causal|Autoregressive|ar_model|(^|[._])AR($|[._])"), "a causal / autoregressive Wan "
-     "(e.g. WAN21_CausalAR, frame-by-frame generation with a KV cache)",
-     "each frame block is generated from the previous ones, so there is no whole-clip probe to compare and no "
-     "single attention structure to reuse"),
+     ("it transports an input image's latent instead of denoising noise, so the probe's noise schedule, the Early "
+      "Signature and the cached text-to-video runs do not describe it")),
+    (re.compile(r"Causal|Autoregressive|ar_model|(^|[._])AR($|[._])"),
+     "a causal / autoregressive Wan (e.g. WAN21_CausalAR, frame-by-frame generation with a KV cache)",
+     ("each frame block is generated from the previous ones, so there is no whole-clip probe to compare and no "
+      "single attention structure to reuse")),
     (re.compile(r"LTXAV|av_model|LTX2|LTXV2"), "LTX-2 (the audio-video LTX model, LTXAV)",
      "its joint audio-video tokens and second (audio) stream are not covered by the signature or the reuse plan"),
 )
