@@ -221,6 +221,12 @@ def test_warm_then_hit_badge_and_cache_panel(page: Any, server: ComfyServer, ui:
     if ui.endswith("-vue"):  # the Vue node is HTML: the badge must be part of it, not drawn over it
         node_id = page.evaluate(f"() => String({SAMPLER_JS}.id)")
         assert page.locator(f'[data-node-id="{node_id}"] .carnator-badge').count() == 1
+    # The badge is not a value: a workflow saved now has the sampler's widget values of the file, nothing more.
+    saved = page.evaluate("() => app.graph.serialize().nodes"
+                          ".find(n => n.type === 'CarnatorJointReuseSampler').widgets_values")
+    in_file = next(n for n in json.loads((ROOT / "workflows" / "embedded.json").read_text(encoding="utf-8"))["nodes"]
+                   if n["type"] == "CarnatorJointReuseSampler")["widgets_values"]
+    assert saved == in_file, (saved, in_file)
     full = out / "reuse_full.png"
     page.screenshot(path=str(full))
     bg, text = badge_pixels(full, box)
