@@ -372,9 +372,11 @@ def _damage(client, key: str, how: str) -> None:
         client.lset(key, 0, b"\xff" * 64 + chunks[0][64:])
     elif how == "missing":
         client.delete(key)
+    elif how == "bad_row":  # the row's chunk count is not a number (a tampered Redis): quarantined, not a crash
+        client.hset(key.replace(":b:", ":e:"), "nchunks", "x")
 
 
-@pytest.mark.parametrize("how", ["flip_tensor_byte", "truncate", "garbage_header", "missing"])
+@pytest.mark.parametrize("how", ["flip_tensor_byte", "truncate", "garbage_header", "missing", "bad_row"])
 def test_corrupt_entry_is_quarantined(redis_url, caplog, how):
     st = store(redis_url)
     ids = [st.put(make_entry(i)) for i in range(3)]

@@ -673,8 +673,9 @@ class RedisStore:
             if len(blob) != int(nbytes):
                 raise EntryFormatError(f"value is {len(blob)} bytes, the catalogue recorded {nbytes} (truncated?)")
             dec = decode_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest)
-        except EntryFormatError as e:  # any defect of a stored value means "quarantine"
-            raise self._quarantine(entry_id, ns, str(e)) from None
+        except ValueError as e:  # EntryFormatError, or a row field that is not a number: "quarantine"
+            reason = str(e) if isinstance(e, EntryFormatError) else f"{type(e).__name__}: {e}"
+            raise self._quarantine(entry_id, ns, reason) from None
         if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
             raise NamespaceMismatchError(
                 f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
