@@ -73,7 +73,8 @@ def test_codec_round_trip_and_coords() -> None:
     zb = codec.rgb_to_latent(np.stack([rgb, rgb]))
     assert zb.shape[0] == 2 and torch.equal(zb[1], z)
     assert tuple(codec.mask_to_latent(alpha[0]).shape) == config.LATENT_SHAPE[1:]
-    assert tuple(codec.coord_channels(*config.LATENT_SHAPE[1:]).shape) == (config.COORD_CHANNELS,) + config.LATENT_SHAPE[1:]
+    coords = codec.coord_channels(*config.LATENT_SHAPE[1:])
+    assert tuple(coords.shape) == (config.COORD_CHANNELS,) + config.LATENT_SHAPE[1:]
 
 
 def test_text_encoder_word_spans_and_synonyms() -> None:
@@ -83,7 +84,8 @@ def test_text_encoder_word_spans_and_synonyms() -> None:
     assert words == "a small red ball rolls to the right across green grass".split()
     ball = enc.words[words.index("ball")]
     assert ball.concept == "shape:ball" and ball.slot == 0 and len(ball.tokens) == 1
-    assert np.array_equal(enc.cond[ball.tokens[0]], text.encode("a small red ball rolls to the right across green grass").cond[ball.tokens[0]])
+    again = text.encode("a small red ball rolls to the right across green grass")
+    assert np.array_equal(enc.cond[ball.tokens[0]], again.cond[ball.tokens[0]])
     assert enc.words[words.index("right")].concept == "motion:right"
     assert enc.words[words.index("green")].concept == "bgmod:green" and enc.words[words.index("green")].slot is None
     assert sorted(enc.object_tokens(0)) == sorted(enc.words[words.index(w)].tokens[0] for w in ("red", "ball"))
@@ -97,7 +99,8 @@ def test_text_encoder_word_spans_and_synonyms() -> None:
 
 
 def test_two_object_slots_and_position_vs_motion_words() -> None:
-    enc = text.encode("a red ball in the top left moves to the right and a blue cube falls in the bottom right, at night")
+    enc = text.encode("a red ball in the top left moves to the right and a blue cube falls in the bottom right, "
+                      "at night")
     by = {(w.word, w.index): w for w in enc.words}
     assert [w.slot for w in enc.words if w.word in ("ball", "cube")] == [0, 1]
     lefts = [w for w in enc.words if w.word in ("left", "right")]
@@ -142,7 +145,64 @@ def test_checker_rejects_perturbed_captions(attr: str, other) -> None:
 
 def test_checker_flags_missing_object_and_accepts_torch() -> None:
     blank = np.broadcast_to(world.background_image("grass"), (config.FRAMES, config.HEIGHT, config.WIDTH, 3))
-    r = checker.check(torch.from_numpy(np.ascontiguousarray(blank)), "a big red ball sits still in the middle, on the grass")
+    r = checker.check(torch.from_numpy(np.ascontiguousarray(blank)),
+                      "a big red ball sits still in the middle, on the grass")
     assert not r.objects[0].found and r.objects[0].colour_ok is False and r.background_ok is True
     with pytest.raises(ValueError, match="expects a clip"):
         checker.check(np.zeros((8, 32, 32)), "a red ball")
+
+
+# --- v3: a 48 x 48 frame and the contextual text encoder ----------------------------------------------------
+V3 = config.version("v3")
+V3_FRAME = world.Frame(V3.frames, V3.height, V3.width)
+
+
+def test_v3_geometry_is_finer_and_deeper_than_v2() -> None:
+    v2 = config.version("v2")
+    assert V3.num_layers >= 8 and 2 / V3.num_layers <= 0.25  # always-dense first + last block <= 25 %
+    assert V3.tokens > v2.tokens and V3.latent_shape == (config.LATENT_CHANNELS, 8, 24, 24)
+    assert world.anchors(32, 32) == world.ANCHORS  # the default frame's anchors are unchanged
+    assert V3_FRAME.anchors["center"] == (24.0, 24.0)
+    rgb, alpha = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"),
+                              V3_FRAME)
+    assert rgb.shape == (8, 48, 48, 3) and alpha.shape == (1, 8, 48, 48)
+    # the same object covers a smaller share of the larger frame (sizes are in pixels)
+    _, alpha2 = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"))
+    assert (alpha > 0.5).mean() < 0.5 * (alpha2 > 0.5).mean()
+
+
+def test_checker_passes_ground_truth_renders_in_the_v3_frame() -> None:
+    rng = np.random.default_rng(16)
+    results = []
+    for k in range(120):
+        scene = world.sample_scene(rng, held_out=k % 3 == 0, p_two=0.6, frame=V3_FRAME)
+        cap = world.caption(scene, rng)
+        rgb, _ = world.render(scene, V3_FRAME)
+        r = checker.check(rgb, cap)
+        assert r.all_ok, (cap, [o.measured for o in r.objects])
+        results.append(r)
+    assert sum(len(r.objects) == 2 for r in results) > 40
+    # ... and a wrong position is caught there too (anchors scale with the clip's frame)
+    scene = world.Scene((world.ObjectSpec("cube", "blue", "small", "top left", "still"),), "sand")
+    rgb, _ = world.render(scene, V3_FRAME)
+    wrong = world.Scene((dataclasses.replace(scene.objects[0], position="center"),), "sand")
+    assert checker.check(rgb, scene).all_ok and checker.check(rgb, wrong).objects[0].position_ok is False
+
+
+def test_v3_text_encoder_binds_each_word_to_its_object() -> None:
+    """v3 adds the object's phrase context to its words: object 0's position word changes with object 0's colour
+    (not with object 1's); v2's bag of words does not bind. Token positions are the same in both versions."""
+    base = "a red ball in the top left moves up and a blue cube sits still in the bottom right, at night"
+    own = base.replace("red", "green")
+    other = base.replace("blue", "yellow")
+    enc = {v: {k: text.encode(p, version=v) for k, p in (("base", base), ("own", own), ("other", other))}
+           for v in ("v2", "v3")}
+    top = [w for w in enc["v3"]["base"].words if w.word == "top"][0].tokens[0]
+    night = [w for w in enc["v3"]["base"].words if w.word == "night"][0].tokens[0]
+    assert np.array_equal(enc["v2"]["base"].cond[top], enc["v2"]["own"].cond[top])
+    assert not np.array_equal(enc["v3"]["base"].cond[top], enc["v3"]["own"].cond[top])
+    assert np.array_equal(enc["v3"]["base"].cond[top], enc["v3"]["other"].cond[top])
+    assert np.array_equal(enc["v3"]["base"].cond[night], enc["v2"]["base"].cond[night])  # global words: unchanged
+    assert [w.tokens for w in enc["v3"]["base"].words] == [w.tokens for w in enc["v2"]["base"].words]
+    assert np.all(text.encode("", version="v3").cond == 0)
+    assert np.array_equal(text.encode(base).cond, enc["v2"]["base"].cond)  # the default stays v2's encoder

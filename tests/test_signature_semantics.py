@@ -18,10 +18,9 @@ The orderings are only meaningful for kinds of change the *model* follows: when 
 changed word (its probe barely changes: no axis moves by a just-noticeable amount, ``_responds``), the pair
 says nothing about the signature. Kinds the model follows in fewer than RESPONSIVE_FRACTION of the pairs are
 left out of the orderings and reported by ``test_model_follows_every_kind_of_change``, which xfails naming them.
-Both shipped weight files run: v2 (the default) follows all four kinds, so every ordering is asserted on it
-(measured: each axis responds 3-10x more to its own kind than to any other; own axis largest in 75-100% of the
-pairs of each kind); v1 does not follow size or position words (docs/MODEL_CARD.md), so on v1 only the
-background and colour orderings are checked and the follow test xfails.
+The shipped default weights (v2) follow all four kinds, so every ordering is asserted on them (measured: each
+axis responds 3-10x more to its own kind than to any other; own axis largest in 75-100% of the pairs of each
+kind).
 
 Also: the same prompt + seed gives a bit-identical signature.
 Needs the embedded model's weights (carnator_core/embedded/weights/) and its ComfyUI glue; skipped otherwise.
@@ -47,8 +46,8 @@ RESPONSIVE_FRACTION = 0.75
 JND = {"context": 1.0, "size": 0.02, "shape": 0.02, "appearance": 1.0}
 
 
-# Both shipped weight files: the default (v1) and v2 (which follows position and motion words).
-WEIGHTS = {"v1": "carnator_embedded_v1.safetensors", "v2": "carnator_embedded_v2.safetensors"}
+# The shipped weight files this test runs on (v2: the default, which follows position and motion words).
+WEIGHTS = {"v2": "carnator_embedded_v2.safetensors"}
 
 
 @pytest.fixture(scope="module", params=sorted(WEIGHTS))
