@@ -1,5 +1,10 @@
-"""Quality gate of the shipped embedded model: prompt following on held-out attribute
-combinations, early-state probe quality, and generation speed. Fails (does not skip) without the weights.
+"""Quality gate of the shipped (default) embedded model: prompt following on held-out attribute combinations,
+two-object scenes where its version gates them (v3: every attribute of both objects right in >= 50 % of the
+captions), early-state probe quality, and the work one clip costs. Fails (does not skip) without the weights.
+
+Clip wall time is a benchmark (scripts/bench_embedded_clip.py, docs/MODEL_CARD.md), not a test: a loaded CI
+machine must not fail it. What a test can pin is the work: denoiser calls and batch items per clip, and the
+analytic FLOPs of one clip against the budget that the benchmark shows runs in well under 10 s on 2 cores.
 
 Numbers and how they were measured: docs/MODEL_CARD.md.
 """
@@ -11,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.comfy]
 
 
 @pytest.fixture(scope="module")
-def gate(comfy_env):
+def shipped(comfy_env):
     import torch
 
     from carnator.carnator_core.embedded import comfy_glue, config
@@ -19,63 +24,86 @@ def gate(comfy_env):
     torch.set_num_threads(2)
     assert config.DEFAULT_WEIGHTS.exists(), f"shipped weights missing: {config.DEFAULT_WEIGHTS}"
     model, _, _ = comfy_glue.load_embedded()
-    captions = comfy_glue.gate_captions()
+    version = comfy_glue.model_version(model)
+    assert version.name == config.DEFAULT_VERSION
+    return comfy_glue, config, model, version
+
+
+@pytest.fixture(scope="module")
+def gate(shipped):
+    glue, config, model, version = shipped
+    captions = glue.gate_captions(version=version.name)
     assert len(captions) >= 64
-    return comfy_glue.evaluate(captions, model=model), comfy_glue
+    return glue.evaluate(captions, model=model)
+
+
+def test_gate_thresholds_are_the_documented_ones(comfy_env) -> None:
+    from carnator.carnator_core.embedded import config
+
+    assert config.GATE_THRESHOLDS == {"colour": 0.90, "size": 0.80, "position": 0.60, "motion": 0.50,
+                                      "attn_peak_on_object": 0.80, "x0_colour_match": 0.90}
+    assert config.version("v3").two_object_all_ok_gate == 0.5
 
 
 def test_held_out_colour_following(gate) -> None:
-    rates, _ = gate
-    print("gate rates:", rates)
-    assert rates["colour"] >= 0.90, rates
+    print("gate rates:", gate)
+    assert gate["colour"] >= 0.90, gate
 
 
 def test_held_out_size_position_motion_following(gate) -> None:
-    rates, _ = gate
-    assert rates["size"] >= 0.80, rates
-    assert rates["position"] >= 0.60, rates
-    assert rates["motion"] >= 0.50, rates
+    assert gate["size"] >= 0.80, gate
+    assert gate["position"] >= 0.60, gate
+    assert gate["motion"] >= 0.50, gate
 
 
 def test_early_probe_quality(gate) -> None:
-    rates, _ = gate
-    assert rates["attn_peak_on_object"] >= 0.80, rates
-    assert rates["x0_colour_match"] >= 0.90, rates
+    assert gate["attn_peak_on_object"] >= 0.80, gate
+    assert gate["x0_colour_match"] >= 0.90, gate
 
 
-def test_one_clip_under_ten_seconds(gate) -> None:
-    _, glue = gate
-    seconds = glue.time_one_clip()
-    assert seconds < 10.0, seconds
+def test_gate_verdict_reads_the_same_thresholds(shipped) -> None:
+    glue, config, model, version = shipped
+    ok = {"one_object": dict(config.GATE_THRESHOLDS), "two_objects": {"all_ok": 0.5}}
+    assert glue.gate_verdict(ok, config.version("v3"))["passes"]
+    low = {"one_object": {**config.GATE_THRESHOLDS, "motion": 0.49}, "two_objects": {"all_ok": 0.5}}
+    assert not glue.gate_verdict(low, config.version("v3"))["passes"]
+    assert not glue.gate_verdict({**ok, "two_objects": {"all_ok": 0.49}}, config.version("v3"))["passes"]
+    assert glue.gate_verdict({"one_object": ok["one_object"]}, config.version("v2"))["passes"]
 
 
-# --- v1 weights (the first default; ship beside v2 for comparison, docs/MODEL_CARD.md) -------------------------
-@pytest.fixture(scope="module")
-def gate_v1(comfy_env):
-    import torch
+def test_two_object_scenes(shipped) -> None:
+    """Every attribute of both objects right, where the default version gates two-object scenes (v3 on; v2,
+    at 0.02, predates the gate and is not held to it)."""
+    glue, config, model, version = shipped
+    if version.two_object_all_ok_gate is None:
+        assert version.name == "v2", "every version after v2 must gate two-object scenes"
+        return
+    captions = glue.gate_captions(n_objects=2, version=version.name)
+    assert len(captions) >= 64
+    rates = glue.evaluate(captions, model=model)
+    print("two-object gate rates:", rates)
+    assert rates["all_ok"] >= version.two_object_all_ok_gate, rates
+
+
+def test_one_clip_work_bound(shipped) -> None:
+    """One clip = DEFAULT_STEPS denoiser calls on cond + uncond (2 batch items each), and its analytic FLOPs fit
+    the budget (wall time: scripts/bench_embedded_clip.py)."""
+    glue, config, model, version = shipped
+    calls = glue.count_denoiser_work(model)
+    assert calls == {"calls": config.DEFAULT_STEPS, "batch_items": 2 * config.DEFAULT_STEPS}, calls
+    flops = glue.clip_flops(version)
+    assert flops <= config.CLIP_FLOP_BUDGET, (flops, config.CLIP_FLOP_BUDGET)
+
+
+def test_clip_flops_follow_the_model_shape(comfy_env) -> None:
+    """The analytic count grows with tokens and blocks as a transformer's cost does (it is what the work bound
+    checks, so it must not be a constant)."""
+    import dataclasses
 
     from carnator.carnator_core.embedded import comfy_glue, config
 
-    torch.set_num_threads(2)
-    path = config.WEIGHTS_DIR / "carnator_embedded_v1.safetensors"
-    assert path.exists(), f"shipped v1 weights missing: {path}"
-    model, _, _ = comfy_glue.load_embedded(path)
-    return comfy_glue.evaluate(comfy_glue.gate_captions(), model=model)
-
-
-def test_v1_held_out_colour_and_early_probe(gate_v1) -> None:
-    rates = gate_v1
-    print("v1 gate rates:", rates)
-    assert rates["colour"] >= 0.90, rates
-    assert rates["attn_peak_on_object"] >= 0.80, rates
-    assert rates["x0_colour_match"] >= 0.90, rates
-
-
-# strict=True: if v1 ever measured inside the gate, the XPASS fails the run and this marker must go.
-@pytest.mark.xfail(strict=True, reason="v1 weights (90 min on a shared machine, trained text embedding) ignore "
-                                       "size, position and motion words: 0.52 / 0.20 / 0.17; docs/MODEL_CARD.md")
-def test_v1_size_position_motion(gate_v1) -> None:
-    rates = gate_v1
-    assert rates["size"] >= 0.80, rates
-    assert rates["position"] >= 0.60, rates
-    assert rates["motion"] >= 0.50, rates
+    v2, v3 = config.version("v2"), config.version("v3")
+    assert comfy_glue.clip_flops(v3) > comfy_glue.clip_flops(v2)
+    deeper = dataclasses.replace(v2, num_layers=2 * v2.num_layers)
+    assert 1.8 < comfy_glue.clip_flops(deeper) / comfy_glue.clip_flops(v2) < 2.0
+    assert comfy_glue.clip_flops(v3) <= config.CLIP_FLOP_BUDGET

@@ -150,3 +150,59 @@ def test_checker_flags_missing_object_and_accepts_torch() -> None:
     assert not r.objects[0].found and r.objects[0].colour_ok is False and r.background_ok is True
     with pytest.raises(ValueError, match="expects a clip"):
         checker.check(np.zeros((8, 32, 32)), "a red ball")
+
+
+# --- v3: a 48 x 48 frame and the contextual text encoder ----------------------------------------------------
+V3 = config.version("v3")
+V3_FRAME = world.Frame(V3.frames, V3.height, V3.width)
+
+
+def test_v3_geometry_is_finer_and_deeper_than_v2() -> None:
+    v2 = config.version("v2")
+    assert V3.num_layers >= 8 and 2 / V3.num_layers <= 0.25  # always-dense first + last block <= 25 %
+    assert V3.tokens > v2.tokens and V3.latent_shape == (config.LATENT_CHANNELS, 8, 24, 24)
+    assert world.anchors(32, 32) == world.ANCHORS  # the default frame's anchors are unchanged
+    assert V3_FRAME.anchors["center"] == (24.0, 24.0)
+    rgb, alpha = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"),
+                              V3_FRAME)
+    assert rgb.shape == (8, 48, 48, 3) and alpha.shape == (1, 8, 48, 48)
+    # the same object covers a smaller share of the larger frame (sizes are in pixels)
+    _, alpha2 = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"))
+    assert (alpha > 0.5).mean() < 0.5 * (alpha2 > 0.5).mean()
+
+
+def test_checker_passes_ground_truth_renders_in_the_v3_frame() -> None:
+    rng = np.random.default_rng(16)
+    results = []
+    for k in range(120):
+        scene = world.sample_scene(rng, held_out=k % 3 == 0, p_two=0.6, frame=V3_FRAME)
+        cap = world.caption(scene, rng)
+        rgb, _ = world.render(scene, V3_FRAME)
+        r = checker.check(rgb, cap)
+        assert r.all_ok, (cap, [o.measured for o in r.objects])
+        results.append(r)
+    assert sum(len(r.objects) == 2 for r in results) > 40
+    # ... and a wrong position is caught there too (anchors scale with the clip's frame)
+    scene = world.Scene((world.ObjectSpec("cube", "blue", "small", "top left", "still"),), "sand")
+    rgb, _ = world.render(scene, V3_FRAME)
+    wrong = world.Scene((dataclasses.replace(scene.objects[0], position="center"),), "sand")
+    assert checker.check(rgb, scene).all_ok and checker.check(rgb, wrong).objects[0].position_ok is False
+
+
+def test_v3_text_encoder_binds_each_word_to_its_object() -> None:
+    """v3 adds the object's phrase context to its words: object 0's position word changes with object 0's colour
+    (not with object 1's); v2's bag of words does not bind. Token positions are the same in both versions."""
+    base = "a red ball in the top left moves up and a blue cube sits still in the bottom right, at night"
+    own = base.replace("red", "green")
+    other = base.replace("blue", "yellow")
+    enc = {v: {k: text.encode(p, version=v) for k, p in (("base", base), ("own", own), ("other", other))}
+           for v in ("v2", "v3")}
+    top = [w for w in enc["v3"]["base"].words if w.word == "top"][0].tokens[0]
+    night = [w for w in enc["v3"]["base"].words if w.word == "night"][0].tokens[0]
+    assert np.array_equal(enc["v2"]["base"].cond[top], enc["v2"]["own"].cond[top])
+    assert not np.array_equal(enc["v3"]["base"].cond[top], enc["v3"]["own"].cond[top])
+    assert np.array_equal(enc["v3"]["base"].cond[top], enc["v3"]["other"].cond[top])
+    assert np.array_equal(enc["v3"]["base"].cond[night], enc["v2"]["base"].cond[night])  # global words: unchanged
+    assert [w.tokens for w in enc["v3"]["base"].words] == [w.tokens for w in enc["v2"]["base"].words]
+    assert np.all(text.encode("", version="v3").cond == 0)
+    assert np.array_equal(text.encode(base).cond, enc["v2"]["base"].cond)  # the default stays v2's encoder

@@ -21,7 +21,7 @@ run: ``test_model_follows_the_kinds_it_should`` fails when the model follows a s
 RESPONSIVE_FRACTION of the pairs, and the orderings are asserted over every stated kind — so a model that stops
 following a kind fails these tests instead of shrinking them. v2 (the default) follows all four kinds (measured:
 each axis responds 3-10x more to its own kind than to any other; own axis largest in 75-100% of the pairs of
-each kind); v1 does not follow size or position words, so on v1 the background and colour orderings are checked.
+each kind).
 
 Also: the same prompt + seed gives a bit-identical signature.
 Needs the embedded model's weights (carnator_core/embedded/weights/) and its ComfyUI glue; fails without them.
@@ -47,9 +47,9 @@ RESPONSIVE_FRACTION = 0.75
 JND = {"context": 1.0, "size": 0.02, "shape": 0.02, "appearance": 1.0}
 
 
-# Both shipped weight files: the default (v2) and v1 (superseded: it ignores size and position words).
-WEIGHTS = {"v1": "carnator_embedded_v1.safetensors", "v2": "carnator_embedded_v2.safetensors"}
-FOLLOWS = {"v1": ("background", "colour"), "v2": KINDS}
+# The shipped weight files this test runs on (v2: the default, which follows every kind of change).
+WEIGHTS = {"v2": "carnator_embedded_v2.safetensors"}
+FOLLOWS = {"v2": KINDS}
 
 
 @pytest.fixture(scope="module", params=sorted(WEIGHTS))

@@ -19,10 +19,10 @@ reuse safe or unsafe, so every rule is fixed and explained here:
    of its most background-distinct half) than the background: a soft edge counts half way, as a viewer
    reads it. (The foreground mask of rule 1 keeps any pixel 0.18 from the background, which on generated
    clips includes a blurred rim and measured every object ~4 px too big: v2's small objects at a median
-   12.5 px, big at 17.) position: nearest
-   ``world.ANCHORS`` entry to the clip-average centroid. motion: centroid displacement from the first two
-   frames to the last two; below ``STILL_MAX`` px is still, else the dominant axis and sign (a moving
-   object travels ~6.9 px between those frame pairs).
+   12.5 px, big at 17.) position: nearest position anchor (``world.anchors`` of the clip's frame size)
+   to the clip-average centroid. motion: centroid displacement from the first two frames to the last two;
+   below ``STILL_MAX`` px is still, else the dominant axis and sign (a moving object travels ~6.9 px between
+   those frame pairs).
 
 Contract: pure numpy/scipy, deterministic, no torch or ComfyUI needed. An attribute the caption does not
 name yields ``None`` (not checked). A ground-truth render of any world scene passes every check (tested).
@@ -212,7 +212,8 @@ def _measure(x: np.ndarray, mask: np.ndarray, palette_label: np.ndarray, bg: np.
         motion = "right" if disp[0] > 0 else "left"
     else:
         motion = "down" if disp[1] > 0 else "up"
-    position = min(world.ANCHORS, key=lambda p: (world.ANCHORS[p][0] - cx) ** 2 + (world.ANCHORS[p][1] - cy) ** 2)
+    anchors = world.anchors(mask.shape[1], mask.shape[2])  # the clip's own frame size
+    position = min(anchors, key=lambda p: (anchors[p][0] - cx) ** 2 + (anchors[p][1] - cy) ** 2)
     extent = float(np.median(extents)) if extents else 0.0
     votes = np.bincount(palette_label[mask], minlength=len(_PALETTE_NAMES))
     out.update({

@@ -63,8 +63,8 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
     latent_format = EmbeddedLatent
     memory_usage_factor = 0.05
 
-    def __init__(self) -> None:
-        unet = {"image_model": "wan2.1", **config.model_config(), "dtype": torch.float32}
+    def __init__(self, version: str = config.DEFAULT_VERSION) -> None:
+        unet = {"image_model": "wan2.1", **config.model_config(version), "dtype": torch.float32}
         super().__init__(unet)
         self.memory_usage_factor = 0.05
 
@@ -93,25 +93,34 @@ def read_metadata(weights_path: Union[str, Path]) -> dict[str, Any]:
     return {k: json.loads(v) for k, v in meta.items()}
 
 
-def _check_config(meta: dict[str, Any], path: Path) -> None:
+def version_of(meta: dict[str, Any], path: Path) -> config.ModelVersion:
+    """The model version whose config a weights file was trained with (a clear error for any other file)."""
     stored = meta.get("config")
     if stored is None:
         raise ValueError(f"{path} has no 'config' metadata: not a Carnator embedded weights file "
                          "(train one with `python -m carnator_core.embedded.train`)")
-    want = json.loads(json.dumps(config.model_config()))
-    if stored != want:
-        raise ValueError(f"{path} was trained with config {stored}, but this code expects {want}: use the "
-                         "weights shipped with this version or retrain (see docs/MODEL_CARD.md)")
+    found = config.version_of_config(stored)
+    if found is None:
+        known = {v.name: v.model_config() for v in config.VERSIONS.values()}
+        raise ValueError(f"{path} was trained with config {stored}, which is none of this code's versions "
+                         f"{known}: use weights shipped with this code or retrain (see docs/MODEL_CARD.md)")
+    return found
 
 
 @dataclass(frozen=True)
 class EmbeddedTextEncoder:
-    """Text -> CONDITIONING for the embedded model (socket type CARNATOR_TEXT_ENCODER)."""
+    """Text -> CONDITIONING for the embedded model (socket type CARNATOR_TEXT_ENCODER) of one model version
+    (``load_embedded`` returns the one its weights need; the versions' encoders differ, see text.py)."""
 
-    name: str = "carnator-embedded-text-v1"
+    version: str = config.DEFAULT_VERSION
+
+    @property
+    def name(self) -> str:
+        """Identifies the conditioning (caches never reuse across different names); v2's is its historic name."""
+        return "carnator-embedded-text-v1" if self.version == "v2" else f"carnator-embedded-text-{self.version}"
 
     def encode_with_words(self, prompt: str) -> tuple[list, text.Encoded]:
-        enc = text.encode(prompt)
+        enc = text.encode(prompt, version=self.version)
         cond = torch.from_numpy(enc.cond.copy())[None]
         return [[cond, {}]], enc
 
@@ -169,8 +178,8 @@ def load_embedded(weights_path: Union[str, Path, None] = None) -> tuple[comfy.mo
         patcher = _CACHE.get(key)
         if patcher is None:
             meta = read_metadata(path)
-            _check_config(meta, path)
-            model_config = EmbeddedModelConfig()
+            version = version_of(meta, path)
+            model_config = EmbeddedModelConfig(version.name)
             base = model_config.get_model({}, device=torch.device("cpu"))
             sd = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
             missing, unexpected = base.diffusion_model.load_state_dict(sd, strict=False)
@@ -178,16 +187,22 @@ def load_embedded(weights_path: Union[str, Path, None] = None) -> tuple[comfy.mo
                 raise ValueError(f"{path}: weights do not fit the embedded WanModel (missing {missing[:5]}, "
                                  f"unexpected {unexpected[:5]})")
             base.carnator_embedded_meta = meta
+            base.carnator_embedded_version = version.name
             cpu = torch.device("cpu")
             patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
             _CACHE.clear()
             _CACHE[key] = patcher
-    return patcher.clone(), EmbeddedTextEncoder(), EmbeddedDecoder()
+    return patcher.clone(), EmbeddedTextEncoder(patcher.model.carnator_embedded_version), EmbeddedDecoder()
 
 
-def empty_latent(batch_size: int = 1) -> dict[str, torch.Tensor]:
-    """ComfyUI LATENT of the embedded geometry: ``{"samples": zeros [B, 16, T, h, w]}``."""
-    return {"samples": torch.zeros((batch_size,) + tuple(config.LATENT_SHAPE))}
+def model_version(model: comfy.model_patcher.ModelPatcher) -> config.ModelVersion:
+    """The version of a MODEL from ``load_embedded`` (the default version for anything else)."""
+    return config.version(getattr(model.model, "carnator_embedded_version", None))
+
+
+def empty_latent(batch_size: int = 1, version: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """ComfyUI LATENT of a version's geometry (default: the default version): zeros [B, 16, T, h, w]."""
+    return {"samples": torch.zeros((batch_size,) + tuple(config.version(version).latent_shape))}
 
 
 # --- generation with an optional early-state probe (used by the gate test and the model card numbers) -----
@@ -218,11 +233,12 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
         model, _, _ = load_embedded()
     else:
         model = model.clone()
-    enc = EmbeddedTextEncoder()
+    ver = model_version(model)
+    enc = EmbeddedTextEncoder(ver.name)
     cond = torch.cat([enc.encode(p)[0][0] for p in prompts])
     positive = [[cond, {}]]
     negative = enc.encode("")
-    latent = empty_latent(len(prompts))["samples"]
+    latent = empty_latent(len(prompts), ver.name)["samples"]
     noise = comfy.sample.prepare_noise(latent, seed)
     store: dict[str, Any] = {}
     callback = None
@@ -234,12 +250,12 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
             q, k = args[0], args[1]
             topts = kwargs.get("transformer_options") or {}
             if k.shape[1] == config.TEXT_LEN and q.shape[1] != k.shape[1]:
-                layer = state["layer"] % config.NUM_LAYERS
+                layer = state["layer"] % ver.num_layers
                 state["layer"] += 1
                 sig, all_sig = topts.get("sigmas"), topts.get("sample_sigmas")
                 if sig is not None and all_sig is not None and torch.isclose(
                         sig.flatten()[0].float(), all_sig[probe_step].float()):
-                    heads = kwargs.get("heads", config.NUM_HEADS)
+                    heads = kwargs.get("heads", ver.num_heads)
                     b = q.shape[0]
                     qh = q.reshape(b, q.shape[1], heads, -1).transpose(1, 2).float()
                     kh = k.reshape(b, k.shape[1], heads, -1).transpose(1, 2).float()
@@ -264,25 +280,29 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
     if probe_step is not None:
         out.x0_probe = store.get("x0")
         b = len(prompts)
-        t2, h2, w2 = config.TOKEN_GRID
-        per_layer = [None] * config.NUM_LAYERS
+        t2, h2, w2 = ver.token_grid
+        per_layer = [None] * ver.num_layers
         for layer, a in store["maps"]:
             per_layer[layer] = a if per_layer[layer] is None else torch.cat([per_layer[layer], a])
         if all(p is not None and p.shape[0] == b for p in per_layer):
             stacked = torch.stack(per_layer, 1)  # [b, layers, Lq, Lk]
-            out.cross_attn = stacked.transpose(2, 3).reshape(b, config.NUM_LAYERS, config.TEXT_LEN, t2, h2, w2)
+            out.cross_attn = stacked.transpose(2, 3).reshape(b, ver.num_layers, config.TEXT_LEN, t2, h2, w2)
     return out
 
 
 def gate_captions(n: int = config.GATE_CAPTIONS, seed: int = config.GATE_CAPTION_SEED,
-                  n_objects: int = 1) -> list[str]:
-    """``n`` captions whose first object is a held-out (shape, colour, position) combination."""
+                  n_objects: int = 1, version: Optional[str] = None) -> list[str]:
+    """``n`` captions whose first object is a held-out (shape, colour, position) combination, drawn in the
+    version's frame (two-object scenes must not overlap there; default: the default version)."""
     import numpy as np
 
     from . import world
 
+    v = config.version(version)
+    frame = world.Frame(v.frames, v.height, v.width)
     rng = np.random.default_rng(seed + 1000 * (n_objects - 1))
-    return [world.caption(world.sample_scene(rng, held_out=True, n_objects=n_objects), rng) for _ in range(n)]
+    return [world.caption(world.sample_scene(rng, held_out=True, n_objects=n_objects, frame=frame), rng)
+            for _ in range(n)]
 
 
 def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
@@ -293,7 +313,7 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     Returns pass rates ``colour``/``size``/``position``/``motion``/``shape`` over named objects, and the
     early-state metrics over clips whose first object the checker found in the final clip:
     ``attn_peak_on_object`` (the peak of the mean cross-attention of object 0's colour+shape tokens over
-    ``config.PROBE_LAYERS`` at ``probe_step`` lands on a token whose 2-frame x 4x4-pixel region is at least
+    the version's ``probe_layers`` at ``probe_step`` lands on a token whose 2-frame x 4x4-pixel region is at least
     25% covered by the final object's mask) and ``x0_colour_match`` (the nearest palette colour of the
     probe-step x0 prediction under the final object's mask, read from the half of those pixels most distinct from
     the x0's background, equals the final clip's object colour).
@@ -302,6 +322,9 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
 
     from . import checker, world
 
+    if model is None:
+        model, _, _ = load_embedded()
+    ver = model_version(model)
     gen = generate(captions, seed, model=model, steps=steps, cfg=cfg, probe_step=probe_step)
     results = [checker.check(gen.clips[i], c) for i, c in enumerate(captions)]
     rates = checker.pass_rates(results)
@@ -309,7 +332,7 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     palette_names = list(world.PALETTE)
     palette = np.asarray([world.PALETTE[c] for c in palette_names])
     hits, colour_hits, found = 0, 0, 0
-    pt, ph, pw = config.PATCH_SIZE[0], config.PATCH_SIZE[1] * config.UNSHUFFLE, config.PATCH_SIZE[2] * config.UNSHUFFLE
+    pt, ph, pw = ver.patch_size[0], ver.patch_size[1] * config.UNSHUFFLE, ver.patch_size[2] * config.UNSHUFFLE
     for i, (cap, r) in enumerate(zip(captions, results)):
         obj = r.objects[0]
         if not obj.found:
@@ -317,8 +340,8 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
         found += 1
         mask = r.masks[0]
         if gen.cross_attn is not None:
-            toks = text.encode(cap, warn=False).object_tokens(0)
-            amap = gen.cross_attn[i, list(config.PROBE_LAYERS)][:, toks].mean(dim=(0, 1))  # [T', H', W']
+            toks = text.encode(cap, warn=False, version=ver.name).object_tokens(0)
+            amap = gen.cross_attn[i, list(ver.probe_layers)][:, toks].mean(dim=(0, 1))  # [T', H', W']
             t, y, x = np.unravel_index(int(torch.argmax(amap)), tuple(amap.shape))
             region = mask[t * pt:(t + 1) * pt, y * ph:(y + 1) * ph, x * pw:(x + 1) * pw]
             hits += int(region.mean() >= 0.25)
@@ -340,12 +363,60 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     return rates
 
 
+def gate_verdict(report: dict[str, Any], version: config.ModelVersion) -> dict[str, Any]:
+    """Pass/fail of a version's quality gate for a report of ``evaluate`` results (``one_object`` and, where the
+    version gates two-object scenes, ``two_objects``); the same thresholds as tests/test_embedded_gate.py."""
+    checks = {k: report["one_object"][k] >= v for k, v in config.GATE_THRESHOLDS.items()}
+    if version.two_object_all_ok_gate is not None:
+        two = report.get("two_objects")
+        checks["two_objects_all_ok"] = bool(two is not None and two["all_ok"] >= version.two_object_all_ok_gate)
+    return {"passes": all(checks.values()), "checks": checks}
+
+
+def clip_flops(version: config.ModelVersion, steps: int = config.DEFAULT_STEPS) -> float:
+    """Analytic FLOPs (2 per multiply-add) of one clip: ``steps`` denoiser calls on cond + uncond.
+
+    Counts the WanModel's matrix work per sample: patch embedding, per block the self-attention projections
+    and scores, the cross-attention projections (keys/values over the ``TEXT_LEN`` text tokens) and scores,
+    the FFN, and the head. Norms, modulation and RoPE are left out (well under 1 %)."""
+    n, d, f, l_txt = version.tokens, version.dim, version.ffn_dim, config.TEXT_LEN
+    patch = version.patch_size[0] * version.patch_size[1] * version.patch_size[2]
+    block = (4 * d * d * n  # self-attention q, k, v, o
+             + 2 * n * n * d  # self-attention scores and weighted sum
+             + 2 * d * d * n + 2 * d * d * l_txt  # cross-attention q, o (frame tokens) and k, v (text tokens)
+             + 2 * n * l_txt * d  # cross-attention scores and weighted sum
+             + 2 * d * f * n)  # FFN
+    macs = version.num_layers * block + n * (config.LATENT_CHANNELS + config.COORD_CHANNELS) * patch * d \
+        + n * d * config.LATENT_CHANNELS * patch
+    return float(2 * macs * 2 * steps)
+
+
+def count_denoiser_work(model: comfy.model_patcher.ModelPatcher,
+                        prompt: str = "a big red ball moves to the right in the top left, on green grass",
+                        steps: int = config.DEFAULT_STEPS) -> dict[str, int]:
+    """Generate one clip with the default settings and count the denoiser calls and the batch items they
+    processed (ComfyUI batches cond and uncond into one call when memory allows, as it does on the CPU)."""
+    counts = {"calls": 0, "batch_items": 0}
+
+    def wrapper(apply_model, args):  # noqa: ANN001 (ComfyUI's unet wrapper signature)
+        counts["calls"] += 1
+        counts["batch_items"] += int(args["input"].shape[0])
+        return apply_model(args["input"], args["timestep"], **args["c"])
+
+    m = model.clone()
+    m.set_model_unet_function_wrapper(wrapper)
+    generate([prompt], seed=0, model=m, steps=steps)
+    return counts
+
+
 def time_one_clip(prompt: str = "a big red ball moves to the right in the top left, on green grass",
-                  repeats: int = 2) -> float:
-    """Best-of-``repeats`` seconds to generate one clip with the default settings (stock sampling path)."""
+                  repeats: int = 2, model: Optional[comfy.model_patcher.ModelPatcher] = None) -> float:
+    """Best-of-``repeats`` seconds to generate one clip with the default settings (stock sampling path);
+    a benchmark figure (scripts/bench_embedded_clip.py), never a test assertion."""
     import time
 
-    model, _, _ = load_embedded()
+    if model is None:
+        model, _, _ = load_embedded()
     best = float("inf")
     for k in range(repeats):
         t0 = time.perf_counter()
@@ -364,9 +435,11 @@ if __name__ == "__main__":  # python -m carnator_core.embedded.comfy_glue [--two
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
     m, _, _ = load_embedded(ns.weights)
+    ver = model_version(m).name
     report = {"meta": {k: v for k, v in m.model.carnator_embedded_meta.items() if k != "config"},
-              "one_object": evaluate(gate_captions(), model=m)}
+              "version": ver, "one_object": evaluate(gate_captions(version=ver), model=m)}
     if ns.two:
-        report["two_objects"] = evaluate(gate_captions(n_objects=2), model=m)
-    report["seconds_per_clip"] = time_one_clip()
+        report["two_objects"] = evaluate(gate_captions(n_objects=2, version=ver), model=m)
+    report["seconds_per_clip"] = time_one_clip(model=m)
+    report["gate"] = gate_verdict(report, model_version(m))
     print(json.dumps(report, indent=1))

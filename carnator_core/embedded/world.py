@@ -47,7 +47,7 @@ BACKGROUND_RGB: dict[str, tuple[float, float, float]] = {
 }
 # Pixel geometry: object half-extent by size, anchor centre by position, total travel by motion.
 HALF_EXTENT = {"small": 4.0, "big": 7.0}
-ANCHORS: dict[str, tuple[float, float]] = {  # (x, y) of the clip-average centre
+ANCHORS: dict[str, tuple[float, float]] = {  # (x, y) of the clip-average centre in the 32 x 32 frame
     "top left": (10.0, 10.0),
     "top right": (22.0, 10.0),
     "bottom left": (10.0, 22.0),
@@ -63,6 +63,30 @@ MOTION_DIR: dict[str, tuple[float, float]] = {
     "down": (0.0, 1.0),
 }
 MIN_CONTRAST = 0.30  # an object colour is never used on a background closer than this (RGB distance)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Clip geometry: frames x height x width pixels. Object sizes and travel are in pixels and do not
+    scale; the position anchors scale with the frame (``anchors``), so a larger frame shows the same objects
+    covering a smaller share of it. The default frame is the default model version's (``config``)."""
+
+    frames: int = FRAMES
+    height: int = HEIGHT
+    width: int = WIDTH
+
+    @property
+    def anchors(self) -> dict[str, tuple[float, float]]:
+        return anchors(self.height, self.width)
+
+
+DEFAULT_FRAME = Frame()
+
+
+def anchors(height: int, width: int) -> dict[str, tuple[float, float]]:
+    """``ANCHORS`` scaled to a ``width`` x ``height`` frame (the same fractions of the frame; at 32 x 32 px
+    exactly ``ANCHORS``)."""
+    return {k: (x * width / WIDTH, y * height / HEIGHT) for k, (x, y) in ANCHORS.items()}
 
 
 def compatible(colour: str, background: str) -> bool:
@@ -145,8 +169,9 @@ def sample_object(rng: np.random.Generator, background: str, *, held_out: bool =
 
 
 def sample_scene(rng: np.random.Generator, *, held_out: bool = False, p_two: float = 0.3,
-                 n_objects: Optional[int] = None) -> Scene:
-    """Draw a scene. Two-object scenes use distinct colours and positions and never overlap in any frame.
+                 n_objects: Optional[int] = None, frame: Frame = DEFAULT_FRAME) -> Scene:
+    """Draw a scene. Two-object scenes use distinct colours and positions and never overlap in any frame
+    (of ``frame``'s geometry).
 
     With ``held_out=True`` the first object is a held-out combination (the second, if any, is not).
     """
@@ -159,24 +184,24 @@ def sample_scene(rng: np.random.Generator, *, held_out: bool = False, p_two: flo
             objects.append(sample_object(rng, background, avoid_colours=[first.colour],
                                          avoid_positions=[first.position]))
         scene = Scene(tuple(objects), background)
-        if n == 1 or not _overlaps(scene):
+        if n == 1 or not _overlaps(scene, frame):
             return scene
     raise RuntimeError("could not sample a non-overlapping scene")
 
 
 # --- rendering --------------------------------------------------------------------------------------------
-def object_centres(obj: ObjectSpec) -> np.ndarray:
-    """[FRAMES, 2] (x, y) centre per frame: the clip-average centre is the position anchor."""
-    ax, ay = ANCHORS[obj.position]
+def object_centres(obj: ObjectSpec, frame: Frame = DEFAULT_FRAME) -> np.ndarray:
+    """[frames, 2] (x, y) centre per frame: the clip-average centre is the position anchor."""
+    ax, ay = frame.anchors[obj.position]
     dx, dy = MOTION_DIR[obj.motion]
-    s = (np.arange(FRAMES, dtype=np.float32) / (FRAMES - 1) - 0.5) * TRAVEL
+    s = (np.arange(frame.frames, dtype=np.float32) / (frame.frames - 1) - 0.5) * TRAVEL
     return np.stack([ax + dx * s, ay + dy * s], axis=1)
 
 
-def object_alpha(obj: ObjectSpec) -> np.ndarray:
-    """[FRAMES, H, W] coverage in [0, 1] of one object (signed distance with a 1-pixel anti-aliased edge)."""
-    centres = object_centres(obj)
-    ys, xs = np.mgrid[0:HEIGHT, 0:WIDTH].astype(np.float32) + 0.5
+def object_alpha(obj: ObjectSpec, frame: Frame = DEFAULT_FRAME) -> np.ndarray:
+    """[frames, H, W] coverage in [0, 1] of one object (signed distance with a 1-pixel anti-aliased edge)."""
+    centres = object_centres(obj, frame)
+    ys, xs = np.mgrid[0:frame.height, 0:frame.width].astype(np.float32) + 0.5
     dx = xs[None] - centres[:, 0, None, None]
     dy = ys[None] - centres[:, 1, None, None]
     r = HALF_EXTENT[obj.size]
@@ -194,34 +219,35 @@ def object_alpha(obj: ObjectSpec) -> np.ndarray:
     return np.clip(0.5 - sdf, 0.0, 1.0).astype(np.float32)
 
 
-def background_image(background: str) -> np.ndarray:
+def background_image(background: str, frame: Frame = DEFAULT_FRAME) -> np.ndarray:
     """[H, W, 3] background: a flat colour with a gentle, fixed vertical gradient (same in every frame)."""
     base = np.asarray(BACKGROUND_RGB[background], dtype=np.float32)
-    ramp = (np.arange(HEIGHT, dtype=np.float32) / (HEIGHT - 1) - 0.5)[:, None, None]
-    img = base[None, None, :] + 0.06 * ramp * np.ones((1, WIDTH, 1), np.float32)
+    ramp = (np.arange(frame.height, dtype=np.float32) / (frame.height - 1) - 0.5)[:, None, None]
+    img = base[None, None, :] + 0.06 * ramp * np.ones((1, frame.width, 1), np.float32)
     return np.clip(img, 0.0, 1.0)
 
 
-def render(scene: Scene) -> tuple[np.ndarray, np.ndarray]:
-    """Render a scene: returns (rgb [FRAMES, H, W, 3] float32 in [0, 1], alpha [n_objects, FRAMES, H, W]).
+def render(scene: Scene, frame: Frame = DEFAULT_FRAME) -> tuple[np.ndarray, np.ndarray]:
+    """Render a scene: returns (rgb [frames, H, W, 3] float32 in [0, 1], alpha [n_objects, frames, H, W]).
 
     Objects are painted in caption order (a later object covers an earlier one).
     """
-    frame = np.broadcast_to(background_image(scene.background), (FRAMES, HEIGHT, WIDTH, 3)).copy()
+    rgb = np.broadcast_to(background_image(scene.background, frame),
+                          (frame.frames, frame.height, frame.width, 3)).copy()
     alphas = []
     for obj in scene.objects:
-        a = object_alpha(obj)
+        a = object_alpha(obj, frame)
         colour = np.asarray(PALETTE[obj.colour], dtype=np.float32)
-        frame = frame * (1.0 - a[..., None]) + colour * a[..., None]
+        rgb = rgb * (1.0 - a[..., None]) + colour * a[..., None]
         alphas.append(a)
-    return frame.astype(np.float32), np.stack(alphas).astype(np.float32)
+    return rgb.astype(np.float32), np.stack(alphas).astype(np.float32)
 
 
-def _overlaps(scene: Scene) -> bool:
+def _overlaps(scene: Scene, frame: Frame = DEFAULT_FRAME) -> bool:
     if len(scene.objects) < 2:
         return False
-    a = object_alpha(scene.objects[0]) > 0
-    b = object_alpha(scene.objects[1]) > 0
+    a = object_alpha(scene.objects[0], frame) > 0
+    b = object_alpha(scene.objects[1], frame) > 0
     # A one-pixel margin keeps the objects separable by the checker.
     b_grown = b.copy()
     b_grown[:, 1:, :] |= b[:, :-1, :]
