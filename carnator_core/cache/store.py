@@ -82,6 +82,7 @@ _MAX_HEADER = 64 << 20
 
 _NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ID_RE = re.compile(r"^[0-9a-f]{16}$")
+_KEY_RE = re.compile(r"^(|[0-9a-f]{16,64})$")
 _TENSOR_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _RESERVED = ("sig.", "blocks.")
 _ALLOWED_DTYPES = {
@@ -97,8 +98,10 @@ _SCHEMA = [
     "CREATE TABLE entries(seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, namespace TEXT NOT NULL,"
     " prompt TEXT NOT NULL, prompt_digest TEXT NOT NULL, seed TEXT NOT NULL, nbytes INTEGER NOT NULL,"
     " meta_digest TEXT NOT NULL, work REAL NOT NULL, priority REAL NOT NULL, created REAL NOT NULL,"
-    " last_access REAL NOT NULL, hits INTEGER NOT NULL, UNIQUE(namespace, prompt_digest, seed))",
+    " last_access REAL NOT NULL, hits INTEGER NOT NULL, request_key TEXT NOT NULL DEFAULT '',"
+    " UNIQUE(namespace, prompt_digest, seed, request_key))",
     "CREATE INDEX entries_namespace ON entries(namespace)",
+    "CREATE INDEX entries_request_key ON entries(request_key)",
     "CREATE INDEX entries_priority ON entries(priority)",
     "CREATE INDEX entries_last_access ON entries(last_access)",
     "CREATE TABLE embeddings(seq INTEGER PRIMARY KEY, vec BLOB NOT NULL)",
@@ -144,6 +147,8 @@ class EntryData:
                (names: letters, digits, ``_ . -``; not starting with "sig." / "blocks.", not "embedding").
     block_structure: recorded attention block structure of the dense run, if any.
     meta:      JSON-able extra metadata (e.g. the run report).
+    request_key: ``keys.request_key`` of the request whose *dense* output ``tensors["latent_final"]`` is ("" when
+               unknown or when the result came from reuse): ``Store.find_request`` answers exact repeats by it.
     """
 
     model_fingerprint: str
@@ -156,8 +161,11 @@ class EntryData:
     block_structure: BlockStructure | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     namespace: str = ""
+    request_key: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.request_key, str) or not _KEY_RE.match(self.request_key):
+            raise ValueError("EntryData.request_key must be '' or 16-64 lowercase hex digits (keys.request_key)")
         if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
             raise ValueError("EntryData.model_fingerprint must be a non-empty string")
         if not isinstance(self.config, GenConfig):
@@ -534,7 +542,7 @@ class Store:
             self._insert_row(c, entry_id, ns, str(meta["prompt"]), int(meta["seed"]), nbytes,
                              hashlib.sha256(meta_json.encode()).hexdigest(),
                              work_of(config.steps, config.probe_steps, config.latent_shape), emb,
-                             float(meta.get("created", time.time())))
+                             float(meta.get("created", time.time())), request_key=_adopted_key(meta))
 
     # ------------------------------------------------------------------ transactions
     @contextmanager
@@ -599,7 +607,7 @@ class Store:
             raise ValueError(f"EntryData.embedding must be one vector [D], got shape {np.shape(data.embedding)}")
         prompt_digest = hashlib.sha256(data.prompt.encode()).hexdigest()
         seed = int(data.seed)
-        existing = self._find_duplicate(ns, prompt_digest, seed)
+        existing = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
         if existing:
             return existing, False
         entry_id = secrets.token_hex(8)
@@ -635,7 +643,7 @@ class Store:
             "format": ENTRY_FORMAT, "version": ENTRY_VERSION, "id": entry_id, "namespace": ns,
             "model_fingerprint": data.model_fingerprint, "config": data.config.to_meta(), "prompt": data.prompt,
             "seed": seed, "created": now, "dim": int(emb.shape[0]), "signature": data.signature.to_meta(),
-            "block_structure": block_meta, "meta": _jsonable(dict(data.meta)),
+            "block_structure": block_meta, "meta": _jsonable(dict(data.meta)), "request_key": data.request_key,
             "tensors": {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "sha256": _sha256(t)}
                         for k, t in tensors.items()},
         }
@@ -653,10 +661,11 @@ class Store:
                 self._ensure_namespace(c, ns, data.model_fingerprint, data.config, int(emb.shape[0]))
                 self._insert_row(c, entry_id, ns, data.prompt, seed, len(blob),
                                  hashlib.sha256(meta_json.encode()).hexdigest(),
-                                 work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape), emb, now)
+                                 work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape), emb, now,
+                                 request_key=data.request_key)
         except sqlite3.IntegrityError:
             final.unlink(missing_ok=True)  # another process stored the same request first
-            dup = self._find_duplicate(ns, prompt_digest, seed)
+            dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
             if dup:
                 return dup, False
             raise
@@ -668,11 +677,21 @@ class Store:
         self._evict_if_needed(protect={entry_id})
         return entry_id, True
 
-    def _find_duplicate(self, ns: str, prompt_digest: str, seed: int) -> str | None:
+    def _find_duplicate(self, ns: str, prompt_digest: str, seed: int, request_key: str = "") -> str | None:
         with self._lock:
             row = self._require_conn().execute(
-                "SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=?", (ns, prompt_digest, str(seed))
-            ).fetchone()
+                "SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=? AND request_key=?",
+                (ns, prompt_digest, str(seed), request_key)).fetchone()
+        return row[0] if row else None
+
+    def find_request(self, request_key: str) -> str | None:
+        """The id of the entry holding the dense output of exactly this request (``EntryData.request_key``), or
+        None. One indexed query; counts nothing (the caller loads the entry with ``count_hit``)."""
+        if not request_key or not isinstance(request_key, str) or not _KEY_RE.match(request_key):
+            return None
+        with self._lock:
+            row = self._require_conn().execute(
+                "SELECT id FROM entries WHERE request_key=? ORDER BY seq DESC LIMIT 1", (request_key,)).fetchone()
         return row[0] if row else None
 
     def _ensure_namespace(self, c: sqlite3.Connection, ns: str, model_fp: str, config: GenConfig, dim: int) -> None:
@@ -693,13 +712,13 @@ class Store:
                 "changed for the same model/config; purge the namespace or use another cache directory")
 
     def _insert_row(self, c: sqlite3.Connection, entry_id: str, ns: str, prompt: str, seed: int, nbytes: int,
-                    meta_digest: str, work: float, emb: np.ndarray, created: float) -> None:
+                    meta_digest: str, work: float, emb: np.ndarray, created: float, request_key: str = "") -> None:
         inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
         cur = c.execute(
             "INSERT INTO entries(id, namespace, prompt, prompt_digest, seed, nbytes, meta_digest, work, priority,"
-            " created, last_access, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+            " created, last_access, hits, request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
             (entry_id, ns, prompt, hashlib.sha256(prompt.encode()).hexdigest(), str(seed), nbytes, meta_digest, work,
-             priority(inflation, 0, work, nbytes), created, created))
+             priority(inflation, 0, work, nbytes), created, created, request_key))
         seq = cur.lastrowid
         c.execute("INSERT INTO embeddings(seq, vec) VALUES (?, ?)", (seq, np.ascontiguousarray(emb, np.float32).tobytes()))
         self._log_changes(c, ns, [("add", seq)])
@@ -1497,6 +1516,12 @@ def _read_partial(path: Path, names: tuple[str, ...] | None, prefix: str = "", e
                 raise ValueError(f"tensor {k} does not match its manifest (checksum/shape)")
             out[k] = np.frombuffer(buf, dtype="<f4").reshape(shape).copy()
     return meta, meta_json, out
+
+
+def _adopted_key(meta: Mapping[str, Any]) -> str:
+    """The request key an entry file carries ("" for files written before keys existed, or a malformed one)."""
+    key = meta.get("request_key", "")
+    return key if isinstance(key, str) and _KEY_RE.match(key) else ""
 
 
 def _check_meta(meta: Any, entry_id: str, ns: str) -> None:

@@ -194,7 +194,9 @@ def probe_fingerprints(probe: Any) -> tuple[str, str]:
             f"the probe input ({type(probe).__name__}) lacks model_fingerprint/config.fingerprint(); connect the "
             "output of 'Carnator Early Probe' (CARNATOR_PROBE)"
         )
-    return model_fp, str(config.fingerprint())
+    # A rule is calibrated for a model and generation config, across prompts and start images: compare the config
+    # without the request's own conditioning digest (GenConfig.rule_fingerprint) when the config has one.
+    return model_fp, str(getattr(config, "rule_fingerprint", config.fingerprint)())
 
 
 def decide_with_rule_file(
