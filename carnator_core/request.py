@@ -260,7 +260,7 @@ def decide_stage(signature: Signature, candidates: Candidates, probe: Probe, *, 
 def load_accepted(store: Any, decision: Decision | None) -> tuple[CachedRun | None, str]:
     """The accepted entry as a CachedRun, or (None, reason) when it is gone or corrupt by now (evicted, purged or
     quarantined after the filter accepted it): the request then continues dense. Logged once."""
-    from .cache.store import CacheError
+    from .cache.store import CacheError, CorruptEntryError, EntryNotFoundError
 
     if decision is None or not decision.accepted or decision.candidate is None or decision.mode == "exact":
         return None, ""
@@ -269,10 +269,15 @@ def load_accepted(store: Any, decision: Decision | None) -> tuple[CachedRun | No
     entry_id = decision.candidate.entry_id
     try:
         return store.load(entry_id).cached_run(), ""
+    except EntryNotFoundError:
+        why = "is no longer in the cache (evicted, purged or quarantined after the filter accepted it)"
+    except CorruptEntryError:
+        why = "turned out corrupt and was quarantined"
     except CacheError as e:
-        reason = f"accepted entry {entry_id} could not be loaded ({e}); continuing dense"
-        log.warning("carnator request: %s", reason)
-        return None, reason
+        why = f"could not be loaded ({e})"
+    reason = f"accepted entry {entry_id} {why}: continuing dense"
+    log.warning("carnator request: %s", reason)
+    return None, reason
 
 
 def exact_report(probe: Probe, upstream_ms: Mapping[str, float] | None = None) -> RunReport:
@@ -305,7 +310,7 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     samples, report = sample(model, positive, negative, latent, probe, decision, cached, config,
                              target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms)
     if fallback:
-        report = replace(report, reason=fallback, fallbacks=tuple(report.fallbacks) + (fallback,))
+        report = replace(report, reason=fallback)
     return samples, report
 
 
