@@ -293,6 +293,18 @@ def exact_report(probe: Probe, upstream_ms: Mapping[str, float] | None = None) -
                      reason=f"exact repeat of entry {a.entry_id}: stored result, no model call")
 
 
+def node_cache_report(probe: Probe, report: RunReport, entry_id: str) -> RunReport:
+    """The report of a requeued identical graph that ComfyUI's node cache answered: no Carnator stage ran and no
+    model was called; ``report`` is the run whose output was handed back (``entry_id``: where it is cached)."""
+    steps = int(probe.config.steps)
+    kept = report.entry_id or entry_id or None
+    return RunReport(decision="hit", mode="node_cache", entry_id=kept, active_fraction=0.0, block_density=None,
+                     steps_total=steps, steps_probe=0, model_calls=0, replayed_calls=0, skipped_calls=steps,
+                     token_fraction=0.0, attention_fraction=0.0, timings_ms={"total": 0.0}, compute_fraction=0.0,
+                     reason=f"identical graph requeued: ComfyUI's node cache returned the previous output "
+                            f"({report.decision}{' of entry ' + kept if kept else ''})")
+
+
 def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
                 store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
                 progress: Callable[[int], None] | None = None,

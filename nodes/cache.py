@@ -7,6 +7,7 @@ process and directory (``carnator_core.cache.handle``); the CARNATOR_CACHE value
 from __future__ import annotations
 
 import math
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..carnator_core.cache import (
     resolve_cache_dir,
     roots_from_env,
 )
-from ..carnator_core.request import DEFAULT_MIN_SIMILARITY, DEFAULT_TOP_K, recall, write_result
+from ..carnator_core.request import DEFAULT_MIN_SIMILARITY, DEFAULT_TOP_K, node_cache_report, recall, write_result
 from ..carnator_core.types import Probe, Signature
 from ._common import advanced
 
@@ -196,6 +197,12 @@ class CarnatorCacheWriter(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
+        # Always runs (a duplicate write is one indexed query): when ComfyUI's node cache answers a requeued
+        # identical graph, no other Carnator node runs, and this node is what puts the run's report into /history.
+        return float("nan")
+
+    @classmethod
     def execute(cls, cache: CacheHandle, probe: Any, signature: Signature, latent: dict, report: Any = None,
                 store_reused: bool = False) -> io.NodeOutput:
         _probe_parts(probe)
@@ -205,7 +212,27 @@ class CarnatorCacheWriter(io.ComfyNode):
         samples = latent.get("samples") if isinstance(latent, dict) else None
         done = write_result(open_store(_handle(cache)), _as_probe(probe), signature, samples, report,
                             store_reused=bool(store_reused))
-        return io.NodeOutput(done.entry_id, ui=ui.PreviewText(done.text))
+        text = ui.PreviewText(done.text).as_dict()
+        if report is not None and _seen_before(report):
+            # The same report object again: ComfyUI's node cache served the sampler's output without running it.
+            served = node_cache_report(_as_probe(probe), report, done.entry_id)
+            return io.NodeOutput(done.entry_id, ui={**text, "carnator_report": [served.to_meta()]})
+        return io.NodeOutput(done.entry_id, ui=text)
+
+
+# Reports this process's Writers have seen, by identity (weak: nothing is kept alive). ComfyUI hands a cached
+# node output to the next prompt as the very same object, and a sampler run always makes a new report.
+_SEEN_REPORTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def _seen_before(report: Any) -> bool:
+    try:
+        if _SEEN_REPORTS.get(id(report)) is report:
+            return True
+        _SEEN_REPORTS[id(report)] = report
+    except TypeError:  # not weak-referenceable: cannot tell, report nothing extra
+        pass
+    return False
 
 
 def _as_probe(probe: Any) -> Probe:
