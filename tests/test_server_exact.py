@@ -88,4 +88,4 @@ def test_report_reaches_history_when_comfyui_short_circuits_a_requeued_graph(tmp
         again = queue_without_client(server, graph("requeue"))
         found = reports(again)
         assert found, f"no carnator_report in /history of a requeued graph: {json.dumps(again['outputs'])[:800]}"
-        assert found[0]["decision"] == "hit" and found[0]["model_calls"] == 0, found[0]
+        assert (found[0]["decision"], found[0]["mode"], found[0]["model_calls"]) == ("hit", "node_cache", 0), found[0]

@@ -2,7 +2,8 @@
 // /extensions/carnator/carnator.js and loaded as an ES module).
 //
 // 1. Reuse badge: after a Carnator Joint Reuse Sampler runs, the server sends
-//    ui = {carnator_report: [report]} (nodes/sampler.py). The badge under the node shows the decision
+//    ui = {carnator_report: [report]} (nodes/sampler.py); on a requeued graph that ComfyUI's node cache answered,
+//    the Cache Writer sends it (mode "node_cache"). The badge under the node shows the decision
 //    (HIT / MISS -> dense / DENSE), the candidate entry, each risk axis' discrepancy against its threshold,
 //    the active fraction and the estimated saving. The last report stays on the node as `node.carnatorReport`
 //    (tests and other extensions read it there) and every report of the session in `window.carnator.reports`.
@@ -12,6 +13,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const SAMPLER = "CarnatorJointReuseSampler";
+const WRITER = "CarnatorCacheWriter";
 const CACHE_LOADER = "CarnatorCacheLoader";
 const DEFAULT_DIRECTORY = "carnator_cache";
 
@@ -67,6 +69,21 @@ export function chosenVerdict(report) {
 /** Badge text lines for a report: [{text, color?}], first line is the headline. Pure: tested through the UI. */
 export function badgeLines(report) {
   const kind = report.decision === "hit" ? "hit" : report.decision === "miss" ? "miss" : "dense";
+  // An exact repeat is answered from the cache before the probe ("exact"), or by ComfyUI's own node cache when
+  // an identical graph is requeued ("node_cache"): the stored result, no model call.
+  const exact = kind === "hit" && (report.mode === "exact" || report.mode === "node_cache");
+  if (exact) {
+    const t = report.timings_ms || {};
+    const source = report.mode === "node_cache" ? "ComfyUI node cache" : `entry ${shortId(report.entry_id)}`;
+    return {
+      kind,
+      lines: [
+        { text: "HIT · exact repeat (no model call)", bold: true },
+        { text: `${source} · stored result` },
+        { text: `saved ${pct(report.saving)} of dense compute · ${seconds(t.total)}` },
+      ],
+    };
+  }
   const head =
     kind === "hit"
       ? `HIT · ${report.mode || "joint"} reuse`
@@ -290,7 +307,7 @@ app.registerExtension({
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== SAMPLER) return;
+    if (nodeData?.name !== SAMPLER && nodeData?.name !== WRITER) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       const r = onExecuted?.apply(this, arguments);
