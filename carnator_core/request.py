@@ -214,7 +214,7 @@ def recall_limits(rule: Any, top_k: int, min_similarity: float) -> tuple[int, fl
     """The recall K and minimum similarity to use: a rule that records them (it was certified on that recall)
     wins over the caller's values."""
     k = getattr(rule, "recall_k", None)
-    s = getattr(rule, "min_similarity", None)
+    s = getattr(rule, "recall_min_similarity", None)
     return (int(k) if k else int(top_k)), (float(s) if s is not None else float(min_similarity))
 
 

@@ -118,6 +118,7 @@ def _open(args: dict, threads: int):
 
     torch.set_num_threads(max(1, threads))
     from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
     from carnator.carnator_core.risk import pairs
 
     work = Path(args["work"])
@@ -141,6 +142,7 @@ def _warm_manifest(work: Path) -> dict[str, str]:
 
 def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> None:
     """One worker: its slice (index % n_shards == shard) of the warm set or of the queries."""
+    from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
     from carnator.carnator_core.risk import pairs
 
     work = Path(args["work"])
@@ -207,6 +209,7 @@ def _run_phase(args: dict, phase: str, n: int, threads: int) -> None:
 
 def merge(args: dict, command: str) -> tuple[int, int, int]:
     """Merge the part files into --out (queries in order). Returns (requests, pairs, unsafe pairs)."""
+    from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
     from carnator.carnator_core.risk import pairs
 
     work = Path(args["work"])
@@ -242,6 +245,7 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
         "seeds": {"world": args["seed"], "warm_rng": [args["seed"], 0], "query_rng": [args["seed"], 1]},
         "generator": command,
         "top_k": args["top_k"],
+        "min_similarity": DEFAULT_MIN_SIMILARITY,  # pairs.embedded_context recalls with ServeOptions' default
         "label_missing": args["label_missing"],
         "reuse_mode": args["reuse_mode"],
         "requests_labelled": len(by_req),
