@@ -212,12 +212,25 @@ class CarnatorCacheWriter(io.ComfyNode):
         samples = latent.get("samples") if isinstance(latent, dict) else None
         done = write_result(open_store(_handle(cache)), _as_probe(probe), signature, samples, report,
                             store_reused=bool(store_reused))
-        text = ui.PreviewText(done.text).as_dict()
+        served = None
         if report is not None and _seen_before(report):
             # The same report object again: ComfyUI's node cache served the sampler's output without running it.
-            served = node_cache_report(_as_probe(probe), report, done.entry_id)
-            return io.NodeOutput(done.entry_id, ui={**text, "carnator_report": [served.to_meta()]})
-        return io.NodeOutput(done.entry_id, ui=text)
+            served = node_cache_report(_as_probe(probe), report, done.entry_id).to_meta()
+        return io.NodeOutput(done.entry_id, ui=_WriterText(done.text, served))
+
+
+class _WriterText(ui.PreviewText):
+    """The Writer's preview text, plus the run's ``carnator_report`` when the node cache answered the graph."""
+
+    def __init__(self, value: str, report: dict | None = None) -> None:
+        super().__init__(value)
+        self.report = report
+
+    def as_dict(self) -> dict:
+        out = dict(super().as_dict())
+        if self.report is not None:
+            out["carnator_report"] = [self.report]
+        return out
 
 
 # Reports this process's Writers have seen, by identity (weak: nothing is kept alive). ComfyUI hands a cached
