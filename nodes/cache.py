@@ -17,7 +17,6 @@ from ..carnator_core.cache import (
     POLICIES,
     CacheHandle,
     CachePathError,
-    EntryData,
     open_store,
     resolve_cache_dir,
     roots_from_env,

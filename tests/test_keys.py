@@ -86,7 +86,8 @@ def test_conditioning_digest_is_about_what_is_not_the_prompt():
         s[:, :, :1] = v
         return {"samples": s, "noise_mask": mask}
 
-    d1, d2 = keys.conditioning_digest(_cond(0), _cond(1), ti2v(0.3)), keys.conditioning_digest(_cond(0), _cond(1), ti2v(0.4))
+    d1 = keys.conditioning_digest(_cond(0), _cond(1), ti2v(0.3))
+    d2 = keys.conditioning_digest(_cond(0), _cond(1), ti2v(0.4))
     assert d1 and d2 and d1 != d2
     assert keys.conditioning_digest(_cond(7), _cond(8), ti2v(0.3)) == d1  # another prompt, same start image
     i2v = keys.conditioning_digest(_cond(0, concat_latent_image=torch.ones(1, 16, 3, 8, 8)), _cond(1), empty)

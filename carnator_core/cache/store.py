@@ -36,6 +36,9 @@ Contracts
   that changes on purge), so an index always agrees with the committed entries when a query runs.
 * **Capacity.** ``max_bytes`` bounds the total size of entry files; after each write the lowest-value entries
   are evicted (``policy.py``: ``lcbfu`` by default, or ``lru``). An entry larger than the whole budget is refused.
+* **Exact repeats.** An entry may carry the ``keys.request_key`` of the request whose dense output it holds
+  (column ``entries.request_key``, indexed; ``""`` = none); ``find_request(key)`` finds it in one query.
+  Duplicates are (namespace, prompt, seed, request key).
 * **Hits.** ``candidates()`` counts a lookup per request; ``load(count_hit=True)`` or ``record_hit()`` counts a
   reuse (call exactly one of them per reuse). Hit rate = hits / lookups per namespace.
 """
