@@ -305,6 +305,20 @@ def node_cache_report(probe: Probe, report: RunReport, entry_id: str) -> RunRepo
                             f"({report.decision}{' of entry ' + kept if kept else ''})")
 
 
+def _check_answered_inputs(model: Any, latent: dict, probe: Probe) -> None:
+    """The sampler's MODEL and latent must be the probe's (as ``reuse.sample`` checks on the computing path)."""
+    from . import comfy_patch as cp
+    from .adapters import adapter_for
+
+    if cp.model_fingerprint(model, adapter_for(model).arch) != probe.model_fingerprint:
+        raise ValueError("the MODEL differs from the one the probe ran on (weights or patches changed): connect "
+                         "the same MODEL to the Early Probe and the Joint Reuse Sampler")
+    shape = tuple(cp.prepare_latent(model, latent).shape)
+    if shape != tuple(probe.answered.latent.shape):
+        raise ValueError(f"latent shape {shape} differs from the probed one {tuple(probe.answered.latent.shape)}: "
+                         "connect the same latent to the probe and the sampler")
+
+
 def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
                 store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
                 progress: Callable[[int], None] | None = None,
@@ -315,6 +329,7 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     loaded here (``load_accepted``; gone = dense resume with the reason in the report) and ``reuse.sample`` runs.
     """
     if probe.answered is not None:
+        _check_answered_inputs(model, latent, probe)
         return probe.answered.latent.clone(), exact_report(probe, upstream_ms)
     cached, fallback = (None, "")
     if config.mode != "dense":
