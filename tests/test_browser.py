@@ -137,7 +137,8 @@ def test_warm_then_hit_badge_and_cache_panel(page: Any, server: ComfyServer) -> 
     assert report["decision"] == "dense", report
     page.screenshot(path=str(ARTIFACTS / "warm_cache.png"))
 
-    # 2. The same request through the full reuse path: a HIT, with per-axis verdicts on the badge.
+    # 2. The same request through the full reuse path: the workflow connects the cache to the Early Probe, so the
+    #    identical request is answered before the probe, from the stored result, with no model call.
     prompt = open_workflow(page, "embedded")
     assert executable(prompt) == api_file("embedded")
     report = run_and_wait_for_badge(page)
@@ -146,9 +147,9 @@ def test_warm_then_hit_badge_and_cache_panel(page: Any, server: ComfyServer) -> 
         const n = app.graph._nodes.find(n => n.comfyClass === 'CarnatorJointReuseSampler');
         return window.carnator.badgeLines(n.carnatorReport).lines.map(l => l.text);
     }""")
-    assert badge_text[0].startswith("HIT"), badge_text
-    assert any(t.startswith("✓ shape") for t in badge_text), badge_text
-    assert any(t.startswith("active ") for t in badge_text) and any(t.startswith("saved ") for t in badge_text)
+    assert badge_text[0] == "HIT · exact repeat (no model call)", badge_text
+    assert report["mode"] == "exact" and report["model_calls"] == 0, report
+    assert any(t.startswith("entry ") for t in badge_text) and any(t.startswith("saved 100%") for t in badge_text)
     clip = focus_sampler(page)
     time.sleep(0.5)  # one animation frame for the canvas to redraw at the new zoom
     badge = ARTIFACTS / "badge.png"
