@@ -150,15 +150,19 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
     if entry_id is None:
         return None
     try:
-        entry = store.load(entry_id, count_hit=True)
+        entry = store.load(entry_id, count_hit=False)
     except CacheError as e:
         log.info("carnator request: exact repeat of entry %s not answered from the cache (%s); running it", entry_id,
                  e)
         return None
     final = entry.tensors.get("latent_final")
-    if final is None:
+    if final is None or final.ndim not in (4, 5):
         return None
     latent = final if final.ndim == 5 else final.unsqueeze(0)
+    try:
+        store.record_hit(entry_id)  # the data is loaded and verified: answer even if it is evicted this instant
+    except CacheError:
+        pass
     store.record_lookup(entry.namespace)
     ms = (time.perf_counter() - t0) * 1000
     answer = ExactAnswer(entry_id=entry_id, request_key=request_key, namespace=entry.namespace, prompt=entry.prompt,
