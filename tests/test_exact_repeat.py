@@ -115,6 +115,10 @@ def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(e
     after = store.stats()
     assert (after.lookups - before.lookups, after.hits - before.hits, after.entries) == (1, 1, before.entries)
     assert any("carnator request: HIT" in r.getMessage() and "mode=exact" in r.getMessage() for r in caplog.records)
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+
+    with pytest.raises(ValueError, match="MODEL differs"):  # the answer is for the probe's model only
+        CarnatorJointReuseSampler.execute(models["wan22"], pos, neg, lat, probe2, decision2, None, handle, "joint")
 
 
 def test_anything_that_decides_the_output_is_part_of_the_key(env, dirs):
