@@ -2,7 +2,7 @@
 PY := .host/venv/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup setup-host demo test test-fast test-core test-server bench clean-host
+.PHONY: setup setup-host demo lint test test-fast test-core test-server bench clean-host
 
 setup-host:
 	@bash scripts/setup_host.sh
@@ -14,8 +14,12 @@ setup: setup-host
 demo: setup-host
 	$(PY) scripts/demo.py
 
-# The whole suite (core, in-process ComfyUI, live server, browser).
-test: setup
+# ruff (config in pyproject.toml): pyflakes, pycodestyle, import order, lines <= 120.
+lint: setup-host
+	$(PY) -m ruff check .
+
+# The whole suite (core, in-process ComfyUI, live server, browser), after the linter.
+test: setup lint
 	$(PYTEST) -q
 
 test-fast: setup

@@ -25,13 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
-import comfy.model_management
 import comfy.patcher_extension
 import comfy.sample
 import comfy.samplers
+import numpy as np
+import torch
 
 from .adapters import ArchAdapter, adapter_for
 from .sparse_attention import BlockRecorder, block_sparse_attention_bld, keep_for_layer
@@ -40,13 +38,18 @@ from .types import BlockStructure, ObjectTokens
 log = logging.getLogger("carnator")
 KEY = "carnator"
 
-# One model call per step and deterministic given (noise, seed): resuming by replaying the first k calls
-# reproduces a plain run exactly. Two-call-per-step samplers (heun, dpm_2, dpmpp_2s/sde, ...) would need the
-# replay split mid-step; they are refused with a clear message instead of silently differing.
+# One model call per step, at the schedule's sigmas, and deterministic given (noise, seed): resuming by replaying
+# the first k calls reproduces a plain run exactly, and "k probe calls" means "k steps". Which samplers qualify
+# is checked, sampler by sampler, by tests/test_resume_samplers.py over every name KSampler offers. Refused:
+# samplers that call the model more than once per step or off the schedule (heun, dpm_2, dpmpp_2s/sde, seeds,
+# sa_solver_pece, dpm_fast/adaptive) would need the replay split mid-step; the cfg_pp samplers keep each step's
+# unconditional prediction through a post-CFG hook, which a replayed call (answered from the recorded denoised
+# output, without running CFG) does not run, so their resume would crash or differ.
 RESUMABLE_SAMPLERS = (
-    "euler", "euler_ancestral", "euler_cfg_pp", "euler_ancestral_cfg_pp", "lms", "dpmpp_2m", "dpmpp_2m_cfg_pp",
-    "dpmpp_2m_sde", "dpmpp_3m_sde", "ddpm", "lcm", "ipndm", "ipndm_v", "deis", "res_multistep",
-    "res_multistep_cfg_pp", "ddim", "uni_pc", "uni_pc_bh2", "gradient_estimation",
+    "euler", "euler_ancestral", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_gpu", "dpmpp_2m_sde_heun",
+    "dpmpp_2m_sde_heun_gpu", "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ddpm", "lcm", "ipndm", "ipndm_v", "deis",
+    "res_multistep", "res_multistep_ancestral", "gradient_estimation", "er_sde", "sa_solver", "ddim", "uni_pc",
+    "uni_pc_bh2",
 )
 
 
@@ -55,11 +58,17 @@ class UnsupportedSamplerError(ValueError):
 
 
 def check_sampler(sampler_name: str) -> None:
-    if sampler_name not in RESUMABLE_SAMPLERS:
-        raise UnsupportedSamplerError(
-            f"sampler {sampler_name!r} cannot be probed and resumed exactly (it calls the model more than once per "
-            f"step or keeps state Carnator cannot replay). Use one of: {', '.join(RESUMABLE_SAMPLERS)}."
-        )
+    if sampler_name in RESUMABLE_SAMPLERS:
+        return
+    if sampler_name.endswith("_cfg_pp"):
+        why = ("it keeps each step's unconditional prediction through a post-CFG hook, which a replayed probe "
+               "step does not run")
+    else:
+        why = "it calls the model more than once per step, or off the schedule's sigmas"
+    raise UnsupportedSamplerError(
+        f"sampler {sampler_name!r} cannot be probed and resumed exactly ({why}). Use one of: "
+        f"{', '.join(RESUMABLE_SAMPLERS)}."
+    )
 
 
 class _DenseIsCheaper(Exception):
@@ -546,7 +555,3 @@ def latent_rgb(model: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
     b = getattr(fmt, "latent_rgb_factors_bias", None)
     return (np.asarray(f, dtype=np.float32) if f is not None else None,
             np.asarray(b, dtype=np.float32) if b is not None else None)
-
-
-def interrupt_check() -> None:
-    comfy.model_management.throw_exception_if_processing_interrupted()

@@ -1,4 +1,4 @@
-"""Word ids of conditioning positions, from a ComfyUI CLIP object or the embedded text encoder.
+"""Word ids of conditioning positions, from a ComfyUI CLIP object (the embedded encoder has its own: ``embedded.text``).
 
 Imports nothing from ComfyUI: a CLIP object is used by duck typing (``clip.tokenize`` and its tokenizer's
 vocabulary), so this module stays importable in pure-core tests.
@@ -70,13 +70,4 @@ def comfy_word_tokens(clip: Any, prompt: str) -> list[tuple[int, int]]:
     return list(enumerate(align_word_ids(prompt, pieces)))
 
 
-def embedded_word_tokens(prompt: str) -> list[tuple[int, int]]:
-    """``(position, word_id)`` for the embedded model's text encoder (one token per known word, unknown words
-    get none; see :mod:`.embedded.text`). Positions past the used tokens are zero padding and not listed."""
-    from .embedded.text import tokenize_with_words
-
-    tokens, _ = tokenize_with_words(prompt, warn=False)
-    return list(enumerate(align_word_ids(prompt, tokens)))
-
-
-__all__ = ["comfy_word_tokens", "embedded_word_tokens"]
+__all__ = ["comfy_word_tokens"]

@@ -146,12 +146,6 @@ def word_tokens_for(prompt: str, clip: Any | None) -> list[tuple[int, int]]:
     own = getattr(clip, "carnator_word_tokens", None)
     if callable(own):
         return list(own(prompt))
-    if callable(getattr(clip, "encode_with_words", None)):  # the embedded model's text encoder: word tokens
-        from .embedded.text import tokenize_with_words
-        from .objects import align_word_ids
-
-        tokens, _ = tokenize_with_words(prompt, warn=False)
-        return list(enumerate(align_word_ids(prompt, tokens)))
     from .comfy_tokens import comfy_word_tokens
 
     return list(comfy_word_tokens(clip, prompt))

@@ -19,7 +19,7 @@ Rejected decision -> plain dense resume (identical to KSampler).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -193,10 +193,6 @@ def auto_block_size(n_tokens: int) -> int:
     return 1 << (target.bit_length() - 1)
 
 
-def middle_layers(n_layers: int, config: ReuseConfig) -> tuple[int, ...]:
-    return tuple(range(min(config.first_dense, n_layers), max(n_layers - config.last_dense, 0)))
-
-
 def record_plan_steps(steps: int, probe_steps: int, n: int) -> tuple[int, ...]:
     """Representative call indices (after the probe) at which dense runs record their block structure."""
     if n <= 0 or steps <= probe_steps:
@@ -233,7 +229,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         raise ValueError("the MODEL differs from the one the probe ran on (weights or patches changed): connect "
                          "the same MODEL to the Early Probe and the Joint Reuse Sampler")
     n_layers = adapter.num_layers(model)
-    mids = middle_layers(n_layers, config)
+    mids = adapter.middle_layers(model, config.first_dense, config.last_dense)
     use = bool(decision is not None and decision.accepted and cached is not None and config.mode != "dense")
     plan = None
     recorder = None

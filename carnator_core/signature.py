@@ -1,12 +1,13 @@
-"""The Signature Builder: an Early Probe -> the request's Early Signature (DESIGN.md §3).
+"""The Signature Builder: an Early Probe -> the request's Early Signature.
 
 Per object (one per ``probe.objects`` entry, in that order):
 
 * **mask** — float32 [T, H, W] soft support over the token grid. The object's cross-attention map is first
   smoothed with a small Gaussian (``smooth_sigma_t`` / ``smooth_sigma_hw`` tokens: single-token attention spikes
-  are noise, objects span several tokens), then read relative to its own range: ``r = (map - baseline) / (peak - baseline)`` where ``baseline`` is the
-  ``baseline_quantile`` of the map (most of the grid is *not* the object, so a middle quantile is the level of
-  attention that background tokens pay to the object's words) and ``peak`` its maximum. Then a linear ramp:
+  are noise, objects span several tokens), then read relative to its own range:
+  ``r = (map - baseline) / (peak - baseline)`` where ``baseline`` is the ``baseline_quantile`` of the map (most
+  of the grid is *not* the object, so a middle quantile is the level of attention that background tokens pay to
+  the object's words) and ``peak`` its maximum. Then a linear ramp:
   ``mask = clip((r - low) / (high - low), 0, 1)``. A flat map (peak ≈ baseline: the probe found no localised
   attention) gives an empty mask and a note.
 * **size** — the object's visible extent at the probe as a fraction of the grid, in [0, 1]: the tokens of its
@@ -19,8 +20,9 @@ Per object (one per ``probe.objects`` entry, in that order):
   CIELAB distance from the context reference colour (the mean colour outside every object's mask). The
   early x0 is blurred, so the outer part of a support blends object and background; averaging it in pulls
   every object colour towards its background (measured on the embedded model v2 at the default probe step:
-  the colour under the whole final mask names the final colour in 70% of clips, its distinct half in 94%). Latent -> RGB at token-grid resolution: average the latent cells of each token (``probe.patch``), apply
-  the model's latent format ``latent_rgb_factors``/``latent_rgb_bias`` the way ComfyUI's latent previewer does
+  the colour under the whole final mask names the final colour in 70% of clips, its distinct half in 94%).
+  Latent -> RGB at token-grid resolution: average the latent cells of each token (``probe.patch``), apply the
+  model's latent format ``latent_rgb_factors``/``latent_rgb_bias`` the way ComfyUI's latent previewer does
   (``v = x·F + b`` is RGB in [-1, 1]; ``rgb = clamp((v + 1) / 2, 0, 1)``). An empty mask takes the colour of the
   token where the object's attention peaks.
 

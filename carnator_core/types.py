@@ -161,11 +161,13 @@ class Signature:
         return {
             "grid": list(self.grid),
             "note": self.note,
-            "objects": [{"name": o.name, "size": float(o.size), "lab": [float(v) for v in o.lab]} for o in self.objects],
+            "objects": [{"name": o.name, "size": float(o.size), "lab": [float(v) for v in o.lab]}
+                        for o in self.objects],
         }
 
     @classmethod
-    def from_parts(cls, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray], prefix: str = "sig.") -> "Signature":
+    def from_parts(cls, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+                   prefix: str = "sig.") -> "Signature":
         objs = []
         for i, om in enumerate(meta["objects"]):
             key = f"{prefix}mask.{i}"
@@ -259,7 +261,8 @@ class Decision:
                     "similarity": v.similarity,
                     "accepted": v.accepted,
                     "reason": v.reason,
-                    "checks": [{"axis": c.axis, "value": c.value, "threshold": c.threshold, "passed": c.passed} for c in v.checks],
+                    "checks": [{"axis": c.axis, "value": c.value, "threshold": c.threshold, "passed": c.passed}
+                               for c in v.checks],
                 }
                 for v in self.verdicts
             ],

@@ -10,7 +10,7 @@ import importlib
 import logging
 import pkgutil
 
-from comfy_api.latest import ComfyExtension, io
+from ._api import ComfyExtension, io
 
 
 def all_nodes() -> list[type[io.ComfyNode]]:

@@ -11,8 +11,6 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from comfy_api.latest import io, ui
-
 from ..carnator_core.cache import (
     POLICIES,
     CacheHandle,
@@ -23,13 +21,8 @@ from ..carnator_core.cache import (
 )
 from ..carnator_core.request import DEFAULT_MIN_SIMILARITY, DEFAULT_TOP_K, node_cache_report, recall, write_result
 from ..carnator_core.types import Probe, Signature
+from ._api import CACHE, CANDIDATES, PROBE, REPORT, SIGNATURE, io, ui
 from ._common import advanced
-
-CACHE = io.Custom("CARNATOR_CACHE")
-PROBE = io.Custom("CARNATOR_PROBE")
-SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
-CANDIDATES = io.Custom("CARNATOR_CANDIDATES")
-REPORT = io.Custom("CARNATOR_REPORT")
 
 
 def allowed_roots() -> list[Path]:
@@ -184,8 +177,10 @@ class CarnatorCacheWriter(io.ComfyNode):
             inputs=[
                 CACHE.Input("cache", tooltip="The cache to write to (from Carnator Cache)."),
                 PROBE.Input("probe", tooltip="The probed request (from Carnator Early Probe)."),
-                SIGNATURE.Input("signature", tooltip="The request's Early Signature (from Carnator Signature Builder)."),
-                io.Latent.Input("latent", tooltip="The finished LATENT of this request (from the Joint Reuse Sampler)."),
+                SIGNATURE.Input("signature",
+                                tooltip="The request's Early Signature (from Carnator Signature Builder)."),
+                io.Latent.Input("latent",
+                                tooltip="The finished LATENT of this request (from the Joint Reuse Sampler)."),
                 REPORT.Input("report", optional=True,
                              tooltip="The sampler's run report: adds the recorded attention block structure."),
                 advanced(io.Boolean.Input("store_reused", default=False,

@@ -6,15 +6,9 @@ See docs/MODEL_CARD.md for the world, vocabulary and measured quality.
 """
 from __future__ import annotations
 
-import torch
-from comfy_api.latest import io
-
-from ._common import advanced
-
 from ..carnator_core.embedded import comfy_glue, config
-
-TextEncoder = io.Custom("CARNATOR_TEXT_ENCODER")
-Decoder = io.Custom("CARNATOR_EMBEDDED_DECODER")
+from ._api import EMBEDDED_DECODER, TEXT_ENCODER, io
+from ._common import advanced
 
 
 class CarnatorEmbeddedLoader(io.ComfyNode):
@@ -33,9 +27,10 @@ class CarnatorEmbeddedLoader(io.ComfyNode):
             ],
             outputs=[
                 io.Model.Output(display_name="MODEL", tooltip="The denoiser, for the stock KSampler."),
-                TextEncoder.Output(display_name="TEXT_ENCODER",
+                TEXT_ENCODER.Output(display_name="TEXT_ENCODER",
                                    tooltip="The embedded world's text encoder (use Carnator Embedded Text Encode)."),
-                Decoder.Output(display_name="DECODER", tooltip="Latent-to-frames decoder (Carnator Embedded Decode)."),
+                EMBEDDED_DECODER.Output(display_name="DECODER",
+                                        tooltip="Latent-to-frames decoder (Carnator Embedded Decode)."),
             ],
         )
 
@@ -54,8 +49,9 @@ class CarnatorEmbeddedTextEncode(io.ComfyNode):
             category="Carnator",
             description="Encodes a prompt for the embedded model. Unknown words are ignored with a warning.",
             inputs=[
-                TextEncoder.Input("text_encoder", tooltip="From Carnator Embedded Model Loader."),
-                io.String.Input("text", multiline=True, default="a big red ball moves to the right in the top left, on green grass",
+                TEXT_ENCODER.Input("text_encoder", tooltip="From Carnator Embedded Model Loader."),
+                io.String.Input("text", multiline=True,
+                                default="a big red ball moves to the right in the top left, on green grass",
                                 tooltip="Prompt in the embedded world's vocabulary (see docs/MODEL_CARD.md); "
                                         "leave empty for the negative/unconditional prompt."),
             ],
@@ -96,7 +92,7 @@ class CarnatorEmbeddedDecode(io.ComfyNode):
             category="Carnator",
             description="Decodes embedded-model latents to IMAGE frames (all clips' frames in order).",
             inputs=[
-                Decoder.Input("decoder", tooltip="From Carnator Embedded Model Loader."),
+                EMBEDDED_DECODER.Input("decoder", tooltip="From Carnator Embedded Model Loader."),
                 io.Latent.Input("samples", tooltip="Latent from KSampler."),
                 advanced(io.Int.Input("upscale", default=4, min=1, max=16,
                              tooltip="Nearest-neighbour enlargement for viewing (1 = native 32x32).")),

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import comfy.samplers
 import comfy.utils
-from comfy_api.latest import io
 
 from ..carnator_core.cache import CacheHandle, open_store
 from ..carnator_core.probe import ProbeConfig
 from ..carnator_core.request import RequestSpec, probe_request
+from ._api import CACHE, PROBE, TEXT_ENCODER, io
 from ._common import advanced, parse_int_list
 
-PROBE = io.Custom("CARNATOR_PROBE")
-TEXT_ENCODER = io.Custom("CARNATOR_TEXT_ENCODER")
-CACHE = io.Custom("CARNATOR_CACHE")
 
 
 

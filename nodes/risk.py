@@ -14,26 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import folder_paths
-from comfy_api.latest import io
 
 from ..carnator_core.request import exact_decision
 from ..carnator_core.risk.filter import MODES, decide_with_rule_file
 from ..carnator_core.risk.paths import PathNotAllowedError, resolve_confined
-from ..carnator_core.risk.pipeline import calibrate_rule_in_dirs
+from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
+from ._api import CANDIDATES, DECISION, PROBE, SIGNATURE, io
+from ._common import mark_advanced as _advanced  # advanced but required: the node's execute has no defaults
 
 SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
 
-Signature = io.Custom("CARNATOR_SIGNATURE")
-Candidates = io.Custom("CARNATOR_CANDIDATES")
-ProbeT = io.Custom("CARNATOR_PROBE")
-DecisionT = io.Custom("CARNATOR_DECISION")
-
-
-def _advanced(inp: Any) -> Any:
-    """Mark a tuning knob as advanced (the frontend folds such widgets away). ComfyUI 0.3.75's V3 widget
-    constructors have no ``advanced`` argument, so the flag goes into the input's extra dict."""
-    inp.extra_dict["advanced"] = True
-    return inp
 
 
 def user_rules_dir() -> Path:
@@ -66,11 +56,11 @@ class CarnatorRiskFilter(io.ComfyNode):
                 "candidate gets a per-axis verdict."
             ),
             inputs=[
-                Signature.Input(
+                SIGNATURE.Input(
                     "signature", optional=True,
                     tooltip="Early Signature of this request (Carnator Signature Builder). Needed in 'signature' mode.",
                 ),
-                Candidates.Input("candidates", tooltip="Recalled cache entries (Carnator Cache Retriever)."),
+                CANDIDATES.Input("candidates", tooltip="Recalled cache entries (Carnator Cache Retriever)."),
                 io.String.Input(
                     "rule_file", default="embedded.json",
                     tooltip="Risk rule file name, looked up in <ComfyUI user dir>/carnator/rules/ then in the "
@@ -81,7 +71,7 @@ class CarnatorRiskFilter(io.ComfyNode):
                     tooltip="signature: certified four-axis rule. prompt_only: accept the most similar entry above "
                     "prompt_threshold (baseline, no certificate). never: always dense.",
                 ),
-                io.Custom("CARNATOR_PROBE").Input(
+                PROBE.Input(
                     "probe", optional=True,
                     tooltip="Early Probe of this request: lets the filter check the rule was calibrated for this "
                     "model and config (without it, the candidates' cache namespace is checked).",
@@ -97,7 +87,8 @@ class CarnatorRiskFilter(io.ComfyNode):
                 )),
             ],
             outputs=[
-                DecisionT.Output(display_name="decision", tooltip="Accepted entry (or none) with per-candidate reasons."),
+                DECISION.Output(display_name="decision",
+                                tooltip="Accepted entry (or none) with per-candidate reasons."),
                 io.String.Output(display_name="summary", tooltip="One-line human-readable verdict."),
             ],
         )
@@ -186,7 +177,7 @@ class CarnatorCalibrateRule(io.ComfyNode):
                     "search_similarity", default=False,
                     tooltip="Also search a minimum prompt similarity as a fifth threshold.",
                 )),
-                io.Custom("CARNATOR_PROBE").Input(
+                PROBE.Input(
                     "probe", optional=True,
                     tooltip="A probe of the model/config the pairs were made with; supplies the fingerprints if "
                     "the pairs file has no header row.",
@@ -212,11 +203,10 @@ class CarnatorCalibrateRule(io.ComfyNode):
         search_similarity: bool,
         probe: Any = None,
     ) -> io.NodeOutput:
-        report = calibrate_rule_in_dirs(
-            pairs_file, pairs_roots(), rule_name, user_rules_dir(), probe=probe,
-            alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed, constraint=constraint,
-            search_similarity=search_similarity, command=f"CarnatorCalibrateRule(pairs_file={pairs_file!r})",
-        )
+        settings = CalibrationSettings(alpha=alpha, delta=delta, calib_frac=calib_frac, seed=seed,
+                                       constraint=constraint, search_similarity=search_similarity)
+        report = calibrate_rule_in_dirs(pairs_file, pairs_roots(), rule_name, user_rules_dir(), settings, probe=probe,
+                                        command=f"CarnatorCalibrateRule(pairs_file={pairs_file!r})")
         text = report.text()
         return io.NodeOutput(text, ui={"text": [text]})
 

@@ -4,19 +4,14 @@ from __future__ import annotations
 import logging
 
 import comfy.utils
-from comfy_api.latest import io
 
 from ..carnator_core.cache.handle import open_store
 from ..carnator_core.request import reuse_stage
 from ..carnator_core.reuse import MODES, ReuseConfig
+from ._api import CACHE, DECISION, PROBE, REPORT, SIGNATURE, io
 from ._common import advanced
 
 log = logging.getLogger("carnator")
-PROBE = io.Custom("CARNATOR_PROBE")
-DECISION = io.Custom("CARNATOR_DECISION")
-SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
-CACHE = io.Custom("CARNATOR_CACHE")
-REPORT = io.Custom("CARNATOR_REPORT")
 
 
 

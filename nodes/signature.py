@@ -1,15 +1,11 @@
 """Carnator Signature Builder node: Early Probe -> Early Signature (thin: validate, build config, one core call)."""
 from __future__ import annotations
 
-from comfy_api.latest import io
-
 from ..carnator_core.request import signature_stage
 from ..carnator_core.signature import SignatureConfig, summarize
 from ..carnator_core.types import Probe
+from ._api import PROBE, SIGNATURE, io
 from ._common import advanced
-
-PROBE = io.Custom("CARNATOR_PROBE")
-SIGNATURE = io.Custom("CARNATOR_SIGNATURE")
 
 _DEFAULT = SignatureConfig()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Cache store benchmarks (issue 4): retrieval latency/recall at scale and write-path cost per entry.
+"""Cache store benchmarks: retrieval latency/recall at scale and write-path cost per entry.
 
 Run from the repository root with the host python, e.g.::
 
@@ -33,7 +33,6 @@ prompt-specific variation in a 64-d subspace + isotropic noise (norms 1 : 1 : 0.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -46,16 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _register() -> None:
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
+sys.path.insert(0, str(ROOT / "tests"))
+from repo_package import register_package  # noqa: E402
 
-
-_register()
+register_package()
 
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
@@ -126,7 +119,8 @@ def make_dataset(synth: Synth, n: int, queries: np.ndarray, k: int, workdir: Pat
         best_s = np.take_along_axis(cs, top, 1)
         best_i = np.take_along_axis(ci, top, 1)
         if (s // chunk) % 20 == 0:
-            print(f"  generated {s + len(rows):,}/{n:,} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  generated {s + len(rows):,}/{n:,} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
     mm.flush()
     np.save(gt_path, best_i)
     return mm, best_i, time.process_time() - c0
@@ -148,7 +142,7 @@ def bench_retrieval(args: argparse.Namespace) -> list[dict]:
 
         def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             order = np.sort(ids)
-            return order, np.asarray(mm[order], dtype=np.float32)
+            return order, np.asarray(mm[order], dtype=np.float32)  # noqa: F821 (`del mm` ends the loop)
 
         params = IndexParams(flat_max=args.flat_max, nprobe=args.nprobe, scan=args.scan)
         faiss.omp_set_num_threads(os.cpu_count() or 1)  # building may use every core ...
@@ -375,7 +369,8 @@ def markdown(rows: list[dict]) -> str:
         elif r["bench"] == "store.query":
             lines.append(f"| {r['data']} | {r['n']:,} | {r['kind']} | {r['p50_ms']:.2f} / {r['p99_ms']:.2f} | "
                          f"{r['cpu_p50_ms']:.2f} / {r['cpu_p99_ms']:.2f} | {r['first_query_cpu_s']:.1f} CPU-s | "
-                         f"{r['reopen_first_query_cpu_s']:.2f} CPU-s | {r['catalog_mb']:.0f} | {r['index_file_mb']:.0f} | "
+                         f"{r['reopen_first_query_cpu_s']:.2f} CPU-s | {r['catalog_mb']:.0f} | "
+                         f"{r['index_file_mb']:.0f} | "
                          f"{r['loadavg']:.1f} |")
         elif r["bench"] == "write":
             lines.append(f"| {r['dtype']} | {'yes' if r['durable'] else 'no'} | "

@@ -48,7 +48,7 @@ def main() -> int:
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.embedded import comfy_glue, config as ecfg
     from carnator.carnator_core.probe import ProbeConfig
-    from carnator.carnator_core.request import (RequestSpec, ServeOptions, probe_request, reuse_stage, serve)
+    from carnator.carnator_core.request import RequestSpec, ServeOptions, probe_request, reuse_stage, serve
     from carnator.carnator_core.reuse import ReuseConfig
 
     model, te, _dec = comfy_glue.load_embedded()

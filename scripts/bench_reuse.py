@@ -1,4 +1,4 @@
-"""Joint Reuse Sampler speed, side by side in one process (issue 5 benchmark; not a test).
+"""Joint Reuse Sampler speed, side by side in one process (a benchmark, not a test).
 
 Builds a random-weight ComfyUI WanModel (saved and loaded back through ComfyUI's detection) at a realistic
 token count, runs one dense request (which records the attention block structure), then serves a second
@@ -38,10 +38,9 @@ import torch  # noqa: E402
 def build_model(dim: int, layers: int, tmp: Path):
     import comfy.ops
     import comfy.sd
+    import tiny_models as tm
     from comfy.ldm.wan.model import WanModel
     from safetensors.torch import save_file
-
-    import tiny_models as tm
 
     m = WanModel(model_type="t2v", in_dim=16, dim=dim, ffn_dim=dim * 4, num_heads=dim // 128, num_layers=layers,
                  out_dim=16, operations=comfy.ops.disable_weight_init)
@@ -79,11 +78,11 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    import tiny_models as tm
+
     from carnator.carnator_core import reuse
     from carnator.carnator_core.probe import ProbeConfig, run_probe
     from carnator.carnator_core.types import Candidate, Decision
-
-    import tiny_models as tm
 
     if args.model == "embedded":
         from carnator.carnator_core.embedded import comfy_glue, config as ecfg
@@ -151,15 +150,16 @@ def main() -> int:
             "speedup_request": round((probe_ms / 1000 + dense_resume) / request_s, 2) if dense_resume else None,
             "speedup_step": None,
             "active_fraction": round(rep["active_fraction"], 3), "block_density": rep["block_density"],
-            "token_fraction": round(rep["token_fraction"], 3), "attention_fraction": round(rep["attention_fraction"], 3),
+            "token_fraction": round(rep["token_fraction"], 3),
+            "attention_fraction": round(rep["attention_fraction"], 3),
             "model_calls": rep["model_calls"], "compute_fraction_est": round(rep["compute_fraction"], 3),
         })
     dense_step = next((r["per_model_call_s"] for r in rows if r["mode"] == "dense"), None)
     for r in rows:
         if dense_step:
             r["speedup_step"] = round(dense_step / r["per_model_call_s"], 2)
-    out = {"model": args.model, "tokens": n_tokens, "grid": grid, "latent": shape, "dim": args.dim, "layers": args.layers,
-           "steps": args.steps, "probe_steps": args.probe, "block_size": args.block_size,
+    out = {"model": args.model, "tokens": n_tokens, "grid": grid, "latent": shape, "dim": args.dim,
+           "layers": args.layers, "steps": args.steps, "probe_steps": args.probe, "block_size": args.block_size,
            "recorded_density": rep_a.block_structure.density if rep_a.block_structure is not None else None,
            "record_ms": rep_a.timings_ms.get("record"), "dense_resume_ms_with_record": rep_a.timings_ms.get("resume"),
            "probe_ms": round(probe_ms, 1), "warm_s": round(warm_s, 1), "repeats": args.repeats, "rows": rows}

@@ -10,15 +10,15 @@ Measures (wall clock, this machine; medians over repeats):
 * build_signature on probes of the embedded geometry (latent [16, 8, 16, 16], patch (2, 2, 2)) and of Wan 2.1
   480p / 81 frames (latent [16, 21, 60, 104], patch (1, 2, 2)), 2 objects each;
 * the serialized signature size at Wan 2.1 480p / 81 frames;
-* the dense-generation denominator: the embedded model's default generation (when its weights exist), else a tiny random-weight Wan 2.1 (tests/tiny_models.py: dim 256, 4 layers) sampling a 480p/81-frame
-  latent for 20 euler steps at cfg 5 — a model thousands of times cheaper than Wan 2.1 1.3B, so the percentage
-  against it is a loose upper bound of the real overhead.
+* the dense-generation denominator: the embedded model's default generation (when its weights exist), else a
+  tiny random-weight Wan 2.1 (tests/tiny_models.py: dim 256, 4 layers) sampling a 480p/81-frame latent for
+  20 euler steps at cfg 5 — a model thousands of times cheaper than Wan 2.1 1.3B, so the percentage against it
+  is a loose upper bound of the real overhead.
 Prints a JSON object and the markdown lines for BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -34,14 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _register() -> None:
     """Import the repo as the package ``carnator`` (as ComfyUI and the tests do), without ComfyUI."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
+    from repo_package import register_package
+
+    register_package()
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -127,8 +124,9 @@ def dense_tiny_wan_480p(steps: int = 20) -> dict:
     import torch
 
     _ensure_comfy()
-    import nodes as comfy_nodes
     import tiny_models as tm
+
+    import nodes as comfy_nodes
 
     with tempfile.TemporaryDirectory() as d:
         model = tm.load_tiny_model("wan21", Path(d))
@@ -219,7 +217,8 @@ def main(argv=None) -> None:
         # Same geometry only: the dense run is the embedded model (or the tiny Wan at 480p), so compare it with the
         # signature at that geometry plus extraction of that model's kind of prompt.
         if "embedded" in dense["what"]:
-            key, ext, label = "embedded", ex["embedded_captions"]["median_ms"], "embedded-geometry signature + caption extraction"
+            key, ext = "embedded", ex["embedded_captions"]["median_ms"]
+            label = "embedded-geometry signature + caption extraction"
         else:
             key = "wan21_480p_81f"
             ext = ex.get("vidprom", ex["embedded_captions"])["median_ms"]

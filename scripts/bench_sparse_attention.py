@@ -1,4 +1,4 @@
-"""Benchmark block-sparse attention and block-structure recording on the CPU (issue 5).
+"""Benchmark block-sparse attention and block-structure recording on the CPU.
 
 Everything is measured side by side in one process: a warm-up round, then ``--repeats`` rounds in which every
 variant runs once (round-robin, so load from other processes hits all variants alike); the median and minimum
@@ -24,7 +24,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -45,11 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _import_core():
     """Import carnator_core as package ``carnator`` (as ComfyUI and the tests do) without importing ComfyUI."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from repo_package import register_package
+
+    register_package()
     from carnator.carnator_core import sparse_attention
 
     return sparse_attention
@@ -197,8 +196,9 @@ def bench_record_accuracy(L: int, bs: int, masses=(0.8, 0.9, 0.95), sharps=(6.0,
             for m in masses:
                 keep = sa.record_block_structure(q, k, bs, mass=m, **kw)
                 cov = (tb * keep.repeat_interleave(bs, 1)[:, :L]).sum(-1)
-                out.append({"sharp": sharp, "estimator": est, "mass": m, "density": round(float(keep.float().mean()), 3),
-                            "oracle_density": round(oracle[m], 3), "true_mass_mean": round(float(cov.mean()), 3),
+                out.append({"sharp": sharp, "estimator": est, "mass": m,
+                            "density": round(float(keep.float().mean()), 3), "oracle_density": round(oracle[m], 3),
+                            "true_mass_mean": round(float(cov.mean()), 3),
                             "true_mass_p05": round(float(cov.quantile(0.05)), 3)})
     return out
 
@@ -229,8 +229,9 @@ def bench_flex_cpu(config: str, L: int, bs: int, density: float, repeats: int) -
         },
         repeats,
     )
-    return {"config": config, "tokens": L, "density": round(plan.density, 4), "flex_eager_one_call_ms": round(eager_ms, 1),
-            "flex_first_call_incl_compile_s": round(compile_s, 1), "max_abs_diff_compiled_vs_gather": err,
+    return {"config": config, "tokens": L, "density": round(plan.density, 4),
+            "flex_eager_one_call_ms": round(eager_ms, 1), "flex_first_call_incl_compile_s": round(compile_s, 1),
+            "max_abs_diff_compiled_vs_gather": err,
             "eager_max_abs_diff": float((eager - ref).abs().max()), "results": res}
 
 
@@ -248,23 +249,26 @@ def machine() -> dict:
 def markdown(result: dict) -> str:
     lines = []
     for a in result["attention"]:
-        lines.append(f"\n**{a['config']}: {a['heads']} heads x {a['head_dim']}, {a['tokens']} tokens, block {a['block_size']}**"
-                     " (ms, median / min of rounds; speedup = dense median / variant median)\n")
+        lines.append(f"\n**{a['config']}: {a['heads']} heads x {a['head_dim']}, {a['tokens']} tokens, "
+                     f"block {a['block_size']}** (ms, median / min of rounds; "
+                     "speedup = dense median / variant median)\n")
         lines.append("| variant | density | active | median ms | min ms | speedup |")
         lines.append("|---|---|---|---|---|---|")
         for name, r in a["results"].items():
-            lines.append(f"| {name} | {r['density']} | {r['active']:.3f} | {r['median_ms']} | {r['min_ms']} | {r['speedup_vs_dense']} |")
+            lines.append(f"| {name} | {r['density']} | {r['active']:.3f} | {r['median_ms']} | {r['min_ms']} | "
+                         f"{r['speedup_vs_dense']} |")
     if result.get("record_cost"):
         lines.append("\n**Recording cost per call** (one self-attention call's q, k)\n")
         lines.append("| config | tokens | variant | median ms | fraction of one dense attention call |")
         lines.append("|---|---|---|---|---|")
         for rc in result["record_cost"]:
             for name, r in rc["results"].items():
-                lines.append(f"| {rc['config']} | {rc['tokens']} | {name} | {r['median_ms']} | {r['fraction_of_dense_call']} |")
+                lines.append(f"| {rc['config']} | {rc['tokens']} | {name} | {r['median_ms']} | "
+                             f"{r['fraction_of_dense_call']} |")
     if result.get("record_accuracy"):
-        lines.append("\n**Recording accuracy on synthetic local attention** (4 heads x 64, density = recorded block density, "
-                     "oracle = density of the exact per-query-block selection, true mass = attention mass of each query "
-                     "inside its kept blocks)\n")
+        lines.append("\n**Recording accuracy on synthetic local attention** (4 heads x 64, density = recorded "
+                     "block density, oracle = density of the exact per-query-block selection, true mass = attention "
+                     "mass of each query inside its kept blocks)\n")
         lines.append("| sharp | estimator | mass | density | oracle density | true mass mean | true mass p05 |")
         lines.append("|---|---|---|---|---|---|---|")
         for r in result["record_accuracy"]:
@@ -274,7 +278,8 @@ def markdown(result: dict) -> str:
         fx = result["flex_cpu"]
         lines.append(f"\n**FlexAttention on CPU** ({fx['config']}, {fx['tokens']} tokens, density {fx['density']}): "
                      f"eager one call {fx['flex_eager_one_call_ms']} ms; first compiled call (compile) "
-                     f"{fx['flex_first_call_incl_compile_s']} s; max |compiled - gather| {fx['max_abs_diff_compiled_vs_gather']:.2e}\n")
+                     f"{fx['flex_first_call_incl_compile_s']} s; max |compiled - gather| "
+                     f"{fx['max_abs_diff_compiled_vs_gather']:.2e}\n")
         lines.append("| variant | median ms | min ms |")
         lines.append("|---|---|---|")
         for name, r in fx["results"].items():
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.tokens, args.configs, args.repeats, args.block_size = [1024], ["small"], 2, 64
     torch.set_num_threads(args.threads)
-    result: dict = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    result: dict = {"machine": machine(),
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "attention": [], "record_cost": []}
     t_start = time.time()
 

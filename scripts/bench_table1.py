@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark in the layout of the seed's Table 1, on the embedded model (issue 8).
+"""Serving benchmark in the layout of the seed's Table 1, on the embedded model.
 
     .host/venv/bin/python scripts/bench_table1.py --warm 24 --stream 24 --json artifacts/table1.json \
         --md artifacts/table1.md
@@ -40,7 +40,6 @@ meanwhile cannot change the model in the middle of a run.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import math
@@ -52,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -61,8 +60,8 @@ from workload import add_workload_args, register_package, spec_from_args  # noqa
 
 register_package()
 
-from carnator.carnator_core.bench import metrics as M  # noqa: E402
-from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab import metrics as M  # noqa: E402
+from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 ALL_METHODS = ("dense", "easycache", "prompt_only", "carnator", "latent_only", "attention_only", "carnator_easycache")
 NO_CACHE = ("dense", "easycache")  # KSampler path, no cross-request cache
@@ -188,7 +187,8 @@ def run_request(env: Env, method: str, req: Request, store: Any, options: Any) -
     return res.latent["samples"], time.perf_counter() - t0, res
 
 
-def record_of(env: Env, method: str, req: Request, samples: Any, seconds: float, res: Any) -> tuple[M.RequestRecord, Any]:
+def record_of(env: Env, method: str, req: Request, samples: Any, seconds: float,
+              res: Any) -> tuple[M.RequestRecord, Any]:
     from carnator.carnator_core.embedded import checker
 
     clip = env.dec.decode_clips(samples)[0].numpy()
@@ -269,7 +269,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res = serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.glue.empty_latent(1),
                         RequestSpec(req.prompt, req.seed, env.steps, env.cfg), warm,
                         serve_options("dense", None, 0.0, env, True))
-            print(f"warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s {req.prompt}", flush=True)
+            print(f"warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s {req.prompt}",
+                  flush=True)
         info["warm_seconds"] = time.perf_counter() - t0
         info["warm_entries"] = warm.stats().entries
         warm.close()
@@ -396,7 +397,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
-    ap.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS))
+    ap.add_argument("--methods", default=",".join(ALL_METHODS),
+                    help="comma-separated subset of " + ",".join(ALL_METHODS))
     ap.add_argument("--weights", default=None, help="embedded weights file (default: the shipped one)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cfg", type=float, default=5.0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""VidProM retrieval workload (issue 8): real prompts, a real text embedding, the cache's own FAISS index.
+"""VidProM retrieval workload: real prompts, a real text embedding, the cache's own FAISS index.
 
     .host/venv/bin/python scripts/bench_vidprom.py --json artifacts/vidprom.json --md artifacts/vidprom.md
 
@@ -45,8 +45,8 @@ register_package()
 
 import numpy as np  # noqa: E402
 
-from carnator.carnator_core.bench.workload import max_jaccard  # noqa: E402
 from carnator.carnator_core.cache.index import IndexParams, VectorIndex, normalize_rows  # noqa: E402
+from carnator.carnator_core.lab.workload import max_jaccard  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "vidprom_4k.jsonl"
 TAUS = (0.6, 0.7, 0.8, 0.9, 0.95)
@@ -56,7 +56,8 @@ JACCARD_TAUS = (0.3, 0.5, 0.7, 0.9)
 def load_prompts(path: Path) -> list[str]:
     if not path.exists():
         raise SystemExit(f"VidProM sample not found at {path}: pass --data (a JSONL file with a 'text' per line)")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]  # not splitlines(): prompts contain U+2028
+    # not splitlines(): prompts contain U+2028
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     return [str(r["text"]) for r in rows]
 
 
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     faiss.omp_set_num_threads(1)
     out: dict[str, Any] = {"data": str(args.data), "prompts": len(prompts), "embedding": model_desc,
                            "dim": int(emb.shape[1]), "embed_seconds": embed_s, "seed": args.seed, "runs": []}
-    md = ["| warm entries | stream | index (store's code) | recall@%d vs exact | p50 (ms) | p99 (ms) | build (s) |" % args.k,
+    md = [f"| warm entries | stream | index (store's code) | recall@{args.k} vs exact | p50 (ms) | p99 (ms) "
+          "| build (s) |",
           "|---|---|---|---|---|---|---|"]
     md_hit = ["| warm entries | " + " | ".join(f"cos ≥ {t}" for t in TAUS) + " | "
               + " | ".join(f"Jaccard ≥ {t}" for t in JACCARD_TAUS) + " |",
@@ -188,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         run["potential_hit_rate_jaccard"] = {f"{t:g}": float((jac >= t).mean()) for t in JACCARD_TAUS}
         run["nearest_cos_quantiles"] = {f"q{int(q * 100)}": float(np.quantile(best, q)) for q in (0.1, 0.5, 0.9)}
         examples = np.argsort(-best)[:3]
-        run["closest_pairs"] = [{"stream": prompts[stream_ix[i]], "warm": prompts[warm_ix[int(np.argmax(warm @ stream[i]))]],
+        run["closest_pairs"] = [{"stream": prompts[stream_ix[i]],
+                                 "warm": prompts[warm_ix[int(np.argmax(warm @ stream[i]))]],
                                  "cos": float(best[i])} for i in examples]
         md_hit.append(f"| {n_warm} | " + " | ".join(f"{run['potential_hit_rate_cos'][f'{t:g}']:.1%}" for t in TAUS)
                       + " | " + " | ".join(f"{run['potential_hit_rate_jaccard'][f'{t:g}']:.1%}" for t in JACCARD_TAUS)
                       + " |")
         print(md_hit[-1], flush=True)
         out["runs"].append(run)
-    text = "\n".join(md) + "\n\nPotential hit rate (stream prompts whose nearest warm prompt is at least this similar):\n\n" \
-        + "\n".join(md_hit) + "\n"
+    text = ("\n".join(md) + "\n\nPotential hit rate (stream prompts whose nearest warm prompt is at least this "
+            "similar):\n\n" + "\n".join(md_hit) + "\n")
     print(text)
     for run in out["runs"]:
         for p in run["closest_pairs"]:

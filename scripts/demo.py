@@ -5,7 +5,7 @@ What it does, from a fresh clone (``make demo`` sets up the local ComfyUI host f
 
 1. starts a real ComfyUI server (``tests/harness_server.py``: ``main.py --cpu`` on a free loopback port, with its
    own temporary base directory and Carnator linked into ``custom_nodes``) and lists the Carnator nodes it loaded;
-2. warms a Carnator cache: the warm set of the embedded-world workload (``carnator_core/bench/workload.py``) goes
+2. warms a Carnator cache: the warm set of the embedded-world workload (``carnator_core/lab/workload.py``) goes
    through ``POST /prompt`` as the ``workflows/api/embedded_warm_cache.json`` graph (Early Probe -> dense Joint
    Reuse Sampler with attention-structure recording -> Cache Writer -> decode -> SaveAnimatedWEBP);
 3. serves the stream through ``POST /prompt`` as the ``workflows/api/embedded.json`` graph (probe -> signature ->
@@ -26,16 +26,17 @@ certified risk level).
 from __future__ import annotations
 
 import argparse
-import copy
 import html
 import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 import urllib.parse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,7 +51,7 @@ register_package()
 from api_client import ComfyClient, set_request  # noqa: E402
 from harness_server import ComfyServer  # noqa: E402
 
-from carnator.carnator_core.bench.workload import Request, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 WARM_WORKFLOW = ROOT / "workflows" / "api" / "embedded_warm_cache.json"
 STREAM_WORKFLOW = ROOT / "workflows" / "api" / "embedded.json"
@@ -122,6 +123,31 @@ def configure(graph: dict[str, Any], req: Request, weights: str, rule_file: str,
     return g
 
 
+def dense_twin(graph: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The same request as a plain ComfyUI graph — KSampler instead of the Carnator path, nothing written to the
+    cache — for the per-request dense reference. Queued right after its Carnator twin, so both are measured under
+    the same load; its KSampler node is new to ComfyUI's node cache, so it always samples."""
+    g = json.loads(json.dumps(graph))
+    sampler_id = next(k for k, n in g.items() if n.get("class_type") == "CarnatorJointReuseSampler")
+    probe = next(n for n in g.values() if n.get("class_type") == "CarnatorEarlyProbe")["inputs"]
+    si = g[sampler_id]["inputs"]
+    ks = {"class_type": "KSampler", "_meta": {"title": "dense twin"}, "inputs": {
+        "model": si["model"], "positive": si["positive"], "negative": si["negative"],
+        "latent_image": si["latent_image"], "seed": probe["seed"], "steps": probe["steps"], "cfg": probe["cfg"],
+        "sampler_name": probe["sampler_name"], "scheduler": probe["scheduler"], "denoise": 1.0}}
+    for n in g.values():  # everything that read the Carnator sampler's LATENT reads the KSampler's
+        for key, v in n.get("inputs", {}).items():
+            if isinstance(v, list) and len(v) == 2 and v[0] == sampler_id and v[1] == 0:
+                n["inputs"][key] = ["dense_twin", 0]
+    g = {k: n for k, n in g.items()
+         if not (n.get("class_type", "").startswith("Carnator") and not n.get("class_type", "").startswith(
+             "CarnatorEmbedded"))}
+    g["dense_twin"] = ks
+    for n in nodes_of(g, "SaveAnimatedWEBP"):
+        n["inputs"]["filename_prefix"] = f"carnator_demo/{rid}_dense"
+    return g
+
+
 # ---------------------------------------------------------------------------------------------------- results
 def _latency_s(entry: dict[str, Any]) -> Optional[float]:
     """Server-side wall time of one prompt: execution_start -> execution_success timestamps (ms) in /history."""
@@ -163,20 +189,25 @@ def parse_result(req: Request, entry: dict[str, Any], base_dir: Path, clips_dir:
 
 def serve_phase(client: ComfyClient, graph: dict[str, Any], reqs: tuple[Request, ...], weights: str,
                 rule_file: str, allow_uncertified: bool, base_dir: Path, clips_dir: Path,
-                show: Any) -> list[dict[str, Any]]:
-    """Queue every request of a phase at once (ComfyUI runs them in order), then read each from /history."""
-    ids = [client.queue(configure(graph, r, weights, rule_file, allow_uncertified)) for r in reqs]
-    done: dict[str, dict[str, Any]] = {}
+                show: Any, twins: bool = False) -> list[dict[str, Any]]:
+    """Queue every request of a phase at once (ComfyUI runs them in order), then read each from /history.
+
+    ``twins``: after each request, queue its dense twin (:func:`dense_twin`); the row gets ``dense_latency_s``
+    and ``dense_clip``."""
+    queued = []
+    for r in reqs:
+        g = configure(graph, r, weights, rule_file, allow_uncertified)
+        queued.append((client.queue(g), client.queue(dense_twin(g, r.rid)) if twins else None, r))
     rows: list[dict[str, Any]] = []
-    pending = list(zip(ids, reqs))
-    # Print each request as soon as it finishes (ComfyUI runs the queue in order).
-    while pending:
-        pid, req = pending[0]
-        done.update(client.wait_all([pid]))
+    # Print each request as soon as it (and its twin) finishes (ComfyUI runs the queue in order).
+    for pid, twin_id, req in queued:
+        done = client.wait_all([pid] + ([twin_id] if twin_id else []))
         row = parse_result(req, done[pid], base_dir, clips_dir)
+        if twin_id:
+            twin = parse_result(replace(req, rid=f"{req.rid}_dense"), done[twin_id], base_dir, clips_dir)
+            row["dense_latency_s"], row["dense_clip"] = twin["latency_s"], twin["clip"]
         rows.append(row)
         show(row)
-        pending.pop(0)
     return rows
 
 
@@ -192,12 +223,14 @@ def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tup
     why = f"{SHIPPED_RULE.relative_to(ROOT)} not found (the certified rule for the embedded model)"
     if SHIPPED_RULE.exists():
         rule = json.loads(SHIPPED_RULE.read_text(encoding="utf-8"))
-        same = rule.get("model", {}).get("fingerprint") == model_fp and rule.get("config", {}).get("fingerprint") == config_fp
+        same = (rule.get("model", {}).get("fingerprint") == model_fp
+                and rule.get("config", {}).get("fingerprint") == config_fp)
         certified = bool(rule.get("certificate", {}).get("passed"))
         c = rule.get("certificate", {})
         if same and certified:
-            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} accepted, "
-                                            f"U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} (δ = {c['delta']})")
+            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} "
+                                            f"accepted, U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} "
+                                            f"(δ = {c['delta']})")
         if same:
             # The shipped rule is for these weights and this config but its certificate fails: use it, marked.
             return "embedded.json", True, (f"UNCERTIFIED shipped rule rules/embedded.json: {c.get('k')} unsafe of "
@@ -227,11 +260,14 @@ def fmt_row(row: dict[str, Any]) -> str:
     lat = row["latency_s"]
     act = row["active_fraction"]
     dec = str(row["decision"]).upper()
-    what = f"reuses {row['reused']}" if row["decision"] == "hit" else (f"stored {row['written']}" if row["written"] else "")
+    what = (f"reuses {row['reused']}" if row["decision"] == "hit"
+            else (f"stored {row['written']}" if row["written"] else ""))
     return (f"{row['rid']} {row['kind']:16s} {dec:5s} {what:24s} "
             f"active={'-' if act is None or row['decision'] != 'hit' else f'{act:.0%}':>4s} "
             f"compute={'-' if row['compute_fraction'] is None else format(row['compute_fraction'], '.0%'):>4s} "
-            f"latency={'-' if lat is None else f'{lat:.2f}s':>7s}  {row['prompt']}")
+            f"latency={'-' if lat is None else f'{lat:.2f}s':>7s}"
+            + (f" (dense twin {row['dense_latency_s']:.2f}s)" if row.get("dense_latency_s") else "")
+            + f"  {row['prompt']}")
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,20 +275,27 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else None
 
+    def ratio(rs: list[dict[str, Any]]) -> list[float]:
+        return [r["dense_latency_s"] / r["latency_s"] for r in rs
+                if r.get("dense_latency_s") and r.get("latency_s")]
+
     stream = [r for r in rows if r["phase"] == "stream"]
     hits = [r for r in stream if r["decision"] == "hit"]
     misses = [r for r in stream if r["decision"] != "hit"]
-    # The first request of a server pays one-off costs (model load, spaCy load, first-call allocations): it is
-    # shown in the table and plots but left out of the dense reference latency.
-    warm = [r for r in rows if r["phase"] == "warm"][1:]
-    m_hit, m_miss, m_warm = mean([r["latency_s"] for r in hits]), mean([r["latency_s"] for r in misses]), \
-        mean([r["latency_s"] for r in warm])
-    return {"warm": len(warm) + 1 if rows and rows[0]["phase"] == "warm" else len(warm), "stream": len(stream),
-            "hits": len(hits),
+    warm = [r for r in rows if r["phase"] == "warm"]
+    # Every stream request has a dense twin (the same request through a plain KSampler graph, queued right after
+    # it): speedups compare the same requests measured the same way, never requests run at other times.
+    paired = [r for r in stream if r.get("dense_latency_s") and r.get("latency_s")]
+    return {"warm": len(warm), "stream": len(stream), "hits": len(hits),
             "hit_rate": len(hits) / len(stream) if stream else None,
-            "mean_latency_s": mean([r["latency_s"] for r in stream]), "mean_hit_latency_s": m_hit,
-            "mean_miss_latency_s": m_miss, "mean_warm_latency_s": m_warm,
-            "hit_speedup_vs_warm_dense": (m_warm / m_hit) if m_hit and m_warm else None,
+            "mean_latency_s": mean([r["latency_s"] for r in stream]),
+            "mean_hit_latency_s": mean([r["latency_s"] for r in hits]),
+            "mean_miss_latency_s": mean([r["latency_s"] for r in misses]),
+            "mean_dense_twin_latency_s": mean([r.get("dense_latency_s") for r in stream]),
+            "median_hit_speedup_vs_dense_twin": statistics.median(ratio(hits)) if ratio(hits) else None,
+            "median_miss_speedup_vs_dense_twin": statistics.median(ratio(misses)) if ratio(misses) else None,
+            "stream_speedup_vs_dense": (sum(r["dense_latency_s"] for r in paired) / sum(r["latency_s"] for r in paired)
+                                        if paired else None),
             "mean_active_fraction_hits": mean([r["active_fraction"] for r in hits]),
             "mean_compute_fraction_hits": mean([r["compute_fraction"] for r in hits])}
 
@@ -263,11 +306,13 @@ def summary_table(s: dict[str, Any]) -> str:
 
     return "\n".join([
         "| warm (dense) | stream | hits | hit rate | mean latency (s) | hit latency (s) | miss latency (s) "
-        "| warm dense latency (s) | hit speedup vs dense | active / compute on hits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dense twin latency (s) | hit speedup vs its dense twin (median) | miss vs twin (median) "
+        "| stream vs dense | active / compute on hits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| {s['warm']} | {s['stream']} | {s['hits']} | {f(s['hit_rate'], '.0%')} | {f(s['mean_latency_s'], '.2f')} "
         f"| {f(s['mean_hit_latency_s'], '.2f')} | {f(s['mean_miss_latency_s'], '.2f')} "
-        f"| {f(s['mean_warm_latency_s'], '.2f')} | {f(s['hit_speedup_vs_warm_dense'], '.2f')}× "
+        f"| {f(s['mean_dense_twin_latency_s'], '.2f')} | {f(s['median_hit_speedup_vs_dense_twin'], '.2f')}× "
+        f"| {f(s['median_miss_speedup_vs_dense_twin'], '.2f')}× | {f(s['stream_speedup_vs_dense'], '.2f')}× "
         f"| {f(s['mean_active_fraction_hits'], '.0%')} / {f(s['mean_compute_fraction_hits'], '.0%')} |",
     ])
 
@@ -320,7 +365,8 @@ def make_plots(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return names
 
 
-def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: list[str], info: dict[str, Any]) -> Path:
+def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: list[str],
+               info: dict[str, Any]) -> Path:
     by_entry = {r["written"]: r for r in rows if r.get("written")}
     e = html.escape
     banner = "" if not info["uncertified"] else (
@@ -329,6 +375,10 @@ def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: 
     body = []
     for r in rows:
         clip = f'<img src="{e(r["clip"])}" width="128">' if r["clip"] else "(no clip)"
+        if r.get("dense_clip"):
+            clip += f'<br><img src="{e(r["dense_clip"])}" width="128" title="dense twin (plain KSampler)"><br>' \
+                    '<small>dense twin</small>'
+        dlat = "" if r.get("dense_latency_s") is None else f" / {r['dense_latency_s']:.2f}"
         src = by_entry.get(r["reused"]) if r["decision"] == "hit" else None
         reused = ""
         if src is not None:
@@ -341,7 +391,7 @@ def write_html(out: Path, rows: list[dict[str, Any]], s: dict[str, Any], plots: 
             f'<tr class="{e(str(r["decision"]))}"><td>{e(r["rid"])}<br><small>{e(r["kind"])}</small></td>'
             f'<td>{e(r["prompt"])}<br><small>seed {r["seed"]}</small></td><td>{clip}</td>'
             f'<td><b>{e(str(r["decision"]).upper())}</b></td><td>{reused}</td><td>{act}</td><td>{comp}</td>'
-            f'<td>{lat}</td><td><small>{e(r["summary"][:400])}</small></td></tr>')
+            f'<td>{lat}{dlat}</td><td><small>{e(r["summary"][:400])}</small></td></tr>')
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Carnator demo report</title>
 <style>
@@ -358,14 +408,15 @@ Workflows: {e(info['graphs'])}. Total wall time {info['seconds']:.0f} s.</p>
 <h2>Summary</h2>
 {markdown_to_html(summary_table(s))}
 <p>Latency is server-side (execution start to success in <code>/history</code>), every stage included (probe,
-signature, retrieval, filter, sampling or dense fallback, cache write, decode, WebP encoding). "Hit speedup vs dense"
-compares hits with the warm-up requests after the first (dense generations plus attention-structure recording; the
-first request of a fresh server also pays model and spaCy loading and is left out of that reference).</p>
+signature, retrieval, filter, sampling or dense fallback, cache write, decode, WebP encoding). Every stream request
+is followed in the queue by its <i>dense twin</i>: the same request through a plain KSampler graph (nothing cached),
+so each speedup compares the same request measured the same way, under the same load; its clip is shown under the
+request's (what the user would otherwise have got).</p>
 <h2>Plots</h2>
 {''.join(f'<img src="{e(p)}" style="max-width:100%;image-rendering:auto"><br>' for p in plots)}
 <h2>Requests</h2>
 <table><tr><th>request</th><th>prompt</th><th>clip</th><th>decision</th><th>reused entry (its clip)</th>
-<th>active</th><th>compute</th><th>latency (s)</th><th>filter</th></tr>
+<th>active</th><th>compute</th><th>latency (s) / dense twin</th><th>filter</th></tr>
 {''.join(body)}
 </table></body></html>
 """
@@ -433,7 +484,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(("\n!! " if uncertified else "\n") + f"risk rule: {rule_desc}", flush=True)
             print(f"\n== stream: {len(wl.stream)} requests through POST /prompt ({stream_src}) ==", flush=True)
             rows += serve_phase(client, stream_graph, wl.stream, str(weights), rule_file, uncertified, base,
-                                out / "clips", show)
+                                out / "clips", show, twins=True)
             stats = server.get("/carnator/cache/stats?" + urllib.parse.urlencode({"directory": CACHE_DIR}))
     s = summary(rows)
     print("\n" + summary_table(s))

@@ -49,11 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_core():
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from repo_package import register_package
+
+    register_package()
     from carnator.carnator_core import sparse_attention
 
     return sparse_attention
@@ -97,7 +97,8 @@ def _fill_(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if p.ndim <= 1:
-                val = torch.ones(p.shape) if ("norm" in name and name.endswith("weight")) else torch.randn(p.shape, generator=g) * 0.02
+                val = (torch.ones(p.shape) if ("norm" in name and name.endswith("weight"))
+                       else torch.randn(p.shape, generator=g) * 0.02)
             else:
                 val = torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel())
             p.copy_(val.to(p.dtype))
@@ -140,7 +141,8 @@ def make_sparse_block_fn(block, sa, apply_rope1, keep, bs, A, backend, block_mas
                                       backend=backend, block_mask=block_mask, plan=plan)
         y = attn.o(y.transpose(1, 2).reshape(b, -1, n * d))
         xA = torch.addcmul(xA, y, e[2])
-        xA = xA + block.cross_attn(block.norm3(xA), context, context_img_len=None, transformer_options=transformer_options)
+        xA = xA + block.cross_attn(block.norm3(xA), context, context_img_len=None,
+                                   transformer_options=transformer_options)
         y = block.ffn(torch.addcmul(e[3], block.norm2(xA), 1 + e[4]))
         xA = torch.addcmul(xA, y, e[5])
         if A is None:
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["variants"]["record"] = timed(lambda: forward(rec_opts), repeats=max(1, args.repeats - 1))
     st = rec.result()
     result["checks"]["recorded_density_random_weights"] = round(st.density, 4)
-    result["checks"]["record_overhead_one_step_pct"] = round(100 * (result["variants"]["record"]["median_ms"] / dense_ms - 1), 2)
+    record_ms = result["variants"]["record"]["median_ms"]
+    result["checks"]["record_overhead_one_step_pct"] = round(100 * (record_ms / dense_ms - 1), 2)
     save()
 
     # --- correctness checks on one middle layer ---
@@ -334,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
             pl = sa.plan_block_sparse(kp, bs, L, A, device=device) if backend != "flex" or dens is None else None
             be = backend if dens is not None else "gather"  # all-true pattern: gather's plan is plain SDPA
             fn = make_sparse_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, A, be, block_mask=bm, plan=pl)
-            patches[("double_block", i)] = (lambda fn: lambda a, extra: {"img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
+            patches[("double_block", i)] = (lambda fn: lambda a, extra: {
+                "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
         sync()
         prep_ms = (time.perf_counter() - t0) * 1e3
         opts = {"patches_replace": {"dit": patches}}

@@ -8,10 +8,10 @@ Usage (from the repository root, host python)::
 
 then::
 
-    .host/venv/bin/python -m carnator_core.risk.calibrate_cli --pairs rules/embedded_pairs.jsonl \\
+    .host/venv/bin/python -m carnator_core.lab.calibrate_cli --pairs rules/embedded_pairs.jsonl \\
         --out rules/embedded.json
 
-What it does (core logic: carnator_core/risk/pairs.py; procedure: docs/CALIBRATION.md §3):
+What it does (core logic: carnator_core/lab/pairs.py; procedure: docs/CALIBRATION.md §3):
 
 1. **Warm set.** ``--warm`` requests sampled from the embedded world (held-in combinations, 1–2 objects,
    seeded by ``--seed``) are generated densely and written to a fresh cache under ``--work/store`` (the
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import shlex
 import sys
 import time
@@ -53,7 +52,7 @@ RUN_KEYS = ("weights", "seed", "warm", "queries", "top_k", "kinds", "labeler", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from carnator.carnator_core.risk.pairs import QUERY_KINDS
+    from carnator.carnator_core.lab.pairs import QUERY_KINDS
 
     p = argparse.ArgumentParser(description="Labelled pairs on the embedded model (docs/CALIBRATION.md).")
     p.add_argument("--out", required=True, help="pairs JSONL file to write")
@@ -92,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _labeler(args: dict):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     if args["labeler"] == "checker":
         return pairs.embedded_checker_labeler()
@@ -103,7 +102,7 @@ def _labeler(args: dict):
 
 
 def _requests(args: dict):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     warm, scenes = pairs.embedded_warm_set(args["seed"], args["warm"])
     queries = pairs.embedded_queries(args["seed"], args["queries"], warm, scenes,
@@ -118,8 +117,7 @@ def _open(args: dict, threads: int):
 
     torch.set_num_threads(max(1, threads))
     from carnator.carnator_core.cache.store import Store
-    from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     work = Path(args["work"])
     store = Store.open(work / "store", key_path=work / "index.key", durable=False)
@@ -142,8 +140,7 @@ def _warm_manifest(work: Path) -> dict[str, str]:
 
 def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> None:
     """One worker: its slice (index % n_shards == shard) of the warm set or of the queries."""
-    from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     work = Path(args["work"])
     warm, queries = _requests(args)
@@ -209,8 +206,8 @@ def _run_phase(args: dict, phase: str, n: int, threads: int) -> None:
 
 def merge(args: dict, command: str) -> tuple[int, int, int]:
     """Merge the part files into --out (queries in order). Returns (requests, pairs, unsafe pairs)."""
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
-    from carnator.carnator_core.risk import pairs
 
     work = Path(args["work"])
     _warm, queries = _requests(args)
@@ -268,8 +265,12 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
 
 def evaluate_rule(rule_path: str, pairs_path: str) -> dict:
     """The rule's and prompt-only's outcome on a pairs file (the filter's per-request decision, certify.evaluate)."""
-    from carnator.carnator_core.risk.certify import (clopper_pearson_upper, evaluate, evaluate_prompt_only,
-                                                     read_pairs_jsonl)
+    from carnator.carnator_core.risk.certify import (
+        clopper_pearson_upper,
+        evaluate,
+        evaluate_prompt_only,
+        read_pairs_jsonl,
+    )
     from carnator.carnator_core.risk.rule import RiskRule
 
     rule = RiskRule.load(rule_path)
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = {k: getattr(ns, k) for k in vars(ns)}
     command = "scripts/make_pairs.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args["combine"]:
-        from carnator.carnator_core.risk import pairs
+        from carnator.carnator_core.lab import pairs
 
         sources = []
         for item in args["combine"]:

@@ -5,13 +5,12 @@
     .host/venv/bin/python scripts/workload.py --warm 24 --stream 24 --out artifacts/workload.jsonl
 
 The workload is deterministic for a given set of flags (its digest is printed); how it is built and why it is
-realistic: ``carnator_core/bench/workload.py`` and BENCHMARKS.md. The benchmark (scripts/bench_table1.py) and the
+realistic: ``carnator_core/lab/workload.py`` and BENCHMARKS.md. The benchmark (scripts/bench_table1.py) and the
 demo (scripts/demo.py) build it with the same code and flags.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -19,19 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def register_package() -> None:
-    """Import the repository as the package ``carnator`` (the name ComfyUI gives it), without ComfyUI."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
-
+sys.path.insert(0, str(ROOT / "tests"))
+from repo_package import register_package  # noqa: E402  (re-exported for demo.py and the benchmarks)
 
 register_package()
 
-from carnator.carnator_core.bench.workload import Mix, WorkloadSpec, build_workload, describe  # noqa: E402
+from carnator.carnator_core.lab.workload import Mix, WorkloadSpec, build_workload, describe  # noqa: E402
 
 
 def add_workload_args(ap: argparse.ArgumentParser, warm: int = 24, stream: int = 24) -> None:

@@ -17,21 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HOST = ROOT / ".host"
 
-
-def _register_package() -> None:
-    if "carnator" in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "carnator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["carnator"] = module
-    spec.loader.exec_module(module)
-
-
-_register_package()
 if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
+from repo_package import register_package  # noqa: E402
+
+register_package()
 
 
 def comfy_path() -> Path:

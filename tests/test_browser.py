@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness_server import ComfyServer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

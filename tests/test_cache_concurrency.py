@@ -3,28 +3,18 @@ index switching to IVF, being persisted and log-pruned meanwhile). Afterwards: n
 entries, and every index agrees with the catalogue. Pure core (no ComfyUI)."""
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
-import sys
 import traceback
 from pathlib import Path
 
 import pytest
+from repo_package import register_package
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ensure_package() -> None:
-    """Spawned children do not run conftest: register the repo as package ``carnator`` the same way."""
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
-
-
-_ensure_package()
+# Spawned children do not run conftest: they register the repo as package ``carnator`` here, the same way.
+register_package()
 
 WORKERS = 4
 PER_WORKER = 10
@@ -33,6 +23,7 @@ PER_WORKER = 10
 def _worker(wid: int, cache: str, key: str, start, results, max_bytes: int | None) -> None:
     try:
         import numpy as np
+        from test_cache_store import CFG, make_entry
 
         from carnator.carnator_core.cache import (
             CorruptEntryError,
@@ -41,7 +32,6 @@ def _worker(wid: int, cache: str, key: str, start, results, max_bytes: int | Non
             Store,
         )
         from carnator.carnator_core.types import namespace_key
-        from test_cache_store import CFG, make_entry
 
         st = Store.open(cache, key_path=key, max_bytes=max_bytes,
                         index_params=IndexParams(flat_max=12, train_sample=64, reduced_dim=8, persist_every=3,
@@ -88,9 +78,10 @@ def _run(tmp_path: Path, max_bytes: int | None) -> list[dict]:
 
 
 def test_four_processes_write_and_read_at_once(tmp_path):
+    from test_cache_store import CFG
+
     from carnator.carnator_core.cache import IndexParams, Store
     from carnator.carnator_core.types import namespace_key
-    from test_cache_store import CFG
 
     out = _run(tmp_path, max_bytes=None)
     assert all(not r["errors"] for r in out), [r["errors"] for r in out]
@@ -115,8 +106,9 @@ def test_four_processes_write_and_read_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_four_processes_with_concurrent_eviction(tmp_path):
-    from carnator.carnator_core.cache import Store
     from test_cache_store import make_entry
+
+    from carnator.carnator_core.cache import Store
 
     probe = Store.open(tmp_path / "probe", key_path=tmp_path / "index.key")
     probe.put(make_entry(0))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_cache_store import CFG, DIM, make_entry, open_store
 
 from carnator.carnator_core.types import namespace_key
@@ -20,12 +19,11 @@ from carnator.carnator_core.types import namespace_key
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
-    import importlib.util, os, sys
+    import os, sys
     root, tests, cache, key, stage, count = sys.argv[1:7]
     sys.path[:0] = [root, tests]
-    spec = importlib.util.spec_from_file_location("carnator", os.path.join(root, "__init__.py"),
-                                                  submodule_search_locations=[root])
-    mod = importlib.util.module_from_spec(spec); sys.modules["carnator"] = mod; spec.loader.exec_module(mod)
+    from repo_package import register_package
+    register_package()
     from carnator.carnator_core.cache import Store
     from test_cache_store import make_entry
     st = Store.open(cache, key_path=key)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from test_cache_store import CFG, GRID, make_sig
 
 pytestmark = pytest.mark.comfy
@@ -31,7 +30,8 @@ def _probe(seed: int = 3, prompt: str = "a red cat on a sofa", emb_seed: int = 0
     g = torch.Generator().manual_seed(seed)
     return Probe(arch="wan21", model_fingerprint="tiny-wan-fp", config=CFG, prompt=prompt, seed=seed, objects=(),
                  object_source="none", object_maps={}, grid=GRID, patch=(1, 2, 2),
-                 x0_probe=torch.randn(CFG.latent_shape, generator=g), latent_probe=torch.randn(CFG.latent_shape, generator=g),
+                 x0_probe=torch.randn(CFG.latent_shape, generator=g),
+                 latent_probe=torch.randn(CFG.latent_shape, generator=g),
                  latent_rgb_factors=None, latent_rgb_bias=None,
                  embedding=np.random.default_rng(emb_seed).standard_normal(64).astype(np.float32),
                  timings={"probe_ms": 12.0})
@@ -99,7 +99,8 @@ def test_writer_retriever_stats(cache_nodes):
     handle = cache_nodes.CarnatorCacheLoader.execute(directory="carnator_cache").result[0]
     probe, sig = _probe(), make_sig(("cat",))
     latent = {"samples": torch.randn((1, *CFG.latent_shape))}
-    Writer, Retriever, Stats = cache_nodes.CarnatorCacheWriter, cache_nodes.CarnatorCacheRetriever, cache_nodes.CarnatorCacheStats
+    Writer, Retriever = cache_nodes.CarnatorCacheWriter, cache_nodes.CarnatorCacheRetriever
+    Stats = cache_nodes.CarnatorCacheStats
     out = Writer.execute(cache=handle, probe=probe, signature=sig, latent=latent, report=_report())
     eid = out.result[0]
     assert len(eid) == 16 and "stored entry" in out.ui.as_dict()["text"][0]
@@ -130,11 +131,13 @@ def test_writer_and_retriever_errors(cache_nodes):
     handle = cache_nodes.CarnatorCacheLoader.execute(directory="carnator_cache").result[0]
     Writer, Retriever = cache_nodes.CarnatorCacheWriter, cache_nodes.CarnatorCacheRetriever
     with pytest.raises(ValueError, match="belongs to this probe"):
-        Writer.execute(cache=handle, probe=_probe(), signature=make_sig(), latent={"samples": torch.zeros(1, 16, 3, 4, 4)})
+        Writer.execute(cache=handle, probe=_probe(), signature=make_sig(),
+                       latent={"samples": torch.zeros(1, 16, 3, 4, 4)})
     with pytest.raises(ValueError, match="video LATENT"):
         Writer.execute(cache=handle, probe=_probe(), signature=make_sig(), latent={"samples": torch.zeros(1, 16, 4, 4)})
     with pytest.raises(TypeError, match="CARNATOR_SIGNATURE"):
-        Writer.execute(cache=handle, probe=_probe(), signature="nope", latent={"samples": torch.zeros(1, *CFG.latent_shape)})
+        Writer.execute(cache=handle, probe=_probe(), signature="nope",
+                       latent={"samples": torch.zeros(1, *CFG.latent_shape)})
     with pytest.raises(TypeError, match="Early Probe"):
         Retriever.execute(cache=handle, probe=object(), k=5, min_similarity=0.0)
     with pytest.raises(TypeError, match="Carnator Cache node"):

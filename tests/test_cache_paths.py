@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from test_cache_store import make_entry, open_store
 
 from carnator.carnator_core.cache import CacheError, CachePathError, resolve_cache_dir, roots_from_env

@@ -462,8 +462,8 @@ def test_embed_conditioning_ignores_padding():
     junk[5:] = 3.0  # non-zero padding: the attention mask decides
     mask = np.r_[np.ones(5), np.zeros(507)]
     np.testing.assert_allclose(embed_conditioning(junk, mask), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(embed_comfy_conditioning([[torch.from_numpy(junk)[None], {"attention_mask": torch.tensor(mask)[None]}]]),
-                               want, rtol=1e-5, atol=1e-6)
+    cond = [[torch.from_numpy(junk)[None], {"attention_mask": torch.tensor(mask)[None]}]]
+    np.testing.assert_allclose(embed_comfy_conditioning(cond), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no valid"):
         embed_conditioning(np.zeros((4, 16)))
     with pytest.raises(ValueError, match="shape"):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------ workload (core)
 def test_workload_is_deterministic_and_disjoint():
-    from carnator.carnator_core.bench.workload import WorkloadSpec, build_workload, describe
+    from carnator.carnator_core.lab.workload import WorkloadSpec, build_workload, describe
 
     spec = WorkloadSpec(n_warm=12, n_stream=20, seed=3)
     a, b = build_workload(spec), build_workload(spec)
@@ -38,8 +38,8 @@ def test_workload_is_deterministic_and_disjoint():
 
 
 def test_workload_requests_are_valid_and_edits_change_one_attribute():
-    from carnator.carnator_core.bench.workload import Request, WorkloadSpec, build_workload, valid_scene
     from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.lab.workload import Request, WorkloadSpec, build_workload, valid_scene
 
     wl = build_workload(WorkloadSpec(n_warm=16, n_stream=32, seed=1))
     by_rid = {r.rid: r for r in wl.requests}
@@ -74,7 +74,7 @@ def test_workload_requests_are_valid_and_edits_change_one_attribute():
 
 
 def test_workload_popularity_is_heavy_tailed():
-    from carnator.carnator_core.bench.workload import WorkloadSpec, build_workload, describe, zipf_probs
+    from carnator.carnator_core.lab.workload import WorkloadSpec, build_workload, describe, zipf_probs
 
     p = zipf_probs(16, 1.1)
     assert abs(p.sum() - 1) < 1e-12 and p[0] > 5 * p[-1]
@@ -104,7 +104,7 @@ def test_demo_quick_writes_report_with_clips_and_plots(tmp_path):
     assert report.exists()
     page = report.read_text(encoding="utf-8")
     clips = sorted((out / "clips").glob("*.webp"))
-    assert len(clips) == 5
+    assert len(clips) == 5 + 3  # every request's clip, and a dense twin's for each stream request
     for clip in clips:
         assert clip.read_bytes()[:4] == b"RIFF" and clip.read_bytes()[8:12] == b"WEBP"
         assert f'src="clips/{clip.name}"' in page
@@ -114,4 +114,6 @@ def test_demo_quick_writes_report_with_clips_and_plots(tmp_path):
     results = json.loads((out / "results.json").read_text())
     stream = [r for r in results["rows"] if r["phase"] == "stream"]
     assert len(stream) == 3 and all(r["decision"] in ("hit", "miss") for r in stream)
-    assert results["summary"]["stream"] == 3
+    # each stream request was measured beside its dense twin (the same request through a plain KSampler graph)
+    assert all(r["dense_latency_s"] > 0 and r["dense_clip"] == f"clips/{r['rid']}_dense.webp" for r in stream)
+    assert results["summary"]["stream"] == 3 and results["summary"]["stream_speedup_vs_dense"] > 0

@@ -19,6 +19,7 @@ def test_loader_builds_a_real_wan_model_patcher(glue) -> None:
     import comfy.model_base
     import comfy.model_patcher
     import comfy.model_sampling
+
     from carnator.carnator_core.embedded import config
 
     model, te, dec = glue.load_embedded()
@@ -56,11 +57,12 @@ def test_stock_ksampler_runs_and_matches_generate(glue) -> None:
 
 def test_nodes_chain(glue) -> None:
     import nodes as comfy_nodes
-    from carnator.nodes import embedded as emb_nodes
     from carnator.carnator_core.embedded import config
+    from carnator.nodes import embedded as emb_nodes
 
     model, te, dec = emb_nodes.CarnatorEmbeddedLoader.execute("").result
-    (cond,) = emb_nodes.CarnatorEmbeddedTextEncode.execute(te, "a small green diamond rises in the bottom left, in a pink room").result
+    prompt = "a small green diamond rises in the bottom left, in a pink room"
+    (cond,) = emb_nodes.CarnatorEmbeddedTextEncode.execute(te, prompt).result
     (neg,) = emb_nodes.CarnatorEmbeddedTextEncode.execute(te, "").result
     (latent,) = emb_nodes.CarnatorEmbeddedEmptyLatent.execute(2).result
     out = comfy_nodes.common_ksampler(model, 1, 3, 4.0, "euler", "simple", cond, neg, latent)[0]

@@ -1,4 +1,4 @@
-"""Quality gate of the shipped embedded model (issue 9): prompt following on held-out attribute
+"""Quality gate of the shipped embedded model: prompt following on held-out attribute
 combinations, early-state probe quality, and generation speed. Fails (does not skip) without the weights.
 
 Numbers and how they were measured: docs/MODEL_CARD.md.

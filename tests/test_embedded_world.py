@@ -73,7 +73,8 @@ def test_codec_round_trip_and_coords() -> None:
     zb = codec.rgb_to_latent(np.stack([rgb, rgb]))
     assert zb.shape[0] == 2 and torch.equal(zb[1], z)
     assert tuple(codec.mask_to_latent(alpha[0]).shape) == config.LATENT_SHAPE[1:]
-    assert tuple(codec.coord_channels(*config.LATENT_SHAPE[1:]).shape) == (config.COORD_CHANNELS,) + config.LATENT_SHAPE[1:]
+    coords = codec.coord_channels(*config.LATENT_SHAPE[1:])
+    assert tuple(coords.shape) == (config.COORD_CHANNELS,) + config.LATENT_SHAPE[1:]
 
 
 def test_text_encoder_word_spans_and_synonyms() -> None:
@@ -83,7 +84,8 @@ def test_text_encoder_word_spans_and_synonyms() -> None:
     assert words == "a small red ball rolls to the right across green grass".split()
     ball = enc.words[words.index("ball")]
     assert ball.concept == "shape:ball" and ball.slot == 0 and len(ball.tokens) == 1
-    assert np.array_equal(enc.cond[ball.tokens[0]], text.encode("a small red ball rolls to the right across green grass").cond[ball.tokens[0]])
+    other = text.encode("a small red ball rolls to the right across green grass")
+    assert np.array_equal(enc.cond[ball.tokens[0]], other.cond[ball.tokens[0]])
     assert enc.words[words.index("right")].concept == "motion:right"
     assert enc.words[words.index("green")].concept == "bgmod:green" and enc.words[words.index("green")].slot is None
     assert sorted(enc.object_tokens(0)) == sorted(enc.words[words.index(w)].tokens[0] for w in ("red", "ball"))
@@ -97,7 +99,8 @@ def test_text_encoder_word_spans_and_synonyms() -> None:
 
 
 def test_two_object_slots_and_position_vs_motion_words() -> None:
-    enc = text.encode("a red ball in the top left moves to the right and a blue cube falls in the bottom right, at night")
+    enc = text.encode("a red ball in the top left moves to the right and a blue cube falls in the bottom right, "
+                      "at night")
     by = {(w.word, w.index): w for w in enc.words}
     assert [w.slot for w in enc.words if w.word in ("ball", "cube")] == [0, 1]
     lefts = [w for w in enc.words if w.word in ("left", "right")]
@@ -142,7 +145,8 @@ def test_checker_rejects_perturbed_captions(attr: str, other) -> None:
 
 def test_checker_flags_missing_object_and_accepts_torch() -> None:
     blank = np.broadcast_to(world.background_image("grass"), (config.FRAMES, config.HEIGHT, config.WIDTH, 3))
-    r = checker.check(torch.from_numpy(np.ascontiguousarray(blank)), "a big red ball sits still in the middle, on the grass")
+    r = checker.check(torch.from_numpy(np.ascontiguousarray(blank)),
+                      "a big red ball sits still in the middle, on the grass")
     assert not r.objects[0].found and r.objects[0].colour_ok is False and r.background_ok is True
     with pytest.raises(ValueError, match="expects a clip"):
         checker.check(np.zeros((8, 32, 32)), "a red ball")

@@ -83,7 +83,6 @@ def _graph(model, pos, neg, lat, handle, seed=5, steps=8):
 
 def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(env, dirs, caplog):
     import nodes as comfy_nodes
-
     from carnator.nodes.cache import CarnatorCacheLoader
 
     tm, models = env
@@ -180,9 +179,8 @@ def test_a_batch_is_never_answered_by_key(env, dirs):
 @pytest.mark.parametrize("how", ["deleted", "purged", "quarantined"])
 def test_accepted_entry_that_vanishes_means_a_dense_resume(env, dirs, caplog, how):
     import nodes as comfy_nodes
-
-    from carnator.carnator_core.request import RequestSpec, probe_request, write_result
     from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, probe_request, write_result
     from carnator.carnator_core.signature import build_signature
     from carnator.carnator_core.types import Candidate, Decision
     from carnator.nodes.cache import CarnatorCacheLoader

@@ -15,10 +15,10 @@ CORE_MODULES = ["types", "probe", "reuse", "signature", "objects", "sparse_atten
 
 def test_core_imports_without_comfyui():
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('carnator', r'{ROOT / '__init__.py'}', "
-        f"submodule_search_locations=[r'{ROOT}'])\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules['carnator'] = m; spec.loader.exec_module(m)\n"
+        "import importlib, sys\n"
+        f"sys.path.insert(0, r'{ROOT / 'tests'}')\n"
+        "from repo_package import register_package\n"
+        "m = register_package()\n"
         f"for name in {CORE_MODULES!r}:\n"
         "    importlib.import_module('carnator.carnator_core.' + name)\n"
         "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('comfy', 'comfy_api', 'nodes', 'folder_paths'))\n"
@@ -66,10 +66,10 @@ def test_no_absolute_machine_paths_in_repo():
 @pytest.mark.parametrize("name,model_cls,format_cls", [("wan21", "WAN21", "Wan21"), ("wan22", "WAN22", "Wan22"),
                                                        ("ltxv", "LTXV", "LTXV")])
 def test_tiny_models_are_detected_and_sample(comfy_env, tmp_path_factory, name, model_cls, format_cls):
+    import tiny_models as tm
     import torch
 
     import nodes as comfy_nodes
-    import tiny_models as tm
 
     m = tm.load_tiny_model(name, tmp_path_factory.mktemp("tiny"))
     assert type(m.model).__name__ == model_cls

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from carnator.carnator_core import objects as objects_mod
-from carnator.carnator_core.comfy_tokens import comfy_word_tokens, embedded_word_tokens
+from carnator.carnator_core.comfy_tokens import comfy_word_tokens
 from carnator.carnator_core.embedded import world
-from carnator.carnator_core.embedded.text import encode
+from carnator.carnator_core.embedded.text import encode, word_tokens as embedded_word_tokens
 from carnator.carnator_core.objects import (
     MAX_OBJECTS,
     ObjectPhrase,
@@ -125,7 +125,7 @@ def _vidprom() -> dict[str, str]:
     ("vidprom-95a3d287", ["boy", "friend"], []),                     # A boy playing with his friend
     ("vidprom-faf96707", ["lady"], ["street"]),                      # a beatiful blonde lady in the streets of lagos
     ("vidprom-7e783637", ["granny", "door"], []),                    # the granny smiles and closes the door
-    ("vidprom-43f269e5", ["rocket"], ["motion", "camera", "pan"]),   # rocket launching -ar 9:16 -motion 4 -camera pan up
+    ("vidprom-43f269e5", ["rocket"], ["motion", "camera", "pan"]),   # rocket launching -ar 9:16 -motion 4 ...
     ("vidprom-77bb2ca6", [], ["sky", "cloud", "camera", "zoom"]),    # sky and clouds -m 2 -camera zoom out ...
     ("vidprom-1f97fcb3", ["horse"], []),                             # a horse running on the milky way
 ])

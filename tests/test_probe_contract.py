@@ -1,9 +1,7 @@
-"""Contracts of the Early Probe (DESIGN.md §2): probe + dense resume equals plain sampling; the MODEL is
+"""Contracts of the Early Probe: probe + dense resume equals plain sampling; the MODEL is
 untouched; bad input gets a clear error. Runs on tiny random-weight Wan 2.1 / Wan 2.2 TI2V / LTXV models loaded
 through ComfyUI's own detection."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Joint reuse semantics on the embedded model (issue 5 tests): identical-request reuse reproduces the cached
+"""Joint reuse semantics on the embedded model: identical-request reuse reproduces the cached
 output; reuse accepted by the shipped certified rule passes the pixel checker at least as often as dense
 generation of the same requests, minus 2 points; the input MODEL is unchanged after reuse runs."""
 from __future__ import annotations
@@ -46,7 +46,6 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_identical_request_reuse_reproduces_cached_output(emb):
     import nodes as comfy_nodes
-
     from carnator.carnator_core.embedded import checker, comfy_glue
 
     model, te, dec, config, store = emb

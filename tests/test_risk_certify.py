@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import beta
 
+from carnator.carnator_core.lab.synthetic import synthetic_pairs
 from carnator.carnator_core.risk.certify import (
     CalibrationError,
     LabelledPair,
@@ -23,9 +24,7 @@ from carnator.carnator_core.risk.certify import (
     split_pairs,
     write_pairs_jsonl,
 )
-from carnator.carnator_core.risk.synthetic import synthetic_pairs
 from carnator.carnator_core.risk.thresholds import Thresholds
-
 
 # ----------------------------------------------------------------------------------------- the bound
 
@@ -37,7 +36,8 @@ def test_seed_reference_value():
 
 @pytest.mark.parametrize(
     "k,n,delta",
-    [(0, 1, 0.1), (0, 10, 0.05), (1, 50, 0.1), (3, 70, 0.1), (5, 100, 0.05), (10, 200, 0.01), (49, 50, 0.1), (7, 9, 0.3)],
+    [(0, 1, 0.1), (0, 10, 0.05), (1, 50, 0.1), (3, 70, 0.1), (5, 100, 0.05), (10, 200, 0.01), (49, 50, 0.1),
+     (7, 9, 0.3)],
 )
 def test_bound_matches_scipy(k, n, delta):
     assert clopper_pearson_upper(k, n, delta) == pytest.approx(beta.ppf(1 - delta, k + 1, n - k), rel=1e-12)
@@ -257,7 +257,8 @@ def test_pairs_jsonl_round_trip_and_errors(tmp_path):
 
     good = json.dumps(pairs[0].to_row())
     bad(["{not json"], r"bad.jsonl:1: not valid JSON")
-    bad([good, json.dumps({**pairs[1].to_row(), "unsafe": "yes"})], r"bad.jsonl:2: field 'unsafe' must be true or false")
+    bad([good, json.dumps({**pairs[1].to_row(), "unsafe": "yes"})],
+        r"bad.jsonl:2: field 'unsafe' must be true or false")
     bad([json.dumps({**pairs[0].to_row(), "shape": -1})], r"'shape' must be a finite number ≥ 0")
     bad([json.dumps({k: v for k, v in pairs[0].to_row().items() if k != "context"})], r"missing field 'context'")
     bad([good, good], "duplicate pair")
@@ -266,3 +267,90 @@ def test_pairs_jsonl_round_trip_and_errors(tmp_path):
     bad([""], "no labelled pairs")
     with pytest.raises(CalibrationError, match="not found"):
         read_pairs_jsonl(tmp_path / "nope.jsonl")
+
+
+# ----------------------------------------------------------------------------------------- the excess label
+
+
+def _paired(request_id: str, dist: float, outcome: str, stratum: str | None = None) -> LabelledPair:
+    """One request with one candidate at discrepancy ``dist`` on every axis; outcome b / c / 0 (concordant)."""
+    return LabelledPair(request_id, "e" + request_id, 0.99, dist, dist, dist, dist, missing=False,
+                        unsafe=outcome == "b", better=outcome == "c", stratum=stratum)
+
+
+def _noise_pairs(n: int, rate: float, seed: int, stratum: str | None = None, far_b: int = 0) -> list[LabelledPair]:
+    """Near candidates whose reuse fails like a fresh dense sample (b and c equally likely: the model's own noise),
+    plus ``far_b`` far candidates that always break the request (b only)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        u = rng.random()
+        outcome = "b" if u < rate else "c" if u < 2 * rate else "0"
+        out.append(_paired(f"{stratum}-{seed}-{i}", float(rng.uniform(0, 1)), outcome, stratum))
+    for i in range(far_b):
+        out.append(_paired(f"{stratum}-{seed}-far{i}", float(rng.uniform(2, 3)), "b", stratum))
+    return out
+
+
+def test_excess_label_certifies_what_the_unsafe_label_charges_with_sampling_noise():
+    # 14 % b and 14 % c among near candidates (a fresh dense sample judged as a reuse), far candidates always b
+    calib = _noise_pairs(400, 0.14, seed=1, far_b=100)
+    cert_pairs = _noise_pairs(400, 0.14, seed=2, far_b=100)
+    with pytest.raises(CalibrationError):
+        calibrate(calib, alpha=0.05, delta=0.1, label="unsafe")
+    cal = calibrate(calib, alpha=0.05, delta=0.1, label="excess")
+    assert cal.label == "excess" and cal.thresholds.context < 2.5  # most far (really harmful) candidates stay out
+    cert = certify(cal.thresholds, cert_pairs, alpha=0.05, delta=0.1, label="excess")
+    assert cert.passed and cert.label == "excess" and cert.c > 0
+    assert cert.unsafe_upper_bound > 0.05  # b/n alone would not certify
+    assert "excess failure" in cert.line()
+
+
+def test_excess_certificate_fails_when_reuse_adds_failures():
+    calib = _noise_pairs(400, 0.05, seed=3)
+    harmful = [_paired(f"h{i}", 0.5, "b" if i % 5 == 0 else "0") for i in range(400)]  # 20 % b, no c
+    cal = calibrate(calib, alpha=0.05, delta=0.1, label="excess")
+    cert = certify(cal.thresholds, harmful, alpha=0.05, delta=0.1, label="excess")
+    assert not cert.passed and cert.upper_bound > 0.15
+
+
+def test_strata_each_get_a_certificate_and_a_required_one_must_pass_alone():
+    one = _noise_pairs(300, 0.02, seed=4, stratum="1obj")
+    two = [_paired(f"t{i}", 0.5, "b" if i % 4 == 0 else "0", "2obj") for i in range(60)]  # a weak stratum
+    th = Thresholds(1.0, 1.0, 1.0, 1.0)
+    pooled = certify(th, one + two, alpha=0.05, delta=0.1, label="excess", required_strata=("1obj",))
+    assert set(pooled.strata) == {"1obj", "2obj"}
+    assert pooled.strata["1obj"].passed and not pooled.strata["2obj"].passed
+    strict = certify(th, one + two, alpha=0.05, delta=0.1, label="excess", required_strata=("2obj",))
+    assert not strict.passed and "required strata failing: 2obj" in strict.line()
+    with pytest.raises(CalibrationError, match="no certification requests"):
+        certify(th, one, alpha=0.05, delta=0.1, label="excess", required_strata=("2obj",))
+
+
+def test_excess_certificate_round_trips_and_refuses_hand_edits():
+    from carnator.carnator_core.risk.certify import Certificate
+
+    cert = certify(Thresholds(1.0, 1.0, 1.0, 1.0), _noise_pairs(200, 0.05, seed=5, stratum="1obj"),
+                   alpha=0.05, delta=0.1, label="excess", required_strata=("1obj",))
+    doc = json.loads(json.dumps(cert.to_dict()))
+    assert Certificate.from_dict(doc) == cert
+    doc["c"] = doc["c"] + 3  # more "better" requests would lower the bound: must not pass unrecomputed
+    with pytest.raises(ValueError, match="does not match"):
+        Certificate.from_dict(doc)
+    doc = json.loads(json.dumps(cert.to_dict()))
+    doc["strata"]["1obj"]["upper_bound"] = 0.001
+    with pytest.raises(ValueError, match="strata\\['1obj'\\].upper_bound"):
+        Certificate.from_dict(doc)
+
+
+def test_pairs_rows_with_better_and_stratum_round_trip(tmp_path):
+    pairs = [_paired("r1", 0.1, "c", "1obj/paraphrase"), _paired("r2", 0.2, "b"), _paired("r3", 0.3, "0")]
+    path = tmp_path / "p.jsonl"
+    write_pairs_jsonl(path, pairs)
+    _, back = read_pairs_jsonl(path)
+    assert back == pairs
+    row = json.loads(path.read_text().splitlines()[0])
+    row["unsafe"] = True
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(CalibrationError, match="cannot both be true"):
+        read_pairs_jsonl(path)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from carnator.carnator_core.risk.calibrate_cli import main
+from carnator.carnator_core.lab.calibrate_cli import main
+from carnator.carnator_core.lab.synthetic import synthetic_pairs
 from carnator.carnator_core.risk.certify import write_pairs_jsonl
-from carnator.carnator_core.risk.pipeline import calibrate_rule_in_dirs
 from carnator.carnator_core.risk.paths import PathNotAllowedError
+from carnator.carnator_core.risk.pipeline import calibrate_rule_in_dirs
 from carnator.carnator_core.risk.rule import RiskRule, UncertifiedRuleError
-from carnator.carnator_core.risk.synthetic import synthetic_pairs
 from carnator.carnator_core.types import GenConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +40,9 @@ def test_cli_writes_certified_rule(tmp_path, capsys):
     rule = RiskRule.load(out)
     assert rule.certificate.passed and rule.model_fingerprint == "m" * 32 and rule.config_meta["steps"] == 20
     p = rule.provenance
-    assert p["dataset"] == "synthetic (tests)" and p["split"]["calib_requests"] == 200 and p["split"]["cert_requests"] == 200
-    assert p["command"].startswith("python -m carnator_core.risk.calibrate_cli") and len(p["pairs_sha256"]) == 16
+    assert p["dataset"] == "synthetic (tests)"
+    assert p["split"]["calib_requests"] == 200 and p["split"]["cert_requests"] == 200
+    assert p["command"].startswith("python -m carnator_core.lab.calibrate_cli") and len(p["pairs_sha256"]) == 16
     rule.check_applicable("m" * 32, CONFIG.fingerprint())
 
 
@@ -76,7 +77,8 @@ def test_module_entry_point_runs(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     write_pairs_jsonl(pairs, synthetic_pairs(300, seed=11), header=HEADER)
     res = subprocess.run(
-        [sys.executable, "-m", "carnator_core.risk.calibrate_cli", "--pairs", str(pairs), "--out", str(tmp_path / "r.json")],
+        [sys.executable, "-m", "carnator_core.lab.calibrate_cli", "--pairs", str(pairs),
+         "--out", str(tmp_path / "r.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert res.returncode in (0, 3), res.stderr
@@ -88,7 +90,8 @@ def test_calibrate_rule_in_dirs_confines_names(tmp_path):
     pairs_dir.mkdir()
     write_pairs_jsonl(pairs_dir / "p.jsonl", synthetic_pairs(400, seed=11), header=HEADER)
     rep = calibrate_rule_in_dirs("p.jsonl", [pairs_dir], "mine", rules_dir)
-    assert rep.written == (rules_dir / "mine.json").resolve() and json.loads(rep.written.read_text())["certificate"]["passed"]
+    assert rep.written == (rules_dir / "mine.json").resolve()
+    assert json.loads(rep.written.read_text())["certificate"]["passed"]
     with pytest.raises(PathNotAllowedError):
         calibrate_rule_in_dirs("p.jsonl", [pairs_dir], "../escape", rules_dir)
     with pytest.raises(PathNotAllowedError):
@@ -105,7 +108,8 @@ def test_cli_calib_alpha_calibrates_tighter_and_certifies_at_alpha(tmp_path, cap
     a, b = RiskRule.load(loose, allow_uncertified=True), RiskRule.load(tight, allow_uncertified=True)
     assert b.certificate.alpha == a.certificate.alpha == 0.05  # the certificate stays at --alpha
     assert b.provenance["calib_alpha"] == 0.035 and a.provenance["calib_alpha"] == 0.05
-    assert b.calibration["alpha"] == 0.035 and b.calibration["calib_upper_bound"] <= 0.035  # the search respected the tighter level on its own split
+    # the search respected the tighter level on its own split
+    assert b.calibration["alpha"] == 0.035 and b.calibration["calib_upper_bound"] <= 0.035
     assert b.calibration["n_accepted"] <= a.calibration["n_accepted"]
     rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "bad.json"), "--calib-alpha", "0.1"])
     assert rc == 2 and "calib_alpha must be in" in capsys.readouterr().err
@@ -126,7 +130,7 @@ def _runs(n_runs: int, per_run: int, split: str, seed: int) -> list:
 def test_plan_helpers_match_references():
     from scipy.stats import binom
 
-    from carnator.carnator_core.risk.plan import binomial_cdf, k_max_for_certificate
+    from carnator.carnator_core.lab.plan import binomial_cdf, k_max_for_certificate
 
     for k, n, p in ((0, 50, 0.02), (3, 168, 0.017), (7, 242, 0.056), (20, 400, 0.05), (5, 5, 0.3)):
         assert binomial_cdf(k, n, p) == pytest.approx(float(binom.cdf(k, n, p)), rel=1e-9, abs=1e-12)
@@ -136,8 +140,8 @@ def test_plan_helpers_match_references():
     assert k_max_for_certificate(45, 0.05, 0.1) == 0
     assert k_max_for_certificate(50, 0.05, 0.1) == 0
     assert k_max_for_certificate(168, 0.05, 0.1) == 4
+    from carnator.carnator_core.lab.plan import PlanRow
     from carnator.carnator_core.risk.certify import Evaluation
-    from carnator.carnator_core.risk.plan import PlanRow
 
     assert "too few accepted for any certificate" in PlanRow(0.02, Evaluation(100, 3, 0), 0, 2, -1, 0.0).line()
     assert "passes if k ≤ 0: P(pass) ≈ 0.50" in PlanRow(0.02, Evaluation(100, 30, 1), 0, 60, 0, 0.5).line()
@@ -163,7 +167,7 @@ def test_cli_plan_cross_validates_on_calibration_rows_only(tmp_path, capsys):
     assert "recommended: --calib-alpha" in text or "no level is likely" in text
     assert not list(tmp_path.glob("*.json"))  # planning writes nothing
 
-    from carnator.carnator_core.risk.plan import plan_calib_alpha
+    from carnator.carnator_core.lab.plan import plan_calib_alpha
 
     plan = plan_calib_alpha(calib, [0.05, 0.03], cert_requests=200, levels=6)
     for row in plan.rows:
@@ -187,3 +191,28 @@ def test_cli_plan_errors(tmp_path, capsys):
     assert "give --cert-requests" in capsys.readouterr().err
     assert main(["--pairs", str(only_calib), "--plan", "0.05", "--cert-requests", "100", "--levels", "4"]) == 0
     assert "2 folds" in capsys.readouterr().out
+
+
+def test_cli_certifies_the_excess_label_with_a_required_stratum(tmp_path, capsys):
+    # the same synthetic pairs, with the dense output failing too on some requests: half of each request's
+    # "unsafe" labels become concordant failures, and some safe ones become "better" (reuse fixed a dense failure)
+    rows = []
+    for i, p in enumerate(synthetic_pairs(400, seed=11)):
+        stratum = "1obj" if i % 3 else "2obj"
+        better = (not p.unsafe) and i % 17 == 0
+        rows.append(p.__class__(**{**p.__dict__, "better": better, "stratum": stratum}))
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, rows, header=HEADER)
+    out = tmp_path / "r.json"
+    rc = main(["--pairs", str(pairs), "--out", str(out), "--label", "excess", "--require-stratum", "1obj"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "label excess" in text and "excess failure (b − c)/n" in text
+    rule = RiskRule.load(out)
+    cert = rule.certificate
+    assert cert.label == "excess" and cert.c > 0 and cert.required_strata == ("1obj",)
+    assert set(cert.strata) == {"1obj", "2obj"} and cert.strata["1obj"].passed
+    assert cert.unsafe_upper_bound >= cert.upper_bound  # b/n alone is never the easier bound here
+    rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "x.json"), "--label", "excess",
+               "--require-stratum", "3obj"])
+    assert rc == 2 and "required strata ['3obj'] have no certification requests" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The shipped risk rule of the embedded model (rules/embedded.json) and the pair-generation machinery behind it.
 
 Fast tests (no model): the embedded request sampler (deterministic, one controlled change per query), the two
-labelers (checker and tolerance) on ground-truth renders, and that rows written by ``risk.pairs`` are read by
+labelers (checker and tolerance) on ground-truth renders, and that rows written by ``lab.pairs`` are read by
 the calibration's reader.
 
 Slow test (the issue-6 acceptance test): on a *fresh* stream of the embedded world — a warm set and queries
@@ -10,7 +10,7 @@ drawn with a seed the calibration never used — the shipped rule's unsafe rate 
 filter (NIRVANA-style, threshold calibrated the same way, from the rule's ``comparison`` section) is measured
 on the same stream and reported next to it — not asserted to be worse, because on this model it is not (on 900
 fresh requests prompt-only measured 3.9 % unsafe against the rule's 4.66 %). Measured numbers: BENCHMARKS.md
-"Risk filter (issue 6)".
+"Risk filter".
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ TOP_K = 3
 
 def test_embedded_requests_are_deterministic_and_controlled():
     from carnator.carnator_core.embedded import world
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     warm, scenes = pairs.embedded_warm_set(3, 10)
     warm2, _ = pairs.embedded_warm_set(3, 10)
@@ -80,7 +80,7 @@ def test_checker_labeler_on_ground_truth_renders():
     from dataclasses import replace
 
     from carnator.carnator_core.embedded import world
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     lab = pairs.embedded_checker_labeler()
     scene = world.Scene((world.ObjectSpec("ball", "red", "big", "top left", "right"),), "grass")
@@ -98,7 +98,7 @@ def test_checker_labeler_on_ground_truth_renders():
 
 
 def test_tolerance_labeler():
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     rng = np.random.default_rng(0)
     a = rng.random((4, 16, 16, 3)).astype(np.float32)
@@ -118,7 +118,7 @@ def test_tolerance_labeler():
 
 
 def test_rows_round_trip_and_resume(tmp_path):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.certify import read_pairs_jsonl
     from carnator.carnator_core.risk.discrepancy import Discrepancies
 
@@ -126,8 +126,8 @@ def test_rows_round_trip_and_resume(tmp_path):
     pairs.write_header(path, {"model_fingerprint": "m", "config_fingerprint": "c", "dataset": "t"})
     req = pairs.PairRequest("q0001", "a red ball", 5, "colour", "w0000")
     d = Discrepancies(1.0, 0.1, 0.2, 3.0)
-    out = pairs.RequestOutcome(req, None, (pairs.CandidateOutcome("abc", 0.9, d, True, True, {"broken": ["o0.colour"]}),),
-                               {"dense_s": 1.0}, 1.0)
+    cand = pairs.CandidateOutcome("abc", 0.9, d, True, True, {"broken": ["o0.colour"]})
+    out = pairs.RequestOutcome(req, None, (cand,), {"dense_s": 1.0}, 1.0)
     pairs.append_rows(path, pairs.outcome_rows(out, {"abc": "w0000"}))
     with path.open("a") as fh:
         fh.write('{"request_id": "q0002", "entr')  # a torn write from a crash
@@ -149,7 +149,7 @@ def test_rows_round_trip_and_resume(tmp_path):
 
 
 def test_combine_pairs_files(tmp_path):
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.certify import read_pairs_jsonl
 
     head = {"model_fingerprint": "m", "config_fingerprint": "c", "unsafe_definition": "u", "dataset": "d"}
@@ -189,7 +189,8 @@ def test_shipped_rule_loads_and_matches_its_pairs():
     assert rule.arch == "embedded"
     assert rule.provenance["unsafe_definition"]
     digest = hashlib.sha256(PAIRS_PATH.read_bytes()).hexdigest()[:16]
-    assert rule.provenance["pairs_sha256"] == digest, "rules/embedded_pairs.jsonl is not the file the rule was made from"
+    assert rule.provenance["pairs_sha256"] == digest, \
+        "rules/embedded_pairs.jsonl is not the file the rule was made from"
 
 
 def test_shipped_rule_is_certified():
@@ -217,7 +218,7 @@ def test_shipped_rule_on_fresh_stream(embedded_ready, tmp_path):
     import torch
 
     from carnator.carnator_core.cache.store import Store
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.rule import RiskRule
 
     rule = RiskRule.load(RULE_PATH)  # certified (test_shipped_rule_is_certified); refuses otherwise

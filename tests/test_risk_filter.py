@@ -67,9 +67,11 @@ def test_empty_candidates():
 
 def test_each_axis_rejects_on_its_own():
     variants = {
-        "context": sig(obj("dog"), obj("ball", box_mask(y0=5, y1=7, x0=5, x1=7), lab=(70, -10, 40)), context=(30.0, 20.0, 10.0)),
+        "context": sig(obj("dog"), obj("ball", box_mask(y0=5, y1=7, x0=5, x1=7), lab=(70, -10, 40)),
+                       context=(30.0, 20.0, 10.0)),
         "size": sig(obj("dog", size=0.5), obj("ball", box_mask(y0=5, y1=7, x0=5, x1=7), lab=(70, -10, 40))),
-        "shape": sig(obj("dog", mask=box_mask(x0=4, x1=7)), obj("ball", box_mask(y0=5, y1=7, x0=5, x1=7), lab=(70, -10, 40))),
+        "shape": sig(obj("dog", mask=box_mask(x0=4, x1=7)),
+                     obj("ball", box_mask(y0=5, y1=7, x0=5, x1=7), lab=(70, -10, 40))),
         "appearance": RECOLOURED,
     }
     for axis, s in variants.items():
@@ -168,4 +170,5 @@ def test_decide_with_rule_file_confines_paths(tmp_path):
     with pytest.raises(TypeError, match="CARNATOR_PROBE"):
         decide_with_rule_file(TARGET, c, rule_file="r.json", rule_roots=[rules], probe=object())
     # prompt_only does not need the rule file at all
-    assert decide_with_rule_file(None, c, rule_file="", rule_roots=[rules], mode="prompt_only", prompt_threshold=0.5).accepted
+    assert decide_with_rule_file(None, c, rule_file="", rule_roots=[rules], mode="prompt_only",
+                                 prompt_threshold=0.5).accepted

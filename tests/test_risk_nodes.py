@@ -38,8 +38,8 @@ def test_calibrate_then_filter(risk_nodes, tmp_path):
     from test_risk_cli import HEADER
     from test_risk_discrepancy import obj, sig
 
+    from carnator.carnator_core.lab.synthetic import synthetic_pairs
     from carnator.carnator_core.risk.certify import write_pairs_jsonl
-    from carnator.carnator_core.risk.synthetic import synthetic_pairs
     from carnator.carnator_core.types import Candidate, Candidates, Decision, GenConfig
 
     (tmp_path / "input").mkdir(parents=True)

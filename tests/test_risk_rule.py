@@ -20,7 +20,8 @@ MODEL_FP = "f00dfeedcafebeef0123456789abcdef"
 
 
 def make_rule(k: int = 0, n: int = 50, n_requests: int = 70, **kw) -> RiskRule:
-    cert = Certificate(n=n, k=k, upper_bound=clopper_pearson_upper(k, n, 0.1), alpha=0.05, delta=0.1, n_requests=n_requests)
+    cert = Certificate(n=n, k=k, upper_bound=clopper_pearson_upper(k, n, 0.1), alpha=0.05, delta=0.1,
+                       n_requests=n_requests)
     return RiskRule(
         thresholds=kw.pop("thresholds", Thresholds(8.0, 0.4, 0.5, 12.0)),
         certificate=cert,

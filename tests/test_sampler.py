@@ -1,9 +1,12 @@
 """Joint Reuse Sampler mechanics on tiny random-weight models (semantics on the embedded model live in
 test_reuse_embedded.py): dense mode equals KSampler through the node, identical-request reuse reproduces the
-cached output, partial reuse computes fewer tokens, the model and the inputs are untouched, EasyCache composes."""
+cached output, partial reuse computes fewer tokens, object-region reuse works on each architecture (objects have
+conditioning tokens, so their region comes from captured attention), the model and the inputs are untouched,
+EasyCache composes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -17,17 +20,22 @@ def env(comfy_env, tmp_path_factory):
     import tiny_models as tm
 
     d = tmp_path_factory.mktemp("tiny")
-    return tm, {name: tm.load_tiny_model(name, d) for name in ("wan21", "ltxv")}
+    return tm, {name: tm.load_tiny_model(name, d) for name in ("wan21", "wan22", "ltxv")}
 
 
 def _probe(m, tm, name, seed, steps=8, k=2):
+    """Early Probe node on "a red ball" with a text encoder that puts word i at conditioning position i, so
+    the object's cross-attention is really captured (its map is not empty)."""
     from carnator.nodes.probe import CarnatorEarlyProbe
 
     pos, neg = tm.conditioning(name)
     lat = tm.empty_latent(name)
     out = CarnatorEarlyProbe.execute(m, pos, neg, lat, seed, steps, 5.0, "euler", "simple", k, "a red ball",
-                                     None, None, "ball")
-    return out.args[0], pos, neg, lat
+                                     None, tm.WordTokens(), "ball")
+    probe = out.args[0]
+    assert [o.positions for o in probe.objects] == [(2,)], probe.objects  # "ball": word 3 at position 2
+    assert probe.object_maps["ball"].sum() > 0
+    return probe, pos, neg, lat
 
 
 def _signature(probe):
@@ -58,10 +66,9 @@ def _run(m, pos, neg, lat, probe, decision=None, sig=None, mode="dense", cached=
                         reuse.ReuseConfig(mode=mode, block_size=block_size), target_signature=sig)
 
 
-@pytest.mark.parametrize("name", ["wan21", "ltxv"])
+@pytest.mark.parametrize("name", ["wan21", "wan22", "ltxv"])
 def test_dense_mode_node_equals_ksampler_and_inputs_untouched(env, name):
     import nodes as comfy_nodes
-
     from carnator.nodes.sampler import CarnatorJointReuseSampler
 
     tm, models = env
@@ -109,9 +116,7 @@ def test_partial_reuse_computes_fewer_tokens_and_keeps_inactive_tokens_cached(en
     moved = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
                       np.zeros((4, 4, 3), np.float32), probe.grid)
     cached = _cached(probe, {"samples": final}, rep)
-    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe,
-                          Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
-                                    np.zeros((4, 4, 3), np.float32), probe.grid), None)
+    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe, moved, None)
     from carnator.carnator_core import reuse
 
     target_sig = Signature((ObjectSignature("ball", np.roll(mask, 1, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
@@ -130,33 +135,107 @@ def test_partial_reuse_computes_fewer_tokens_and_keeps_inactive_tokens_cached(en
     assert diff.max() < 1e-4, (diff.max(), diff.mean(), inactive.mean())
 
 
+@pytest.mark.parametrize("name", ["wan21", "wan22", "ltxv"])
+def test_object_region_reuse_on_each_architecture(env, name):
+    """The object's region comes from the probe's captured cross-attention (the Signature Builder's mask), and
+    the cached run shows the object elsewhere: joint reuse recomputes the object's old and new places, keeps
+    every other token at the cached result, and calls the model for every step after the probe."""
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.adapters import adapter_for
+    from carnator.carnator_core.signature import build_signature
+
+    tm, models = env
+    m = models[name]
+    probe, pos, neg, lat = _probe(m, tm, name, seed=13)
+    final, rep = _run(m, pos, neg, lat, probe)
+    sig = build_signature(probe)
+    mask = np.asarray(sig.objects[0].mask, np.float32)
+    T, H, W = probe.grid
+    assert 0 < mask.mean() < 0.5, mask.mean()  # a real, partial object support on this architecture
+    moved = dataclasses.replace(sig, objects=(dataclasses.replace(sig.objects[0], mask=np.roll(mask, W // 2, 2)),))
+    cached = reuse.CachedRun("entry-1", final[0], probe.x0_probe, moved, rep.block_structure)
+    config = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0)
+    out, r = reuse.sample(m, pos, neg, lat, probe, _accept(sig), cached, config, target_signature=sig)
+    assert r.decision == "hit" and 0 < r.active_fraction < 1 and r.token_fraction < 1.0
+    assert r.model_calls == 8 - 2 and r.skipped_calls == 0
+    patch = adapter_for(m).patch_of(m)
+    A = reuse.active_region(sig, moved, probe.x0_probe.numpy(), cached.x0_probe.numpy(), patch, config)
+    assert A.shape == (T, H, W) and A.any() and not A.all()
+    _, lt, lh, lw = final.shape[1:]
+    inactive = ~np.repeat(np.repeat(np.repeat(A, lt // T, 0), lh // H, 1), lw // W, 2)
+    diff = (out[0] - final[0]).abs().numpy()
+    assert diff[:, inactive].max() < 1e-4, diff[:, inactive].max()
+    assert diff[:, ~inactive].max() > 1e-3  # the active region was recomputed for this request
+
+
 def test_model_unchanged_after_reuse_runs(env):
     import nodes as comfy_nodes
 
     tm, models = env
     m = models["wan21"]
     pos, neg = tm.conditioning("wan21")
-    before = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg, tm.empty_latent("wan21"))[0]["samples"]
+    before = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg,
+                                         tm.empty_latent("wan21"))[0]["samples"]
     probe, pos, neg, lat = _probe(m, tm, "wan21", seed=9)
     final, rep = _run(m, pos, neg, lat, probe)
     sig = _signature(probe)
     _run(m, pos, neg, lat, probe, _accept(sig), sig, "attention", _cached(probe, {"samples": final}, rep))
-    after = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg, tm.empty_latent("wan21"))[0]["samples"]
+    after = comfy_nodes.common_ksampler(m, 3, 4, 5.0, "euler", "simple", pos, neg,
+                                        tm.empty_latent("wan21"))[0]["samples"]
     assert torch.equal(before, after)
     assert "patches_replace" not in m.model_options.get("transformer_options", {})
 
 
-def test_composes_with_core_easycache(env):
+def test_composes_with_core_easycache(env, caplog):
+    """ComfyUI's own EasyCache on the same MODEL: in one resume, EasyCache skips steps inside the model while
+    Carnator reuses the cached run outside the object's region. Outside it the result is the cached run exactly;
+    inside it, the result stays as close to Carnator alone as EasyCache alone stays to a plain run (on this
+    random-weight model, at this threshold, EasyCache's own error is measured at about 0.2 relative L2, the
+    composition's at about 0.15)."""
+    import logging
+    import re
+
     from comfy_extras.nodes_easycache import EasyCacheNode
 
+    import nodes as comfy_nodes
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.signature import build_signature
+
     tm, models = env
-    m = EasyCacheNode.execute(models["wan21"], 0.2, 0.15, 0.95, False).args[0]
-    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=21)
-    final, rep = _run(m, pos, neg, lat, probe)
-    sig = _signature(probe)
-    out, rep2 = _run(m, pos, neg, lat, probe, _accept(sig), sig, "joint", _cached(probe, {"samples": final}, rep))
-    assert torch.isfinite(final).all() and torch.isfinite(out).all()
-    assert rep2.decision == "hit"
+    plain = models["wan21"]
+    steps, k, seed = 12, 2, 21
+    probe, pos, neg, lat = _probe(plain, tm, "wan21", seed=seed, steps=steps, k=k)
+    final, rep = _run(plain, pos, neg, lat, probe)
+    sig = build_signature(probe)
+    T, H, W = probe.grid
+    obj = sig.objects[0]
+    moved = dataclasses.replace(sig, objects=(dataclasses.replace(obj, mask=np.roll(obj.mask, W // 2, 2)),))
+    cached = reuse.CachedRun("entry-1", final[0], probe.x0_probe, moved, rep.block_structure)
+    config = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0)
+    alone, r_alone = reuse.sample(plain, pos, neg, lat, probe, _accept(sig), cached, config, target_signature=sig)
+
+    eased = EasyCacheNode.execute(plain, 0.7, 0.0, 1.0, False).args[0]
+    dense = comfy_nodes.common_ksampler(plain, seed, steps, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    dense_eased = comfy_nodes.common_ksampler(eased, seed, steps, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    easycache_error = float((dense_eased - dense).norm() / dense.norm())
+    # The MODEL's fingerprint includes its patches: probe the EasyCache MODEL, as a workflow would.
+    probe_e, *_ = _probe(eased, tm, "wan21", seed=seed, steps=steps, k=k)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        both, r_both = reuse.sample(eased, pos, neg, lat, probe_e, _accept(sig), cached, config,
+                                    target_signature=sig)
+    skipped = [int(m.group(1)) for m in (re.search(r"EasyCache - skipped (\d+)/\d+ steps", rec.getMessage())
+                                         for rec in caplog.records) if m]
+    assert skipped and skipped[-1] > 0, f"EasyCache skipped no step in the resume: {skipped}"
+    assert r_both.decision == "hit" and 0 < r_both.active_fraction < 1 and r_both.token_fraction < 1.0
+    assert r_both.active_fraction == r_alone.active_fraction and r_both.model_calls == steps - k
+    active = (alone[0] - final[0]).abs() > 1e-6  # where Carnator recomputed (elsewhere: the cached run)
+    assert 0 < float(active.float().mean()) < 1
+    assert float((both[0] - final[0]).abs()[~active].max()) < 1e-4
+    composed_error = float((both[0] - alone[0])[active].norm() / alone[0][active].norm())
+    print(f"EasyCache skipped {skipped[-1]} resume steps; relative L2 in the active region vs Carnator alone "
+          f"{composed_error:.4f}; EasyCache alone vs a plain run {easycache_error:.4f}")
+    assert 0 < easycache_error and 0 < composed_error <= 1.5 * easycache_error, (composed_error, easycache_error)
 
 
 def test_accepted_decision_without_cache_is_a_clear_error(env):
@@ -196,8 +275,8 @@ def test_joint_never_computes_more_than_latent_only(env):
     mask[:, : H // 2, : W // 2] = 1.0
     sig = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
                     np.zeros((4, 4, 3), np.float32), probe.grid)
-    target = Signature((ObjectSignature("ball", np.roll(mask, W // 2, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
-                       np.zeros((4, 4, 3), np.float32), probe.grid)
+    moved = ObjectSignature("ball", np.roll(mask, W // 2, axis=2), float(mask.mean()), (50.0, 10.0, 10.0))
+    target = Signature((moved,), np.zeros((4, 4, 3), np.float32), probe.grid)
     cached = reuse.CachedRun("entry-1", final[0], probe.x0_probe, sig, rep.block_structure)
     reports = {}
     for mode in ("latent", "joint"):

@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from harness_server import ComfyServer
 
 pytestmark = [pytest.mark.server]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness_server import ComfyServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

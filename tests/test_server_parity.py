@@ -13,7 +13,6 @@ import re
 
 import pytest
 import torch
-
 from harness_server import ComfyServer
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.comfy]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness_server import ComfyServer, host_python
 
 pytestmark = pytest.mark.server

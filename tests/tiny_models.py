@@ -114,3 +114,15 @@ def conditioning(name: str, seed: int = 1, text_len: int | None = None):
 
 def empty_latent(name: str, batch: int = 1) -> dict:
     return {"samples": torch.zeros((batch,) + SPECS[name].latent_shape)}
+
+
+class WordTokens:
+    """Text-encoder stand-in for the tiny models' conditioning: the probe's ``carnator_word_tokens`` hook, with
+    whitespace word i of the prompt at conditioning position i (``conditioning`` has ``text_len`` positions), so
+    the objects a test names have real token positions and the probe captures their cross-attention."""
+
+    def __init__(self, text_len: int = 12):
+        self.text_len = text_len
+
+    def carnator_word_tokens(self, prompt: str) -> list[tuple[int, int]]:
+        return [(i, i + 1) for i in range(min(len(prompt.split()), self.text_len))]

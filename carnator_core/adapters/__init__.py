@@ -47,6 +47,8 @@ class ArchAdapter:
         return len(getattr(model.model.diffusion_model, self.blocks_attr))
 
     def middle_layers(self, model: Any, first_dense: int = 1, last_dense: int = 1) -> tuple[int, ...]:
+        """The blocks between the first ``first_dense`` and the last ``last_dense`` (the probe's capture layers
+        and the layers the reuse sampler restricts; outer blocks always run dense)."""
         n = self.num_layers(model)
         return tuple(range(min(first_dense, n), max(n - last_dense, 0)))
 

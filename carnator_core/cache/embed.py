@@ -31,7 +31,8 @@ def embed_conditioning(cond_tensor: torch.Tensor | np.ndarray, attention_mask: A
         c = c[None]
     if c.ndim != 3 or c.shape[1] == 0 or c.shape[2] == 0:
         raise ValueError(
-            f"conditioning tensor must be [tokens, dim] or [batch, tokens, dim], got shape {tuple(np.shape(cond_tensor))}"
+            "conditioning tensor must be [tokens, dim] or [batch, tokens, dim], got shape "
+            f"{tuple(np.shape(cond_tensor))}"
         )
     if attention_mask is not None:
         m = _as_numpy(attention_mask)

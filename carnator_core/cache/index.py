@@ -10,7 +10,7 @@ Contract
 
   - ``flat``: ``IndexFlatIP`` on the full vectors: exact search. Its cost grows linearly with the entries
     (memory bound: every vector is read per query); ``flat_max`` = 4096 keeps it within the retrieval
-    budget at dim 4096 (measured numbers: BENCHMARKS.md, "Cache store (issue 4)").
+    budget at dim 4096 (measured numbers: BENCHMARKS.md, "Cache store").
   - ``pca-ivf``: a PCA projection to ``reduced_dim`` dimensions (fitted on a sample of the entries, randomized
     SVD in numpy) followed by ``IndexIVFFlat`` (L2 in the reduced space: for unit vectors
     ``|x - q|^2 = 2 - 2 cos``, and PCA centring preserves L2 but not inner products). The IVF returns
@@ -42,8 +42,7 @@ from typing import Callable
 import faiss
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import load as st_load, save as st_save
 
 log = logging.getLogger("carnator")
 
@@ -117,7 +116,8 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
 
 def _pca(sample: np.ndarray, r: int, seed: int) -> tuple[np.ndarray, np.ndarray, float]:
     """Mean [d], top-r principal directions [r, d] of ``sample`` and the fraction of its variance they explain,
-    by randomized SVD (Halko et al., two power iterations). A dense eigendecomposition of a 4096x4096 covariance takes ~1-2 min on two cores; this takes
+    by randomized SVD (Halko et al., two power iterations). A dense eigendecomposition of a 4096x4096 covariance
+    takes ~1-2 min on two cores; this takes
     seconds and the trailing directions it may miss carry the least variance, which the exact re-rank fixes."""
     rng = np.random.default_rng(seed)
     mean = sample.mean(axis=0, dtype=np.float64).astype(np.float32)

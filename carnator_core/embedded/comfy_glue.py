@@ -121,10 +121,8 @@ class EmbeddedTextEncoder:
 
     def carnator_word_tokens(self, prompt: str) -> list[tuple[int, int]]:
         """``(conditioning position, 1-based whitespace word id)`` per token: the probe's contract
-        (see carnator_core/comfy_tokens.py)."""
-        from ..comfy_tokens import embedded_word_tokens
-
-        return embedded_word_tokens(prompt)
+        (see docs/ARCHITECTURE.md)."""
+        return text.word_tokens(prompt)
 
     def carnator_canonical_name(self, noun: str) -> str:
         """The probe's optional hook: the object name used to match objects across requests (synonyms of one
@@ -231,7 +229,6 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
     if probe_step is not None:
         maps: list[torch.Tensor] = []
         state = {"layer": 0}
-        grid = config.TOKEN_GRID
 
         def attn_override(func, *args, **kwargs):  # noqa: ANN001 (ComfyUI's override signature)
             q, k = args[0], args[1]

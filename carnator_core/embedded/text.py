@@ -13,7 +13,8 @@ contextual language model would do (which colour belongs to which shape); the de
 projection (WanModel.text_embedding) stays at its seeded random initialisation (``train.py
 --freeze-text-embedding``, since the v2 weights: trained, its GELU died for every word that was not useful
 early, which silenced size, position and motion words; see docs/MODEL_CARD.md). Tokens are packed in word
-order and zero-padded to ``TEXT_LEN`` (the empty prompt is all zeros: the unconditional input used for classifier-free guidance).
+order and zero-padded to ``TEXT_LEN`` (the empty prompt is all zeros: the unconditional input used for
+classifier-free guidance).
 
 Unknown words are ignored with a ``UserWarning`` (they get no token); words past ``TEXT_LEN`` tokens are
 dropped with a warning. Torch/numpy only; no ComfyUI.
@@ -116,10 +117,15 @@ def encode(prompt: str, *, warn: bool = True) -> Encoded:
     return Encoded(cond, n, tuple(spans))
 
 
-def encode_batch(prompts: list[str], *, warn: bool = True) -> np.ndarray:
-    """[B, TEXT_LEN, TEXT_DIM] float32 for a list of prompts."""
-    return np.stack([encode(p, warn=warn).cond for p in prompts])
+def word_tokens(prompt: str) -> list[tuple[int, int]]:
+    """``(conditioning position, 1-based whitespace word id)`` per token: the probe's text-encoder contract
+    (``carnator_word_tokens``, see docs/ARCHITECTURE.md). One token per known word; unknown words get none;
+    positions past the used tokens are zero padding and not listed."""
+    from ..objects import align_word_ids
+
+    tokens, _ = tokenize_with_words(prompt, warn=False)
+    return list(enumerate(align_word_ids(prompt, tokens)))
 
 
-__all__ = ["encode", "encode_batch", "tokenize_with_words", "Encoded", "WordSpan", "OBJECT_NOUNS",
+__all__ = ["encode", "tokenize_with_words", "word_tokens", "Encoded", "WordSpan", "OBJECT_NOUNS",
            "COLOUR_ADJECTIVES"]

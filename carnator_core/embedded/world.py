@@ -12,7 +12,7 @@ torch or ComfyUI. Attribute values are canonical lower-case strings (``SHAPES``,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np

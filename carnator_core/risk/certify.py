@@ -41,13 +41,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 from scipy.stats import beta as _beta
 
+from .bounds import (
+    clopper_pearson_upper,
+    excess_upper_bound,
+    excess_upper_bound_approx,
+    min_accepted_for_certificate,
+)
 from .discrepancy import AXES, Discrepancies
 from .thresholds import Thresholds, prompt_distance, select_best
 
@@ -64,21 +70,32 @@ class CalibrationError(ValueError):
 
 # --------------------------------------------------------------------------------------------- the bound
 
+#: What a certificate bounds (module :mod:`.bounds`): "excess" = (b − c)/n, reuse charged only for failures it adds
+#: over the dense output of the same request and seed; "unsafe" = b/n (the first label; kept so older rule files
+#: still verify).
+LABELS = ("excess", "unsafe")
 
-def clopper_pearson_upper(k: int, n: int, delta: float) -> float:
-    """One-sided Clopper–Pearson upper confidence bound on a binomial rate, at confidence 1 − δ.
+_METHODS = {
+    "unsafe": "one-sided Clopper-Pearson: U = Beta^-1(1 - delta; k + 1, n - k)",
+    "excess": "exact unconditional paired bound on (b - c)/n (risk/bounds.py: excess_upper_bound)",
+}
 
-    U = Beta⁻¹(1 − δ; k + 1, n − k); U = 1 when k = n (including n = 0: no evidence at all).
-    Example (the seed's certificate): k = 0, n = 50, δ = 0.1 → 0.0450.
-    """
-    k, n = int(k), int(n)
-    if n < 0 or k < 0 or k > n:
-        raise ValueError(f"need 0 ≤ k ≤ n, got k={k}, n={n}")
-    if not 0.0 < float(delta) < 1.0:
-        raise ValueError(f"δ must be in (0, 1), got {delta}")
-    if k >= n:
-        return 1.0
-    return float(_beta.ppf(1.0 - float(delta), k + 1, n - k))
+
+def certificate_bound(label: str, n: int, k: int, c: int, delta: float) -> float:
+    """The certified upper bound for a label: U on b/n ("unsafe") or on (b − c)/n ("excess")."""
+    if label == "unsafe":
+        return clopper_pearson_upper(k, n, delta)
+    if label == "excess":
+        return excess_upper_bound(n, k, c, delta)
+    raise ValueError(f"unknown certificate label {label!r}: use one of {LABELS}")
+
+
+def _vec_bound(label: str, n: np.ndarray, k: np.ndarray, c: np.ndarray, delta: float) -> np.ndarray:
+    """Vectorised bound for the calibration search: exact for "unsafe", the normal approximation for "excess"
+    (selection only; the certificate is always exact)."""
+    if label == "unsafe":
+        return _cp_upper_vec(k, n, delta)
+    return np.asarray(excess_upper_bound_approx(n, k, c, delta), dtype=np.float64)
 
 
 def _cp_upper_vec(k: np.ndarray, n: np.ndarray, delta: float) -> np.ndarray:
@@ -90,16 +107,6 @@ def _cp_upper_vec(k: np.ndarray, n: np.ndarray, delta: float) -> np.ndarray:
     if np.any(ok):
         out[ok] = _beta.ppf(1.0 - delta, k[ok] + 1.0, n[ok] - k[ok])
     return out
-
-
-def min_accepted_for_certificate(alpha: float, delta: float) -> int:
-    """Smallest n for which a certificate can hold at all (k = 0): U(0, n, δ) = 1 − δ^(1/n) ≤ α."""
-    if not (0.0 < alpha < 1.0 and 0.0 < delta < 1.0):
-        raise ValueError(f"α and δ must be in (0, 1), got α={alpha}, δ={delta}")
-    n = max(1, math.ceil(math.log(delta) / math.log1p(-alpha)) - 1)
-    while clopper_pearson_upper(0, n, delta) > alpha:  # guard against rounding in the closed form
-        n += 1
-    return n
 
 
 # --------------------------------------------------------------------------------------------- pairs
@@ -119,6 +126,8 @@ class LabelledPair:
     missing: bool
     unsafe: bool
     split: str | None = None
+    better: bool = False  # c: the reuse output passes where the dense output of the same request fails
+    stratum: str | None = None  # e.g. "1obj/paraphrase": certificates are also reported per stratum
 
     def vector(self) -> tuple[float, float, float, float]:
         return (self.context, self.size, self.shape, self.appearance)
@@ -127,7 +136,8 @@ class LabelledPair:
     def from_discrepancies(
         cls, request_id: str, entry_id: str, similarity: float, d: Discrepancies, unsafe: bool, split: str | None = None
     ) -> "LabelledPair":
-        return cls(request_id, entry_id, float(similarity), *d.vector(), missing=d.missing, unsafe=bool(unsafe), split=split)
+        return cls(request_id, entry_id, float(similarity), *d.vector(), missing=d.missing, unsafe=bool(unsafe),
+                   split=split)
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -140,6 +150,10 @@ class LabelledPair:
         }
         if self.split is not None:
             row["split"] = self.split
+        if self.better:
+            row["better"] = True
+        if self.stratum is not None:
+            row["stratum"] = self.stratum
         return row
 
 
@@ -172,8 +186,17 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
     split = row.get("split")
     if split is not None:
         if not isinstance(split, str) or split.lower() not in CALIB_SPLITS + CERT_SPLITS:
-            raise CalibrationError(f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
+            raise CalibrationError(
+                f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
         split = "calib" if split.lower() in CALIB_SPLITS else "cert"
+    better = _flag(row, "better", where) if "better" in row else False
+    unsafe = _flag(row, "unsafe", where)
+    if better and unsafe:
+        raise CalibrationError(f"{where}: 'unsafe' (reuse fails where dense passes) and 'better' (reuse passes where "
+                               "dense fails) cannot both be true")
+    stratum = row.get("stratum")
+    if stratum is not None and (not isinstance(stratum, str) or not stratum or len(stratum) > 200):
+        raise CalibrationError(f"{where}: field 'stratum' must be a non-empty string (≤ 200 characters) or absent")
     return LabelledPair(
         request_id=str(row["request_id"]),
         entry_id=str(row["entry_id"]),
@@ -183,8 +206,10 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
         shape=_num(row, "shape", where, nonneg=True),
         appearance=_num(row, "appearance", where, nonneg=True),
         missing=_flag(row, "missing", where),
-        unsafe=_flag(row, "unsafe", where),
+        unsafe=unsafe,
         split=split,
+        better=better,
+        stratum=stratum,
     )
 
 
@@ -208,7 +233,8 @@ def read_pairs_jsonl(path: str | Path) -> tuple[dict[str, Any], list[LabelledPai
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise CalibrationError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise CalibrationError(
+                    f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             if isinstance(row, dict) and row.get("type") == "header":
                 if header or pairs:
                     raise CalibrationError(f"{where}: a header row must be the first row, and only one is allowed")
@@ -216,7 +242,8 @@ def read_pairs_jsonl(path: str | Path) -> tuple[dict[str, Any], list[LabelledPai
                 continue
             p = pair_from_row(row, where)
             if (p.request_id, p.entry_id) in seen:
-                raise CalibrationError(f"{where}: duplicate pair (request_id={p.request_id!r}, entry_id={p.entry_id!r})")
+                raise CalibrationError(
+                    f"{where}: duplicate pair (request_id={p.request_id!r}, entry_id={p.entry_id!r})")
             seen.add((p.request_id, p.entry_id))
             pairs.append(p)
     if not pairs:
@@ -281,6 +308,7 @@ class Evaluation:
     n_requests: int
     n_accepted: int
     k_unsafe: int
+    k_better: int = 0
 
     @property
     def coverage(self) -> float:
@@ -291,13 +319,23 @@ class Evaluation:
         """Unsafe among accepted (0 when nothing is accepted)."""
         return self.k_unsafe / self.n_accepted if self.n_accepted else 0.0
 
+    @property
+    def excess_rate(self) -> float:
+        """(b − c)/n among accepted (0 when nothing is accepted)."""
+        return (self.k_unsafe - self.k_better) / self.n_accepted if self.n_accepted else 0.0
+
+    def rate(self, label: str) -> float:
+        return self.excess_rate if label == "excess" else self.unsafe_rate
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "n_requests": self.n_requests,
             "n_accepted": self.n_accepted,
             "k_unsafe": self.k_unsafe,
+            "k_better": self.k_better,
             "coverage": self.coverage,
             "unsafe_rate": self.unsafe_rate,
+            "excess_rate": self.excess_rate,
         }
 
 
@@ -310,7 +348,7 @@ def _by_request(pairs: Sequence[LabelledPair]) -> dict[str, list[LabelledPair]]:
 
 def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluation:
     """Exact per-request evaluation of the signature rule (the decision :func:`.filter.decide` makes)."""
-    n_acc = k = 0
+    n_acc = k = kb = 0
     groups = _by_request(pairs)
     for group in groups.values():
         passing = []
@@ -323,13 +361,14 @@ def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluatio
         if best is not None:
             n_acc += 1
             k += int(group[best].unsafe)
-    return Evaluation(len(groups), n_acc, k)
+            kb += int(group[best].better)
+    return Evaluation(len(groups), n_acc, k, kb)
 
 
 def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Evaluation:
     """Per-request evaluation of prompt-only acceptance: the most similar candidate, if similarity ≥ threshold
     (ties in similarity broken by entry_id, as the filter does). Signatures and missing objects are ignored."""
-    n_acc = k = 0
+    n_acc = k = kb = 0
     groups = _by_request(pairs)
     limit = prompt_distance(threshold)
     for group in groups.values():
@@ -337,7 +376,8 @@ def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Eva
         if top is not None and prompt_distance(group[top].similarity) <= limit:
             n_acc += 1
             k += int(group[top].unsafe)
-    return Evaluation(len(groups), n_acc, k)
+            kb += int(group[top].better)
+    return Evaluation(len(groups), n_acc, k, kb)
 
 
 # --------------------------------------------------------------------------------------------- calibration
@@ -357,10 +397,12 @@ class Calibration:
     search_similarity: bool
     combinations: int
     calib_upper_bound: float
+    label: str = "unsafe"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.evaluation.to_dict(),
+            "label": self.label,
             "constraint": self.constraint,
             "alpha": self.alpha,
             "delta": self.delta,
@@ -389,6 +431,8 @@ def _search(
     delta: float,
     constraint: str,
     min_accepted: int,
+    better: np.ndarray | None = None,
+    label: str = "unsafe",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Evaluate every threshold combination; return (feasible combos [F, D] best first, n_acc [F], k [F], total).
 
@@ -404,6 +448,7 @@ def _search(
     keep_k: list[np.ndarray] = []
     keep_r: list[np.ndarray] = []
     unsafe_i = unsafe.astype(np.int64)
+    better_i = (np.zeros(N, bool) if better is None or label == "unsafe" else better).astype(np.int64)
     for lo in range(0, total, batch):
         flat = np.arange(lo, min(total, lo + batch))
         idx = np.stack(np.unravel_index(flat, sizes), axis=1)  # [B, D] level indices
@@ -416,10 +461,11 @@ def _search(
         first = ok & ((cs - before[:, group_idx]) == 1)
         n_acc = first.sum(axis=1)
         k = first.astype(np.int64) @ unsafe_i
-        # the same expression as Evaluation.unsafe_rate <= alpha, so search and exact re-check agree
-        feas = (n_acc >= min_accepted) & (n_acc > 0) & ((k / np.maximum(n_acc, 1)) <= alpha)
+        kb = first.astype(np.int64) @ better_i
+        # the same expression as Evaluation.rate(label) <= alpha, so search and exact re-check agree
+        feas = (n_acc >= min_accepted) & (n_acc > 0) & (((k - kb) / np.maximum(n_acc, 1)) <= alpha)
         if constraint == "bound" and np.any(feas):
-            ub = _cp_upper_vec(k[feas], n_acc[feas], delta)
+            ub = _vec_bound(label, n_acc[feas], k[feas], kb[feas], delta)
             sub = np.flatnonzero(feas)
             feas[sub[ub > alpha]] = False
         if np.any(feas):
@@ -459,14 +505,21 @@ def calibrate(
     levels: int = 12,
     search_similarity: bool = False,
     min_accepted: int | None = None,
+    label: str = "unsafe",
 ) -> Calibration:
     """Thresholds maximising coverage on ``pairs`` subject to the constraint (module docstring).
 
-    Guarantee: the returned thresholds give k/n ≤ α on ``pairs`` (exact per-request evaluation) and
+    ``label`` chooses the certified quantity (:data:`LABELS`): "unsafe" = b/n, "excess" = (b − c)/n; with
+    "excess" the "bound" constraint searches with the normal approximation and re-checks the chosen setting with
+    the exact bound.
+
+    Guarantee: the returned thresholds give rate ≤ α on ``pairs`` (exact per-request evaluation) and
     n ≥ ``min_accepted``. Raises :class:`CalibrationError` when no setting qualifies (the message gives the best
     coverage any setting reaches and what to change).
     """
     _check_alpha_delta(alpha, delta)
+    if label not in LABELS:
+        raise CalibrationError(f"label must be one of {LABELS}, got {label!r}")
     if constraint not in ("bound", "empirical"):
         raise CalibrationError(f"constraint must be 'bound' or 'empirical', got {constraint!r}")
     if levels < 2:
@@ -480,6 +533,7 @@ def calibrate(
     feats = np.array([p.vector() for p in rows], dtype=np.float64)
     sims = np.array([p.similarity for p in rows], dtype=np.float64)
     unsafe = np.array([p.unsafe for p in rows])
+    better = np.array([p.better for p in rows])
     grids = [_levels(feats[usable, d], levels) for d in range(len(AXES))]
     if search_similarity:
         dist = np.array([prompt_distance(s) for s in sims])
@@ -487,7 +541,7 @@ def calibrate(
         # +inf distance threshold = "no similarity condition"
         grids.append(np.concatenate([_levels(dist[usable], levels), [np.inf]]))
     combos, n_acc, k, total = _search(
-        feats, usable, unsafe, group_idx, starts, grids, alpha, delta, constraint, n_min
+        feats, usable, unsafe, group_idx, starts, grids, alpha, delta, constraint, n_min, better, label
     )
     for thr in combos:
         min_sim = None
@@ -495,10 +549,12 @@ def calibrate(
             min_sim = 1.0 - float(thr[4])
         th = Thresholds(*(float(v) for v in thr[:4]), min_similarity=min_sim)
         ev = evaluate(th, rows)
-        ub = clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, delta)
-        ok = ev.n_accepted >= n_min and ev.unsafe_rate <= alpha and (constraint != "bound" or ub <= alpha)
-        if ok:
-            return Calibration(th, ev, constraint, alpha, delta, n_min, levels, search_similarity, total, ub)
+        if label == "unsafe":
+            ev = replace(ev, k_better=0)
+        ok = ev.n_accepted >= n_min and ev.rate(label) <= alpha
+        ub = certificate_bound(label, ev.n_accepted, ev.k_unsafe, ev.k_better, delta) if ok else 1.0
+        if ok and (constraint != "bound" or ub <= alpha):
+            return Calibration(th, ev, constraint, alpha, delta, n_min, levels, search_similarity, total, ub, label)
     n_req = len(starts)
     base_rate = float(unsafe.mean()) if len(unsafe) else 0.0
     raise CalibrationError(
@@ -510,7 +566,8 @@ def calibrate(
 
 
 def calibrate_prompt_only(
-    pairs: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1, *, constraint: Constraint = "bound", levels: int = 50
+    pairs: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1, *, constraint: Constraint = "bound",
+    levels: int = 50, label: str = "unsafe",
 ) -> tuple[float, Evaluation]:
     """Calibrate the prompt-only (NIRVANA-style) similarity threshold under the same constraint, for comparison.
 
@@ -524,8 +581,11 @@ def calibrate_prompt_only(
     best: tuple[int, int, float, Evaluation] | None = None
     for t in cands[::-1]:  # high to low threshold = growing coverage
         ev = evaluate_prompt_only(float(t), pairs)
-        ub = clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, delta)
-        ok = ev.n_accepted >= n_min and ev.unsafe_rate <= alpha and (constraint != "bound" or ub <= alpha)
+        if label == "unsafe":
+            ev = replace(ev, k_better=0)
+        ok = ev.n_accepted >= n_min and ev.rate(label) <= alpha
+        if ok and constraint == "bound":
+            ok = certificate_bound(label, ev.n_accepted, ev.k_unsafe, ev.k_better, delta) <= alpha
         if ok and (best is None or (ev.n_accepted, -ev.k_unsafe, t) > (best[0], -best[1], best[2])):
             best = (ev.n_accepted, ev.k_unsafe, float(t), ev)
     if best is None:
@@ -541,7 +601,14 @@ def calibrate_prompt_only(
 
 @dataclass(frozen=True)
 class Certificate:
-    """Certification of fixed thresholds on a disjoint split: n accepted, k unsafe, U, α, δ, passed (U ≤ α)."""
+    """Certification of fixed thresholds on a disjoint split.
+
+    n accepted requests, k = b of them unsafe (reuse fails where dense passes), c of them better (reuse passes
+    where dense fails); ``upper_bound`` is U for the certified ``label`` (:func:`certificate_bound`), and
+    ``unsafe_upper_bound`` the Clopper–Pearson bound on b/n reported beside it. ``strata``: the same certificate
+    restricted to each stratum (scene kind, request kind); ``required_strata`` must each pass on their own for the
+    certificate to pass.
+    """
 
     n: int
     k: int
@@ -549,18 +616,25 @@ class Certificate:
     alpha: float
     delta: float
     n_requests: int = 0
-    method: str = field(default="one-sided Clopper-Pearson: U = Beta^-1(1 - delta; k + 1, n - k)")
+    method: str = field(default=_METHODS["unsafe"])
+    c: int = 0
+    label: str = "unsafe"
+    unsafe_upper_bound: float | None = None
+    strata: Mapping[str, "Certificate"] = field(default_factory=dict)
+    required_strata: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
-        return self.upper_bound <= self.alpha
+        if self.upper_bound > self.alpha:
+            return False
+        return all(name in self.strata and self.strata[name].passed for name in self.required_strata)
 
     @property
     def coverage(self) -> float:
         return self.n / self.n_requests if self.n_requests else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "n": self.n,
             "k": self.k,
             "upper_bound": self.upper_bound,
@@ -571,26 +645,112 @@ class Certificate:
             "coverage": self.coverage,
             "method": self.method,
         }
+        if self.label != "unsafe":  # the first label's files stay byte-identical
+            out.update(label=self.label, c=self.c, unsafe_upper_bound=self.unsafe_upper_bound)
+        if self.strata:
+            out["strata"] = {name: cert.to_dict() for name, cert in sorted(self.strata.items())}
+        if self.required_strata:
+            out["required_strata"] = list(self.required_strata)
+        return out
+
+    @classmethod
+    def from_dict(cls, c: Any, where: str = "certificate") -> "Certificate":
+        """Validate a certificate document; the bounds are recomputed, not trusted (a hand-edited number must not
+        pass as a certificate). Raises ValueError with a message naming the field."""
+        if not isinstance(c, Mapping):
+            raise ValueError(f"{where} must be an object")
+        for key in ("n", "k", "n_requests") + (("c",) if "c" in c else ()):
+            if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 0:
+                raise ValueError(f"{where}.{key} must be an integer ≥ 0, got {c.get(key)!r}")
+        for key in ("upper_bound", "alpha", "delta"):
+            v = c.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{where}.{key} must be a number, got {v!r}")
+        label = c.get("label", "unsafe")
+        if label not in LABELS:
+            raise ValueError(f"{where}.label must be one of {LABELS}, got {label!r}")
+        k, n, nreq, cc = c["k"], c["n"], c["n_requests"], int(c.get("c", 0))
+        if not (k + cc <= n <= nreq):
+            raise ValueError(f"{where} needs k ≤ n ≤ n_requests and k + c ≤ n, got k={k}, c={cc}, n={n}, "
+                             f"n_requests={nreq}")
+        if not (0 < c["alpha"] < 1 and 0 < c["delta"] < 1):
+            raise ValueError(f"{where} α and δ must be in (0, 1), got α={c['alpha']}, δ={c['delta']}")
+        expect = certificate_bound(label, n, k, cc, c["delta"])
+        if abs(float(c["upper_bound"]) - expect) > 1e-9:
+            raise ValueError(
+                f"{where}.upper_bound {c['upper_bound']} does not match {_METHODS[label]} = {expect:.6f} for "
+                f"k={k}, c={cc}, n={n}, δ={c['delta']} (edited by hand or corrupted)"
+            )
+        strata_doc = c.get("strata", {})
+        if not isinstance(strata_doc, Mapping):
+            raise ValueError(f"{where}.strata must be an object")
+        strata = {str(name): cls.from_dict(doc, f"{where}.strata[{name!r}]") for name, doc in strata_doc.items()}
+        required = c.get("required_strata", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"{where}.required_strata must be a list of stratum names")
+        cert = cls(
+            n=n, k=k, upper_bound=expect, alpha=float(c["alpha"]), delta=float(c["delta"]), n_requests=nreq,
+            method=_METHODS[label], c=cc, label=label,
+            unsafe_upper_bound=clopper_pearson_upper(k, n, c["delta"]) if label != "unsafe" else None,
+            strata=strata, required_strata=tuple(required),
+        )
+        if "passed" in c and bool(c["passed"]) != cert.passed:
+            raise ValueError(f"{where}.passed is {c['passed']} but the recomputed certificate says {cert.passed}")
+        return cert
 
     def line(self) -> str:
         """One human-readable line, e.g. for the README and node outputs."""
         verdict = "HOLDS" if self.passed else "FAILS"
-        return (
-            f"certificate {verdict}: {self.k} unsafe of {self.n} accepted "
-            f"({self.n_requests} certification requests, coverage {self.coverage:.1%}); "
-            f"U = {self.upper_bound:.4f} {'≤' if self.passed else '>'} α = {self.alpha} at δ = {self.delta}"
-        )
+        ok = self.upper_bound <= self.alpha
+        if self.label == "excess":
+            what = (f"excess failure (b − c)/n = ({self.k} − {self.c})/{self.n} accepted "
+                    f"({self.n_requests} certification requests, coverage {self.coverage:.1%}); "
+                    f"U = {self.upper_bound:.4f} {'≤' if ok else '>'} α = {self.alpha} at δ = {self.delta}; "
+                    f"b/n alone: U = {self.unsafe_upper_bound:.4f}")
+        else:
+            what = (f"{self.k} unsafe of {self.n} accepted ({self.n_requests} certification requests, coverage "
+                    f"{self.coverage:.1%}); U = {self.upper_bound:.4f} {'≤' if ok else '>'} α = {self.alpha} at "
+                    f"δ = {self.delta}")
+        failed = [r for r in self.required_strata if not (r in self.strata and self.strata[r].passed)]
+        tail = f"; required strata failing: {', '.join(failed)}" if failed else ""
+        return f"certificate {verdict}: {what}{tail}"
 
 
-def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1) -> Certificate:
-    """Apply fixed thresholds to the certification split and bound the unsafe rate among accepted reuses."""
-    _check_alpha_delta(alpha, delta)
-    ev = evaluate(thresholds, pairs_cert)
+def _make_certificate(ev: Evaluation, alpha: float, delta: float, label: str) -> Certificate:
+    k_better = ev.k_better if label == "excess" else 0
     return Certificate(
         n=ev.n_accepted,
         k=ev.k_unsafe,
-        upper_bound=clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, delta),
+        upper_bound=certificate_bound(label, ev.n_accepted, ev.k_unsafe, k_better, delta),
         alpha=float(alpha),
         delta=float(delta),
         n_requests=ev.n_requests,
+        method=_METHODS[label],
+        c=k_better,
+        label=label,
+        unsafe_upper_bound=clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, delta) if label != "unsafe" else None,
     )
+
+
+def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: float = 0.05, delta: float = 0.1,
+            label: str = "unsafe", required_strata: Sequence[str] = ()) -> Certificate:
+    """Apply fixed thresholds to the certification split and bound the certified rate among accepted reuses.
+
+    When the pairs carry a ``stratum``, a certificate per stratum is attached (each a valid bound for the traffic
+    of that stratum alone); ``required_strata`` must each pass on their own for the certificate to pass.
+    """
+    _check_alpha_delta(alpha, delta)
+    if label not in LABELS:
+        raise CalibrationError(f"label must be one of {LABELS}, got {label!r}")
+    cert = _make_certificate(evaluate(thresholds, pairs_cert), alpha, delta, label)
+    by_stratum: dict[str, list[LabelledPair]] = {}
+    for p in pairs_cert:
+        if p.stratum is not None:
+            by_stratum.setdefault(p.stratum, []).append(p)
+    missing = [r for r in required_strata if r not in by_stratum]
+    if missing:
+        raise CalibrationError(f"required strata {missing} have no certification requests (strata present: "
+                               f"{sorted(by_stratum)})")
+    strata = {name: _make_certificate(evaluate(thresholds, ps), alpha, delta, label)
+              for name, ps in sorted(by_stratum.items())}
+    return replace(cert, strata=strata, required_strata=tuple(required_strata))

@@ -1,4 +1,4 @@
-"""The four discrepancies between a target Early Signature and a candidate's (DESIGN.md §3).
+"""The four discrepancies between a target Early Signature and a candidate's (docs/ARCHITECTURE.md, step 5).
 
 Contract of :func:`discrepancies` (pure, deterministic, never modifies its inputs):
 
@@ -106,12 +106,6 @@ def _context_arrays(target: Signature, cand: Signature) -> tuple[np.ndarray, np.
             "another config — check the cache namespace."
         )
     return t.reshape(-1, 3), c.reshape(-1, 3)
-
-
-def context_discrepancy(target: Signature, cand: Signature) -> float:
-    """Mean CIEDE2000 ΔE over the context grid cells (grids must have the same shape)."""
-    t, c = _context_arrays(target, cand)
-    return float(np.mean(deltaE_ciede2000(t, c))) if len(t) else 0.0
 
 
 def _object_pair(t: ObjectSignature, c: ObjectSignature) -> tuple[float, float]:

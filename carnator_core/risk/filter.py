@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..types import AxisCheck, Candidate, CandidateVerdict, Candidates, Decision, Signature
+from ..types import AxisCheck, Candidate, Candidates, CandidateVerdict, Decision, Signature
 from .discrepancy import Discrepancies, discrepancies
 from .paths import resolve_confined
 from .rule import RiskRule, RuleError
@@ -51,12 +51,14 @@ def _signature_mode(
         if d.missing:
             reason = "rejected: named object on one side only: " + ", ".join(d.missing_objects)
         elif not all(x.passed for x in ch):
-            worst = [f"{x.axis} (worst object {d.worst_object(x.axis)!r})" for x in ch if not x.passed and d.worst_object(x.axis)]
+            worst = [f"{x.axis} (worst object {d.worst_object(x.axis)!r})" for x in ch
+                     if not x.passed and d.worst_object(x.axis)]
             reason = "rejected: " + _fmt_failed(ch) + (f" — {'; '.join(worst)}" if worst else "")
         elif i == best:
             reason = f"accepted: passes all {len(ch)} checks; best of {n_pass} passing by similarity"
         else:
-            reason = f"passes the rule but not chosen: {items[best].entry_id!r} ranks higher (similarity, then discrepancy)"  # type: ignore[index]
+            reason = (f"passes the rule but not chosen: {items[best].entry_id!r} "  # type: ignore[index]
+                      "ranks higher (similarity, then discrepancy)")
         verdicts.append(CandidateVerdict(c.entry_id, float(c.similarity), i == best, reason, ch))
     return best, verdicts
 
@@ -97,7 +99,9 @@ def _prompt_mode(items: Sequence[Candidate], threshold: float) -> tuple[int | No
             reason = f"rejected: prompt-only mode considers only the most similar candidate ({items[top].entry_id!r})"  # type: ignore[index]
             ok = False
         elif ch.passed:
-            reason, ok, best = f"accepted: similarity {c.similarity:.4g} ≥ threshold {threshold:.4g} (prompt only, no certificate)", True, i
+            reason = (f"accepted: similarity {c.similarity:.4g} ≥ threshold {threshold:.4g} "
+                      "(prompt only, no certificate)")
+            ok, best = True, i
         else:
             reason, ok = f"rejected: similarity {c.similarity:.4g} < threshold {threshold:.4g}", False
         verdicts.append(CandidateVerdict(c.entry_id, float(c.similarity), ok, reason, (ch,)))
@@ -164,7 +168,8 @@ def decide(
         best, verdicts = _prompt_mode(items, float(prompt_threshold))
     else:
         verdicts = [
-            CandidateVerdict(c.entry_id, float(c.similarity), False, "rejected: mode 'never' (always dense)") for c in items
+            CandidateVerdict(c.entry_id, float(c.similarity), False, "rejected: mode 'never' (always dense)")
+            for c in items
         ]
     chosen = items[best] if best is not None else None
     ms = (time.perf_counter() - t0) * 1000.0

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .. import __version__
 from ..types import GenConfig
 from .certify import (
+    Calibration,
     CalibrationError,
     Certificate,
-    Calibration,
     Constraint,
     LabelledPair,
     calibrate,
     calibrate_prompt_only,
+    certificate_bound,
     certify,
     clopper_pearson_upper,
     evaluate_prompt_only,
@@ -30,6 +31,39 @@ from .certify import (
     split_pairs,
 )
 from .rule import RiskRule
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How a rule is calibrated and certified (what the CLI's flags and the Calibrate node's widgets set).
+
+    alpha, delta:     the certificate: the unsafe-rate bound α, holding with probability ≥ 1 − δ.
+    calib_alpha:      the level the threshold search targets on the calibration split (None: ``alpha``; a
+                      smaller one leaves room for certification traffic riskier than calibration traffic).
+    calib_frac, seed: the seeded split of requests into calibration and certification (unless the pairs carry
+                      their own split field).
+    constraint:       "bound" (calibration split's own Clopper–Pearson bound ≤ α) or "empirical" (rate ≤ α).
+    levels:           candidate values per threshold axis in the search.
+    search_similarity: also search a minimum prompt similarity as a fifth threshold.
+    model_fingerprint, config_fingerprint: what the rule certifies; None: from the pairs file's header (when
+                      both are given they must agree).
+    label:            what is certified (certify.LABELS): "unsafe" = b/n, "excess" = (b − c)/n
+                      (docs/CALIBRATION.md, "The excess label").
+    required_strata:  strata (the pairs' ``stratum`` field) that must each certify on their own.
+    """
+
+    alpha: float = 0.05
+    delta: float = 0.1
+    calib_alpha: float | None = None
+    calib_frac: float = 0.5
+    seed: int = 0
+    constraint: Constraint = "bound"
+    levels: int = 12
+    search_similarity: bool = False
+    model_fingerprint: str | None = None
+    config_fingerprint: str | None = None
+    label: str = "unsafe"
+    required_strata: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,8 +87,9 @@ class CalibrationReport:
             "thresholds: "
             + ", ".join(f"{k}={v:.4g}" for k, v in th.to_dict().items() if v is not None)
             + ("" if th.min_similarity is not None else " (no min similarity)"),
-            f"calibration ({cal.constraint} constraint): {cal.evaluation.k_unsafe} unsafe of "
-            f"{cal.evaluation.n_accepted} accepted / {cal.evaluation.n_requests} requests "
+            f"calibration ({cal.constraint} constraint, label {cal.label}): {cal.evaluation.k_unsafe} unsafe"
+            + (f", {cal.evaluation.k_better} better" if cal.label == "excess" else "")
+            + f" of {cal.evaluation.n_accepted} accepted / {cal.evaluation.n_requests} requests "
             f"(coverage {cal.evaluation.coverage:.1%}), {cal.combinations} threshold settings searched",
             c.line(),
         ]
@@ -63,7 +98,8 @@ class CalibrationReport:
             pc = po["cert"]
             lines.append(
                 f"prompt-only baseline (threshold {po['threshold']:.4g}, calibrated the same way): "
-                f"{pc['k']} unsafe of {pc['n']} accepted (coverage {pc['coverage']:.1%}), U = {pc['upper_bound']:.4f}"
+                f"{pc['k']} unsafe" + (f", {pc['c']} better" if "c" in pc else "")
+                + f" of {pc['n']} accepted (coverage {pc['coverage']:.1%}), U = {pc['upper_bound']:.4f}"
             )
         elif isinstance(po, dict) and "error" in po:
             lines.append(f"prompt-only baseline: {po['error']}")
@@ -112,52 +148,46 @@ def _resolve_fingerprints(
 def calibrate_rule(
     pairs: Sequence[LabelledPair],
     header: Mapping[str, Any] | None = None,
+    settings: CalibrationSettings = CalibrationSettings(),
     *,
-    alpha: float = 0.05,
-    delta: float = 0.1,
-    calib_frac: float = 0.5,
-    seed: int = 0,
-    model_fingerprint: str | None = None,
-    config_fingerprint: str | None = None,
-    constraint: Constraint = "bound",
-    levels: int = 12,
-    search_similarity: bool = False,
     provenance: Mapping[str, Any] | None = None,
-    calib_alpha: float | None = None,
 ) -> tuple[RiskRule, Calibration]:
     """Split, calibrate, certify; return the rule (certified or not — check ``rule.certificate.passed``).
 
-    ``calib_alpha`` (default: ``alpha``) is the risk level the threshold search targets on the calibration
-    split; the certificate is always computed at ``alpha``. A smaller ``calib_alpha`` leaves room for the
-    certification traffic to be riskier than the calibration traffic (requests served from different caches
+    ``settings.calib_alpha`` (default: ``alpha``) is the risk level the threshold search targets on the
+    calibration split; the certificate is always computed at ``alpha``. A smaller ``calib_alpha`` leaves room for
+    the certification traffic to be riskier than the calibration traffic (requests served from different caches
     differ: docs/CALIBRATION.md).
     """
+    s = settings
+    alpha, delta, calib_alpha, calib_frac, seed = s.alpha, s.delta, s.calib_alpha, s.calib_frac, s.seed
+    constraint, levels, search_similarity = s.constraint, s.levels, s.search_similarity
     header = dict(header or {})
-    model_fp, config_fp, arch, meta = _resolve_fingerprints(header, model_fingerprint, config_fingerprint)
+    model_fp, config_fp, arch, meta = _resolve_fingerprints(header, s.model_fingerprint, s.config_fingerprint)
     if calib_alpha is None:
         calib_alpha = alpha
     if not 0.0 < calib_alpha <= alpha:
         raise CalibrationError(f"calib_alpha must be in (0, alpha={alpha}], got {calib_alpha}")
     calib, cert = split_pairs(pairs, calib_frac, seed)
     cal = calibrate(calib, calib_alpha, delta, constraint=constraint, levels=levels,
-                    search_similarity=search_similarity)
-    certificate = certify(cal.thresholds, cert, alpha, delta)
+                    search_similarity=search_similarity, label=s.label)
+    certificate = certify(cal.thresholds, cert, alpha, delta, label=s.label, required_strata=s.required_strata)
 
     comparison: dict[str, Any] = {}
     try:
-        pt, pcal = calibrate_prompt_only(calib, calib_alpha, delta, constraint=constraint)
+        pt, pcal = calibrate_prompt_only(calib, calib_alpha, delta, constraint=constraint, label=s.label)
         pev = evaluate_prompt_only(pt, cert)
-        comparison["prompt_only"] = {
-            "threshold": pt,
-            "calib": pcal.to_dict(),
-            "cert": {
-                "n": pev.n_accepted,
-                "k": pev.k_unsafe,
-                "coverage": pev.coverage,
-                "unsafe_rate": pev.unsafe_rate,
-                "upper_bound": clopper_pearson_upper(pev.k_unsafe, pev.n_accepted, delta),
-            },
+        pcert = {
+            "n": pev.n_accepted,
+            "k": pev.k_unsafe,
+            "coverage": pev.coverage,
+            "unsafe_rate": pev.unsafe_rate,
+            "upper_bound": certificate_bound(s.label, pev.n_accepted, pev.k_unsafe, pev.k_better, delta),
         }
+        if s.label == "excess":
+            pcert.update(c=pev.k_better, excess_rate=pev.excess_rate,
+                         unsafe_upper_bound=clopper_pearson_upper(pev.k_unsafe, pev.n_accepted, delta))
+        comparison["prompt_only"] = {"threshold": pt, "calib": pcal.to_dict(), "cert": pcert}
     except CalibrationError as e:
         comparison["prompt_only"] = {"error": f"no prompt-only threshold qualifies: {e}"}
 
@@ -216,17 +246,8 @@ def _file_digest(path: Path) -> str:
 def calibrate_rule_file(
     pairs_path: str | Path,
     out_path: str | Path,
+    settings: CalibrationSettings = CalibrationSettings(),
     *,
-    alpha: float = 0.05,
-    delta: float = 0.1,
-    calib_frac: float = 0.5,
-    seed: int = 0,
-    model_fingerprint: str | None = None,
-    config_fingerprint: str | None = None,
-    constraint: Constraint = "bound",
-    levels: int = 12,
-    search_similarity: bool = False,
-    calib_alpha: float | None = None,
     write_uncertified: bool = False,
     command: str = "",
 ) -> CalibrationReport:
@@ -235,18 +256,7 @@ def calibrate_rule_file(
     pairs_path = Path(pairs_path)
     header, pairs = read_pairs_jsonl(pairs_path)
     rule, cal = calibrate_rule(
-        pairs,
-        header,
-        alpha=alpha,
-        delta=delta,
-        calib_frac=calib_frac,
-        seed=seed,
-        model_fingerprint=model_fingerprint,
-        config_fingerprint=config_fingerprint,
-        constraint=constraint,
-        levels=levels,
-        search_similarity=search_similarity,
-        calib_alpha=calib_alpha,
+        pairs, header, settings,
         provenance={"pairs_file": pairs_path.name, "pairs_sha256": _file_digest(pairs_path), "command": command},
     )
     written = None
@@ -260,13 +270,14 @@ def calibrate_rule_in_dirs(
     pairs_roots: Sequence[str | Path],
     rule_name: str,
     rules_dir: str | Path,
+    settings: CalibrationSettings = CalibrationSettings(),
     *,
     probe: Any = None,
-    **kwargs: Any,
+    command: str = "",
 ) -> CalibrationReport:
     """What the Calibrate Rule node runs: resolve the pairs file inside ``pairs_roots`` and the output name
     inside ``rules_dir`` (no escaping either), take fingerprints from ``probe`` if given, then
-    :func:`calibrate_rule_file` (``kwargs`` are passed on)."""
+    :func:`calibrate_rule_file`."""
     from .filter import probe_fingerprints
     from .paths import resolve_confined
 
@@ -275,5 +286,6 @@ def calibrate_rule_in_dirs(
     name = name if name.endswith(".json") else name + ".json"
     out = resolve_confined(name, [rules_dir], must_exist=False, what="rule file")
     if probe is not None:
-        kwargs["model_fingerprint"], kwargs["config_fingerprint"] = probe_fingerprints(probe)
-    return calibrate_rule_file(pairs, out, **kwargs)
+        model_fp, config_fp = probe_fingerprints(probe)
+        settings = replace(settings, model_fingerprint=model_fp, config_fingerprint=config_fp)
+    return calibrate_rule_file(pairs, out, settings, command=command)

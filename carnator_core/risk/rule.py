@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..types import stable_digest
-from .certify import Certificate, clopper_pearson_upper
+from .certify import Certificate
 from .thresholds import Thresholds
 
 RULE_FORMAT = "carnator-risk-rule"
@@ -23,7 +23,7 @@ SCHEMA_VERSION = 1
 #: How to make a rule, quoted in every refusal so the user knows the way out.
 CALIBRATE_HINT = (
     "Calibrate a rule for this model and config: write labelled pairs (docs/CALIBRATION.md), then run "
-    "`python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
+    "`python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --out rules/<name>.json` from the extension "
     "folder (or use the 'Carnator Calibrate Rule' node)."
 )
 
@@ -94,7 +94,8 @@ class RiskRule:
             bits.append(f"arch {self.arch}")
         bits.append(f"config {self.config_fingerprint}")
         if cfg:
-            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps") if k in cfg}
+            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps")
+                     if k in cfg}
             bits.append(str(shown))
         return ", ".join(bits)
 
@@ -130,8 +131,7 @@ class RiskRule:
         c = self.certificate
         if not c.passed:
             raise UncertifiedRuleError(
-                f"{self._name()} is not certified: U = {c.upper_bound:.4f} > α = {c.alpha} "
-                f"({c.k} unsafe of {c.n} accepted on {c.n_requests} certification requests, δ = {c.delta}). "
+                f"{self._name()} is not certified: {c.line()}. "
                 "The filter refuses it because its risk is not bounded. Recalibrate with more labelled requests "
                 "or stricter thresholds (docs/CALIBRATION.md); for experiments only, allow_uncertified=True "
                 "accepts it and marks every decision as UNCERTIFIED."
@@ -160,7 +160,8 @@ class RiskRule:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
         tmp.replace(path)
         return path
 
@@ -187,30 +188,10 @@ class RiskRule:
         except (ValueError, TypeError) as e:
             raise bad(str(e)) from None
 
-        c = data["certificate"]
-        for key in ("n", "k", "n_requests"):
-            if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 0:
-                raise bad(f"certificate.{key} must be an integer ≥ 0, got {c.get(key)!r}")
-        for key in ("upper_bound", "alpha", "delta"):
-            v = c.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise bad(f"certificate.{key} must be a number, got {v!r}")
-        if not (c["k"] <= c["n"] <= c["n_requests"]):
-            raise bad(f"certificate needs k ≤ n ≤ n_requests, got k={c['k']}, n={c['n']}, n_requests={c['n_requests']}")
-        if not (0 < c["alpha"] < 1 and 0 < c["delta"] < 1):
-            raise bad(f"certificate α and δ must be in (0, 1), got α={c['alpha']}, δ={c['delta']}")
-        # The bound is recomputed, not trusted: a hand-edited number must not pass as a certificate.
-        expect = clopper_pearson_upper(c["k"], c["n"], c["delta"])
-        if abs(float(c["upper_bound"]) - expect) > 1e-9:
-            raise bad(
-                f"certificate.upper_bound {c['upper_bound']} does not match Beta^-1(1-δ; k+1, n-k) = {expect:.6f} "
-                f"for k={c['k']}, n={c['n']}, δ={c['delta']} (edited by hand or corrupted)"
-            )
-        cert = Certificate(
-            n=c["n"], k=c["k"], upper_bound=expect, alpha=float(c["alpha"]), delta=float(c["delta"]), n_requests=c["n_requests"]
-        )
-        if "passed" in c and bool(c["passed"]) != cert.passed:
-            raise bad(f"certificate.passed is {c['passed']} but U = {expect:.4f} vs α = {cert.alpha} says {cert.passed}")
+        try:
+            cert = Certificate.from_dict(data["certificate"])
+        except ValueError as e:
+            raise bad(str(e)) from None
 
         model, config = data["model"], data["config"]
         for sec, name in ((model, "model"), (config, "config")):

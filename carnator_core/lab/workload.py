@@ -61,8 +61,8 @@ class Mix:
     edit: float = 0.65
 
     def probabilities(self, allow_exact: bool = True) -> dict[str, float]:
-        raw = {"exact": self.exact if allow_exact else 0.0, "reroll": self.reroll + (0.0 if allow_exact else self.exact),
-               "paraphrase": self.paraphrase}
+        raw = {"exact": self.exact if allow_exact else 0.0,
+               "reroll": self.reroll + (0.0 if allow_exact else self.exact), "paraphrase": self.paraphrase}
         for a in EDIT_ATTRIBUTES:
             raw[f"edit:{a}"] = self.edit / len(EDIT_ATTRIBUTES)
         if any(v < 0 for v in raw.values()):
@@ -274,8 +274,8 @@ def _iterate(rid: str, parent: Request, rng: np.random.Generator, probs: dict[st
         if kind == "exact":
             return dataclasses.replace(parent, rid=rid, kind=kind, parent=parent.rid, repeat_of=None)
         if kind == "reroll":
-            return dataclasses.replace(parent, rid=rid, kind=kind, parent=parent.rid, seed=int(rng.integers(SEED_RANGE)),
-                                       repeat_of=None)
+            return dataclasses.replace(parent, rid=rid, kind=kind, parent=parent.rid,
+                                       seed=int(rng.integers(SEED_RANGE)), repeat_of=None)
         if kind == "paraphrase":
             for _ in range(20):
                 cs = int(rng.integers(SEED_RANGE))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .certify import LabelledPair
+from ..risk.certify import LabelledPair
 
 #: Rough scale of each axis when z = 1 (ΔE units for colours, |log ratio| for size, 1 − IoU for shape).
 AXIS_SCALE = (30.0, 1.5, 0.9, 40.0)
@@ -46,7 +46,8 @@ def synthetic_pairs(
         m = int(rng.integers(1, max_candidates + 1))
         for j in range(m):
             z = float(rng.uniform(0.0, 1.0))
-            axes = np.clip(z * scale * (1.0 + noise * rng.standard_normal(4)) + noise * scale * np.abs(rng.standard_normal(4)) * 0.2, 0.0, None)
+            axes = np.clip(z * scale * (1.0 + noise * rng.standard_normal(4))
+                           + noise * scale * np.abs(rng.standard_normal(4)) * 0.2, 0.0, None)
             p_unsafe = base_unsafe + (1.0 - base_unsafe) / (1.0 + np.exp(-steepness * (z - z_unsafe)))
             missing = bool(rng.uniform() < p_missing)
             unsafe = bool(rng.uniform() < p_unsafe) or missing

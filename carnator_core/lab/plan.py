@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .certify import CalibrationError, Evaluation, LabelledPair, calibrate, clopper_pearson_upper, evaluate
+from ..risk.certify import CalibrationError, Evaluation, LabelledPair, calibrate, clopper_pearson_upper, evaluate
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def binomial_cdf(k: int, n: int, p: float) -> float:
     if p >= 1.0:
         return 0.0
     lp, lq = math.log(p), math.log1p(-p)
-    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq
+             for i in range(k + 1)]
     m = max(terms)
     return min(1.0, math.exp(m) * sum(math.exp(t - m) for t in terms))
 

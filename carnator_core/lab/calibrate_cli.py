@@ -2,13 +2,13 @@
 
 Usage (from the extension folder, with the Python that runs ComfyUI)::
 
-    python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --out rules/my_model.json \\
+    python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --out rules/my_model.json \\
         [--alpha 0.05] [--delta 0.1] [--calib-frac 0.5] [--seed 0] \\
         [--model-fingerprint FP] [--config-fingerprint FP] \\
         [--constraint bound|empirical] [--levels 12] [--search-similarity] [--write-uncertified]
 
     # choose --calib-alpha first, by cross-validation on the calibration split only (nothing is written):
-    python -m carnator_core.risk.calibrate_cli --pairs pairs.jsonl --plan 0.05,0.03,0.02 \\
+    python -m carnator_core.lab.calibrate_cli --pairs pairs.jsonl --plan 0.05,0.03,0.02 \\
         [--cert-requests N] [--folds 5] [--search-similarity]
 
 Pairs file (JSON Lines, UTF-8; one JSON object per line; blank lines ignored)
@@ -34,7 +34,7 @@ Then one row per (request, recalled cache entry)::
 * ``--model-fingerprint``/``--config-fingerprint`` are needed only if the header lacks them; when both are
   given they must agree.
 
-``--plan`` (carnator_core/risk/plan.py) calibrates each listed level on all folds of the calibration split
+``--plan`` (carnator_core/lab/plan.py) calibrates each listed level on all folds of the calibration split
 but one and evaluates it on the held-out fold (folds = runs when request ids look like ``run:request``), then
 prints the out-of-sample unsafe rate, coverage and the estimated probability that a certificate on
 ``--cert-requests`` requests (default: the certification split's size) passes, and the level to use.
@@ -49,14 +49,14 @@ import argparse
 import shlex
 import sys
 
-from .certify import CalibrationError, read_pairs_jsonl, split_pairs
-from .pipeline import calibrate_rule_file
+from ..risk.certify import CalibrationError, read_pairs_jsonl, split_pairs
+from ..risk.pipeline import CalibrationSettings, calibrate_rule_file
 from .plan import plan_calib_alpha
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m carnator_core.risk.calibrate_cli",
+        prog="python -m carnator_core.lab.calibrate_cli",
         description="Calibrate and certify a Carnator risk rule from labelled pairs (docs/CALIBRATION.md).",
     )
     p.add_argument("--pairs", required=True, help="labelled pairs JSONL file")
@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "'empirical' = unsafe rate ≤ α with enough accepted pairs for a certificate to be possible",
     )
     p.add_argument("--levels", type=int, default=12, help="threshold levels searched per axis (12)")
+    p.add_argument("--label", choices=("unsafe", "excess"), default="unsafe",
+                   help="what is certified: 'unsafe' = b/n, reuse fails where dense passes (default, the first "
+                        "label); 'excess' = (b - c)/n, reuse charged only for failures it adds over the dense output "
+                        "of the same request (rows' 'better' field = c; docs/CALIBRATION.md)")
+    p.add_argument("--require-stratum", action="append", default=[], metavar="NAME",
+                   help="a stratum (rows' 'stratum' field) that must certify on its own; repeatable")
     p.add_argument("--search-similarity", action="store_true", help="also search a minimum prompt similarity")
     p.add_argument("--plan", default=None, metavar="A1,A2,...",
                    help="cross-validate these calibration levels on the calibration split, print which to use as "
@@ -92,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = "python -m carnator_core.risk.calibrate_cli " + " ".join(
+    command = "python -m carnator_core.lab.calibrate_cli " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     if args.plan is not None:
@@ -101,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print("calibration failed: --out is required (where to write the rule JSON)", file=sys.stderr)
         return 2
     try:
-        report = calibrate_rule_file(
-            args.pairs,
-            args.out,
+        settings = CalibrationSettings(
             alpha=args.alpha,
             calib_alpha=args.calib_alpha,
             delta=args.delta,
@@ -114,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             constraint=args.constraint,
             levels=args.levels,
             search_similarity=args.search_similarity,
-            write_uncertified=args.write_uncertified,
-            command=command,
+            label=args.label,
+            required_strata=tuple(args.require_stratum),
         )
+        report = calibrate_rule_file(args.pairs, args.out, settings, write_uncertified=args.write_uncertified,
+                                     command=command)
     except CalibrationError as e:
         print(f"calibration failed: {e}", file=sys.stderr)
         return 2
@@ -129,7 +135,8 @@ def _plan(args: argparse.Namespace) -> int:
         try:
             levels = [float(a) for a in args.plan.split(",") if a.strip()]
         except ValueError:
-            raise CalibrationError(f"--plan takes comma-separated levels like 0.05,0.03,0.02, got {args.plan!r}") from None
+            raise CalibrationError(
+                f"--plan takes comma-separated levels like 0.05,0.03,0.02, got {args.plan!r}") from None
         _, pairs = read_pairs_jsonl(args.pairs)
         if pairs and all(p.split == "calib" for p in pairs):  # planning before certification data exist
             calib, cert = list(pairs), []

@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from ..risk.certify import LabelledPair
+from ..risk.discrepancy import discrepancies
 from ..types import Decision
-from .certify import LabelledPair
-from .discrepancy import discrepancies
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -302,7 +302,8 @@ class ToleranceLabeler:
         if self.metric == "psnr":
             return (f"decoded joint-reuse output vs the dense output of the same request: PSNR over all pixels "
                     f"< {self.threshold:g} dB")
-        return f"decoded joint-reuse output vs the dense output of the same request: mean per-frame SSIM < {self.threshold:g}"
+        return ("decoded joint-reuse output vs the dense output of the same request: mean per-frame SSIM < "
+                f"{self.threshold:g}")
 
     def reference(self, dense_clip: np.ndarray, prompt: str) -> np.ndarray:
         return np.asarray(dense_clip)
@@ -541,7 +542,7 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
     and one prompt-only filter per entry of ``prompt_thresholds`` (name -> similarity threshold). Each query is
     served once (probe, recall, dense); only the candidates some method accepts get a reuse run and a label.
     """
-    from .filter import decide
+    from ..risk.filter import decide
 
     methods = ("rule", *tuple(prompt_thresholds or {}))
     records = []
@@ -691,7 +692,7 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
                     + listed[0]["dataset"] if len({x["dataset"] for x in listed}) == 1 else
                     "combined: " + "; ".join(f"[{x['prefix']}] {x['dataset']}" for x in listed)),
         "seeds": {x["prefix"]: x["seeds"] for x in listed},
-        "generator": generator or "risk.pairs.combine_pairs_files",
+        "generator": generator or "lab.pairs.combine_pairs_files",
         "sources": listed,
     })
     path = Path(out)
@@ -705,7 +706,8 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
 
 
 __all__ = [
-    "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler", "PairContext", "PairRequest",
+    "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler",
+    "PairContext", "PairRequest",
     "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
     "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
     "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
