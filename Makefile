@@ -2,12 +2,16 @@
 PY := .host/venv/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup setup-host demo lint test test-fast test-core test-server bench clean-host
+.PHONY: setup setup-host setup-registry-tools demo lint test test-fast test-core test-server bench registry-check \
+	clean-host
 
 setup-host:
 	@bash scripts/setup_host.sh
 
-setup: setup-host
+setup-registry-tools:
+	@bash scripts/setup_registry_tools.sh
+
+setup: setup-host setup-registry-tools
 	@bash scripts/setup_browser.sh
 
 # The demo needs no browser: only the host (keeps a fresh clone's `make demo` inside its 10 minutes).
@@ -34,6 +38,11 @@ bench: setup-host
 	$(PY) scripts/bench_reuse.py --model embedded --repeats 5 --json artifacts/bench_reuse_embedded.json
 	$(PY) scripts/bench_signature.py
 	$(PY) scripts/bench_table1.py --warm 24 --stream 24
+
+# Comfy Registry: `comfy node validate` + `comfy node pack` (comfy-cli, offline) on a copy of the tracked files,
+# then checks of the package (what ships, what stays in the repo, size) -> artifacts/registry/node.zip, pack.json.
+registry-check: setup-host setup-registry-tools
+	$(PY) scripts/check_registry.py
 
 clean-host:
 	rm -rf .host

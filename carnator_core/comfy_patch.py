@@ -18,6 +18,7 @@ the original block, and the reason is logged once per run.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -120,7 +121,82 @@ def model_fingerprint(model: Any, arch: str) -> str:
     for attr in ("shift", "multiplier"):
         if hasattr(ms, attr):
             h.update(f"{attr}={float(getattr(ms, attr)):.6f}".encode())
+    # Function patches change the result as much as weights do (RescaleCFG, CFGZeroStar, model wrappers, attention
+    # patches): digest what ModelPatcher holds besides weights, by code identity and captured values.
+    opts = dict(getattr(model, "model_options", None) or {})
+    topts = {k: v for k, v in (opts.pop("transformer_options", None) or {}).items()
+             if k not in _PER_RUN_OPTIONS and not _empty(v)}
+    extra = {
+        "options": {k: v for k, v in opts.items() if k not in _PER_RUN_OPTIONS and not _empty(v)},
+        "transformer_options": topts,
+        "wrappers": {k: v for k, v in (getattr(model, "wrappers", None) or {}).items() if v},
+        "callbacks": {k: v for k, v in (getattr(model, "callbacks", None) or {}).items() if v},
+        # model_sampling is digested above by its values (shift, multiplier)
+        "object_patches": {k: type(v).__qualname__ for k, v in (getattr(model, "object_patches", None) or {}).items()
+                           if k != "model_sampling"},
+    }
+    if any(extra.values()):  # a model without function patches keeps the fingerprint it always had
+        h.update(_digest_value(extra).encode())
     return h.hexdigest()[:24]
+
+
+# Keys ComfyUI sets on a copy of the options while it samples; never part of the MODEL a node receives.
+_PER_RUN_OPTIONS = frozenset({"cond_or_uncond", "sigmas", "sample_sigmas", "uuids", "block_index", "total_blocks"})
+_PACKAGE = __name__.rsplit(".", 2)[0]  # this extension's package: its own patches are not part of the model
+
+
+def _digest_value(v: Any, depth: int = 0) -> str:
+    """A description of ``v`` that is stable across processes (no ids or addresses): code identity and the
+    values a function captured (closure cells, defaults, partial arguments, bound object attributes)."""
+    if depth > 4:
+        return "..."
+    d = depth + 1
+    if v is None or isinstance(v, (bool, int, str)):
+        return repr(v)
+    if isinstance(v, float):
+        return f"{v:.9g}"
+    if torch.is_tensor(v):
+        f = v.detach().reshape(-1)
+        sample = f[:: max(1, f.numel() // 16)].float().cpu().numpy().tobytes() if f.numel() else b""
+        return f"tensor{tuple(v.shape)}{v.dtype}:{hashlib.sha256(sample).hexdigest()[:16]}"
+    if isinstance(v, dict):
+        items = sorted(((_digest_value(k, d), _digest_value(x, d)) for k, x in v.items()))
+        return "{" + ",".join(f"{k}:{x}" for k, x in items) + "}"
+    if isinstance(v, (list, tuple, set, frozenset)):
+        parts = [_digest_value(x, d) for x in v]
+        return "[" + ",".join(sorted(parts) if isinstance(v, (set, frozenset)) else parts) + "]"
+    if isinstance(v, functools.partial):
+        return f"partial({_digest_value(v.func, d)},{_digest_value(v.args, d)},{_digest_value(v.keywords, d)})"
+    func = getattr(v, "__func__", None)
+    if func is not None and hasattr(v, "__self__"):  # bound method: the function and its object's state
+        return f"method({_digest_value(func, d)},{_digest_value(v.__self__, d)})"
+    code = getattr(v, "__code__", None)
+    if code is not None:  # a Python function: code identity + what it captured
+        if (getattr(v, "__module__", "") or "").startswith(_PACKAGE):
+            return "carnator"
+        cells = tuple(c.cell_contents for c in (getattr(v, "__closure__", None) or ()) if _has_contents(c))
+        return (f"fn({v.__module__}.{v.__qualname__}:{hashlib.sha256(code.co_code).hexdigest()[:12]},"
+                f"{_digest_value(cells, d)},{_digest_value(getattr(v, '__defaults__', None), d)})")
+    t = type(v)
+    if (t.__module__ or "").startswith(_PACKAGE):
+        return "carnator"
+    if isinstance(v, torch.nn.Module):
+        return f"module({t.__module__}.{t.__qualname__})"
+    attrs = {k: x for k, x in (vars(v).items() if hasattr(v, "__dict__") else ())
+             if not k.startswith("__") and not callable(x) or torch.is_tensor(x)}
+    return f"obj({t.__module__}.{t.__qualname__},{_digest_value(attrs, d)})"
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, (dict, list, tuple, set)) and not v)
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:  # an empty cell
+        return False
 
 
 def _cond_rows(transformer_options: dict, batch: int) -> torch.Tensor:

@@ -437,7 +437,9 @@ def token_positions(prompt: str, phrases: Sequence[ObjectPhrase],
     for ph in phrases:
         pos = sorted({p for wid in ph.word_ids for p in by_word.get(wid, ())})
         if not pos:
-            warnings.warn(f"carnator: object {ph.name!r} ({' '.join(ph.words)}) has no conditioning tokens (the "
+            words = " ".join(ph.words)  # bounded below: a client-supplied prompt must not grow the server log
+            warnings.warn(f"carnator: object {ph.name[:60]!r} ({words[:80] + ('...' if len(words) > 80 else '')}) "
+                          "has no conditioning tokens (the "
                           "text encoder dropped or truncated its words); its attention map will be empty",
                           UserWarning, stacklevel=2)
         out.append(ObjectTokens(name=ph.name, words=ph.words, positions=tuple(pos)))

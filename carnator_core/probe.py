@@ -118,11 +118,18 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
     note = "" if objects else "no recognisable objects in the prompt: the signature will be context-only"
     if raw.fallbacks:
         note = (note + "; " if note else "") + "; ".join(raw.fallbacks)
+    try:
+        embedding = embed_comfy_conditioning(positive)
+    except ValueError as e:
+        # An empty, emoji-only or fully truncated prompt leaves no usable token: the request still runs (dense,
+        # as a plain KSampler would); it is just neither retrieved against nor stored.
+        embedding = None
+        note = (note + "; " if note else "") + f"no cache retrieval for this prompt ({e}); it continues dense"
     return Probe(
         arch=adapter.arch, model_fingerprint=fingerprint, config=gen, prompt=prompt, seed=int(seed),
         objects=tuple(objects), object_source=object_source, object_maps=maps, grid=raw.grid, patch=adapter.patch_of(model),
         x0_probe=_first_cond_row(x0).detach().cpu(), latent_probe=raw.latent_at_k[0].detach().cpu(),
-        latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=embed_comfy_conditioning(positive),
+        latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=embedding,
         replay=tuple(r.detach().cpu() for r in raw.replay), sigmas=tuple(float(s) for s in raw.sigmas),
         timings={"probe_ms": raw.seconds * 1000, "fingerprint_ms": fp_ms,
                  "total_ms": (time.perf_counter() - t_all) * 1000},

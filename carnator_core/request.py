@@ -143,10 +143,15 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
     one hit in its namespace. An entry that vanishes or proves corrupt meanwhile is simply not an answer."""
     from .cache.store import CacheError
 
-    if store is None or not request_key:
+    find = getattr(store, "find_request", None)  # a store without the index (the Redis store) answers nothing
+    if find is None or not request_key:
         return None
     t0 = time.perf_counter()
-    entry_id = store.find_request(request_key)
+    try:
+        entry_id = find(request_key)
+    except CacheError as e:  # e.g. a shared cache that is unreachable: the request simply runs
+        log.info("carnator request: exact lookup unavailable (%s); running the request", e)
+        return None
     if entry_id is None:
         return None
     try:
@@ -229,8 +234,13 @@ def recall(store: Any, probe: Probe, top_k: int = DEFAULT_TOP_K,
     if probe.answered is not None:
         a = probe.answered
         return Candidates(namespace=a.namespace, items=(), note=f"exact repeat of entry {a.entry_id}", answered=a)
+    import inspect
+
     ns = namespace_key(probe.model_fingerprint, probe.config)
-    return store.candidates(ns, probe.embedding, int(top_k), min_similarity=float(min_similarity))
+    kwargs: dict[str, Any] = {"min_similarity": float(min_similarity)}
+    if "model_fingerprint" in inspect.signature(store.candidates).parameters:  # the store compares it on read
+        kwargs["model_fingerprint"] = probe.model_fingerprint
+    return store.candidates(ns, probe.embedding, int(top_k), **kwargs)
 
 
 def exact_decision(candidates: Candidates | None) -> Decision | None:
@@ -351,6 +361,7 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     """Stage 6: persist a finished generation. Exact repeats and requests with unidentifiable conditioning are
     never stored; reuse results only with ``store_reused``. The request key is recorded only for a dense result
     of one batch item (``report`` says dense/miss): only such a latent is what the request computes."""
+    from .cache.redis_url import CacheUnavailableError
     from .cache.store import EntryData
 
     if probe.answered is not None:
@@ -358,6 +369,9 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
                            f"exact repeat of entry {probe.answered.entry_id}: already cached, nothing stored")
     if probe.config.conditioning.startswith(keys.OPAQUE_PREFIX):
         return WriteResult("", False, "not stored: the conditioning holds values Carnator cannot identify")
+    if probe.embedding is None:
+        return WriteResult("", False, "not stored: the prompt could not be embedded for retrieval (see the probe's "
+                                      "summary)")
     hit = report is not None and report.decision == "hit"
     if hit and not store_reused:
         return WriteResult("", False, f"not stored: this result reused cache entry {report.entry_id} (enable "
@@ -381,7 +395,10 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
                  "latent_probe": probe.latent_probe.float().cpu()},
         block_structure=report.block_structure if report is not None else None, meta=m, request_key=key,
     )
-    entry_id, written = store.put_with_status(data)
+    try:
+        entry_id, written = store.put_with_status(data)
+    except CacheUnavailableError as e:  # a shared cache that is down: the generation itself succeeded
+        return WriteResult("", False, f"not stored: {e}")
     ns = namespace_key(probe.model_fingerprint, probe.config)
     if written:
         text = f"stored entry {entry_id} in namespace {ns}" + (

@@ -322,7 +322,7 @@ class Probe:
     latent_probe: Any  # torch.Tensor [C, T, H, W] sampler state entering step k
     latent_rgb_factors: np.ndarray | None  # [C, 3] latent -> RGB (ComfyUI latent format), or None
     latent_rgb_bias: np.ndarray | None  # [3]
-    embedding: np.ndarray  # float32 [D] L2-normalised retrieval embedding of the positive conditioning
+    embedding: np.ndarray | None  # float32 [D] L2-normalised retrieval embedding; None: prompt not embeddable
     replay: tuple[Any, ...] = ()  # torch.Tensor per probe call: denoised (after CFG), full batch
     sigmas: tuple[float, ...] = ()  # the full schedule
     timings: Mapping[str, float] = field(default_factory=dict)  # ms per stage

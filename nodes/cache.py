@@ -1,8 +1,11 @@
 """Cache nodes: Carnator Cache (loader), Cache Stats, Cache Retriever, Cache Writer.
 
 The loader confines its directory to ComfyUI's output / user directories or roots the server owner lists in
-``CARNATOR_CACHE_ROOTS`` (a workflow JSON cannot point it anywhere else). The Store itself is opened once per
-process and directory (``carnator_core.cache.handle``); the CARNATOR_CACHE value is a small frozen handle.
+``CARNATOR_CACHE_ROOTS`` (a workflow JSON cannot point it anywhere else). Instead of a directory it takes a
+credential-free ``redis://host:port/db`` URL (or ``redis://`` for the server's Redis), which must match a Redis
+the server owner configured in ``CARNATOR_REDIS_URL`` (where the password lives): the shared store of a farm of
+workers. The Store itself is opened once per process and directory/URL (``carnator_core.cache.handle``); the
+CARNATOR_CACHE value is a small frozen handle.
 """
 from __future__ import annotations
 
@@ -15,8 +18,13 @@ from ..carnator_core.cache import (
     POLICIES,
     CacheHandle,
     CachePathError,
+    CacheUnavailableError,
+    RedisConfigError,
+    adoption_problem,
+    is_redis_url,
     open_store,
     resolve_cache_dir,
+    resolve_redis_url,
     roots_from_env,
 )
 from ..carnator_core.request import DEFAULT_MIN_SIMILARITY, DEFAULT_TOP_K, node_cache_report, recall, write_result
@@ -52,7 +60,8 @@ def _probe_parts(probe: Any) -> tuple[str, Any, str, int, Any]:
     config = _need(probe, "config", "probe", src)
     prompt = getattr(probe, "prompt", "")
     seed = _need(probe, "seed", "probe", src)
-    emb = _need(probe, "embedding", "probe", src)
+    _need(probe, "x0_probe", "probe", src)  # a probe at all (its embedding may be None: prompt not embeddable)
+    emb = getattr(probe, "embedding", None)
     return str(fp), config, str(prompt or ""), int(seed), emb
 
 
@@ -63,12 +72,16 @@ class CarnatorCacheLoader(io.ComfyNode):
             node_id="CarnatorCacheLoader",
             display_name="Carnator Cache",
             category="Carnator",
-            description="Opens (or creates) a Carnator cache directory. Several ComfyUI processes may share it.",
+            description="Opens (or creates) a Carnator cache directory, or the shared Redis cache of several "
+                        "ComfyUI servers (redis://). Several ComfyUI processes may share either.",
             inputs=[
                 io.String.Input("directory", default="carnator_cache",
                                 tooltip="Cache directory, relative to ComfyUI's output directory. Absolute paths must "
                                         "lie under the output or user directory, or a root the server owner lists "
-                                        "in CARNATOR_CACHE_ROOTS."),
+                                        "in CARNATOR_CACHE_ROOTS. Or redis:// (the server's Redis) / "
+                                        "redis://host:port/db to share one cache between servers: the server owner "
+                                        "sets the full URL with its password in CARNATOR_REDIS_URL; never put a "
+                                        "password here."),
                 advanced(io.Float.Input("max_gb", default=0.0, min=0.0, max=1e6, step=1.0,
                                         tooltip="Byte budget of the cache in GiB; the least valuable entries are "
                                                 "evicted beyond it. 0 = no limit.")),
@@ -80,20 +93,32 @@ class CarnatorCacheLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, directory: str = "carnator_cache", **kwargs: Any) -> bool | str:
+    def validate_inputs(cls, directory: str = "carnator_cache") -> bool | str:
+        # Only `directory` is named: ComfyUI keeps checking max_gb's range and policy's options itself.
         if directory is None:  # linked from another node: checked at execution
             return True
+        if is_redis_url(directory):
+            try:
+                resolve_redis_url(directory)
+            except RedisConfigError as e:
+                return str(e)
+            return True
         try:
-            resolve_cache_dir(directory, allowed_roots())
+            path = resolve_cache_dir(directory, allowed_roots())
         except CachePathError as e:
             return str(e)
-        return True
+        return adoption_problem(path) or True
 
     @classmethod
     def execute(cls, directory: str, max_gb: float = 0.0, policy: str = "lcbfu") -> io.NodeOutput:
-        path = resolve_cache_dir(directory, allowed_roots())
         if not math.isfinite(max_gb) or max_gb < 0:
             raise ValueError(f"max_gb must be a finite number >= 0, got {max_gb}")
+        if is_redis_url(directory):
+            handle = CacheHandle(path=resolve_redis_url(directory), max_bytes=int(max_gb * 2**30) or None,
+                                 policy=policy)
+            open_store(handle)  # never fails for an unreachable Redis: requests then run dense (one log line)
+            return io.NodeOutput(handle)
+        path = resolve_cache_dir(directory, allowed_roots())
         handle = CacheHandle(path=str(path), max_bytes=int(max_gb * 2**30) or None, policy=policy,
                              key_path=key_path())
         open_store(handle)  # create/validate now, so a bad directory fails here and not downstream
@@ -129,10 +154,13 @@ class CarnatorCacheStats(io.ComfyNode):
         store = open_store(_handle(cache))
         ns = (namespace or "").strip() or None
         lines = []
-        if purge:
-            n = store.purge(ns)
-            lines.append(f"purged {n} entries" + (f" of namespace {ns}" if ns else ""))
-        lines.append(store.stats(ns).to_text())
+        try:
+            if purge:
+                n = store.purge(ns)
+                lines.append(f"purged {n} entries" + (f" of namespace {ns}" if ns else ""))
+            lines.append(store.stats(ns).to_text())
+        except CacheUnavailableError as e:
+            lines.append(str(e))
         text = "\n".join(lines)
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 

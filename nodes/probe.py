@@ -5,7 +5,7 @@ import comfy.samplers
 import comfy.utils
 
 from ..carnator_core.cache import CacheHandle, open_store
-from ..carnator_core.probe import ProbeConfig
+from ..carnator_core.probe import ProbeConfig, ProbeConfigError
 from ..carnator_core.request import RequestSpec, probe_request
 from ._api import CACHE, PROBE, TEXT_ENCODER, io
 from ._common import advanced, parse_int_list
@@ -68,6 +68,22 @@ class CarnatorEarlyProbe(io.ComfyNode):
             ],
             outputs=[PROBE.Output(display_name="probe"), io.String.Output(display_name="summary")],
         )
+
+    @classmethod
+    def validate_inputs(cls, steps: int | None = None, probe_steps: int | None = None) -> bool | str:
+        # Checked at POST /prompt so the client gets a 400 at once, not an error after the probe ran. Naming
+        # these inputs turns off ComfyUI's own min/max check for them, so the ranges are checked here too.
+        if steps is None or probe_steps is None:  # linked from another node: checked at execution
+            return True
+        if not 2 <= int(steps) <= 10000 or not 0 <= int(probe_steps) <= 1000:
+            return f"steps must be in [2, 10000] and probe_steps in [0, 1000], got steps={steps}, " \
+                   f"probe_steps={probe_steps}"
+        if int(probe_steps) > 0:
+            try:
+                ProbeConfig(probe_steps=int(probe_steps)).resolve_steps(int(steps))
+            except ProbeConfigError as e:
+                return str(e)
+        return True
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,

@@ -15,10 +15,11 @@ from typing import Any
 
 import folder_paths
 
+from ..carnator_core.paths import PathNotAllowedError, resolve_confined
 from ..carnator_core.request import exact_decision
 from ..carnator_core.risk.filter import MODES, decide_with_rule_file
-from ..carnator_core.risk.paths import PathNotAllowedError, resolve_confined
 from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
+from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError
 from ._api import CANDIDATES, DECISION, PROBE, SIGNATURE, io
 from ._common import mark_advanced as _advanced  # advanced but required: the node's execute has no defaults
 
@@ -92,6 +93,24 @@ class CarnatorRiskFilter(io.ComfyNode):
                 io.String.Output(display_name="summary", tooltip="One-line human-readable verdict."),
             ],
         )
+
+    @classmethod
+    def validate_inputs(cls, rule_file: str | None = None, mode: str | None = None,
+                        allow_uncertified: bool | None = None) -> bool | str:
+        # At POST /prompt: a missing, unreadable or uncertified rule file is a 400 before anything runs. Naming
+        # `mode` turns off ComfyUI's own combo check for it, so it is checked here.
+        if mode is None or rule_file is None:  # linked from another node: checked at execution
+            return True
+        if mode not in MODES:
+            return f"mode must be one of {list(MODES)}, got {str(mode)[:50]!r}"
+        if mode != "signature":
+            return True
+        try:
+            path = resolve_confined(rule_file, rule_roots(), must_exist=True, what="risk rule file")
+            RiskRule.load(path, allow_uncertified=bool(allow_uncertified))
+        except (PathNotAllowedError, RuleError) as e:
+            return f"{e}" if isinstance(e, RuleError) else f"{e}. {CALIBRATE_HINT}"
+        return True
 
     @classmethod
     def fingerprint_inputs(cls, rule_file: str = "", mode: str = "signature", **kwargs: Any) -> Any:

@@ -12,11 +12,14 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
 resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
 the server owner lists in ``CARNATOR_CACHE_ROOTS``; relative paths are relative to the output directory. Anything
-else is answered with 400 and the reason, so a browser cannot read or delete arbitrary folders.
+else is answered with 400 and the reason, so a browser cannot read or delete arbitrary folders. A credential-free
+``redis://host:port/db`` (or ``redis://``) names the shared Redis cache instead; it must match a Redis the server
+owner configured in ``CARNATOR_REDIS_URL`` (400 otherwise), and an unreachable Redis answers 503.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
@@ -27,6 +30,7 @@ log = logging.getLogger("carnator")
 NODES: list = []  # discovery imports every module in nodes/; this one contributes routes, not nodes
 
 DEFAULT_DIRECTORY = "carnator_cache"
+MAX_BODY = 64 << 10  # a purge request is a few bytes of JSON; refuse to buffer anything large
 
 
 class RouteError(Exception):
@@ -46,7 +50,7 @@ def allowed_roots() -> list[Path]:
 
 
 def resolve_directory(directory: str | None) -> Path:
-    from ..carnator_core.cache.paths import CachePathError, resolve_cache_dir
+    from ..carnator_core.paths import CachePathError, resolve_cache_dir
 
     try:
         return resolve_cache_dir(directory if directory is not None else DEFAULT_DIRECTORY, allowed_roots())
@@ -54,12 +58,21 @@ def resolve_directory(directory: str | None) -> Path:
         raise RouteError(400, str(e)) from None
 
 
+def _is_redis(directory: str | None) -> bool:
+    from ..carnator_core.cache.redis_url import is_redis_url
+
+    return is_redis_url(directory)
+
+
 def _is_cache_dir(path: Path) -> bool:
     """A directory a Carnator store has initialised (its marker file). The panel never turns another folder into a
     cache: ``Store.open`` would create one, so stats and purge only open directories that already are caches."""
     from ..carnator_core.cache.store import MARKER
 
-    return path.is_dir() and (path / MARKER).is_file()
+    try:
+        return path.is_dir() and (path / MARKER).is_file()
+    except OSError as e:
+        raise RouteError(400, f"the cache directory cannot be used: {e.strerror or e}") from None
 
 
 def _store_class() -> Any:
@@ -98,8 +111,48 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+_PANEL_STORES: dict[str, Any] = {}
+
+
+def _redis_store(url: str) -> Any:
+    """The panel's RedisStore for ``url`` (one per URL and process, kept open: an outage is then logged once, not
+    on every poll; it has no byte budget of its own and never claims an empty Redis). RouteError for a URL the
+    server owner did not configure."""
+    from ..carnator_core.cache.redis_store import RedisStore
+    from ..carnator_core.cache.redis_url import RedisConfigError, resolve_redis_url
+
+    try:
+        public = resolve_redis_url(url)
+        st = _PANEL_STORES.get(public)
+        if st is None:
+            st = _PANEL_STORES[public] = RedisStore.open(public, claim=False)
+        return st
+    except RedisConfigError as e:
+        raise RouteError(400, str(e)) from None
+
+
+def _redis_answer(directory: str, purge: bool) -> dict[str, Any]:
+    from ..carnator_core.cache.redis_url import CacheUnavailableError
+
+    store = _redis_store(directory)
+    base = {"directory": directory, "path": store.url}
+    try:
+        if not store.exists():
+            empty = {"purged": 0} if purge else {"entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None}
+            return {**base, "exists": False, **empty}
+        if purge:
+            result = store.purge()
+            log.info("carnator: cache %s purged from the web panel: %s", store.url, result)
+            return {**base, "exists": True, "purged": result}
+        return {**base, "exists": True, **_jsonable(store.stats())}
+    except CacheUnavailableError as e:
+        raise RouteError(503, str(e)) from None
+
+
 def cache_stats(directory: str | None) -> dict[str, Any]:
     """Statistics of the cache in ``directory`` (confined); zeros if it does not exist yet."""
+    if _is_redis(directory):
+        return _redis_answer(str(directory).strip(), purge=False)
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
     if not _is_cache_dir(path):
@@ -118,6 +171,8 @@ def cache_stats(directory: str | None) -> dict[str, Any]:
 
 def cache_purge(directory: str | None) -> dict[str, Any]:
     """Removes every entry of the cache in ``directory`` (confined); the directory itself stays."""
+    if _is_redis(directory):
+        return _redis_answer(str(directory).strip(), purge=True)
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
     if not _is_cache_dir(path):
@@ -136,11 +191,16 @@ def cache_purge(directory: str | None) -> dict[str, Any]:
 async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:
     from aiohttp import web
 
+    from ..carnator_core.cache.errors import CacheError
+
     try:
         # SQLite and file work off the event loop: the server keeps serving websockets meanwhile.
         return web.json_response(await asyncio.to_thread(fn, directory))
     except RouteError as e:
         return web.json_response({"error": str(e)}, status=e.status)
+    except CacheError as e:  # the store's errors say what to do
+        log.warning("carnator: cache route failed: %s", e)
+        return web.json_response({"error": str(e)}, status=500)
     except Exception as e:  # noqa: BLE001 — a panel request must answer with the reason, not hang the UI
         log.exception("carnator: cache route failed")
         return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
@@ -157,9 +217,16 @@ def register(routes: Any) -> None:
     async def carnator_cache_purge(request: Any) -> Any:
         from aiohttp import web
 
+        too_big = web.json_response({"error": f"the request body is larger than {MAX_BODY} bytes; send JSON like "
+                                              '{"directory": "carnator_cache"}'}, status=413)
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return too_big
+        raw = await request.content.read(MAX_BODY + 1)  # bounded even without a Content-Length
+        if len(raw) > MAX_BODY:
+            return too_big
         try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             return web.json_response({"error": 'send JSON like {"directory": "carnator_cache"}'}, status=400)
         if not isinstance(body, dict) or not isinstance(body.get("directory", DEFAULT_DIRECTORY), str):
             return web.json_response({"error": '"directory" must be a string'}, status=400)

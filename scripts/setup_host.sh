@@ -16,6 +16,20 @@ STAMP="$HOST/.setup-stamp"
 # The stamp records the inputs of the setup; when they change the setup reruns.
 WANT="v3 $(cat "$ROOT/requirements.txt" "$ROOT/requirements-dev.txt" "$0" | sha256sum | cut -c1-16)"
 
+# The shared cache store (carnator_core/cache/redis_store.py) and its tests need a real redis-server: Debian's
+# package, installed once (quietly, only when it is not already on PATH; needs root, as in CI). The package's
+# own service is not used: tests start their own server on a free loopback port.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[carnator] installing redis-server (Debian package)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  else
+    echo "[carnator] warning: redis-server is not installed and this is not root with apt-get; install Debian's" \
+         "redis-server package (the Redis cache tests need it)" >&2
+  fi
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$PY" ]; then
   exit 0
 fi

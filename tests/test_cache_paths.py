@@ -76,3 +76,28 @@ def test_store_refuses_links_out_of_its_directory(tmp_path):
     with pytest.raises(CacheError, match="symbolic link"):
         open_store(tmp_path)
     assert not list(Path(outside).iterdir())
+
+
+@pytest.mark.parametrize("bad,match", [("d" * 6000, "too long"), ("a/" + "b" * 300, "too long"),
+                                       ("loop/x", "cannot be resolved")])
+def test_overlong_or_looping_paths_are_refused_with_a_message(roots, bad, match):
+    out, user, _ = roots
+    (out / "loop").symlink_to(out / "loop")  # a symlink loop: ELOOP while resolving
+    with pytest.raises(CachePathError, match=match) as e:
+        resolve_cache_dir(bad, [out, user])
+    assert len(str(e.value)) < 2000  # the user's 6,000 characters are not echoed back
+
+
+def test_rule_and_pairs_names_are_confined_by_the_same_module(tmp_path):
+    from carnator.carnator_core import paths
+    from carnator.carnator_core.paths import PathNotAllowedError, resolve_confined
+
+    assert resolve_confined is paths.resolve_confined and issubclass(CachePathError, PathNotAllowedError)
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "ok.json").write_text("{}")
+    assert resolve_confined("ok.json", [rules], must_exist=True) == rules / "ok.json"
+    for bad, match in (("x" * 5000 + ".json", "too long"), ("../escape.json", "escapes"), ("", "no rule"),
+                       ("a\x00b", "NUL")):
+        with pytest.raises(PathNotAllowedError, match=match):
+            resolve_confined(bad, [rules], must_exist=True, what="rule")

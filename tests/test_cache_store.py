@@ -210,6 +210,10 @@ def test_eviction_policies(tmp_path, policy, evicted):
     st.load(ids[0])
     ids += [st.put(make_entry(i)) for i in (1, 2)]
     assert st.stats().entries == 3
+    if policy == "lcbfu":  # 1 and 2 are both never reused: the one saving less work per byte goes (ties: older)
+        with st._read() as c:
+            nbytes = dict(c.execute("SELECT id, nbytes FROM entries").fetchall())
+        evicted = 2 if nbytes[ids[2]] > nbytes[ids[1]] else 1  # sizes differ by the bytes of a timestamp
     ids.append(st.put(make_entry(3)))
     left = st.entry_ids()
     assert len(left) == 3 and ids[evicted] not in left and ids[3] in left
@@ -258,7 +262,19 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(b"")
 
 
-@pytest.mark.parametrize("how", ["truncate", "flip_tensor_byte", "garbage_header", "missing", "empty"])
+def test_entry_whose_file_vanished_is_no_longer_cached(tmp_path, caplog):
+    """A file removed under a row (another process evicting it right now: files go first) is "no longer cached",
+    not corruption: EntryNotFoundError, the row dropped, no warning."""
+    st = open_store(tmp_path)
+    ids = [st.put(make_entry(i)) for i in range(2)]
+    (tmp_path / "cache" / "entries" / namespace_key("model-a", CFG) / f"{ids[0]}.safetensors").unlink()
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        with pytest.raises(EntryNotFoundError, match="no longer in the cache"):
+            st.load(ids[0])
+    assert not carnator_warnings(caplog) and st.entry_ids() == [ids[1]] and st.verify(deep=True).ok
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip_tensor_byte", "garbage_header", "empty"])
 def test_corrupt_entry_is_quarantined(tmp_path, caplog, how):
     st = open_store(tmp_path)
     ids = [st.put(make_entry(i)) for i in range(3)]
@@ -272,10 +288,9 @@ def test_corrupt_entry_is_quarantined(tmp_path, caplog, how):
     warnings = carnator_warnings(caplog)
     assert len(warnings) == 1 and ids[1] in warnings[0].getMessage()
     assert not victim.exists()
-    if how != "missing":
-        assert (tmp_path / "cache" / "quarantine" / ns / victim.name).exists()
-        assert (tmp_path / "cache" / "quarantine" / ns / f"{ids[1]}.reason.txt").exists()
-        assert st.stats().quarantined == 1
+    assert (tmp_path / "cache" / "quarantine" / ns / victim.name).exists()
+    assert (tmp_path / "cache" / "quarantine" / ns / f"{ids[1]}.reason.txt").exists()
+    assert st.stats().quarantined == 1
     with pytest.raises(EntryNotFoundError):  # second attempt: a clean "not found", no second log line
         st.load(ids[1])
     assert len(carnator_warnings(caplog)) == 1
@@ -468,3 +483,58 @@ def test_embed_conditioning_ignores_padding():
         embed_conditioning(np.zeros((4, 16)))
     with pytest.raises(ValueError, match="shape"):
         embed_conditioning(np.zeros(16))
+
+
+def test_a_second_handle_does_not_change_the_first_ones_settings(tmp_path):
+    from carnator.carnator_core.cache import CacheHandle
+
+    path = str((tmp_path / "cache").resolve())
+    a = CacheHandle(path=path, max_bytes=10 << 20, policy="lcbfu", key_path=str(tmp_path / "k"))
+    b = CacheHandle(path=path, max_bytes=1 << 20, policy="lru", key_path=str(tmp_path / "k"))
+    sa = a.store()
+    sb = b.store()
+    assert (sa.max_bytes, sa.policy) == (10 << 20, "lcbfu") and (sb.max_bytes, sb.policy) == (1 << 20, "lru")
+    assert a.store() is sa and CacheHandle(path=path, max_bytes=10 << 20, key_path=str(tmp_path / "k")).store() is sa
+    eid = sb.put(make_entry(1))
+    assert sa.load(eid, count_hit=False).entry_id == eid  # one directory: both see the same entries
+
+
+def test_priority_is_policy_priority_everywhere(tmp_path):
+    """The catalogue's eviction priority is ``policy.priority`` on insert and after hits (one definition)."""
+    from carnator.carnator_core.cache.policy import priority
+
+    st = open_store(tmp_path)
+    eid = st.put(make_entry(1))
+    for hits in (0, 1, 2):
+        if hits:
+            st.load(eid)
+        with st._read() as c:
+            prio, work, nbytes, h = c.execute("SELECT priority, work, nbytes, hits FROM entries WHERE id=?",
+                                              (eid,)).fetchone()
+            inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
+        assert h == hits and prio == pytest.approx(priority(inflation, hits, work, nbytes))
+
+
+def test_entry_format_bytes_api_round_trip_and_tamper():
+    """encode_entry / decode_entry work on bytes alone (what another store backend reuses)."""
+    from safetensors.torch import save as st_save
+
+    from carnator.carnator_core.cache import EntryFormatError, decode_entry, encode_entry
+
+    data = make_entry(3)
+    enc = encode_entry(data, entry_id="0123456789abcdef", created=1.0)
+    dec = decode_entry(enc.blob, entry_id="0123456789abcdef", namespace=data.namespace, meta_digest=enc.meta_digest)
+    assert dec.namespace == data.namespace and dec.prompt == "prompt 3" and dec.seed == 3
+    assert torch.equal(dec.tensors["latent_final"], data.tensors["latent_final"])
+    assert dec.block_structure.layers == (1, 2) and np.allclose(dec.embedding, enc.embedding)
+    assert decode_entry(bytearray(enc.blob)).entry_id == "0123456789abcdef"
+    n = int.from_bytes(enc.blob[:8], "little")
+    for bad, match in [(enc.blob[:-5], None), (enc.blob[: 8 + n] + bytes([enc.blob[8 + n] ^ 1]) + enc.blob[9 + n :],
+                                              "checksum"),
+                       (st_save({"x": torch.zeros(2)}), "not a Carnator entry"), (b"", None)]:
+        with pytest.raises(EntryFormatError, match=match):
+            decode_entry(bad)
+    with pytest.raises(EntryFormatError, match="metadata checksum"):
+        decode_entry(enc.blob, meta_digest="0" * 64)
+    with pytest.raises(EntryFormatError, match="claims id"):
+        decode_entry(enc.blob, entry_id="fedcba9876543210")

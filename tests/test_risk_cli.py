@@ -10,8 +10,8 @@ import pytest
 
 from carnator.carnator_core.lab.calibrate_cli import main
 from carnator.carnator_core.lab.synthetic import synthetic_pairs
+from carnator.carnator_core.paths import PathNotAllowedError
 from carnator.carnator_core.risk.certify import write_pairs_jsonl
-from carnator.carnator_core.risk.paths import PathNotAllowedError
 from carnator.carnator_core.risk.pipeline import calibrate_rule_in_dirs
 from carnator.carnator_core.risk.rule import RiskRule, UncertifiedRuleError
 from carnator.carnator_core.types import GenConfig

@@ -7,10 +7,10 @@ import pytest
 from test_risk_discrepancy import box_mask, obj, sig
 from test_risk_rule import CONFIG, MODEL_FP, make_rule
 
+from carnator.carnator_core.paths import PathNotAllowedError
 from carnator.carnator_core.risk.certify import LabelledPair, evaluate
 from carnator.carnator_core.risk.discrepancy import SignatureMismatchError, discrepancies
 from carnator.carnator_core.risk.filter import UNCERTIFIED_BANNER, decide, decide_with_rule_file
-from carnator.carnator_core.risk.paths import PathNotAllowedError
 from carnator.carnator_core.risk.rule import RuleError, RuleMismatchError, UncertifiedRuleError
 from carnator.carnator_core.risk.thresholds import Thresholds
 from carnator.carnator_core.types import Candidate, Candidates, GenConfig, namespace_key

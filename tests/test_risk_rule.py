@@ -126,3 +126,13 @@ def test_rule_made_with_other_signature_code_is_refused(monkeypatch):
     assert CONFIG.fingerprint() != rule.config_fingerprint
     with pytest.raises(RuleMismatchError, match="generation config"):
         rule.check_applicable(MODEL_FP, CONFIG.fingerprint())
+
+
+def test_hostile_rule_files_give_rule_errors(tmp_path):
+    """A deeply nested document or a path the OS refuses are RuleFormatErrors, not RecursionError / OSError."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(RuleFormatError, match="nests too deeply"):
+        RiskRule.load(path)
+    with pytest.raises(RuleFormatError, match="not found|cannot be read"):
+        RiskRule.load(tmp_path / ("r" * 5000 + ".json"))

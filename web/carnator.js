@@ -1,27 +1,51 @@
-// Carnator frontend extension (ComfyUI frontend 1.32.x; served from the extension's WEB_DIRECTORY at
-// /extensions/carnator/carnator.js and loaded as an ES module).
+// Carnator frontend extension (ComfyUI frontend 1.32.x as bundled with ComfyUI 0.3.75, and the current frontend
+// from `comfyui-frontend-package` 1.58.x in both its classic canvas and its DOM "Vue nodes" mode; served from the
+// extension's WEB_DIRECTORY at /extensions/carnator/carnator.js and loaded as an ES module).
 //
 // 1. Reuse badge: after a Carnator Joint Reuse Sampler runs, the server sends
-//    ui = {carnator_report: [report]} (nodes/sampler.py); on a requeued graph that ComfyUI's node cache answered,
-//    the Cache Writer sends it (mode "node_cache"). The badge under the node shows the decision
+//    ui = {carnator_report: [report]} (nodes/sampler.py). The badge in the node shows the decision
 //    (HIT / MISS -> dense / DENSE), the candidate entry, each risk axis' discrepancy against its threshold,
-//    the active fraction and the estimated saving. The last report stays on the node as `node.carnatorReport`
-//    (tests and other extensions read it there) and every report of the session in `window.carnator.reports`.
+//    the active fraction and the estimated saving. It is a DOM widget (`addDOMWidget`), not canvas drawing: the
+//    canvas' onDrawForeground never runs for nodes the Vue-nodes mode renders as HTML, a DOM widget shows in both.
+//    The report arrives through the node's onExecuted and, independently, the API's "executed" event (either
+//    alone is enough; the same report object is shown once). The last report stays on the node as
+//    `node.carnatorReport` (tests and other extensions read it there) and every report of the session in
+//    `window.carnator.reports`.
 // 2. Cache panel: a "Carnator" sidebar tab with the cache's entries, bytes, hits and hit rate, and a purge
 //    button, backed by GET /carnator/cache/stats and POST /carnator/cache/purge (nodes/routes.py).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const SAMPLER = "CarnatorJointReuseSampler";
-const WRITER = "CarnatorCacheWriter";
 const CACHE_LOADER = "CarnatorCacheLoader";
 const DEFAULT_DIRECTORY = "carnator_cache";
+const BADGE_WIDGET = "carnator_badge";
+const LINE_HEIGHT = 15; // px, badge text lines
+const BADGE_PAD = 6; // px, inside the badge's border
 
-const COLORS = {
-  hit: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
-  miss: { bg: "#4d3a1f", fg: "#ffe2b3", pill: "#c77d1a" },
-  dense: { bg: "#2f3340", fg: "#d8dce6", pill: "#5b6478" },
+// What a decision looks like. A new decision in the report is one entry here (unknown ones show their own name in
+// the neutral colours).
+// An exact repeat is answered from the cache before the probe (mode "exact"), or by ComfyUI's own node cache when
+// an identical graph is requeued (mode "node_cache", reported by the Cache Writer): the stored result, no model call.
+const isExact = (r) => r?.decision === "hit" && (r.mode === "exact" || r.mode === "node_cache");
+
+const KINDS = {
+  hit: {
+    headline: (r) => (isExact(r) ? "HIT · exact repeat (no model call)" : `HIT · ${r.mode || "joint"} reuse`),
+    colors: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
+  },
+  miss: {
+    headline: () => "MISS → dense resume",
+    colors: { bg: "#4d3a1f", fg: "#ffe2b3", pill: "#c77d1a" },
+  },
+  dense: {
+    headline: () => "DENSE (no reuse requested)",
+    colors: { bg: "#2f3340", fg: "#d8dce6", pill: "#5b6478" },
+  },
 };
+const PASS_COLOR = "#8fe3a3";
+const FAIL_COLOR = "#ff9a8a";
+const NOTE_COLOR = "#ffcf99";
 
 const state = (window.carnator = window.carnator || { reports: [], last: null });
 
@@ -57,6 +81,10 @@ function seconds(ms) {
   return typeof ms === "number" && isFinite(ms) ? `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s` : "–";
 }
 
+function note(text) {
+  return { text: String(text).slice(0, 60), color: NOTE_COLOR };
+}
+
 /** The verdict to show: the accepted entry's, else the most similar candidate's (the one that came closest). */
 export function chosenVerdict(report) {
   const verdicts = Array.isArray(report?.verdicts) ? report.verdicts : [];
@@ -66,104 +94,138 @@ export function chosenVerdict(report) {
   return [...verdicts].sort((a, b) => (b.similarity ?? -Infinity) - (a.similarity ?? -Infinity))[0];
 }
 
-/** Badge text lines for a report: [{text, color?}], first line is the headline. Pure: tested through the UI. */
-export function badgeLines(report) {
-  const kind = report.decision === "hit" ? "hit" : report.decision === "miss" ? "miss" : "dense";
-  // An exact repeat is answered from the cache before the probe ("exact"), or by ComfyUI's own node cache when
-  // an identical graph is requeued ("node_cache"): the stored result, no model call.
-  const exact = kind === "hit" && (report.mode === "exact" || report.mode === "node_cache");
-  if (exact) {
-    const t = report.timings_ms || {};
-    const source = report.mode === "node_cache" ? "ComfyUI node cache" : `entry ${shortId(report.entry_id)}`;
-    return {
-      kind,
-      lines: [
-        { text: "HIT · exact repeat (no model call)", bold: true },
-        { text: `${source} · stored result` },
-        { text: `saved ${pct(report.saving)} of dense compute · ${seconds(t.total)}` },
-      ],
-    };
-  }
-  const head =
-    kind === "hit"
-      ? `HIT · ${report.mode || "joint"} reuse`
-      : kind === "miss"
-        ? "MISS → dense resume"
-        : "DENSE (no reuse requested)";
-  const lines = [{ text: head, bold: true }];
-  const verdict = chosenVerdict(report);
-  if (verdict) {
+/** The decision's key in KINDS and its look: a missing decision is "dense"; an unknown one keeps its own name. */
+export function kindOf(report) {
+  const key = report?.decision ? String(report.decision) : "dense";
+  if (KINDS[key]) return { key, ...KINDS[key] };
+  return { key, headline: () => key.toUpperCase(), colors: KINDS.dense.colors };
+}
+
+// The badge's body, in order: each entry maps (report, {kind, verdict}) to a line, a list of lines or nothing.
+// A line is {text, color?}. To show a new report field, add an entry.
+const BODY = [
+  (r, { kind, verdict }) => {
+    if (r.mode === "node_cache") return { text: "ComfyUI node cache · stored result" };
+    if (!verdict) return kind === "dense" ? null : { text: "no cached candidate" };
     const sim = typeof verdict.similarity === "number" ? ` · sim ${num(verdict.similarity)}` : "";
-    lines.push({ text: `${kind === "hit" ? "entry" : "closest"} ${shortId(verdict.entry_id)}${sim}` });
-    for (const c of verdict.checks || []) {
-      const op = c.passed ? "≤" : ">";
-      lines.push({
-        text: `${c.passed ? "✓" : "✗"} ${c.axis} ${num(c.value)} ${op} ${num(c.threshold)}`,
-        color: c.passed ? "#8fe3a3" : "#ff9a8a",
-      });
-    }
-    if (!verdict.accepted && verdict.reason && !(verdict.checks || []).length) {
-      lines.push({ text: String(verdict.reason).slice(0, 60), color: "#ffcf99" });
-    }
-  } else if (kind !== "dense") {
-    lines.push({ text: "no cached candidate" });
+    return { text: `${kind === "hit" ? "entry" : "closest"} ${shortId(verdict.entry_id)}${sim}` };
+  },
+  (r, { verdict }) =>
+    (verdict?.checks || []).map((c) => ({
+      text: `${c.passed ? "✓" : "✗"} ${c.axis} ${num(c.value)} ${c.passed ? "≤" : ">"} ${num(c.threshold)}`,
+      color: c.passed ? PASS_COLOR : FAIL_COLOR,
+    })),
+  (r, { verdict }) =>
+    verdict && !verdict.accepted && verdict.reason && !(verdict.checks || []).length ? note(verdict.reason) : null,
+  (r, { kind }) =>
+    kind === "hit" && !isExact(r)
+      ? { text: `active ${pct(r.active_fraction)} · blocks ${pct(r.block_density)}` }
+      : null,
+  (r) => ({ text: `saved ${pct(r.saving)} of dense compute · ${seconds((r.timings_ms || {}).total)}` }),
+  (r, { kind }) => (kind === "miss" && r.reason ? note(r.reason) : null),
+];
+
+/** Badge text for a report: {kind, colors, lines: [{text, bold?, color?}]}; lines[0] is the headline.
+ *  Pure; the DOM badge shows exactly these lines (tests compare them). */
+export function badgeLines(report) {
+  const k = kindOf(report);
+  const ctx = { kind: k.key, verdict: chosenVerdict(report) };
+  const lines = [{ text: k.headline(report), bold: true }];
+  for (const build of BODY) {
+    const out = build(report, ctx);
+    if (out) lines.push(...(Array.isArray(out) ? out : [out]));
   }
-  if (kind === "hit") {
-    lines.push({ text: `active ${pct(report.active_fraction)} · blocks ${pct(report.block_density)}` });
-  }
-  const t = report.timings_ms || {};
-  lines.push({ text: `saved ${pct(report.saving)} of dense compute · ${seconds(t.total)}` });
-  if (kind === "miss" && report.reason) lines.push({ text: String(report.reason).slice(0, 60), color: "#ffcf99" });
-  return { kind, lines };
+  return { kind: k.key, colors: k.colors, lines };
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// badge drawing (canvas, node-local coordinates: (0, 0) is the top-left of the node body, below the title)
+// the badge: a DOM widget, so that it shows in the canvas and in the Vue-nodes mode alike
 
-function roundRect(ctx, x, y, w, h, r) {
-  ctx.beginPath();
-  if (ctx.roundRect) ctx.roundRect(x, y, w, h, r);
-  else ctx.rect(x, y, w, h);
+function badgeHeight(lineCount) {
+  return lineCount ? BADGE_PAD * 2 + 3 + LINE_HEIGHT * lineCount : 0; // + borders, the bar's margin
 }
 
-function drawBadge(node, ctx) {
-  const report = node.carnatorReport;
-  if (!report || node.flags?.collapsed) return;
-  const { kind, lines } = badgeLines(report);
-  const colors = COLORS[kind];
-  const lineH = 15;
-  const pad = 6;
-  const w = Math.max(node.size[0], 220);
-  const h = pad * 2 + lineH * lines.length;
-  const y0 = node.size[1] + 8;
-  ctx.save();
-  roundRect(ctx, 0, y0, w, h, 6);
-  ctx.fillStyle = colors.bg;
-  ctx.globalAlpha = 0.95;
-  ctx.fill();
-  ctx.globalAlpha = 1;
-  ctx.strokeStyle = colors.pill;
-  ctx.lineWidth = 1.5;
-  ctx.stroke();
-  ctx.textAlign = "left";
-  ctx.textBaseline = "top";
-  lines.forEach((line, i) => {
-    ctx.font = `${line.bold ? "bold " : ""}12px Arial, sans-serif`;
-    ctx.fillStyle = line.color || colors.fg;
-    ctx.fillText(line.text, pad + 2, y0 + pad + i * lineH, w - 2 * pad);
+/** Fill the badge element with a report's lines (text only: nothing from the report is parsed as HTML). The
+ *  headline sits on a bar in the decision's colour, so the decision reads at a glance and when zoomed out. */
+export function renderBadge(element, report) {
+  const { kind, colors, lines } = badgeLines(report);
+  element.dataset.decision = kind;
+  element.dataset.lines = String(lines.length);
+  Object.assign(element.style, {
+    display: "block", boxSizing: "border-box", width: "100%", height: `${badgeHeight(lines.length)}px`,
+    // The Vue-nodes layout stretches widget elements to fill the node (flex-1): keep the badge its own height.
+    flex: "0 0 auto", padding: `${BADGE_PAD}px 8px`, background: colors.bg, color: colors.fg,
+    border: `1px solid ${colors.pill}`, borderRadius: "6px", font: `12px/${LINE_HEIGHT}px Arial, Helvetica, sans-serif`,
+    overflow: "hidden", pointerEvents: "none",
   });
-  // A pill in the title bar, visible when zoomed out.
-  const titleH = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
-  const label = kind.toUpperCase();
-  ctx.font = "bold 11px Arial, sans-serif";
-  const pw = ctx.measureText(label).width + 12;
-  roundRect(ctx, node.size[0] - pw - 6, -titleH + 7, pw, titleH - 14, 7);
-  ctx.fillStyle = colors.pill;
-  ctx.fill();
-  ctx.fillStyle = "#fff";
-  ctx.textBaseline = "middle";
-  ctx.fillText(label, node.size[0] - pw, -titleH / 2);
-  ctx.restore();
+  const rows = lines.map((line, i) => {
+    const row = document.createElement("div");
+    row.className = i ? "carnator-badge-line" : "carnator-badge-head";
+    Object.assign(row.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis",
+      height: `${LINE_HEIGHT}px` });
+    if (line.color) row.style.color = line.color;
+    if (line.bold) row.style.fontWeight = "bold";
+    if (i === 0) {
+      Object.assign(row.style, { background: colors.pill, color: "#fff", margin: `0 -4px 1px`, padding: "0 4px",
+        borderRadius: "4px" });
+    }
+    row.textContent = line.text;
+    row.title = line.text;
+    return row;
+  });
+  element.replaceChildren(...rows);
+  return lines.length;
+}
+
+function badgeWidget(node) {
+  const existing = (node.widgets || []).find((w) => w.name === BADGE_WIDGET);
+  if (existing) return existing;
+  const element = document.createElement("div");
+  element.className = "carnator-badge";
+  const widget = node.addDOMWidget(BADGE_WIDGET, "carnator_badge", element, {
+    serialize: false, // not a value: never in the workflow's widgets_values nor in the API prompt
+    hideOnZoom: false, // the decision stays readable when zoomed out
+    getValue: () => undefined,
+    setValue: () => {},
+    getMinHeight: () => badgeHeight(Number(element.dataset.lines || 0)),
+    getMaxHeight: () => badgeHeight(Number(element.dataset.lines || 0)),
+    // The current frontend's visibility per surface (older frontends ignore it): the node on the canvas and as
+    // a Vue node, not the properties panel.
+    surfaces: { canvas: "shown", vueNode: "shown", panel: "never" },
+  });
+  widget.serialize = false;
+  widget.element = widget.element || element;
+  return widget;
+}
+
+/** Show a report on a sampler node (idempotent for the same report object: both delivery paths may call it). */
+function showReport(node, report) {
+  if (!node || !report || node.carnatorReport === report) return;
+  node.carnatorReport = report;
+  state.last = report;
+  state.reports.push(report);
+  try {
+    const widget = badgeWidget(node);
+    renderBadge(widget.element, report);
+    // On the canvas, grow the node to fit the badge (never shrink what the user sized). A Vue node lays out its
+    // own HTML; there computeSize also counts the advanced inputs it hides, which would leave a gap.
+    const min = window.LiteGraph?.vueNodesMode ? null : node.computeSize?.();
+    if (min && node.size) node.setSize([Math.max(node.size[0], min[0], 240), Math.max(node.size[1], min[1])]);
+  } catch (e) {
+    console.error("carnator: could not show the reuse badge", e);
+  }
+  state.refreshPanel?.();
+  node.setDirtyCanvas?.(true, true);
+}
+
+/** The sampler node an "executed" event is about, or null (also for nodes inside a subgraph that the plain id
+ *  does not reach: their onExecuted hook delivers the report instead). */
+function executedNode(detail) {
+  const id = detail?.display_node ?? detail?.node;
+  if (id == null) return null;
+  const graph = app.rootGraph || app.graph;
+  const node = graph?.getNodeById?.(id) ?? graph?.getNodeById?.(Number(id));
+  return node && (node.comfyClass === SAMPLER || node.type === SAMPLER) ? node : null;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -240,7 +302,9 @@ function renderPanel(root) {
         row("bytes", bytes(s.bytes ?? 0)),
         row("hits", String(s.hits ?? 0)),
         row("hit rate", s.hit_rate == null ? "–" : pct(s.hit_rate, 1)),
-        ...(s.namespaces != null ? [row("namespaces", String(Array.isArray(s.namespaces) ? s.namespaces.length : s.namespaces))] : []),
+        ...(s.namespaces != null
+          ? [row("namespaces", String(Array.isArray(s.namespaces) ? s.namespaces.length : s.namespaces))]
+          : []),
         row("this session", sessionLine()),
       );
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";
@@ -304,31 +368,18 @@ app.registerExtension({
     } else {
       console.warn("carnator: this ComfyUI frontend has no sidebar tabs; the cache panel is unavailable");
     }
+    api.addEventListener("executed", ({ detail }) => {
+      const report = detail?.output?.carnator_report?.[0];
+      if (report) showReport(executedNode(detail), report);
+    });
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== SAMPLER && nodeData?.name !== WRITER) return;
+    if (nodeData?.name !== SAMPLER) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       const r = onExecuted?.apply(this, arguments);
-      const report = output?.carnator_report?.[0];
-      if (report) {
-        this.carnatorReport = report;
-        state.last = report;
-        state.reports.push(report);
-        state.refreshPanel?.();
-        this.setDirtyCanvas?.(true, true);
-      }
-      return r;
-    };
-    const onDrawForeground = nodeType.prototype.onDrawForeground;
-    nodeType.prototype.onDrawForeground = function (ctx) {
-      const r = onDrawForeground?.apply(this, arguments);
-      try {
-        drawBadge(this, ctx);
-      } catch (e) {
-        console.error("carnator: badge drawing failed", e);
-      }
+      showReport(this, output?.carnator_report?.[0]);
       return r;
     };
   },

@@ -8,6 +8,7 @@ No forward function is copied: the patches always call ComfyUI's own blocks.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,28 +69,85 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+SUPPORTED = ("Wan 2.1 T2V (1.3B, 14B), Wan 2.2 TI2V 5B, LTX-Video 0.9.x (2B, 13B) and "
+             "Carnator's embedded model")
+
+# Model families that look like a supported one (a subclass of ComfyUI's WAN21 or LTXV, or the same backbone) but
+# that Carnator cannot reuse across, recognised by class name so that ComfyUI releases newer than the host
+# (which add e.g. WAN21_FlowRVS, WAN21_CausalAR, LTXAV) are refused with the right reason too.
+# (pattern over the model's and its backbone's class and module names, what it is, why reuse does not apply)
+_REFUSED_FAMILIES: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (re.compile(r"FlowRVS|IMG_TO_IMG"), "an image-to-image flow Wan variant (e.g. WAN21_FlowRVS)",
+     ("it transports an input image's latent instead of denoising noise, so the probe's noise schedule, the Early "
+      "Signature and the cached text-to-video runs do not describe it")),
+    (re.compile(r"Causal|Autoregressive|ar_model|(^|[._])AR($|[._])"),
+     "a causal / autoregressive Wan (e.g. WAN21_CausalAR, frame-by-frame generation with a KV cache)",
+     ("each frame block is generated from the previous ones, so there is no whole-clip probe to compare and no "
+      "single attention structure to reuse")),
+    (re.compile(r"LTXAV|av_model|LTX2|LTXV2"), "LTX-2 (the audio-video LTX model, LTXAV)",
+     "its joint audio-video tokens and second (audio) stream are not covered by the signature or the reuse plan"),
+)
+
+
+def _names(obj: Any) -> list[str]:
+    t = type(obj)
+    return [t.__name__, t.__module__]
+
+
+def _refuse(what: str, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"Carnator cannot reuse computation for {what}: {why}. Supported: {SUPPORTED}. Run this model with "
+        f"ComfyUI's own samplers (KSampler / SamplerCustom), without the Carnator nodes."
+    )
+
+
 def detect_arch(model: Any) -> str:
-    """Recognise a ComfyUI ModelPatcher's backbone. Raises UnsupportedModelError naming what was found."""
+    """Recognise a ComfyUI ModelPatcher's backbone: "wan21", "wan22", "ltxv" or "embedded".
+
+    Only the exact model classes ComfyUI builds for the supported checkpoints are accepted (not subclasses:
+    ComfyUI derives image-conditioned, audio, camera, causal and image-to-image variants from WAN21), with the
+    plain backbone and prediction type those use. Anything else raises UnsupportedModelError naming what was
+    found, why it cannot be reused across, and what is supported."""
     import comfy.model_base as mb
 
     base = getattr(model, "model", None)
     if hasattr(base, "carnator_embedded_meta"):  # set by carnator_core.embedded.comfy_glue.load_embedded
         return "embedded"
-    if isinstance(base, mb.WAN22):
-        return "wan22"
-    if isinstance(base, mb.WAN21):
-        dm = base.diffusion_model
-        if getattr(dm, "model_type", "t2v") != "t2v" or type(dm).__name__ != "WanModel":
+    dm = getattr(base, "diffusion_model", None)
+    prediction = getattr(getattr(base, "model_type", None), "name", "?")
+    names = _names(base) + _names(dm) + [prediction]
+    for pattern, what, why in _REFUSED_FAMILIES:
+        if any(pattern.search(n) for n in names):
+            raise _refuse(f"{what}, found {type(base).__name__} / {type(dm).__name__}", why)
+    if type(base) in (mb.WAN21, mb.WAN22):
+        from comfy.ldm.wan.model import WanModel
+
+        if type(dm) is not WanModel or getattr(dm, "model_type", "t2v") != "t2v":
             raise UnsupportedModelError(
                 f"Carnator supports Wan text-to-video models; this Wan model is {type(dm).__name__} "
-                f"(model_type={getattr(dm, 'model_type', '?')}). Load a Wan 2.1 T2V or Wan 2.2 TI2V checkpoint."
+                f"(model_type={getattr(dm, 'model_type', '?')}). Load a Wan 2.1 T2V or Wan 2.2 TI2V "
+                f"checkpoint. Supported: {SUPPORTED}."
             )
-        return "wan21"
-    if isinstance(base, mb.LTXV):
+        if prediction != "FLOW":
+            raise _refuse(f"a Wan model with prediction type {prediction}",
+                          "the probe and the cache assume Wan's flow-matching (FLOW) denoising from noise")
+        return "wan22" if type(base) is mb.WAN22 else "wan21"
+    if type(base) is mb.LTXV:
+        if prediction != "FLUX":
+            raise _refuse(f"an LTX-Video model with prediction type {prediction}",
+                          "the probe and the cache assume LTX-Video's flow (FLUX-type) denoising from noise")
         return "ltxv"
+    if isinstance(base, mb.WAN21):
+        raise _refuse(
+            f"the Wan variant {type(base).__name__} (backbone {type(dm).__name__})",
+            "its extra conditioning (reference video, image, audio, camera or pose inputs) is not part of the Early "
+            "Signature or the cache namespace, so two runs that look alike may not be")
+    if isinstance(base, mb.LTXV):
+        raise _refuse(f"the LTX-Video variant {type(base).__name__}",
+                      "only ComfyUI's plain LTXV text-to-video model is covered")
     raise UnsupportedModelError(
-        f"Carnator works with Wan 2.1 T2V, Wan 2.2 TI2V, LTX-Video and its embedded model; got "
-        f"{type(base).__name__}. Load one of those with UNETLoader/CheckpointLoader (or Carnator Embedded Loader)."
+        f"Carnator works with {SUPPORTED}; got {type(base).__name__}. Load one of those with "
+        f"UNETLoader/CheckpointLoader (or Carnator Embedded Loader)."
     )
 
 

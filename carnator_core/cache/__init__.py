@@ -6,15 +6,32 @@ Public API (see each module's docstring for contracts)::
     store.put(EntryData) -> entry_id            store.load(entry_id, count_hit=True) -> Entry
     store.query(ns, embedding, k) -> [(id, sim)] store.candidates(ns, embedding, k) -> types.Candidates
     store.record_hit(id) / record_lookup(ns)    store.stats(ns=None) / purge(ns=None) / verify() / scan()
+    encode_entry(EntryData, entry_id=, created=) -> EncodedEntry (bytes)   decode_entry(bytes) -> DecodedEntry
     embed_conditioning(cond_tensor, attention_mask=None) -> np.ndarray
     resolve_cache_dir(user_path, allowed_roots) -> Path
     CacheHandle(path, max_bytes, policy).store() -> Store (one per process and directory)
+    CacheHandle("redis://host:port/db", ...).store() -> RedisStore (shared by many workers; redis_store.py)
 """
+from ..paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
 from .embed import embed_comfy_conditioning, embed_conditioning
+from .entry import DecodedEntry, EncodedEntry, decode_entry, encode_entry
+from .errors import (
+    CacheFullError,
+    CatalogError,
+    CatalogRebuiltError,
+    EntryFormatError,
+    NotACacheDirectoryError,
+)
 from .handle import CacheHandle, open_store
 from .index import IndexParams, VectorIndex
-from .paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
 from .policy import POLICIES
+from .redis_url import (
+    ENV_URL as ENV_REDIS_URL,
+    CacheUnavailableError,
+    RedisConfigError,
+    is_redis_url,
+    resolve_redis_url,
+)
 from .store import (
     CacheBudgetError,
     CacheError,
@@ -27,11 +44,15 @@ from .store import (
     NamespaceStats,
     Store,
     VerifyReport,
+    adoption_problem,
 )
 
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheHandle", "CachePathError", "CacheStats", "CorruptEntryError", "ENV_ROOTS",
-    "Entry", "EntryData", "EntryNotFoundError", "IndexParams", "NamespaceMismatchError", "NamespaceStats", "POLICIES",
-    "Store", "VectorIndex", "VerifyReport", "embed_comfy_conditioning", "embed_conditioning", "open_store",
-    "resolve_cache_dir", "roots_from_env",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CacheHandle", "CachePathError",
+    "CacheStats", "CatalogError", "CatalogRebuiltError", "CorruptEntryError", "DecodedEntry", "ENV_ROOTS",
+    "EncodedEntry", "Entry", "EntryData", "EntryFormatError", "EntryNotFoundError", "IndexParams",
+    "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "POLICIES", "Store", "VectorIndex",
+    "VerifyReport", "adoption_problem", "decode_entry", "embed_comfy_conditioning", "embed_conditioning",
+    "encode_entry", "open_store", "resolve_cache_dir", "roots_from_env",
+    "CacheUnavailableError", "ENV_REDIS_URL", "RedisConfigError", "is_redis_url", "resolve_redis_url",
 ]

@@ -42,3 +42,8 @@ def check_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
     return policy
+
+
+#: Eviction order per policy (first = evicted first), as SQL over the catalogue's ``entries`` table. ``priority``
+#: is maintained with ``priority()`` above (registered in SQLite as ``carnator_priority`` by ``catalog.connect``).
+EVICTION_ORDER = {"lcbfu": "priority ASC, seq ASC", "lru": "last_access ASC, seq ASC"}

@@ -3,37 +3,46 @@
 Layout (everything below the store root)::
 
     carnator-cache.json                 format marker {"format": "carnator-cache", "version": 1}
-    catalog.sqlite3 (+ -wal, -shm)      SQLite catalogue (WAL): entries, embeddings, namespaces, change log, counters
-    entries/<namespace>/<id>.safetensors  one immutable file per entry: tensors + JSON metadata
+    catalog.sqlite3 (+ -wal, -shm)      SQLite catalogue (WAL): an index over the entry files (``catalog.py``)
+    entries/<namespace>/<id>.safetensors  one immutable, self-describing, checksummed file per entry (``entry.py``)
     index/<namespace>.safetensors       persisted FAISS index (large namespaces only), HMAC-signed
-    quarantine/<namespace>/<id>.*       corrupt entries moved out of the way, with a .reason.txt
-    tmp/                                files being written (same filesystem, so os.replace is atomic)
-    locks/                              filelock files (catalogue repair, index persistence)
+    quarantine/                         corrupt entries and unusable catalogues moved out of the way (never deleted)
+    tmp/                                files being written: ``<stem>.<pid>.<8 hex>.tmp`` (same filesystem: atomic)
+    locks/                              filelock files (catalogue repair, eviction, index persistence)
 
 Contracts
 ---------
-* **Never pickle.** Tensors are safetensors, metadata JSON inside the safetensors header and SQLite rows. Entry
-  files are parsed with safetensors / our own bounds-checked header reader; FAISS only ever parses index files
-  whose HMAC verifies under a key kept outside the cache directory (see ``index.py``). SQLite runs with
-  ``trusted_schema=OFF`` and a catalogue whose schema is not exactly ours (e.g. has triggers) is set aside and
-  rebuilt from the entry files.
-* **Namespaces = model x generation config** (``types.namespace_key``). ``EntryData`` derives its namespace
-  from its own model fingerprint and config, and a namespace's first entry pins its fingerprint, config and
-  embedding dimension: an entry that disagrees is refused. Retrieval only searches one namespace, so a
-  mismatched entry is never returned.
-* **Durability.** A write goes to ``tmp/``, is fsynced, renamed into ``entries/`` and only then committed to the
-  catalogue in one transaction (row + embedding + change-log record). A crash leaves nothing, a stray temp
-  file, or an uncommitted orphan file; ``scan()`` (run at open) removes those once older than a grace period
-  (so in-flight writes of other processes are never touched). Deletes (eviction, purge) commit first and
-  unlink afterwards, so a committed row never points at a missing file.
-* **Corruption.** Every tensor's sha256 is in the entry's metadata, and the metadata's sha256 in the catalogue.
-  A file that fails to parse, is truncated, or does not match is moved to ``quarantine/`` with one warning on
-  the ``carnator`` logger, removed from the catalogue and reported to the caller as ``CorruptEntryError``;
-  nothing else is touched. A corrupt catalogue is quarantined and rebuilt from the entry files.
+* **Whose directory.** ``Store.open`` adopts a directory only if it is empty (or new) or carries the marker
+  file; anything else raises ``NotACacheDirectoryError`` and nothing in it is touched. Inside a cache, the only
+  files ever removed automatically are the cache's own temp files (name pattern above, older than the grace
+  period); entry files are only removed by ``delete`` / ``purge`` / eviction of catalogued entries, and
+  corrupt ones are *moved* to ``quarantine/``.
+* **The catalogue is an index.** Every entry file names its namespace, model, config, prompt and seed, so the
+  catalogue can always be rebuilt from the files: it is, into a new file swapped in atomically, when it is
+  missing, damaged (``PRAGMA quick_check``), not exactly our schema (e.g. has triggers), a symbolic link, or an
+  interrupted rebuild (the old one is moved to ``quarantine/``). An entry file without a row is *adopted*
+  (``scan``), never deleted. Counters (lookups, hits, recency) are the only state a rebuild loses.
+* **Never pickle.** Tensors are safetensors, metadata JSON; FAISS only parses index files whose HMAC verifies
+  under a key kept outside the cache directory (``index.py``). SQLite runs with ``trusted_schema=OFF``.
+* **Namespaces = model x generation config** (``types.namespace_key``); a namespace's first entry pins its full
+  model fingerprint, config and embedding dimension, an entry that disagrees is refused, and readers that pass
+  ``model_fingerprint`` get nothing from a namespace pinned to another model (a key-prefix collision).
+* **Durability.** A write goes to ``tmp/``, is fsynced, renamed into ``entries/`` and then committed in one
+  transaction (row + embedding + change-log record). A crash leaves nothing, one of our temp files, or a
+  complete entry file without a row (adopted by ``scan``). Deletes (eviction, purge) unlink the files first
+  and commit afterwards: a crash leaves rows whose file is gone, which readers treat as "no longer cached" and
+  ``scan`` drops; and on a full disk the unlinks free the space the commit needs.
+* **Full disk.** Reads work (counter updates, index persistence and change-log trimming are best-effort);
+  ``delete`` / ``purge`` work; a write fails with ``CacheFullError``.
+* **Errors.** Every failure is a ``CacheError`` (``errors.py``) saying what to do; raw ``sqlite3`` / ``OSError``
+  never leave the public methods. A damaged catalogue found mid-operation is rebuilt at once and the call
+  fails with ``CatalogError`` ("retry").
+* **Corruption.** A file that fails to parse, is truncated, or does not match its checksums is moved to
+  ``quarantine/`` with one warning, removed from the catalogue and reported as ``CorruptEntryError``.
 * **Concurrency.** SQLite WAL + ``BEGIN IMMEDIATE`` serialise writers across processes (``busy_timeout`` 60 s);
-  readers see consistent snapshots. Each process keeps its own in-memory FAISS index per namespace and
-  brings it up to date from the change log (keyed by a per-namespace generation counter and a random token
-  that changes on purge), so an index always agrees with the committed entries when a query runs.
+  readers see consistent snapshots. A process notices a catalogue swapped in by another (inode change) before
+  its next transaction. Each process keeps its own in-memory FAISS index per namespace and brings it up to date
+  from the change log (per-namespace generation counter + a token that changes on purge / rebuild).
 * **Capacity.** ``max_bytes`` bounds the total size of entry files; after each write the lowest-value entries
   are evicted (``policy.py``: ``lcbfu`` by default, or ``lru``). An entry larger than the whole budget is refused.
 * **Exact repeats.** An entry may carry the ``keys.request_key`` of the request whose dense output it holds
@@ -44,183 +53,73 @@ Contracts
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 from filelock import FileLock
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from ..types import BlockStructure, Candidate, Candidates, GenConfig, Signature, namespace_key
+from ..types import Candidate, Candidates, GenConfig, Signature, namespace_key
+from . import catalog
+from .catalog import CATALOG, SIDE_FILES, STORE_FORMAT, STORE_VERSION
+from .entry import (
+    REQUEST_KEY_RE,
+    DecodedEntry,
+    Entry,
+    EntryData,
+    adopted_request_key,
+    check_meta,
+    decode_entry,
+    encode_entry,
+    read_entry_parts,
+    signature_from,
+    valid_entry_id,
+    valid_namespace,
+)
+from .errors import (
+    CacheBudgetError,
+    CacheError,
+    CacheFullError,
+    CatalogError,
+    CatalogRebuiltError,
+    CorruptEntryError,
+    EntryFormatError,
+    EntryNotFoundError,
+    NamespaceMismatchError,
+    NotACacheDirectoryError,
+)
 from .index import IndexFileError, IndexParams, VectorIndex, normalize_rows
-from .policy import check_policy, priority, work_of
+from .policy import EVICTION_ORDER, check_policy, work_of
 
 log = logging.getLogger("carnator")
 
-STORE_FORMAT = "carnator-cache"
-STORE_VERSION = 1
-ENTRY_FORMAT = "carnator-entry"
-ENTRY_VERSION = 1
-CATALOG = "catalog.sqlite3"
 MARKER = "carnator-cache.json"
 ENV_KEY_FILE = "CARNATOR_INDEX_KEY_FILE"
 DEFAULT_GRACE_S = 600.0  # files younger than this may be another process's write in flight
 CHANGE_LOG_KEEP = 20000  # change-log rows kept per namespace that has no persisted index
-_MAX_HEADER = 64 << 20
-
-_NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_ID_RE = re.compile(r"^[0-9a-f]{16}$")
-_KEY_RE = re.compile(r"^(|[0-9a-f]{16,64})$")
-_TENSOR_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-_RESERVED = ("sig.", "blocks.")
-_ALLOWED_DTYPES = {
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-}
-
-_SCHEMA = [
-    "CREATE TABLE info(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE namespaces(namespace TEXT PRIMARY KEY, model_fingerprint TEXT NOT NULL, config_json TEXT NOT NULL,"
-    " dim INTEGER NOT NULL, token TEXT NOT NULL, generation INTEGER NOT NULL, index_generation INTEGER NOT NULL,"
-    " created REAL NOT NULL)",
-    "CREATE TABLE entries(seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, namespace TEXT NOT NULL,"
-    " prompt TEXT NOT NULL, prompt_digest TEXT NOT NULL, seed TEXT NOT NULL, nbytes INTEGER NOT NULL,"
-    " meta_digest TEXT NOT NULL, work REAL NOT NULL, priority REAL NOT NULL, created REAL NOT NULL,"
-    " last_access REAL NOT NULL, hits INTEGER NOT NULL, request_key TEXT NOT NULL DEFAULT '',"
-    " UNIQUE(namespace, prompt_digest, seed, request_key))",
-    "CREATE INDEX entries_namespace ON entries(namespace)",
-    "CREATE INDEX entries_request_key ON entries(request_key)",
-    "CREATE INDEX entries_priority ON entries(priority)",
-    "CREATE INDEX entries_last_access ON entries(last_access)",
-    "CREATE TABLE embeddings(seq INTEGER PRIMARY KEY, vec BLOB NOT NULL)",
-    "CREATE TABLE changes(namespace TEXT NOT NULL, generation INTEGER NOT NULL, op TEXT NOT NULL,"
-    " seq INTEGER NOT NULL, PRIMARY KEY(namespace, generation)) WITHOUT ROWID",
-    "CREATE TABLE counters(namespace TEXT PRIMARY KEY, lookups INTEGER NOT NULL, hits INTEGER NOT NULL)",
-]
-
-
-# ---------------------------------------------------------------------------------------------- errors
-class CacheError(RuntimeError):
-    """Base class of cache errors (messages say what is wrong and what to do)."""
-
-
-class EntryNotFoundError(CacheError, KeyError):
-    """The entry is not in the catalogue (never written, evicted, purged or quarantined meanwhile)."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
-
-
-class CorruptEntryError(CacheError):
-    """The entry's file was corrupt or truncated; it has been quarantined. Other entries are unaffected."""
-
-
-class CacheBudgetError(CacheError):
-    """An entry larger than the whole byte budget."""
-
-
-class NamespaceMismatchError(CacheError):
-    """A namespace key collision: same key, different model fingerprint / config / embedding dimension."""
+QUICK_CHECK_MAX_BYTES = 256 << 20  # catalogues up to this size get PRAGMA quick_check at open (~15k entries)
+SUBDIRS = ("entries", "index", "quarantine", "tmp", "locks")
+_TMP_RE = re.compile(r"^[A-Za-z0-9_.-]+\.\d+\.[0-9a-f]{8}\.tmp$")  # the temp files this cache creates
+_MARKER_TMP_RE = re.compile(r"^\." + re.escape(MARKER) + r"\.\d+\.[0-9a-f]{8}\.tmp$")
+_ENTRY_FILE_RE = re.compile(r"^[0-9a-f]{16}\.safetensors$")
 
 
 # ---------------------------------------------------------------------------------------------- values
-@dataclass(frozen=True, kw_only=True)
-class EntryData:
-    """What a finished generation contributes to the cache (input of ``Store.put``).
-
-    namespace: derived from ``model_fingerprint`` x ``config`` (``types.namespace_key``); passing a different
-               one is an error. model_fingerprint: includes LoRA/patches (the probe computes it).
-    embedding: retrieval embedding [D] (normalised on write). signature: the request's Early Signature.
-    tensors:   name -> torch.Tensor | np.ndarray, e.g. "latent_probe", "latent_final", "x0_probe", "noise"
-               (names: letters, digits, ``_ . -``; not starting with "sig." / "blocks.", not "embedding").
-    block_structure: recorded attention block structure of the dense run, if any.
-    meta:      JSON-able extra metadata (e.g. the run report).
-    request_key: ``keys.request_key`` of the request whose *dense* output ``tensors["latent_final"]`` is ("" when
-               unknown or when the result came from reuse): ``Store.find_request`` answers exact repeats by it.
-    """
-
-    model_fingerprint: str
-    config: GenConfig
-    prompt: str
-    seed: int
-    embedding: np.ndarray
-    signature: Signature
-    tensors: Mapping[str, Any] = field(default_factory=dict)
-    block_structure: BlockStructure | None = None
-    meta: Mapping[str, Any] = field(default_factory=dict)
-    namespace: str = ""
-    request_key: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.request_key, str) or not _KEY_RE.match(self.request_key):
-            raise ValueError("EntryData.request_key must be '' or 16-64 lowercase hex digits (keys.request_key)")
-        if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
-            raise ValueError("EntryData.model_fingerprint must be a non-empty string")
-        if not isinstance(self.config, GenConfig):
-            raise TypeError(f"EntryData.config must be a GenConfig, got {type(self.config).__name__}")
-        if not isinstance(self.signature, Signature):
-            raise TypeError(f"EntryData.signature must be a types.Signature, got {type(self.signature).__name__}")
-        if self.block_structure is not None and not isinstance(self.block_structure, BlockStructure):
-            raise TypeError("EntryData.block_structure must be a types.BlockStructure or None")
-        if not isinstance(self.prompt, str):
-            raise TypeError("EntryData.prompt must be a string")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-            raise TypeError(f"EntryData.seed must be an int, got {type(self.seed).__name__}")
-        expected = namespace_key(self.model_fingerprint, self.config)
-        if self.namespace and self.namespace != expected:
-            raise ValueError(
-                f"EntryData.namespace {self.namespace!r} does not match namespace_key(model_fingerprint, config) = "
-                f"{expected!r}; leave it empty to derive it"
-            )
-        object.__setattr__(self, "namespace", expected)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A loaded cache entry (immutable; tensors are fresh CPU tensors owned by the caller)."""
-
-    entry_id: str
-    namespace: str
-    model_fingerprint: str
-    config: GenConfig
-    prompt: str
-    seed: int
-    created: float
-    hits: int
-    nbytes: int
-    embedding: np.ndarray
-    signature: Signature
-    tensors: Mapping[str, torch.Tensor]
-    block_structure: BlockStructure | None
-    meta: Mapping[str, Any]
-
-    def cached_run(self) -> Any:
-        """This entry as ``reuse.CachedRun`` (needs tensors "latent_final" and "x0_probe")."""
-        from ..reuse import CachedRun  # local: reuse is a sibling core module, keep import graph acyclic
-
-        missing = [k for k in ("latent_final", "x0_probe") if k not in self.tensors]
-        if missing:
-            raise CacheError(f"cache entry {self.entry_id} has no {missing}: it was written without them and "
-                             "cannot be reused for joint reuse")
-        return CachedRun(entry_id=self.entry_id, final_latent=self.tensors["latent_final"],
-                         x0_probe=self.tensors["x0_probe"], signature=self.signature, structure=self.block_structure)
-
-
 @dataclass(frozen=True)
 class NamespaceStats:
     namespace: str
@@ -301,43 +200,6 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _jsonable(obj: Any, where: str = "meta") -> Any:
-    """A JSON-able copy of ``obj`` (numpy/torch scalars unwrapped); raises ValueError naming the bad key."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
-        return obj.item()
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    raise ValueError(f"{where} is a {type(obj).__name__}, which cannot be stored as JSON metadata; "
-                     "put tensors in EntryData.tensors and plain values in meta")
-
-
-def _to_tensor(name: str, value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu")
-    elif isinstance(value, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(value))
-    else:
-        raise TypeError(f"tensor {name!r} is a {type(value).__name__}; give a torch.Tensor or numpy array")
-    if t.dtype not in _ALLOWED_DTYPES:
-        raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which the cache does not store "
-                        f"(use one of {sorted(_dtype_name(torch.empty(0, dtype=d)) for d in _ALLOWED_DTYPES)})")
-    return t.contiguous()
-
-
 def default_key_path() -> Path:
     """Where the index-signing key lives: ``$CARNATOR_INDEX_KEY_FILE`` or ``~/.config/carnator/index-hmac.key``."""
     env = os.environ.get(ENV_KEY_FILE)
@@ -371,10 +233,99 @@ def _load_or_create_key(path: Path) -> bytes | None:
         return None
 
 
+def _claim_directory(root: Path) -> None:
+    """Make sure ``root`` is ours: it carries the marker (checked), or it is empty / new (marked now).
+    Raises NotACacheDirectoryError for anything else, so a cache never adopts (and later cleans) someone
+    else's folder."""
+    marker = root / MARKER
+    if marker.is_symlink():
+        raise CacheError(f"{marker} is a symbolic link; a cache directory must not link elsewhere. Remove it.")
+    if not marker.exists():
+        if root.exists() and not root.is_dir():
+            raise NotACacheDirectoryError(f"{root} is a file, not a directory; choose a directory for the cache")
+        root.mkdir(parents=True, exist_ok=True)
+        why = adoption_problem(root)
+        if why:
+            raise NotACacheDirectoryError(why)
+        if not marker.exists():
+            tmp = root / f".{MARKER}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION}).encode())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, marker)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            catalog.fsync_path(root)
+    try:
+        m = json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        raise CacheError(f"{marker} is unreadable ({e}); is {root} a Carnator cache directory?") from None
+    if not isinstance(m, dict) or m.get("format") != STORE_FORMAT or m.get("version") != STORE_VERSION:
+        got = m if not isinstance(m, dict) else f"{m.get('format')!r} v{m.get('version')!r}"
+        raise CacheError(f"{root} holds cache format {got}; this Carnator reads {STORE_FORMAT!r} v{STORE_VERSION}. "
+                         "Use another directory or upgrade Carnator.")
+
+
+def adoption_problem(root: Path) -> str | None:
+    """Why ``root`` must not become (or be used as) a cache, or None: it is new, empty, or already a Carnator
+    cache (marker present). For queue-time checks; ``Store.open`` enforces it."""
+    try:
+        if (root / MARKER).exists() or not root.exists():
+            return None
+        if not root.is_dir():
+            return f"{root} is a file, not a directory; choose a directory for the cache"
+        foreign = sorted(p.name for p in root.iterdir() if not _may_precede_marker(p))
+    except OSError as e:
+        return f"{root} cannot be used as a cache directory: {e.strerror or e}"
+    if not foreign or (root / MARKER).exists():  # re-check: another process may have claimed it meanwhile
+        return None
+    shown = ", ".join(repr(n[:60]) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return (f"{root} is not empty ({shown}) and is not a Carnator cache (it has no {MARKER}). Carnator only uses an "
+            "empty or new directory, or one it created, so it never touches files that are not its own: choose "
+            "another directory name (e.g. a subdirectory such as 'carnator_cache').")
+
+
+def _may_precede_marker(p: Path) -> bool:
+    """What an unmarked directory may hold and still count as empty: our own marker temp files (a crash while
+    claiming it) and empty subdirectories of our layout."""
+    if p.is_symlink():
+        return False
+    if p.name == MARKER or (_MARKER_TMP_RE.match(p.name) and p.is_file()):
+        return True
+    return p.name in SUBDIRS and p.is_dir() and not any(p.iterdir())
+
+
+def _public(fn: Callable) -> Callable:
+    """Translate raw sqlite3 / OS errors of a public Store method into CacheErrors that say what to do. A damaged
+    catalogue found mid-operation is rebuilt from the entry files before the error is raised."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except CacheError:
+            raise
+        except sqlite3.Error as e:
+            if catalog.is_corruption(e):
+                self._recover(f"{type(e).__name__}: {e}")
+                raise CatalogRebuiltError(
+                    f"the cache catalogue at {self.root / CATALOG} was damaged ({e}); it has been set aside in "
+                    "quarantine/ and rebuilt from the entry files. Retry the operation.") from e
+            raise self._translate(e, fn.__name__) from e
+        except OSError as e:
+            raise self._translate(e, fn.__name__) from e
+
+    return wrapper
+
+
 # ---------------------------------------------------------------------------------------------- the store
 class Store:
     """The cache store. Open with ``Store.open(path)``; one instance per process and directory is enough
-    (it is thread-safe); several processes may open the same directory."""
+    (it is thread-safe); several processes (or instances) may open the same directory."""
 
     def __init__(self, root: Path, *, max_bytes: int | None, policy: str, index_params: IndexParams,
                  key: bytes | None, grace_s: float, durable: bool) -> None:
@@ -390,10 +341,14 @@ class Store:
         self._sigs: OrderedDict[str, tuple[Signature, int]] = OrderedDict()
         self._sig_bytes = 0
         self._sig_budget = 256 << 20
+        self._warned: set[str] = set()
         # Fault injection for crash tests: called with a stage name ("after_tmp_write", "after_rename",
-        # "after_commit") during put(); a test sets it to kill the process at that point.
+        # "after_commit" in put; "rebuild_entry", "rebuild_built", "rebuild_set_aside" in a catalogue rebuild;
+        # "evict_picked", "evict_unlinked", "delete_unlinked", "purge_unlinked"); a test kills the process there.
         self._fault: Callable[[str], None] | None = None
         self._conn: sqlite3.Connection = None  # type: ignore[assignment]
+        self._db_id: tuple[int, int] | None = None
+        self.read_only = False  # opened on a full disk: reads only (see _try_connect)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -402,30 +357,24 @@ class Store:
              grace_s: float = DEFAULT_GRACE_S, durable: bool = True) -> "Store":
         """Open (creating if needed) the store at ``path``.
 
-        max_bytes: byte budget of entry files for this process's writes (None = unlimited).
+        max_bytes: byte budget of entry files for this instance's writes (None = unlimited).
         policy: "lcbfu" (default) or "lru". index_params: FAISS index choices. key_path: index-signing key
-        (default ``default_key_path()``; must be outside the store). grace_s: age after which stray temp/orphan
-        files are cleaned. durable: fsync entry files before they are committed.
-        Raises CacheError if ``path`` is not a Carnator cache directory of a supported version.
+        (default ``default_key_path()``; must be outside the store). grace_s: age after which our stray temp files
+        are removed and entry files without a catalogue row are adopted. durable: fsync entry files before they
+        are committed. Raises NotACacheDirectoryError for a non-empty directory that is not a Carnator cache,
+        CacheError for another format version or an unusable directory.
         """
-        root = Path(path).expanduser().resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        for sub in ("entries", "index", "quarantine", "tmp", "locks"):
-            d = root / sub
-            if d.is_symlink():
-                raise CacheError(f"{d} is a symbolic link; a cache directory must not link elsewhere. Remove it.")
-            d.mkdir(exist_ok=True)
-        marker = root / MARKER
-        if marker.exists():
-            try:
-                m = json.loads(marker.read_text())
-            except (OSError, ValueError) as e:
-                raise CacheError(f"{marker} is unreadable ({e}); is {root} a Carnator cache directory?") from None
-            if m.get("format") != STORE_FORMAT or m.get("version") != STORE_VERSION:
-                raise CacheError(f"{root} holds cache format {m.get('format')!r} v{m.get('version')!r}; this Carnator "
-                                 f"reads {STORE_FORMAT!r} v{STORE_VERSION}. Use another directory or upgrade Carnator.")
-        else:
-            _atomic_write(root, marker, json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION}).encode(), False)
+        root = Path(path).expanduser()
+        try:
+            root = root.resolve()
+            _claim_directory(root)
+            for sub in SUBDIRS:
+                d = root / sub
+                if d.is_symlink():
+                    raise CacheError(f"{d} is a symbolic link; a cache directory must not link elsewhere. Remove it.")
+                d.mkdir(exist_ok=True)
+        except OSError as e:
+            raise Store._translate_for(root, e, "open the cache directory") from e
         kp = Path(key_path).expanduser() if key_path else default_key_path()
         key = None
         if kp.resolve().is_relative_to(root):
@@ -435,9 +384,17 @@ class Store:
             key = _load_or_create_key(kp)
         store = cls(root, max_bytes=max_bytes, policy=policy, index_params=index_params or IndexParams(), key=key,
                     grace_s=grace_s, durable=durable)
-        store._open_catalog()
-        store.scan()
+        try:
+            store._open_catalog_checked()
+        except CatalogRebuiltError:  # damage the open-time scan ran into: rebuilt; open the new catalogue
+            store._open_catalog_checked()
         return store
+
+    @_public
+    def _open_catalog_checked(self) -> None:
+        self._open_catalog()
+        if not self.read_only:
+            self.scan()
 
     def close(self) -> None:
         with self._lock:
@@ -452,141 +409,289 @@ class Store:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.root / CATALOG, timeout=60.0, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA busy_timeout=60000")
-        conn.execute("PRAGMA trusted_schema=OFF")
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        return conn
+    # ------------------------------------------------------------------ catalogue
+    def _catalog_lock(self) -> FileLock:
+        return FileLock(str(self.root / "locks" / "catalog.lock"), timeout=600)
 
     def _open_catalog(self) -> None:
-        with FileLock(str(self.root / "locks" / "catalog.lock"), timeout=600):
-            existed = (self.root / CATALOG).exists()
-            problem = None
-            try:
-                conn = self._connect()
-                rows = conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
-                if not rows:
-                    conn.execute("BEGIN IMMEDIATE")
-                    for ddl in _SCHEMA:
-                        conn.execute(ddl)
-                    conn.executemany("INSERT INTO info(key, value) VALUES (?, ?)",
-                                     [("format", STORE_FORMAT), ("version", str(STORE_VERSION)), ("inflation", "0"),
-                                      ("content_version", "0")])
-                    conn.execute("COMMIT")
-                    rows = conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
-                problem = _schema_problem(rows)
-                if problem is None:
-                    info = dict(conn.execute("SELECT key, value FROM info").fetchall())
-                    if info.get("format") != STORE_FORMAT or info.get("version") != str(STORE_VERSION):
-                        problem = f"catalogue is format {info.get('format')!r} v{info.get('version')!r}"
-            except sqlite3.DatabaseError as e:
-                if not _is_corruption(e):
-                    # e.g. "database is locked" past the busy timeout: a healthy catalogue in use, never rebuild it
-                    raise CacheError(f"cannot open the cache catalogue {self.root / CATALOG}: {e}. If another process "
-                                     "holds a long transaction, retry; otherwise check file permissions.") from e
-                problem = f"{type(e).__name__}: {e}"
-                conn = None  # type: ignore[assignment]
-            if problem is None:
-                self._conn = conn
-                return
+        """Connect to a healthy catalogue, rebuilding it from the entry files first if it is missing or unusable."""
+        with self._lock, self._catalog_lock():
+            conn, reason = self._try_connect()
+            if conn is None:
+                if _disk_full(self.root):
+                    raise sqlite3.OperationalError(f"database or disk is full (the catalogue needs a rebuild: "
+                                                   f"{reason})")
+                self._rebuild_locked(reason)
+                conn, reason = self._try_connect()
+                if conn is None:
+                    raise CatalogError(f"the catalogue just rebuilt at {self.root / CATALOG} is unusable ({reason}); "
+                                       "check the disk and file permissions of the cache directory")
+            self._conn = conn
+            st = os.stat(self.root / CATALOG)
+            self._db_id = (st.st_dev, st.st_ino)
+
+    def _try_connect(self) -> tuple[sqlite3.Connection | None, str]:
+        db = self.root / CATALOG
+        links = [p.name for p in (db, *(Path(str(db) + s) for s in SIDE_FILES)) if p.is_symlink()]
+        if links:
+            return None, f"{links[0]} is a symbolic link (SQLite would write where it points)"
+        if not db.exists():
+            return None, "missing"
+        conn = None
+        # A full integrity check reads the whole file: affordable at open up to QUICK_CHECK_MAX_BYTES; damage in a
+        # larger catalogue is found when a query reaches it (then it is rebuilt at once, see _public / _recover).
+        integrity = db.stat().st_size <= QUICK_CHECK_MAX_BYTES
+        try:
+            conn = catalog.connect(db)
+            why = catalog.problem(conn, integrity=integrity)
+        except sqlite3.DatabaseError as e:
             if conn is not None:
                 conn.close()
-            self._rebuild_catalog(problem if existed else "new catalogue")
+            if catalog.is_corruption(e):
+                return None, f"{type(e).__name__}: {e}"
+            if not _disk_full(self.root):
+                raise
+            # Too full for SQLite's WAL / shared-memory files: read the (checkpointed) catalogue as it is.
+            conn = catalog.connect(db, read_only=True)
+            why = catalog.problem(conn, integrity=integrity)
+            if why:
+                conn.close()
+                raise
+            self.read_only = True
+            log.warning("carnator cache: the disk holding %s is full; the cache is open read-only (retrieval and "
+                        "loading work, nothing is written) until space is freed and it is reopened", self.root)
+            return conn, ""
+        if why:
+            conn.close()
+            return None, why
+        self.read_only = False
+        return conn, ""
 
-    def _rebuild_catalog(self, reason: str) -> None:
-        """Set the catalogue aside and rebuild it from the entry files (caller holds the catalogue lock)."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        qdir = self.root / "quarantine"
-        for suffix in ("", "-wal", "-shm"):
-            p = self.root / (CATALOG + suffix)
-            if p.exists():
-                os.replace(p, qdir / f"catalog-{stamp}-{os.getpid()}.sqlite3{suffix}")
-        log.warning("carnator cache: catalogue %s was unusable (%s); moved to %s and rebuilding from the entry files",
-                    self.root / CATALOG, reason, qdir)
-        conn = self._connect()
-        conn.execute("BEGIN IMMEDIATE")
-        for ddl in _SCHEMA:
-            conn.execute(ddl)
-        conn.executemany("INSERT INTO info(key, value) VALUES (?, ?)",
-                         [("format", STORE_FORMAT), ("version", str(STORE_VERSION)), ("inflation", "0"),
-                          ("content_version", "0")])
-        conn.execute("COMMIT")
-        self._conn = conn
+    @_public
+    def rebuild_catalog(self, reason: str = "requested") -> None:
+        """Rebuild the catalogue from the entry files now (the current one is moved to ``quarantine/``)."""
+        with self._lock, self._catalog_lock():
+            self._rebuild_locked(reason)
+        self._open_catalog()
+
+    def _rebuild_locked(self, reason: str) -> None:
+        """Build a new catalogue from the entry files in ``tmp/`` and swap it in (caller holds the catalogue lock).
+        The old catalogue (and any WAL / shared-memory file beside it) is moved to ``quarantine/`` just before
+        the swap: a crash leaves the old catalogue, no catalogue (rebuilt again at the next open), or the new one."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None  # type: ignore[assignment]
+        self._indexes.clear()
+        self._sigs.clear()
+        self._sig_bytes = 0
+        files = sorted(p for p in (self.root / "entries").glob("*/*.safetensors")
+                       if valid_namespace(p.parent.name) and _ENTRY_FILE_RE.match(p.name))
+        if reason != "missing" or files:
+            log.warning("carnator cache: catalogue %s is unusable (%s); setting it aside in quarantine/ and "
+                        "rebuilding from the entry files (%d)", self.root / CATALOG, reason, len(files))
+        build = self.root / "tmp" / f"catalog-rebuild.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        conn = catalog.connect(build, wal=False)
         adopted = 0
-        for path in sorted((self.root / "entries").glob("*/*.safetensors")):
-            ns, entry_id = path.parent.name, path.stem
-            try:
-                self._adopt(path, ns, entry_id)
-                adopted += 1
-            except CorruptEntryError:
-                pass  # already quarantined and logged
-        for p in (self.root / "index").glob("*.safetensors"):
-            p.unlink(missing_ok=True)
-        log.warning("carnator cache: catalogue rebuilt with %d entries", adopted)
-
-    def _adopt(self, path: Path, ns: str, entry_id: str) -> None:
-        """Insert a (valid) entry file into the catalogue; quarantine it if it is not valid."""
         try:
-            if not _NS_RE.match(ns) or ".." in ns or not _ID_RE.match(entry_id):
+            conn.execute("PRAGMA journal_mode=MEMORY")
+            conn.execute("PRAGMA synchronous=OFF")  # durability comes from the fsync before the swap
+            conn.execute("BEGIN")
+            catalog.create(conn)
+            for path in files:
+                if self._fault:
+                    self._fault("rebuild_entry")
+                try:
+                    self._adopt_into(conn, path)
+                    adopted += 1
+                except CorruptEntryError:
+                    pass  # quarantined and logged
+            catalog.mark_complete(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.close()
+            build.unlink(missing_ok=True)
+            raise
+        conn.close()
+        catalog.fsync_path(build)
+        if self._fault:
+            self._fault("rebuild_built")
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"
+        db = self.root / CATALOG
+        for suffix in ("", *SIDE_FILES):
+            p = Path(str(db) + suffix)
+            if p.exists() or p.is_symlink():
+                os.replace(p, self.root / "quarantine" / f"catalog-{stamp}.sqlite3{suffix}")
+        if self._fault:
+            self._fault("rebuild_set_aside")
+        os.replace(build, db)
+        catalog.fsync_path(self.root)
+        for p in (self.root / "index").glob("*.safetensors"):  # ours (signed); their seqs belonged to the old one
+            p.unlink(missing_ok=True)
+        if reason != "missing" or files:
+            log.warning("carnator cache: catalogue rebuilt with %d entries", adopted)
+
+    def _recover(self, reason: str) -> None:
+        """A corruption error mid-operation: rebuild the catalogue unless another process already swapped in a new
+        one (its inode changed since this connection was opened)."""
+        try:
+            with self._lock:
+                failed = self._db_id
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None  # type: ignore[assignment]
+                self._indexes.clear()
+                with self._catalog_lock():
+                    try:
+                        st = os.stat(self.root / CATALOG)
+                        same = (st.st_dev, st.st_ino) == failed
+                    except FileNotFoundError:
+                        same = False
+                    if same:
+                        self._rebuild_locked(reason)
+                self._open_catalog()
+        except Exception as e:  # noqa: BLE001 - the caller raises the original problem
+            log.warning("carnator cache: could not rebuild the catalogue after %s: %s", reason, e)
+
+    def _inspect(self, path: Path, drop_row: bool) -> tuple[dict, str, np.ndarray, GenConfig, int]:
+        """Validate an entry file enough to catalogue it; quarantines it (CorruptEntryError) if it is not valid."""
+        ns, entry_id = path.parent.name, path.name.removesuffix(".safetensors")
+        try:
+            if not valid_namespace(ns) or not valid_entry_id(entry_id):
                 raise ValueError("file name is not a Carnator entry name")
-            meta, meta_json, parts = _read_partial(path, ("embedding",))
-            _check_meta(meta, entry_id, ns)
+            meta, meta_json, parts = read_entry_parts(path, ("embedding",))
+            check_meta(meta, entry_id, ns)
             emb = parts["embedding"]
+            if emb.ndim != 1 or emb.shape[0] != int(meta["dim"]):
+                raise ValueError(f"embedding has shape {emb.shape}, the metadata says [{meta['dim']}]")
             config = GenConfig.from_meta(meta["config"])
             if namespace_key(meta["model_fingerprint"], config) != ns:
                 raise ValueError("metadata's model/config does not match the namespace directory")
             nbytes = path.stat().st_size
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            raise self._quarantine(entry_id, ns, f"cannot adopt file: {e}", path=path) from None
-        with self._write() as c:
-            self._ensure_namespace(c, ns, meta["model_fingerprint"], config, int(emb.shape[0]))
-            self._insert_row(c, entry_id, ns, str(meta["prompt"]), int(meta["seed"]), nbytes,
-                             hashlib.sha256(meta_json.encode()).hexdigest(),
-                             work_of(config.steps, config.probe_steps, config.latent_shape), emb,
-                             float(meta.get("created", time.time())), request_key=_adopted_key(meta))
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise self._quarantine(entry_id, ns, f"cannot adopt file: {e}", path=path, drop_row=drop_row) from None
+        return meta, meta_json, emb, config, nbytes
+
+    def _adopt_into(self, c: sqlite3.Connection, path: Path) -> None:
+        """Catalogue one entry file in ``c`` (inside the caller's transaction), or quarantine it."""
+        meta, meta_json, emb, config, nbytes = self._inspect(path, drop_row=False)
+        ns, entry_id = path.parent.name, meta["id"]
+        c.execute("SAVEPOINT adopt")
+        try:
+            catalog.ensure_namespace(c, ns, meta["model_fingerprint"], config, int(emb.shape[0]))
+            prompt = str(meta["prompt"])
+            catalog.insert_row(c, entry_id, ns, prompt, _digest(prompt), int(meta["seed"]), nbytes,
+                               _digest(meta_json),
+                               work_of(config.steps, config.probe_steps, config.latent_shape), emb,
+                               float(meta.get("created", time.time())), request_key=adopted_request_key(meta))
+        except (NamespaceMismatchError, sqlite3.IntegrityError) as e:
+            c.execute("ROLLBACK TO adopt")
+            c.execute("RELEASE adopt")
+            why = str(e) if isinstance(e, NamespaceMismatchError) else \
+                "another entry already holds this id or this namespace, prompt and seed"
+            raise self._quarantine(entry_id, ns, f"cannot adopt file: {why}", path=path, drop_row=False) from None
+        c.execute("RELEASE adopt")
 
     # ------------------------------------------------------------------ transactions
+    def _current(self) -> sqlite3.Connection:
+        """The connection, reconnected first if another process swapped in a rebuilt catalogue."""
+        if self._conn is None:
+            raise CacheError(f"the cache store at {self.root} is closed")
+        if self._conn.in_transaction:
+            return self._conn  # never swap connections inside a transaction
+        try:
+            st = os.stat(self.root / CATALOG)
+            same = (st.st_dev, st.st_ino) == self._db_id
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._conn.close()
+            self._conn = None  # type: ignore[assignment]
+            self._indexes.clear()
+            self._open_catalog()
+        return self._conn
+
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            c = self._require_conn()
+            c = self._current()
+            if self.read_only:  # answered like the full disk it is: best-effort callers skip, others translate
+                raise sqlite3.OperationalError("database or disk is full (the cache was opened read-only on a full "
+                                               "disk; free space and reopen it)")
             c.execute("BEGIN IMMEDIATE")
             try:
                 yield c
             except BaseException:
-                c.execute("ROLLBACK")
+                if c.in_transaction:
+                    c.execute("ROLLBACK")
                 raise
             c.execute("COMMIT")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            c = self._require_conn()
+            c = self._current()
             c.execute("BEGIN")
             try:
                 yield c
             finally:
-                c.execute("COMMIT")
+                if c.in_transaction:
+                    c.execute("COMMIT")
 
     def _require_conn(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise CacheError(f"the cache store at {self.root} is closed")
-        return self._conn
+        return self._current()
+
+    @contextmanager
+    def _best_effort(self, what: str) -> Iterator[None]:
+        """For bookkeeping a read must not fail on (counters, index files, log trimming): a full disk or a
+        locked catalogue is logged once per kind and ignored. Corruption is not swallowed."""
+        try:
+            yield
+        except (sqlite3.Error, OSError) as e:
+            if isinstance(e, sqlite3.Error) and catalog.is_corruption(e):
+                raise
+            key = f"{what}:{type(e).__name__}"
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning("carnator cache: could not %s (%s); continuing without it%s", what, e,
+                            " (the disk is full: free space or purge entries)" if catalog.is_full(e) else "")
+
+    def _translate(self, e: BaseException, what: str) -> CacheError:
+        return self._translate_for(self.root, e, what)
+
+    @staticmethod
+    def _translate_for(root: Path, e: BaseException, what: str) -> CacheError:
+        what = what.strip("_").replace("_", " ")
+        if catalog.is_full(e):
+            return CacheFullError(
+                f"the disk holding the Carnator cache {root} is full ({e}) during {what}: nothing was written. "
+                "Free disk space, lower the cache's max_gb so it evicts older entries, or purge entries (Carnator "
+                "Cache Stats node or the cache panel); reads, delete and purge keep working.")
+        text = str(e).lower()
+        if "locked" in text or "busy" in text:
+            return CatalogError(f"the Carnator cache catalogue at {root} stayed locked by another process during "
+                                f"{what} ({e}); retry when the other ComfyUI process is idle.")
+        if isinstance(e, PermissionError) or "readonly" in text or "read-only" in text:
+            return CatalogError(f"the Carnator cache at {root} is not writable ({e}) during {what}: fix the "
+                                "directory's permissions or choose another cache directory.")
+        if isinstance(e, OSError) and e.errno == 36:  # ENAMETOOLONG
+            return CacheError(f"a path of the Carnator cache at {str(root)[:200]} is too long ({e.strerror}); "
+                              "choose a shorter cache directory.")
+        return CatalogError(f"the Carnator cache at {root} failed during {what}: {type(e).__name__}: {e}. "
+                            "Check the disk; if it persists, Store.verify() says what is inconsistent.")
 
     # ------------------------------------------------------------------ paths
     def _ns_dir(self, ns: str, top: str = "entries") -> Path:
-        if not _NS_RE.match(ns) or ".." in ns:
-            raise ValueError(f"invalid namespace {ns!r}")
+        if not valid_namespace(ns):
+            raise ValueError(f"invalid namespace {str(ns)[:200]!r}")
         d = self.root / top / ns
-        if d.exists() and not d.resolve().is_relative_to(self.root):
-            raise CacheError(f"{d} resolves outside the cache directory (a symbolic link?); refusing to use it")
+        if (d.exists() or d.is_symlink()) and (d.is_symlink() or not d.resolve().is_relative_to(self.root)):
+            raise CacheError(f"{d} resolves outside the cache directory (a symbolic link?); refusing to use it. "
+                             "Remove the link.")
         return d
 
     def _entry_path(self, ns: str, entry_id: str) -> Path:
-        if not _ID_RE.match(entry_id):
-            raise ValueError(f"invalid entry id {entry_id!r}")
+        if not valid_entry_id(entry_id):
+            raise ValueError(f"invalid entry id {str(entry_id)[:200]!r}")
         return self._ns_dir(ns) / f"{entry_id}.safetensors"
 
     def _index_path(self, ns: str) -> Path:
@@ -599,73 +704,35 @@ class Store:
         its id and writes nothing (a deterministic request is cached once). May evict other entries."""
         return self.put_with_status(data)[0]
 
+    @_public
     def put_with_status(self, data: EntryData) -> tuple[str, bool]:
         """Like ``put``; also says whether a new entry was written (False: an identical request was cached)."""
         if not isinstance(data, EntryData):
             raise TypeError(f"Store.put takes an EntryData, got {type(data).__name__}")
         ns = data.namespace
         self._ns_dir(ns)
-        emb = normalize_rows(data.embedding)
-        if emb.ndim != 1:
-            raise ValueError(f"EntryData.embedding must be one vector [D], got shape {np.shape(data.embedding)}")
-        prompt_digest = hashlib.sha256(data.prompt.encode()).hexdigest()
+        prompt_digest = _digest(data.prompt)
         seed = int(data.seed)
         existing = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
         if existing:
             return existing, False
         entry_id = secrets.token_hex(8)
         now = time.time()
-        tensors: dict[str, torch.Tensor] = {"embedding": torch.from_numpy(emb)}
-        seen_storage: set[int] = set()
-        for name, value in data.tensors.items():
-            if not isinstance(name, str) or not _TENSOR_RE.match(name) or name == "embedding" or name.startswith(_RESERVED):
-                raise ValueError(f"tensor name {name!r} is not allowed (letters, digits, '_.-'; not 'embedding', "
-                                 "not starting with 'sig.' or 'blocks.')")
-            t = _to_tensor(name, value)
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen_storage and t.numel():
-                t = t.clone()  # safetensors refuses tensors sharing memory
-            seen_storage.add(ptr)
-            tensors[name] = t
-        for name, arr in data.signature.to_tensors("sig.").items():
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-        block_meta = None
-        if data.block_structure is not None:
-            bs = data.block_structure
-            keep = np.asarray(bs.keep, dtype=bool)
-            if keep.ndim != 4 or keep.shape[0] != len(bs.layers):
-                raise ValueError(f"block_structure.keep must be bool [L, H, Qb, Kb] with L = len(layers) = "
-                                 f"{len(bs.layers)}, got shape {keep.shape}")
-            # Bit-packed along the key-block axis: 8x smaller (a per-head Wan 480p/81f structure is ~88 MB as
-            # bool, ~11 MB packed).
-            tensors["blocks.keep"] = torch.from_numpy(np.ascontiguousarray(np.packbits(keep, axis=-1)))
-            block_meta = {"layers": [int(x) for x in bs.layers], "block_size": int(bs.block_size),
-                          "n_tokens": int(bs.n_tokens), "steps": [int(x) for x in bs.steps],
-                          "shape": list(keep.shape), "packing": "packbits-last-axis"}
-        meta = {
-            "format": ENTRY_FORMAT, "version": ENTRY_VERSION, "id": entry_id, "namespace": ns,
-            "model_fingerprint": data.model_fingerprint, "config": data.config.to_meta(), "prompt": data.prompt,
-            "seed": seed, "created": now, "dim": int(emb.shape[0]), "signature": data.signature.to_meta(),
-            "block_structure": block_meta, "meta": _jsonable(dict(data.meta)), "request_key": data.request_key,
-            "tensors": {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "sha256": _sha256(t)}
-                        for k, t in tensors.items()},
-        }
-        meta_json = json.dumps(meta, sort_keys=True)
-        blob = st_save(tensors, metadata={"carnator": meta_json})
-        if self.max_bytes and len(blob) > self.max_bytes:
+        enc = encode_entry(data, entry_id=entry_id, created=now)
+        if self.max_bytes and len(enc.blob) > self.max_bytes:
             raise CacheBudgetError(
-                f"the entry is {_fmt_bytes(len(blob))} but the cache budget is {_fmt_bytes(self.max_bytes)}: "
+                f"the entry is {_fmt_bytes(len(enc.blob))} but the cache budget is {_fmt_bytes(self.max_bytes)}: "
                 "raise max_gb on the cache loader (or 0 for no limit)")
         final = self._entry_path(ns, entry_id)
         final.parent.mkdir(exist_ok=True)
-        _atomic_write(self.root, final, blob, self.durable, fault=self._fault)
+        self._ns_dir(ns)  # re-check after mkdir: a link planted meanwhile is refused
+        _atomic_write(self.root, final, enc.blob, self.durable, fault=self._fault)
         try:
             with self._write() as c:
-                self._ensure_namespace(c, ns, data.model_fingerprint, data.config, int(emb.shape[0]))
-                self._insert_row(c, entry_id, ns, data.prompt, seed, len(blob),
-                                 hashlib.sha256(meta_json.encode()).hexdigest(),
-                                 work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape), emb, now,
-                                 request_key=data.request_key)
+                catalog.ensure_namespace(c, ns, data.model_fingerprint, data.config, int(enc.embedding.shape[0]))
+                catalog.insert_row(c, entry_id, ns, data.prompt, prompt_digest, seed, len(enc.blob), enc.meta_digest,
+                                   work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape),
+                                   enc.embedding, now, request_key=data.request_key)
         except sqlite3.IntegrityError:
             final.unlink(missing_ok=True)  # another process stored the same request first
             dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
@@ -677,139 +744,140 @@ class Store:
             raise
         if self._fault:
             self._fault("after_commit")
-        self._evict_if_needed(protect={entry_id})
+        try:
+            self._evict_if_needed(protect={entry_id})
+        except (sqlite3.Error, OSError, CacheError) as e:  # the entry is committed: report, do not fail the put
+            log.warning("carnator cache: eviction after writing %s failed (%s); it is retried after the next write",
+                        entry_id, e)
         return entry_id, True
 
     def _find_duplicate(self, ns: str, prompt_digest: str, seed: int, request_key: str = "") -> str | None:
-        with self._lock:
-            row = self._require_conn().execute(
-                "SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=? AND request_key=?",
-                (ns, prompt_digest, str(seed), request_key)).fetchone()
+        with self._read() as c:
+            row = c.execute("SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=? AND request_key=?",
+                            (ns, prompt_digest, str(seed), request_key)).fetchone()
         return row[0] if row else None
 
+    @_public
     def find_request(self, request_key: str) -> str | None:
         """The id of the entry holding the dense output of exactly this request (``EntryData.request_key``), or
-        None. One indexed query; counts nothing (the caller loads the entry with ``count_hit``)."""
-        if not request_key or not isinstance(request_key, str) or not _KEY_RE.match(request_key):
+        None. One indexed query; counts nothing (the caller loads the entry and counts the hit)."""
+        if not isinstance(request_key, str) or not request_key or not REQUEST_KEY_RE.match(request_key):
             return None
-        with self._lock:
-            row = self._require_conn().execute(
-                "SELECT id FROM entries WHERE request_key=? ORDER BY seq DESC LIMIT 1", (request_key,)).fetchone()
+        with self._read() as c:
+            row = c.execute("SELECT id FROM entries WHERE request_key=? ORDER BY seq DESC LIMIT 1",
+                            (request_key,)).fetchone()
         return row[0] if row else None
 
-    def _ensure_namespace(self, c: sqlite3.Connection, ns: str, model_fp: str, config: GenConfig, dim: int) -> None:
-        row = c.execute("SELECT model_fingerprint, config_json, dim FROM namespaces WHERE namespace=?", (ns,)).fetchone()
-        cfg_json = json.dumps(config.to_meta(), sort_keys=True)
-        if row is None:
-            c.execute("INSERT INTO namespaces(namespace, model_fingerprint, config_json, dim, token, generation,"
-                      " index_generation, created) VALUES (?, ?, ?, ?, ?, 0, -1, ?)",
-                      (ns, model_fp, cfg_json, dim, secrets.token_hex(8), time.time()))
-            return
-        if row[0] != model_fp or GenConfig.from_meta(json.loads(row[1])) != config:
-            raise NamespaceMismatchError(
-                f"namespace {ns} already holds entries of another model/config (fingerprint {row[0][:24]}...); "
-                "this is a fingerprint collision: purge the namespace or use another cache directory")
-        if int(row[2]) != dim:
-            raise NamespaceMismatchError(
-                f"namespace {ns} holds embeddings of dimension {row[2]}, this entry has {dim}: the text encoder "
-                "changed for the same model/config; purge the namespace or use another cache directory")
-
-    def _insert_row(self, c: sqlite3.Connection, entry_id: str, ns: str, prompt: str, seed: int, nbytes: int,
-                    meta_digest: str, work: float, emb: np.ndarray, created: float, request_key: str = "") -> None:
-        inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
-        cur = c.execute(
-            "INSERT INTO entries(id, namespace, prompt, prompt_digest, seed, nbytes, meta_digest, work, priority,"
-            " created, last_access, hits, request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-            (entry_id, ns, prompt, hashlib.sha256(prompt.encode()).hexdigest(), str(seed), nbytes, meta_digest, work,
-             priority(inflation, 0, work, nbytes), created, created, request_key))
-        seq = cur.lastrowid
-        c.execute("INSERT INTO embeddings(seq, vec) VALUES (?, ?)", (seq, np.ascontiguousarray(emb, np.float32).tobytes()))
-        self._log_changes(c, ns, [("add", seq)])
-
-    def _log_changes(self, c: sqlite3.Connection, ns: str, ops: list[tuple[str, int]]) -> None:
-        gen = int(c.execute("SELECT generation FROM namespaces WHERE namespace=?", (ns,)).fetchone()[0])
-        c.executemany("INSERT INTO changes(namespace, generation, op, seq) VALUES (?, ?, ?, ?)",
-                      [(ns, gen + i + 1, op, seq) for i, (op, seq) in enumerate(ops)])
-        c.execute("UPDATE namespaces SET generation=? WHERE namespace=?", (gen + len(ops), ns))
-        c.execute("UPDATE info SET value=CAST(value AS INTEGER)+1 WHERE key='content_version'")
-
     # ------------------------------------------------------------------ deletes / eviction / purge
-    def _delete_rows(self, c: sqlite3.Connection, rows: list[tuple[int, str, str]]) -> None:
-        """Delete catalogue rows (seq, id, namespace) and log the deletions (caller holds a write transaction)."""
-        by_ns: dict[str, list[int]] = {}
-        for seq, _, ns in rows:
-            by_ns.setdefault(ns, []).append(int(seq))
-        for ns, seqs in by_ns.items():
-            for chunk in _chunks(seqs):
-                marks = ",".join("?" * len(chunk))
-                c.execute(f"DELETE FROM entries WHERE seq IN ({marks})", chunk)
-                c.execute(f"DELETE FROM embeddings WHERE seq IN ({marks})", chunk)
-            self._log_changes(c, ns, [("del", s) for s in seqs])
-        for _, entry_id, _ in rows:
+    def _unlink_entries(self, rows: list[tuple[int, str, str]], stage: str) -> None:
+        """Remove entry files first (see the module docstring: crash- and full-disk-safe order)."""
+        for i, (_, entry_id, ns) in enumerate(rows):
+            try:
+                self._entry_path(ns, entry_id).unlink(missing_ok=True)
+            except (ValueError, CacheError):
+                pass  # an invalid name or a planted link: nothing of ours to remove there
             self._forget_sig(entry_id)
+            if self._fault and i == 0:
+                self._fault(stage)
+
+    def _commit_deletes(self, what: str, body: Callable[[sqlite3.Connection], None]) -> None:
+        """Commit catalogue deletions after the files went; retried once on a full disk (the unlinks freed
+        space); if it still fails the rows stay until a reader or ``scan`` drops them (their files are gone)."""
+        for attempt in (0, 1):
+            try:
+                with self._write() as c:
+                    body(c)
+                return
+            except sqlite3.Error as e:
+                if not catalog.is_full(e) and not ("locked" in str(e).lower() and attempt == 0):
+                    raise
+                if attempt:
+                    log.warning("carnator cache: %s removed the files but could not update the catalogue (%s); "
+                                "the stale rows are dropped by the next open or read", what, e)
 
     def _evict_if_needed(self, protect: set[str]) -> int:
         if not self.max_bytes:
             return 0
-        victims: list[tuple[int, str, str]] = []
-        with self._write() as c:
-            total = int(c.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
-            if total <= self.max_bytes:
-                return 0
-            order = "priority ASC, seq ASC" if self.policy == "lcbfu" else "last_access ASC, seq ASC"
-            top_priority = None
-            for seq, entry_id, ns, nbytes, prio in c.execute(
-                f"SELECT seq, id, namespace, nbytes, priority FROM entries ORDER BY {order}"
-            ).fetchall():
+        with FileLock(str(self.root / "locks" / "evict.lock"), timeout=600):
+            with self._read() as c:
+                total = int(c.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
                 if total <= self.max_bytes:
-                    break
-                if entry_id in protect:
-                    continue
-                victims.append((seq, entry_id, ns))
-                total -= int(nbytes)
-                top_priority = prio if top_priority is None else max(top_priority, prio)
+                    return 0
+                victims: list[tuple[int, str, str]] = []
+                top_priority = None
+                for seq, entry_id, ns, nbytes, prio in c.execute(
+                    f"SELECT seq, id, namespace, nbytes, priority FROM entries ORDER BY {EVICTION_ORDER[self.policy]}"
+                ).fetchall():
+                    if total <= self.max_bytes:
+                        break
+                    if entry_id in protect:
+                        continue
+                    victims.append((seq, entry_id, ns))
+                    total -= int(nbytes)
+                    top_priority = prio if top_priority is None else max(top_priority, prio)
             if not victims:
                 return 0
-            self._delete_rows(c, victims)
-            if top_priority is not None:  # GDSF clock: L rises to the priority of what was evicted
-                c.execute("UPDATE info SET value=CAST(MAX(CAST(value AS REAL), ?) AS TEXT) WHERE key='inflation'",
-                          (float(top_priority),))
-        for _, entry_id, ns in victims:
-            self._entry_path(ns, entry_id).unlink(missing_ok=True)
+            if self._fault:
+                self._fault("evict_picked")
+            self._unlink_entries(victims, "evict_unlinked")
+
+            def body(c: sqlite3.Connection) -> None:
+                still = [v for v in victims if c.execute("SELECT 1 FROM entries WHERE seq=?", (v[0],)).fetchone()]
+                catalog.delete_rows(c, still)
+                if top_priority is not None:  # GDSF clock: L rises to the priority of what was evicted
+                    c.execute("UPDATE info SET value=CAST(MAX(CAST(value AS REAL), ?) AS TEXT) WHERE key='inflation'",
+                              (float(top_priority),))
+
+            self._commit_deletes("eviction", body)
         log.info("carnator cache: evicted %d entr%s (%s policy) to stay within %s", len(victims),
                  "y" if len(victims) == 1 else "ies", self.policy, _fmt_bytes(self.max_bytes))
         return len(victims)
 
+    @_public
     def delete(self, entry_id: str) -> bool:
-        """Remove one entry (row first, then file). Returns False if it was not there."""
-        with self._write() as c:
+        """Remove one entry (file first, then its row). Returns False if it was not there. Works on a full disk."""
+        if not valid_entry_id(entry_id):
+            return False
+        with self._read() as c:
             row = c.execute("SELECT seq, id, namespace FROM entries WHERE id=?", (entry_id,)).fetchone()
-            if row is None:
-                return False
-            self._delete_rows(c, [row])
-        self._entry_path(row[2], row[1]).unlink(missing_ok=True)
+        if row is None:
+            return False
+        self._unlink_entries([row], "delete_unlinked")
+        self._commit_deletes(f"deleting {entry_id}", lambda c: catalog.delete_rows(
+            c, [r for r in [row] if c.execute("SELECT 1 FROM entries WHERE seq=?", (r[0],)).fetchone()]))
         return True
 
+    @_public
     def purge(self, namespace: str | None = None) -> int:
         """Delete every entry (``namespace=None``) or those of one namespace, their index files and counters.
-        Returns how many entries were removed."""
+        Returns how many entries were removed. Works on a full disk (files go first, freeing space)."""
         where, args = ("WHERE namespace=?", (namespace,)) if namespace else ("", ())
         if namespace:
             self._ns_dir(namespace)
-        with self._write() as c:
+        with self._read() as c:
             rows = c.execute(f"SELECT seq, id, namespace FROM entries {where}", args).fetchall()
             namespaces = [r[0] for r in c.execute(f"SELECT namespace FROM namespaces {where}", args).fetchall()]
-            c.execute(f"DELETE FROM embeddings WHERE seq IN (SELECT seq FROM entries {where})", args)
-            c.execute(f"DELETE FROM entries {where}", args)
-            c.execute(f"DELETE FROM changes {where}", args)
-            c.execute(f"DELETE FROM namespaces {where}", args)  # a recreated namespace gets a fresh token
-            c.execute(f"DELETE FROM counters {where}", args)
+        self._unlink_entries(rows, "purge_unlinked")
+        seqs = [r[0] for r in rows]
+
+        def body(c: sqlite3.Connection) -> None:
+            for i in range(0, len(seqs), 900):  # exactly what was unlinked: a concurrent write stays
+                chunk = seqs[i : i + 900]
+                marks = ",".join("?" * len(chunk))
+                c.execute(f"DELETE FROM embeddings WHERE seq IN ({marks})", chunk)
+                c.execute(f"DELETE FROM entries WHERE seq IN ({marks})", chunk)
+            for ns in namespaces:
+                left = c.execute("SELECT COUNT(*) FROM entries WHERE namespace=?", (ns,)).fetchone()[0]
+                if left:  # written meanwhile by another process: keep the namespace, log the deletions
+                    catalog.log_changes(c, ns, [("del", s) for s, _, n in rows if n == ns])
+                    continue
+                for table in ("changes", "namespaces", "counters"):  # a recreated namespace gets a fresh token
+                    c.execute(f"DELETE FROM {table} WHERE namespace=?", (ns,))
             if not namespace:
                 c.execute("UPDATE info SET value='0' WHERE key='inflation'")
             c.execute("UPDATE info SET value=CAST(value AS INTEGER)+1 WHERE key='content_version'")
-        for _, entry_id, ns in rows:
-            self._entry_path(ns, entry_id).unlink(missing_ok=True)
-            self._forget_sig(entry_id)
+
+        self._commit_deletes("purge", body)
         for ns in namespaces:
             self._indexes.pop(ns, None)
             with FileLock(str(self.root / "locks" / f"index-{ns}.lock"), timeout=600):
@@ -818,28 +886,38 @@ class Store:
         return len(rows)
 
     # ------------------------------------------------------------------ quarantine
-    def _quarantine(self, entry_id: str, ns: str, reason: str, path: Path | None = None) -> CorruptEntryError:
-        """Move a bad entry file aside, drop its row, log one line; returns the error to raise."""
+    def _quarantine(self, entry_id: str, ns: str, reason: str, path: Path | None = None,
+                    drop_row: bool = True) -> CorruptEntryError:
+        """Move a bad entry file aside (never delete it), drop its row, log one line; returns the error to raise."""
         src = path or self._entry_path(ns, entry_id)
-        qdir = self.root / "quarantine" / (ns if _NS_RE.match(ns) and ".." not in ns else "_invalid")
-        qdir.mkdir(parents=True, exist_ok=True)
-        dst = qdir / src.name
-        moved = False
         try:
+            qdir = self._ns_dir(ns, "quarantine")
+        except (ValueError, CacheError):
+            qdir = self.root / "quarantine" / "_invalid"
+        moved = False
+        dst = qdir / src.name
+        try:
+            qdir.mkdir(parents=True, exist_ok=True)
+            if dst.exists() or dst.is_symlink():
+                dst = qdir / f"{src.stem}.{secrets.token_hex(4)}{src.suffix}"
             os.replace(src, dst)
             moved = True
-            (qdir / f"{src.stem}.reason.txt").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {reason}\n")
         except FileNotFoundError:
             pass  # another process moved it first (and logged it)
         except OSError as e:
             reason += f" (could not move it aside: {e})"
+        if moved:
+            with self._best_effort("write a quarantine note"):
+                _atomic_write(self.root, qdir / f"{dst.stem}.reason.txt",
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')} {reason}\n".encode(), durable=False)
         removed = False
-        if self._conn is not None:
-            with self._write() as c:
-                row = c.execute("SELECT seq, id, namespace FROM entries WHERE id=?", (entry_id,)).fetchone()
-                if row is not None:
-                    self._delete_rows(c, [row])
-                    removed = True
+        if drop_row and self._conn is not None:
+            with self._best_effort("remove a quarantined entry from the catalogue"):
+                with self._write() as c:
+                    row = c.execute("SELECT seq, id, namespace FROM entries WHERE id=?", (entry_id,)).fetchone()
+                    if row is not None:
+                        catalog.delete_rows(c, [row])
+                        removed = True
         self._forget_sig(entry_id)
         if moved or removed:
             log.warning("carnator cache: quarantined entry %s (namespace %s): %s -> %s; other entries are unaffected",
@@ -850,10 +928,10 @@ class Store:
 
     # ------------------------------------------------------------------ read path
     def _row(self, entry_id: str) -> tuple | None:
-        if not isinstance(entry_id, str) or not _ID_RE.match(entry_id):
-            raise EntryNotFoundError(f"{entry_id!r} is not a Carnator cache entry id")
-        with self._lock:
-            return self._require_conn().execute(
+        if not valid_entry_id(entry_id):
+            raise EntryNotFoundError(f"{str(entry_id)[:100]!r} is not a Carnator cache entry id")
+        with self._read() as c:
+            return c.execute(
                 "SELECT seq, namespace, prompt, seed, nbytes, meta_digest, created, hits FROM entries WHERE id=?",
                 (entry_id,)).fetchone()
 
@@ -861,9 +939,22 @@ class Store:
         return EntryNotFoundError(f"cache entry {entry_id} is no longer in the cache (evicted, purged or "
                                   "quarantined meanwhile); retrieve candidates again")
 
-    def load(self, entry_id: str, *, count_hit: bool = True) -> Entry:
-        """Load and fully validate one entry. ``count_hit``: count this as a reuse (hits, recency, LCBFU value).
-        Raises EntryNotFoundError (not in the catalogue) or CorruptEntryError (quarantined; others unaffected)."""
+    def _vanished(self, entry_id: str, seq: int) -> EntryNotFoundError:
+        """A row whose file is gone (deleted by another process right now, or behind the store's back): drop
+        the row (best-effort) and report the entry as no longer cached."""
+        with self._best_effort("drop a catalogue row whose file is gone"):
+            with self._write() as c:
+                row = c.execute("SELECT seq, id, namespace FROM entries WHERE seq=?", (seq,)).fetchone()
+                if row is not None:
+                    catalog.delete_rows(c, [row])
+        self._forget_sig(entry_id)
+        return self._gone(entry_id)
+
+    @_public
+    def load(self, entry_id: str, *, count_hit: bool = True, model_fingerprint: str | None = None) -> Entry:
+        """Load and fully validate one entry. ``count_hit``: count this as a reuse (hits, recency, LCBFU value;
+        best-effort: skipped on a full disk). ``model_fingerprint``: refuse (NamespaceMismatchError) an entry made
+        by another model. Raises EntryNotFoundError (not cached any more) or CorruptEntryError (quarantined)."""
         row = self._row(entry_id)
         if row is None:
             raise self._gone(entry_id)
@@ -872,46 +963,26 @@ class Store:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            if self._row(entry_id) is None:
-                raise self._gone(entry_id) from None
-            raise self._quarantine(entry_id, ns, "its file is missing") from None
+            raise self._vanished(entry_id, seq) from None
         try:
             if len(data) != nbytes:
-                raise ValueError(f"file is {len(data)} bytes, the catalogue recorded {nbytes} (truncated?)")
-            tensors = st_load(data)
-            meta_json = _header_meta(data)
-            if hashlib.sha256(meta_json.encode()).hexdigest() != meta_digest:
-                raise ValueError("metadata checksum mismatch")
-            meta = json.loads(meta_json)
-            _check_meta(meta, entry_id, ns)
-            manifest = meta["tensors"]
-            if set(manifest) != set(tensors):
-                raise ValueError(f"tensor set {sorted(tensors)} differs from the manifest {sorted(manifest)}")
-            for name, t in tensors.items():
-                m = manifest[name]
-                if _dtype_name(t) != m["dtype"] or list(t.shape) != list(m["shape"]):
-                    raise ValueError(f"tensor {name} is {_dtype_name(t)}{list(t.shape)}, manifest says "
-                                     f"{m['dtype']}{m['shape']}")
-                if _sha256(t) != m["sha256"]:
-                    raise ValueError(f"tensor {name} checksum mismatch")
-            config = GenConfig.from_meta(meta["config"])
-            if namespace_key(meta["model_fingerprint"], config) != ns:
-                raise ValueError("metadata's model/config does not match the entry's namespace")
-            signature = _signature_from(meta, {k: v for k, v in tensors.items() if k.startswith("sig.")})
-            block = _block_from(meta, tensors)
-            embedding = tensors["embedding"].numpy()
-            if embedding.ndim != 1 or embedding.shape[0] != int(meta["dim"]):
-                raise ValueError(f"embedding has shape {tuple(embedding.shape)}, expected [{meta['dim']}]")
-        except Exception as e:  # noqa: BLE001 - any defect of a file from disk means "quarantine"
-            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
+                raise EntryFormatError(f"file is {len(data)} bytes, the catalogue recorded {nbytes} (truncated?)")
+            dec: DecodedEntry = decode_entry(data, entry_id=entry_id, namespace=ns, meta_digest=meta_digest)
+        except EntryFormatError as e:
+            raise self._quarantine(entry_id, ns, str(e)) from None
+        if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
+            raise NamespaceMismatchError(
+                f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
+                "the two fingerprints share a namespace key prefix; it is never reused across models. Purge the "
+                "namespace or use another cache directory.")
         if count_hit:
-            hits = self._bump(entry_id, ns)
-        user = {k: v for k, v in tensors.items() if k != "embedding" and not k.startswith(_RESERVED)}
-        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=meta["model_fingerprint"], config=config,
+            hits = self._bump(entry_id, ns, int(hits))
+        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=dec.model_fingerprint, config=dec.config,
                      prompt=prompt, seed=int(seed), created=float(created), hits=int(hits), nbytes=int(nbytes),
-                     embedding=embedding, signature=signature, tensors=user, block_structure=block,
-                     meta=meta.get("meta") or {})
+                     embedding=dec.embedding, signature=dec.signature, tensors=dec.tensors,
+                     block_structure=dec.block_structure, meta=dec.meta)
 
+    @_public
     def load_signature(self, entry_id: str) -> Signature:
         """The entry's Early Signature only (reads just those tensors; cached per process)."""
         with self._lock:
@@ -925,18 +996,16 @@ class Store:
         ns, nbytes, meta_digest = row[1], row[4], row[5]
         path = self._entry_path(ns, entry_id)
         try:
-            meta, meta_json, parts = _read_partial(path, None, prefix="sig.", expect_size=nbytes)
+            meta, meta_json, parts = read_entry_parts(path, None, prefix="sig.", expect_size=nbytes)
         except FileNotFoundError:
-            if self._row(entry_id) is None:
-                raise self._gone(entry_id) from None
-            raise self._quarantine(entry_id, ns, "its file is missing") from None
-        except Exception as e:  # noqa: BLE001
+            raise self._vanished(entry_id, row[0]) from None
+        except Exception as e:  # noqa: BLE001 - any defect of a file from disk means "quarantine"
             raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
         try:
-            if hashlib.sha256(meta_json.encode()).hexdigest() != meta_digest:
+            if _digest(meta_json) != meta_digest:
                 raise ValueError("metadata checksum mismatch")
-            _check_meta(meta, entry_id, ns)
-            sig = _signature_from(meta, {k: torch.from_numpy(v) for k, v in parts.items()})
+            check_meta(meta, entry_id, ns)
+            sig = signature_from(meta, {k: torch.from_numpy(v) for k, v in parts.items()})
         except Exception as e:  # noqa: BLE001
             raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
         size = sum(a.nbytes for a in parts.values())
@@ -954,35 +1023,47 @@ class Store:
             if hit is not None:
                 self._sig_bytes -= hit[1]
 
-    def _bump(self, entry_id: str, ns: str) -> int:
-        with self._write() as c:
-            inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
-            c.execute("UPDATE entries SET hits=hits+1, last_access=?, priority=?+(2.0+hits)*work/MAX(nbytes,1)"
-                      " WHERE id=?", (time.time(), inflation, entry_id))
-            c.execute("INSERT INTO counters(namespace, lookups, hits) VALUES (?, 0, 1) ON CONFLICT(namespace)"
-                      " DO UPDATE SET hits=hits+1", (ns,))
-            row = c.execute("SELECT hits FROM entries WHERE id=?", (entry_id,)).fetchone()
-        return int(row[0]) if row else 0
+    def _bump(self, entry_id: str, ns: str, hits: int) -> int:
+        """Count one reuse (best-effort: a full disk must not fail a read). Returns the entry's hits."""
+        with self._best_effort("count a cache hit"):
+            with self._write() as c:
+                inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
+                c.execute("UPDATE entries SET hits=hits+1, last_access=?,"
+                          " priority=carnator_priority(?, hits+1, work, nbytes) WHERE id=?",
+                          (time.time(), inflation, entry_id))
+                c.execute("INSERT INTO counters(namespace, lookups, hits) VALUES (?, 0, 1) ON CONFLICT(namespace)"
+                          " DO UPDATE SET hits=hits+1", (ns,))
+                row = c.execute("SELECT hits FROM entries WHERE id=?", (entry_id,)).fetchone()
+            return int(row[0]) if row else hits
+        return hits
 
+    @_public
     def record_hit(self, entry_id: str) -> int:
         """Count one reuse of ``entry_id`` (when it was not loaded with ``count_hit=True``). Returns its hits."""
         row = self._row(entry_id)
         if row is None:
             raise self._gone(entry_id)
-        return self._bump(entry_id, row[1])
+        return self._bump(entry_id, row[1], int(row[7]))
 
+    @_public
     def record_lookup(self, namespace: str) -> None:
-        """Count one retrieval request in ``namespace`` (the hit-rate denominator)."""
-        with self._write() as c:
-            c.execute("INSERT INTO counters(namespace, lookups, hits) VALUES (?, 1, 0) ON CONFLICT(namespace)"
-                      " DO UPDATE SET lookups=lookups+1", (namespace,))
+        """Count one retrieval request in ``namespace`` (the hit-rate denominator; best-effort)."""
+        with self._best_effort("count a cache lookup"):
+            with self._write() as c:
+                c.execute("INSERT INTO counters(namespace, lookups, hits) VALUES (?, 1, 0) ON CONFLICT(namespace)"
+                          " DO UPDATE SET lookups=lookups+1", (namespace,))
 
     # ------------------------------------------------------------------ retrieval
-    def query(self, namespace: str, embedding: np.ndarray, k: int = 5) -> list[tuple[str, float]]:
+    @_public
+    def query(self, namespace: str, embedding: np.ndarray, k: int = 5, *, model_fingerprint: str | None = None
+              ) -> list[tuple[str, float]]:
         """Top-k entries of ``namespace`` by cosine similarity to ``embedding``: ``[(entry_id, similarity)]``, best
         first. Only that namespace is searched. Raises ValueError if the embedding's dimension differs from the
-        namespace's."""
+        namespace's. ``model_fingerprint``: raise NamespaceMismatchError if the namespace holds another model's
+        entries (its key is a fingerprint prefix: a collision must not mix models)."""
         self._ns_dir(namespace)  # validates the name
+        if model_fingerprint is not None:
+            self._check_namespace_model(namespace, str(model_fingerprint))
         q = normalize_rows(embedding)
         if q.ndim != 1:
             raise ValueError(f"query embedding must be one vector [D], got shape {np.shape(embedding)}")
@@ -1002,19 +1083,38 @@ class Store:
                 (namespace, *seqs)).fetchall())
         return [(ids[s], sim) for s, sim in found if s in ids]
 
-    def candidates(self, namespace: str, embedding: np.ndarray, k: int = 5, *, min_similarity: float = -1.0
-                   ) -> Candidates:
+    def _check_namespace_model(self, namespace: str, model_fingerprint: str) -> None:
+        with self._read() as c:
+            row = c.execute("SELECT model_fingerprint FROM namespaces WHERE namespace=?", (namespace,)).fetchone()
+        if row is not None and row[0] != model_fingerprint:
+            raise NamespaceMismatchError(
+                f"namespace {namespace} holds entries of model {row[0]}, not {model_fingerprint}: the fingerprints "
+                "share the namespace key's prefix, and entries are never reused across models. Purge the namespace "
+                "or use another cache directory.")
+
+    @_public
+    def candidates(self, namespace: str, embedding: np.ndarray | None, k: int = 5, *, min_similarity: float = -1.0,
+                   model_fingerprint: str | None = None) -> Candidates:
         """Top-k candidates with their signatures (``types.Candidates``); counts one lookup. Entries that turn out
-        corrupt are quarantined and skipped (said in ``note``); entries evicted meanwhile are skipped."""
+        corrupt are quarantined and skipped (said in ``note``); entries evicted meanwhile are skipped. No embedding
+        (a prompt that could not be embedded) or a namespace pinned to another ``model_fingerprint`` gives no
+        candidates, with the reason in ``note``."""
         t0 = time.perf_counter()
         self._ns_dir(namespace)  # validates the name
         self.record_lookup(namespace)
         notes: list[str] = []
+
+        def none(why: str) -> Candidates:
+            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000, note=why)
+
+        if embedding is None:
+            return none("no retrieval: the request has no retrieval embedding (its prompt could not be embedded)")
         try:
-            found = self.query(namespace, embedding, k)
+            found = self.query(namespace, embedding, k, model_fingerprint=model_fingerprint)
+        except NamespaceMismatchError as e:
+            return none(f"no retrieval: {e}")
         except ValueError as e:
-            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000,
-                              note=f"no retrieval: {e}")
+            return none(f"no retrieval: {e}")
         items = []
         if found:
             with self._lock:
@@ -1097,7 +1197,8 @@ class Store:
             self._indexes[ns] = st
             built = True
         # A freshly built IVF index is written at once (rebuilding it costs seconds to minutes at scale).
-        self._persist(ns, st, force=built, index_gen=index_gen)
+        with self._best_effort("persist a retrieval index"):
+            self._persist(ns, st, force=built, index_gen=index_gen)
         return st
 
     def _apply_changes(self, c: sqlite3.Connection, ns: str, st: _NsIndex, gen: int) -> bool:
@@ -1206,40 +1307,60 @@ class Store:
     def _trim_log(self, ns: str, gen: int) -> None:
         """Bound the change log of namespaces without a persisted index: keep the last CHANGE_LOG_KEEP rows
         (a process further behind rebuilds from the catalogue, which is cheap at flat-index sizes)."""
-        with self._lock:
-            low = self._require_conn().execute("SELECT MIN(generation) FROM changes WHERE namespace=?", (ns,)).fetchone()[0]
+        with self._read() as c:
+            low = c.execute("SELECT MIN(generation) FROM changes WHERE namespace=?", (ns,)).fetchone()[0]
         if low is None or gen - int(low) < 2 * CHANGE_LOG_KEEP:
             return
-        with self._write() as c:
-            c.execute("DELETE FROM changes WHERE namespace=? AND generation<=?", (ns, gen - CHANGE_LOG_KEEP))
+        with self._best_effort("trim the change log"):
+            with self._write() as c:
+                c.execute("DELETE FROM changes WHERE namespace=? AND generation<=?", (ns, gen - CHANGE_LOG_KEEP))
 
     # ------------------------------------------------------------------ scan / verify / stats
+    @_public
     def scan(self, grace_s: float | None = None) -> dict[str, int]:
-        """Clean up after crashes: remove temp files and uncommitted orphan entry files older than ``grace_s``
-        (default: the store's grace period, so in-flight writes of other processes are never touched), and
-        catalogue rows whose file vanished. Returns counts."""
+        """Recover after crashes (run at open). Older than ``grace_s`` (default: the store's grace period, so
+        in-flight writes of other processes are never touched): our own temp files in ``tmp/`` are removed, and
+        entry files without a catalogue row are adopted (valid) or quarantined (invalid) — never deleted. Rows
+        whose file is missing are dropped. Files that are not ours by name are left alone. Returns counts."""
         grace = self.grace_s if grace_s is None else float(grace_s)
         now = time.time()
-        out = {"tmp_removed": 0, "orphans_removed": 0, "missing_rows_removed": 0}
+        out = {"tmp_removed": 0, "orphans_adopted": 0, "orphans_quarantined": 0, "missing_rows_removed": 0,
+               "foreign_files": 0}
+
+        def old(p: Path) -> bool:
+            try:
+                return now - p.lstat().st_mtime >= grace
+            except FileNotFoundError:
+                return False
+
         for p in (self.root / "tmp").iterdir():
-            try:
-                if now - p.stat().st_mtime >= grace:
-                    p.unlink()
-                    out["tmp_removed"] += 1
-            except FileNotFoundError:
-                pass
-        with self._lock:
-            rows = self._require_conn().execute("SELECT seq, id, namespace FROM entries").fetchall()
-        known = {(ns, i) for _, i, ns in rows}
-        for p in (self.root / "entries").glob("*/*.safetensors"):
-            if (p.parent.name, p.stem) in known:
+            if not _TMP_RE.match(p.name) or p.is_symlink() or not p.is_file():
+                out["foreign_files"] += 1
                 continue
-            try:
-                if now - p.stat().st_mtime >= grace:
-                    p.unlink()
-                    out["orphans_removed"] += 1
-            except FileNotFoundError:
-                pass
+            if old(p):
+                p.unlink(missing_ok=True)
+                out["tmp_removed"] += 1
+        with self._read() as c:
+            rows = c.execute("SELECT seq, id, namespace FROM entries").fetchall()
+        known = {(ns, i) for _, i, ns in rows}
+        for d in (self.root / "entries").iterdir():
+            if not valid_namespace(d.name) or d.is_symlink() or not d.is_dir():
+                out["foreign_files"] += 1
+                continue
+            for p in d.iterdir():
+                if not _ENTRY_FILE_RE.match(p.name) or p.is_symlink():
+                    out["foreign_files"] += 1
+                    continue
+                if (d.name, p.name[:16]) in known or not old(p):
+                    continue
+                try:
+                    with self._write() as c:
+                        self._adopt_into(c, p)
+                    out["orphans_adopted"] += 1
+                except CorruptEntryError:
+                    out["orphans_quarantined"] += 1
+                except FileNotFoundError:
+                    pass  # removed meanwhile
         missing = []
         for seq, entry_id, ns in rows:
             try:
@@ -1248,17 +1369,21 @@ class Store:
             except (ValueError, CacheError):
                 missing.append((seq, entry_id, ns))
         if missing:
-            with self._write() as c:
-                still = [r for r in missing
-                         if c.execute("SELECT 1 FROM entries WHERE seq=?", (r[0],)).fetchone() is not None]
-                self._delete_rows(c, still)
-            log.warning("carnator cache: removed %d catalogue rows whose entry file is missing", len(still))
-            out["missing_rows_removed"] = len(still)
-        if out["orphans_removed"] or out["tmp_removed"]:
-            log.info("carnator cache: cleaned %d stray temp files and %d uncommitted entry files",
-                     out["tmp_removed"], out["orphans_removed"])
+            with self._best_effort("drop catalogue rows whose file is missing"):
+                with self._write() as c:
+                    still = [r for r in missing
+                             if c.execute("SELECT 1 FROM entries WHERE seq=?", (r[0],)).fetchone() is not None]
+                    catalog.delete_rows(c, still)
+                for r in still:
+                    self._forget_sig(r[1])
+                log.warning("carnator cache: removed %d catalogue rows whose entry file is missing", len(still))
+                out["missing_rows_removed"] = len(still)
+        if out["orphans_adopted"] or out["tmp_removed"]:
+            log.info("carnator cache: removed %d stray temp files, adopted %d entry files written by interrupted "
+                     "writes", out["tmp_removed"], out["orphans_adopted"])
         return out
 
+    @_public
     def verify(self, *, deep: bool = False) -> VerifyReport:
         """Check that catalogue, files and indexes agree. ``deep``: also load and checksum every entry (corrupt
         ones get quarantined as a side effect and reported). Orphan files younger than the grace period are
@@ -1291,13 +1416,14 @@ class Store:
                 problems.append(f"entry {entry_id}: {e}")
         known = {(r[2], r[1]) for r in rows}
         for p in (self.root / "entries").glob("*/*.safetensors"):
-            if (p.parent.name, p.stem) not in known:
+            if _ENTRY_FILE_RE.match(p.name) and (p.parent.name, p.stem) not in known:
                 try:
                     young = now - p.stat().st_mtime < self.grace_s
                 except FileNotFoundError:
                     continue
-                (notes if young else problems).append(f"uncommitted file {p.relative_to(self.root)}"
-                                                      + (" (young: maybe a write in flight)" if young else ""))
+                (notes if young else problems).append(
+                    f"uncommitted file {p.relative_to(self.root)}"
+                    + (" (young: maybe a write in flight)" if young else " (scan() adopts it into the catalogue)"))
         with self._lock:
             for ns in namespaces:
                 self._verify_index(ns, problems, notes)
@@ -1342,6 +1468,7 @@ class Store:
             return
         notes.append(f"namespace {ns}: index not checked (the namespace kept changing)")
 
+    @_public
     def stats(self, namespace: str | None = None) -> CacheStats:
         """Entries, bytes, lookups, hits and hit rate, overall and per namespace (or for one namespace)."""
         where, args = ("WHERE n.namespace=?", (namespace,)) if namespace else ("", ())
@@ -1350,7 +1477,8 @@ class Store:
                 "SELECT n.namespace, n.model_fingerprint, n.config_json, COUNT(e.seq), COALESCE(SUM(e.nbytes), 0)"
                 f" FROM namespaces n LEFT JOIN entries e ON e.namespace=n.namespace {where} GROUP BY n.namespace"
                 " ORDER BY n.namespace", args).fetchall()
-            counters = {r[0]: (int(r[1]), int(r[2])) for r in c.execute("SELECT namespace, lookups, hits FROM counters")}
+            counters = {r[0]: (int(r[1]), int(r[2]))
+                        for r in c.execute("SELECT namespace, lookups, hits FROM counters")}
         per = []
         for ns, fp, cfg_json, n, b in ns_rows:
             lookups, hits = counters.get(ns, (0, 0))
@@ -1372,20 +1500,24 @@ class Store:
             index_bytes=sum(p.stat().st_size for p in (self.root / "index").glob("*.safetensors")),
             namespaces=tuple(per))
 
+    @_public
     def content_version(self) -> int:
         """A counter that changes whenever any entry is added or removed (any process)."""
-        with self._lock:
-            return int(self._require_conn().execute("SELECT value FROM info WHERE key='content_version'").fetchone()[0])
+        with self._read() as c:
+            return int(c.execute("SELECT value FROM info WHERE key='content_version'").fetchone()[0])
 
+    @_public
     def namespaces(self) -> list[str]:
-        with self._lock:
-            return [r[0] for r in self._require_conn().execute("SELECT namespace FROM namespaces ORDER BY namespace")]
+        with self._read() as c:
+            return [r[0] for r in c.execute("SELECT namespace FROM namespaces ORDER BY namespace")]
 
+    @_public
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         where, args = ("WHERE namespace=?", (namespace,)) if namespace else ("", ())
-        with self._lock:
-            return [r[0] for r in self._require_conn().execute(f"SELECT id FROM entries {where} ORDER BY seq", args)]
+        with self._read() as c:
+            return [r[0] for r in c.execute(f"SELECT id FROM entries {where} ORDER BY seq", args)]
 
+    @_public
     def index_kind(self, namespace: str) -> str | None:
         """The kind of this process's index for ``namespace`` ("flat" / "pca-ivf"), after syncing; None if empty."""
         with self._lock:
@@ -1393,7 +1525,20 @@ class Store:
             return st.index.kind if st else None
 
 
+
 # ---------------------------------------------------------------------------------------------- helpers
+def _disk_full(root: Path) -> bool:
+    """Less than 1 MiB free where the cache lives (SQLite's WAL and shared memory need more than that)."""
+    try:
+        return shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _chunks(seq: list[int], n: int = 900) -> Iterator[list[int]]:
     for i in range(0, len(seq), n):
         yield seq[i : i + n]
@@ -1401,10 +1546,11 @@ def _chunks(seq: list[int], n: int = 900) -> Iterator[list[int]]:
 
 def _atomic_write(root: Path, final: Path, blob: bytes, durable: bool,
                   fault: Callable[[str], None] | None = None) -> None:
-    """Write ``blob`` to ``final`` via a temp file in ``root/tmp`` and ``os.replace`` (atomic on POSIX)."""
+    """Write ``blob`` to ``final`` via a temp file in ``root/tmp`` and ``os.replace`` (atomic on POSIX). The temp
+    name (``<stem>.<pid>.<8 hex>.tmp``) is what ``scan`` recognises as ours."""
     tmp_dir = root / "tmp"
     tmp_dir.mkdir(exist_ok=True)
-    tmp = tmp_dir / f"{final.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = tmp_dir / f"{final.stem[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -1414,8 +1560,8 @@ def _atomic_write(root: Path, final: Path, blob: bytes, durable: bool,
                 os.fsync(f.fileno())
         if fault:
             fault("after_tmp_write")
-        if not final.parent.resolve().is_relative_to(root):
-            raise CacheError(f"{final.parent} resolves outside the cache directory; refusing to write there")
+        if final.is_symlink() or not final.parent.resolve().is_relative_to(root):
+            raise CacheError(f"{final} resolves outside the cache directory; refusing to write there")
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -1423,151 +1569,11 @@ def _atomic_write(root: Path, final: Path, blob: bytes, durable: bool,
     if fault:
         fault("after_rename")
     if durable:
-        try:
-            dfd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass  # some filesystems do not support directory fsync; the rename is still atomic
-
-
-def _is_corruption(e: sqlite3.DatabaseError) -> bool:
-    """True for "this is not a (valid) database" errors, False for busy/locked/permission errors."""
-    name = getattr(e, "sqlite_errorname", "") or ""
-    if name in ("SQLITE_CORRUPT", "SQLITE_NOTADB") or name.startswith(("SQLITE_CORRUPT_", "SQLITE_NOTADB_")):
-        return True
-    if name:
-        return False
-    msg = str(e).lower()
-    return "not a database" in msg or "malformed" in msg
-
-
-def _schema_problem(rows: list[tuple]) -> str | None:
-    """None if ``sqlite_master`` holds exactly our schema (no triggers, views or altered tables)."""
-    ref = sqlite3.connect(":memory:")
-    for ddl in _SCHEMA:
-        ref.execute(ddl)
-    want = {(t, n, s) for t, n, s in ref.execute("SELECT type, name, sql FROM sqlite_master")}
-    ref.close()
-    got = {(t, n, s) for t, n, s in rows}
-    got.discard(("table", "sqlite_sequence", "CREATE TABLE sqlite_sequence(name,seq)"))
-    want.discard(("table", "sqlite_sequence", "CREATE TABLE sqlite_sequence(name,seq)"))
-    if got != want:
-        extra = sorted(n for _, n, _ in got - want)
-        missing = sorted(n for _, n, _ in want - got)
-        return f"catalogue schema differs from Carnator's (unexpected: {extra}, missing: {missing})"
-    return None
-
-
-def _header_meta(data: bytes) -> str:
-    n = int.from_bytes(data[:8], "little")
-    if n <= 1 or n > _MAX_HEADER or 8 + n > len(data):
-        raise ValueError("safetensors header length is out of range (truncated file?)")
-    header = json.loads(data[8 : 8 + n])
-    meta = (header.get("__metadata__") or {}).get("carnator")
-    if not isinstance(meta, str):
-        raise ValueError("not a Carnator entry (no 'carnator' metadata)")
-    return meta
-
-
-def _read_partial(path: Path, names: tuple[str, ...] | None, prefix: str = "", expect_size: int | None = None
-                  ) -> tuple[dict, str, dict[str, np.ndarray]]:
-    """Read the header and a few float32 tensors of an entry file without mmap (a file truncated under an mmap
-    would SIGBUS the process): ``names`` and/or all tensors starting with ``prefix``. Checks the file size against
-    the header (truncation) and every tensor read against its sha256 in the metadata."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if expect_size is not None and size != expect_size:
-            raise ValueError(f"file is {size} bytes, the catalogue recorded {expect_size} (truncated?)")
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("file is shorter than a safetensors header")
-        n = int.from_bytes(head, "little")
-        if n <= 1 or n > _MAX_HEADER or 8 + n > size:
-            raise ValueError("safetensors header length is out of range (truncated file?)")
-        header = json.loads(f.read(n))
-        meta_json = (header.get("__metadata__") or {}).get("carnator")
-        if not isinstance(meta_json, str):
-            raise ValueError("not a Carnator entry (no 'carnator' metadata)")
-        meta = json.loads(meta_json)
-        infos = {k: v for k, v in header.items() if k != "__metadata__"}
-        end = max((int(v["data_offsets"][1]) for v in infos.values()), default=0)
-        if 8 + n + end != size:
-            raise ValueError(f"file is {size} bytes but its header describes {8 + n + end} (truncated?)")
-        wanted = [k for k in infos if (names and k in names) or (prefix and k.startswith(prefix))]
-        for k in names or ():
-            if k not in infos:
-                raise ValueError(f"tensor {k!r} is missing")
-        manifest = meta.get("tensors") or {}
-        out = {}
-        for k in wanted:
-            info = infos[k]
-            if info.get("dtype") != "F32":
-                raise ValueError(f"tensor {k} has dtype {info.get('dtype')}, expected F32")
-            shape = [int(x) for x in info["shape"]]
-            s, e = int(info["data_offsets"][0]), int(info["data_offsets"][1])
-            if e - s != 4 * math.prod(shape) or s < 0:
-                raise ValueError(f"tensor {k} has inconsistent offsets")
-            f.seek(8 + n + s)
-            buf = f.read(e - s)
-            if len(buf) != e - s:
-                raise ValueError(f"tensor {k} is truncated")
-            m = manifest.get(k)
-            if m is None or list(m.get("shape", [])) != shape or hashlib.sha256(buf).hexdigest() != m.get("sha256"):
-                raise ValueError(f"tensor {k} does not match its manifest (checksum/shape)")
-            out[k] = np.frombuffer(buf, dtype="<f4").reshape(shape).copy()
-    return meta, meta_json, out
-
-
-def _adopted_key(meta: Mapping[str, Any]) -> str:
-    """The request key an entry file carries ("" for files written before keys existed, or a malformed one)."""
-    key = meta.get("request_key", "")
-    return key if isinstance(key, str) and _KEY_RE.match(key) else ""
-
-
-def _check_meta(meta: Any, entry_id: str, ns: str) -> None:
-    if not isinstance(meta, dict) or meta.get("format") != ENTRY_FORMAT:
-        raise ValueError("not a Carnator entry")
-    if meta.get("version") != ENTRY_VERSION:
-        raise ValueError(f"entry format version {meta.get('version')!r} is not supported")
-    if meta.get("id") != entry_id or meta.get("namespace") != ns:
-        raise ValueError(f"file claims id {meta.get('id')!r} in namespace {meta.get('namespace')!r}")
-
-
-def _signature_from(meta: dict, tensors: Mapping[str, torch.Tensor]) -> Signature:
-    arrays = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
-    sig = Signature.from_parts(meta["signature"], arrays, prefix="sig.")
-    grid = tuple(sig.grid)
-    for o in sig.objects:
-        if o.mask.ndim != 3 or (len(grid) == 3 and tuple(o.mask.shape) != grid):
-            raise ValueError(f"signature mask of {o.name!r} has shape {o.mask.shape}, grid is {grid}")
-    return sig
-
-
-def _block_from(meta: dict, tensors: Mapping[str, torch.Tensor]) -> BlockStructure | None:
-    bm = meta.get("block_structure")
-    if bm is None:
-        if "blocks.keep" in tensors:
-            raise ValueError("block structure tensor without its metadata")
-        return None
-    if bm.get("packing") != "packbits-last-axis":
-        raise ValueError(f"unknown block structure packing {bm.get('packing')!r}")
-    shape = [int(x) for x in bm["shape"]]
-    packed = tensors["blocks.keep"]
-    if (packed.dtype != torch.uint8 or len(shape) != 4
-            or list(packed.shape) != shape[:3] + [(shape[3] + 7) // 8]):
-        raise ValueError(f"blocks.keep is {packed.dtype}{list(packed.shape)}, inconsistent with shape {shape}")
-    keep = np.unpackbits(packed.numpy(), axis=-1, count=shape[3]).astype(bool)
-    layers = tuple(int(x) for x in bm["layers"])
-    if len(layers) != shape[0]:
-        raise ValueError(f"block structure lists {len(layers)} layers for {shape[0]} rows")
-    return BlockStructure(keep=keep, layers=layers, block_size=int(bm["block_size"]),
-                          n_tokens=int(bm["n_tokens"]), steps=tuple(int(x) for x in bm.get("steps", ())))
+        catalog.fsync_path(final.parent)
 
 
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheStats", "CorruptEntryError", "Entry", "EntryData", "EntryNotFoundError",
-    "NamespaceMismatchError", "NamespaceStats", "Store", "VerifyReport", "default_key_path",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CacheStats", "CatalogError", "CorruptEntryError", "Entry",
+    "EntryData", "EntryNotFoundError", "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "Store",
+    "VerifyReport", "adoption_problem", "default_key_path",
 ]

@@ -76,6 +76,12 @@ class Encoded:
                 for t in w.tokens]
 
 
+def _few(words: list[str], n: int = 8, width: int = 40) -> str:
+    """Words for a log line, bounded: a client-supplied prompt must not grow the server log with its size."""
+    shown = [w if len(w) <= width else w[:width] + f"...({len(w)} chars)" for w in words[:n]]
+    return str(shown) + (f" and {len(words) - n} more" if len(words) > n else "")
+
+
 def tokenize_with_words(prompt: str, *, warn: bool = True) -> tuple[list[str], list[WordSpan]]:
     """(token words in conditioning order, one WordSpan per prompt word). Unknown words are warned about
     (``UserWarning``) and get no token."""
@@ -95,12 +101,12 @@ def tokenize_with_words(prompt: str, *, warn: bool = True) -> tuple[list[str], l
             spans.append(WordSpan(idx, info.word, (len(tokens),), info.concept, info.slot))
             tokens.append(info.word)
     if warn and unknown:
-        warnings.warn(f"carnator embedded text encoder: ignoring unknown word(s) {sorted(set(unknown))}; "
+        warnings.warn(f"carnator embedded text encoder: ignoring unknown word(s) {_few(sorted(set(unknown)))}; "
                       "the embedded model only knows its world's vocabulary (see docs/MODEL_CARD.md)",
                       UserWarning, stacklevel=2)
     if warn and truncated:
         warnings.warn(f"carnator embedded text encoder: prompt longer than {TEXT_LEN} known words; "
-                      f"dropped {truncated}", UserWarning, stacklevel=2)
+                      f"dropped {_few(truncated)}", UserWarning, stacklevel=2)
     return tokens, spans
 
 

@@ -9,6 +9,7 @@ Public API (import from the submodules; re-exported here for convenience):
 """
 # The function certify.certify is deliberately not re-exported: it would shadow the submodule attribute
 # `risk.certify` (and `import ...risk.certify as m` would then yield the function).
+from ..paths import PathNotAllowedError, resolve_confined
 from .certify import (
     CalibrationError,
     Certificate,
@@ -26,7 +27,6 @@ from .certify import (
 )
 from .discrepancy import AXES, Discrepancies, ObjectDiscrepancy, SignatureMismatchError, discrepancies
 from .filter import MODES, decide
-from .paths import PathNotAllowedError, resolve_confined
 from .pipeline import CalibrationReport, CalibrationSettings, calibrate_rule, calibrate_rule_file
 from .rule import RiskRule, RuleError, RuleFormatError, RuleMismatchError, UncertifiedRuleError
 from .thresholds import Thresholds

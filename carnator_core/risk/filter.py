@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..paths import resolve_confined
 from ..types import AxisCheck, Candidate, Candidates, CandidateVerdict, Decision, Signature
 from .discrepancy import Discrepancies, discrepancies
-from .paths import resolve_confined
 from .rule import RiskRule, RuleError
 from .thresholds import Thresholds, prompt_check, select_best
 

@@ -278,8 +278,8 @@ def calibrate_rule_in_dirs(
     """What the Calibrate Rule node runs: resolve the pairs file inside ``pairs_roots`` and the output name
     inside ``rules_dir`` (no escaping either), take fingerprints from ``probe`` if given, then
     :func:`calibrate_rule_file`."""
+    from ..paths import resolve_confined
     from .filter import probe_fingerprints
-    from .paths import resolve_confined
 
     pairs = resolve_confined(pairs_file, pairs_roots, must_exist=True, what="pairs file")
     name = rule_name.strip()

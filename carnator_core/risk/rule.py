@@ -19,6 +19,7 @@ from .thresholds import Thresholds
 
 RULE_FORMAT = "carnator-risk-rule"
 SCHEMA_VERSION = 1
+MAX_RULE_BYTES = 16 << 20  # a rule is a few KB; refuse to parse anything absurd
 
 #: How to make a rule, quoted in every refusal so the user knows the way out.
 CALIBRATE_HINT = (
@@ -94,8 +95,8 @@ class RiskRule:
             bits.append(f"arch {self.arch}")
         bits.append(f"config {self.config_fingerprint}")
         if cfg:
-            shown = {k: cfg[k] for k in ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps")
-                     if k in cfg}
+            keys = ("latent_shape", "steps", "sampler", "scheduler", "cfg", "probe_steps")
+            shown = {k: cfg[k] for k in keys if k in cfg}
             bits.append(str(shown))
         return ", ".join(bits)
 
@@ -160,8 +161,8 @@ class RiskRule:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-                       encoding="utf-8")
+        text = json.dumps(self.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
         return path
 
@@ -234,13 +235,21 @@ class RiskRule:
     def load(cls, path: str | Path, allow_uncertified: bool = False) -> "RiskRule":
         """Read and validate a rule file (see :meth:`from_json`)."""
         path = Path(path)
-        if not path.is_file():
-            raise RuleFormatError(f"risk rule file not found: {path}. " + CALIBRATE_HINT)
+        shown = str(path) if len(str(path)) <= 200 else str(path)[:150] + f"...({len(str(path))} characters)"
         try:
+            if not path.is_file():
+                raise RuleFormatError(f"risk rule file not found: {shown}. " + CALIBRATE_HINT)
+            if path.stat().st_size > MAX_RULE_BYTES:
+                raise RuleFormatError(f"risk rule {shown!r} is {path.stat().st_size} bytes; a rule file is a few KB "
+                                      f"(at most {MAX_RULE_BYTES}). Is it the right file? " + CALIBRATE_HINT)
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            why = "it nests too deeply" if isinstance(e, RecursionError) else str(e)
             raise RuleFormatError(
-                f"risk rule {str(path)!r} is not valid JSON ({e}); the file is corrupt. Re-create it with the "
+                f"risk rule {shown!r} is not valid JSON ({why}); the file is corrupt. Re-create it with the "
                 "calibration CLI or node."
             ) from None
+        except OSError as e:
+            raise RuleFormatError(f"risk rule {shown!r} cannot be read ({e.strerror or e}). "
+                                  + CALIBRATE_HINT) from None
         return cls.from_json(data, source=str(path), allow_uncertified=allow_uncertified)

@@ -1,0 +1,1167 @@
+"""Carnator's shared cache store on Redis: one cache for a farm of ComfyUI workers (processes and machines).
+
+Same public surface and semantics as the on-disk ``Store`` (``store.py``): ``put`` / ``put_with_status``,
+``load``, ``load_signature``, ``record_hit``, ``record_lookup``, ``query``, ``candidates``, ``stats``, ``purge``,
+``delete``, ``verify``, ``scan``, ``namespaces``, ``entry_ids``, ``index_kind``, ``content_version``, ``close``;
+the same errors (``EntryNotFoundError``, ``CorruptEntryError``, ``CacheBudgetError``, ``NamespaceMismatchError``)
+plus ``CacheUnavailableError`` when Redis cannot be reached.
+
+Key layout (prefix ``carnator``; ``{ns}`` is a Redis Cluster hash tag, so every key of a namespace lives in one
+hash slot and each multi-key step below is one atomic Lua script in that slot)::
+
+    carnator:format                       {"format": "carnator-cache", "version": 1, "backend": "redis"}
+    carnator:namespaces                   set of namespaces ever written (empty ones are skipped by stats)
+    carnator:tags                         hash: 8-hex namespace tag -> namespace (entry ids start with the tag)
+    carnator:inflation                    the LCBFU/GDSF clock L (policy.py), shared by all workers
+    carnator:evict-lock                   short-lived lock: one worker evicts at a time
+    carnator:{ns}:meta                    hash: model fingerprint, config JSON, embedding dim, token, created
+    carnator:{ns}:gen / :seq              change counter (one per publish/eviction) / entry sequence numbers
+    carnator:{ns}:e:<id>                  hash: catalogue row (prompt, seed, nbytes, digest, work, hits, ...,
+                                          signature blob + checksum)
+    carnator:{ns}:b:<id>                  list: the entry's safetensors bytes in chunks (local entry format)
+    carnator:{ns}:stage:<id>              list: chunks being written (TTL; renamed to :b:<id> on publish)
+    carnator:{ns}:emb / :sid              hash: seq -> embedding float32 bytes / seq -> entry id
+    carnator:{ns}:prio / :lru             sorted sets "<seq:012d>:<id>" by LCBFU priority / last access
+    carnator:{ns}:dedup                   hash: sha256(prompt):seed -> entry id (a request is cached once)
+    carnator:{ns}:bytes                   total entry bytes of the namespace
+    carnator:{ns}:counters                hash: lookups, hits
+    carnator:{ns}:log                     stream of changes: op (add/del), gen, seq, id (trimmed ~STREAM_KEEP)
+    carnator:{ns}:q:<id> / :qreason       quarantined bytes (TTL QUARANTINE_TTL_S) / id -> reason
+
+Contracts
+---------
+* **Never pickle.** Entries are the local store's safetensors entry format (tensors + JSON metadata with a
+  sha256 per tensor); everything else is plain strings/numbers. A value that fails to parse or verify is
+  quarantined: its bytes are moved to ``:q:<id>`` with a reason, the entry is unpublished, one warning is logged
+  and ``CorruptEntryError`` raised; nothing else is touched.
+* **Atomic publish.** A writer first stages the chunks under ``:stage:<id>`` (created with a TTL in one
+  MULTI/EXEC, extended only with RPUSHX, so it can never lose its TTL), then one Lua script checks the staging
+  is complete, refuses a namespace/model/config/dimension mismatch, dedupes (same namespace + prompt + seed =
+  one entry, whoever publishes first wins), renames the staging to ``:b:<id>`` and writes the row, embedding,
+  sorted sets, byte total and a stream record. Other workers see all of it or nothing; a writer killed before
+  the script leaves only a staging key that expires.
+* **Recall stays local.** Each process keeps a FAISS index per namespace (``index.py``), built from ``:emb`` on
+  first use and brought up to date from the ``:log`` stream before every query (one round trip). A stream gap
+  (trimmed, or Redis restarted from an older snapshot), a new namespace token (purge) or a generation that went
+  backwards rebuilds the index from ``:emb``. An entry evicted between recall and load raises
+  ``EntryNotFoundError``: the request continues dense.
+* **Capacity.** ``max_bytes`` bounds the bytes of all namespaces together (this handle's writes enforce it, as on
+  disk); after a publish the worker takes the eviction lock and evicts the lowest-priority entries across
+  namespaces (``policy.py``: ``lcbfu`` by default, or ``lru``), raising the shared clock L to the evicted
+  priority. Ties go to the oldest entry of a namespace. Redis itself must not evict (``maxmemory-policy
+  noeviction``): Carnator's budget decides what goes.
+* **Faults.** When Redis cannot be reached, every operation raises ``CacheUnavailableError`` quickly (after a
+  failure Redis is not retried for ``retry_s``), except ``candidates``, which answers "no candidates" with the
+  reason so the request runs dense. One warning per process is logged when Redis goes away and one info line
+  when it is back; reuse resumes by itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, TypeVar
+
+import numpy as np
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from safetensors.torch import load as st_load, save as st_save
+
+from ..types import Candidate, Candidates, GenConfig, Signature, namespace_key
+from .index import IndexParams, VectorIndex, normalize_rows
+from .policy import check_policy, priority, work_of
+from .redis_url import CacheUnavailableError, connect_url, public_url
+from .store import (
+    _NS_RE,
+    _RESERVED,
+    _TENSOR_RE,
+    ENTRY_FORMAT,
+    ENTRY_VERSION,
+    STORE_FORMAT,
+    STORE_VERSION,
+    CacheBudgetError,
+    CacheError,
+    CacheStats,
+    CorruptEntryError,
+    Entry,
+    EntryData,
+    EntryNotFoundError,
+    NamespaceMismatchError,
+    NamespaceStats,
+    VerifyReport,
+    _block_from,
+    _check_meta,
+    _dtype_name,
+    _fmt_bytes,
+    _header_meta,
+    _jsonable,
+    _sha256,
+    _signature_from,
+    _to_tensor,
+)
+
+log = logging.getLogger("carnator")
+
+PREFIX = "carnator"
+# Entry bytes are stored in values just under 4 MiB (a Wan entry of ~23 MiB is 6 of them): no single huge value,
+# and a value plus Redis's header stays inside jemalloc's 4 MiB size class (exactly 4 MiB would be rounded up to
+# the 5 MiB class: +25% memory, measured in BENCHMARKS.md).
+CHUNK_BYTES = (4 << 20) - 4096
+STAGE_TTL_S = 600  # a staging key outlives any healthy write, and vanishes after a writer died
+QUARANTINE_TTL_S = 7 * 86400  # quarantined bytes are kept a week for inspection (memory is precious in Redis)
+STREAM_KEEP = 50_000  # change records kept per namespace; a worker further behind rebuilds its index
+LOCK_TTL_MS = 30_000
+_ID_CHARS = 16  # entry ids: 8 hex of namespace tag + 8 random hex, the same 16-hex shape as on disk
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------- entry codec
+# Bytes-level encode/decode of one entry in the local store's file format (so an entry is the same bytes on disk
+# and in Redis). When store.py exposes its own encode/decode API, these two functions should call it instead.
+def encode_entry(data: EntryData, entry_id: str, created: float) -> tuple[bytes, str, np.ndarray, bytes]:
+    """(entry bytes, metadata JSON, normalised embedding, signature blob) of ``data``; raises ValueError/TypeError
+    with the reason for a bad tensor name/dtype or block structure (as ``Store.put`` does)."""
+    ns = data.namespace
+    emb = normalize_rows(data.embedding)
+    if emb.ndim != 1:
+        raise ValueError(f"EntryData.embedding must be one vector [D], got shape {np.shape(data.embedding)}")
+    tensors: dict[str, torch.Tensor] = {"embedding": torch.from_numpy(emb)}
+    seen: set[int] = set()
+    for name, value in data.tensors.items():
+        if not isinstance(name, str) or not _TENSOR_RE.match(name) or name == "embedding" or name.startswith(_RESERVED):
+            raise ValueError(f"tensor name {name!r} is not allowed (letters, digits, '_.-'; not 'embedding', "
+                             "not starting with 'sig.' or 'blocks.')")
+        t = _to_tensor(name, value)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()  # safetensors refuses tensors sharing memory
+        seen.add(ptr)
+        tensors[name] = t
+    sig_tensors = {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+                   for k, a in data.signature.to_tensors("sig.").items()}
+    tensors.update(sig_tensors)
+    block_meta = None
+    if data.block_structure is not None:
+        bs = data.block_structure
+        keep = np.asarray(bs.keep, dtype=bool)
+        if keep.ndim != 4 or keep.shape[0] != len(bs.layers):
+            raise ValueError(f"block_structure.keep must be bool [L, H, Qb, Kb] with L = len(layers) = "
+                             f"{len(bs.layers)}, got shape {keep.shape}")
+        tensors["blocks.keep"] = torch.from_numpy(np.ascontiguousarray(np.packbits(keep, axis=-1)))
+        block_meta = {"layers": [int(x) for x in bs.layers], "block_size": int(bs.block_size),
+                      "n_tokens": int(bs.n_tokens), "steps": [int(x) for x in bs.steps],
+                      "shape": list(keep.shape), "packing": "packbits-last-axis"}
+    sig_meta = data.signature.to_meta()
+    meta = {
+        "format": ENTRY_FORMAT, "version": ENTRY_VERSION, "id": entry_id, "namespace": ns,
+        "model_fingerprint": data.model_fingerprint, "config": data.config.to_meta(), "prompt": data.prompt,
+        "seed": int(data.seed), "created": created, "dim": int(emb.shape[0]), "signature": sig_meta,
+        "block_structure": block_meta, "meta": _jsonable(dict(data.meta)),
+        "tensors": {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "sha256": _sha256(t)}
+                    for k, t in tensors.items()},
+    }
+    meta_json = json.dumps(meta, sort_keys=True)
+    blob = st_save(tensors, metadata={"carnator": meta_json})
+    # The signature alone, for recall (candidates read it without the latents).
+    sig_blob = st_save({k: t.clone() for k, t in sig_tensors.items()},
+                       metadata={"carnator-signature": json.dumps({"id": entry_id, "signature": sig_meta})})
+    return blob, meta_json, emb, sig_blob
+
+
+def decode_entry(blob: bytes, entry_id: str, ns: str, meta_digest: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Parse and fully verify entry bytes: (metadata, tensors). Raises ValueError (or a parser error) on any defect:
+    checksums, manifest, id/namespace, model/config vs namespace."""
+    tensors = st_load(blob)
+    meta_json = _header_meta(blob)
+    if hashlib.sha256(meta_json.encode()).hexdigest() != meta_digest:
+        raise ValueError("metadata checksum mismatch")
+    meta = json.loads(meta_json)
+    _check_meta(meta, entry_id, ns)
+    manifest = meta["tensors"]
+    if set(manifest) != set(tensors):
+        raise ValueError(f"tensor set {sorted(tensors)} differs from the manifest {sorted(manifest)}")
+    for name, t in tensors.items():
+        m = manifest[name]
+        if _dtype_name(t) != m["dtype"] or list(t.shape) != list(m["shape"]):
+            raise ValueError(f"tensor {name} is {_dtype_name(t)}{list(t.shape)}, manifest says "
+                             f"{m['dtype']}{m['shape']}")
+        if _sha256(t) != m["sha256"]:
+            raise ValueError(f"tensor {name} checksum mismatch")
+    if namespace_key(meta["model_fingerprint"], GenConfig.from_meta(meta["config"])) != ns:
+        raise ValueError("metadata's model/config does not match the entry's namespace")
+    return meta, tensors
+
+
+# ---------------------------------------------------------------------------------------------- Lua scripts
+# Every script touches keys of one namespace only (one hash slot). Per-entry keys are built inside the scripts
+# from the namespace's key prefix (KEYS[1]), which shares the hash tag.
+_PUBLISH = """
+local p = KEYS[1]
+local id = ARGV[1]
+local stage = p .. 'stage:' .. id
+local nchunks = tonumber(ARGV[12])
+local dup = redis.call('HGET', p .. 'dedup', ARGV[14])
+if dup then
+  redis.call('DEL', stage)
+  return {'dup', dup}
+end
+if redis.call('EXISTS', stage) == 0 or redis.call('LLEN', stage) ~= nchunks then
+  return {'incomplete'}
+end
+local meta = p .. 'meta'
+if redis.call('EXISTS', meta) == 1 then
+  local m = redis.call('HMGET', meta, 'fp', 'config', 'dim')
+  if m[1] ~= ARGV[2] or m[2] ~= ARGV[3] then
+    redis.call('DEL', stage)
+    return {'mismatch', 'model', m[1]}
+  end
+  if m[3] ~= ARGV[4] then
+    redis.call('DEL', stage)
+    return {'mismatch', 'dim', m[3]}
+  end
+else
+  redis.call('HSET', meta, 'fp', ARGV[2], 'config', ARGV[3], 'dim', ARGV[4], 'token', ARGV[5], 'created', ARGV[6])
+end
+local e = p .. 'e:' .. id
+if redis.call('EXISTS', e) == 1 then
+  return {'collision'}
+end
+local seq = redis.call('INCR', p .. 'seq')
+local member = string.format('%012d:%s', seq, id)
+redis.call('RENAME', stage, p .. 'b:' .. id)
+redis.call('PERSIST', p .. 'b:' .. id)
+redis.call('HSET', e, 'seq', seq, 'prompt', ARGV[7], 'seed', ARGV[8], 'nbytes', ARGV[9], 'digest', ARGV[10],
+  'work', ARGV[11], 'nchunks', ARGV[12], 'sig', ARGV[13], 'sigsum', ARGV[17], 'dedup', ARGV[14], 'created', ARGV[6],
+  'last_access', ARGV[6], 'hits', 0)
+redis.call('ZADD', p .. 'prio', ARGV[15], member)
+redis.call('ZADD', p .. 'lru', ARGV[6], member)
+redis.call('HSET', p .. 'emb', seq, ARGV[16])
+redis.call('HSET', p .. 'sid', seq, id)
+redis.call('HSET', p .. 'dedup', ARGV[14], id)
+redis.call('INCRBY', p .. 'bytes', ARGV[9])
+local g = redis.call('INCR', p .. 'gen')
+redis.call('XADD', p .. 'log', 'MAXLEN', '~', ARGV[18], '*', 'op', 'add', 'gen', g, 'seq', seq, 'id', id)
+return {'ok', seq}
+"""
+
+# ARGV: id, stream keep, quarantine reason ('' = plain delete), quarantine ttl. Returns the bytes freed (-1: gone).
+_DELETE = """
+local p = KEYS[1]
+local id = ARGV[1]
+local e = p .. 'e:' .. id
+local r = redis.call('HMGET', e, 'seq', 'nbytes', 'dedup')
+if not r[1] then return -1 end
+local seq = tonumber(r[1])
+local member = string.format('%012d:%s', seq, id)
+redis.call('ZREM', p .. 'prio', member)
+redis.call('ZREM', p .. 'lru', member)
+redis.call('HDEL', p .. 'emb', seq)
+redis.call('HDEL', p .. 'sid', seq)
+if r[3] and redis.call('HGET', p .. 'dedup', r[3]) == id then redis.call('HDEL', p .. 'dedup', r[3]) end
+redis.call('DECRBY', p .. 'bytes', r[2])
+redis.call('DEL', e)
+local b = p .. 'b:' .. id
+if ARGV[3] ~= '' then
+  if redis.call('EXISTS', b) == 1 then
+    redis.call('RENAME', b, p .. 'q:' .. id)
+    redis.call('EXPIRE', p .. 'q:' .. id, ARGV[4])
+  end
+  redis.call('HSET', p .. 'qreason', id, ARGV[3])
+else
+  redis.call('UNLINK', b)
+end
+local g = redis.call('INCR', p .. 'gen')
+redis.call('XADD', p .. 'log', 'MAXLEN', '~', ARGV[2], '*', 'op', 'del', 'gen', g, 'seq', seq, 'id', id)
+return tonumber(r[2])
+"""
+
+# ARGV: id, inflation, now. Returns the entry's hits after this one (-1: gone).
+_HIT = """
+local p = KEYS[1]
+local id = ARGV[1]
+local e = p .. 'e:' .. id
+local r = redis.call('HMGET', e, 'seq', 'work', 'nbytes')
+if not r[1] then return -1 end
+local hits = redis.call('HINCRBY', e, 'hits', 1)
+redis.call('HSET', e, 'last_access', ARGV[3])
+local member = string.format('%012d:%s', tonumber(r[1]), id)
+local nb = math.max(1, tonumber(r[3]))
+local prio = tonumber(ARGV[2]) + (1 + hits) * tonumber(r[2]) / nb
+redis.call('ZADD', p .. 'prio', 'XX', string.format('%.17g', prio), member)
+redis.call('ZADD', p .. 'lru', 'XX', ARGV[3], member)
+redis.call('HINCRBY', p .. 'counters', 'hits', 1)
+return hits
+"""
+
+# Removes every entry and the namespace's state (a recreated namespace gets a new token). Returns the count.
+_PURGE = """
+local p = KEYS[1]
+local members = redis.call('ZRANGE', p .. 'lru', 0, -1)
+for _, m in ipairs(members) do
+  local id = string.sub(m, 14)
+  redis.call('UNLINK', p .. 'e:' .. id, p .. 'b:' .. id)
+end
+for _, k in ipairs({'meta', 'gen', 'seq', 'emb', 'sid', 'prio', 'lru', 'dedup', 'bytes', 'counters', 'log'}) do
+  redis.call('UNLINK', p .. k)
+end
+return #members
+"""
+
+_MAX_UPDATE = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+_CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# URLs whose outage has been logged in this process (by any store instance: the nodes' and the panel's), so an
+# outage is one warning and its end one info line, however many handles notice it.
+_OUTAGES: set[str] = set()
+_OUTAGES_LOCK = threading.Lock()
+
+
+@dataclass
+class _NsIndex:
+    token: str
+    generation: int
+    last_xid: str
+    index: VectorIndex
+    ids: set[int] = field(default_factory=set)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def ns_tag(ns: str) -> str:
+    """The 8-hex tag of a namespace that starts each of its entry ids (ids alone locate their namespace)."""
+    return hashlib.sha256(ns.encode()).hexdigest()[:8]
+
+
+# ---------------------------------------------------------------------------------------------- the store
+class RedisStore:
+    """The shared cache store on one Redis (see the module docstring). Thread-safe; one per process and URL is
+    enough (``handle.open_store`` keeps it), and any number of processes on any machines may share the Redis."""
+
+    def __init__(self, url: str, client: redis.Redis, *, max_bytes: int | None, policy: str,
+                 index_params: IndexParams, retry_s: float) -> None:
+        self.url = url  # public (credential-free) form only
+        self.max_bytes = int(max_bytes) if max_bytes else None
+        self.policy = check_policy(policy)
+        self.index_params = index_params
+        self.retry_s = float(retry_s)
+        self._r = client
+        self._lock = threading.RLock()
+        self._indexes: dict[str, _NsIndex] = {}
+        self._tags: dict[str, str] = {}
+        self._sigs: OrderedDict[str, tuple[Signature, int]] = OrderedDict()
+        self._sig_bytes = 0
+        self._sig_budget = 256 << 20
+        self._down_until = 0.0
+        self._down_reason = ""
+        self._closed = False
+        self._scripts = {name: client.register_script(src) for name, src in
+                         (("publish", _PUBLISH), ("delete", _DELETE), ("hit", _HIT), ("purge", _PURGE),
+                          ("max", _MAX_UPDATE), ("unlock", _UNLOCK))}
+        # Fault injection for crash tests: called with a stage name ("after_stage", "after_publish") in put().
+        self._fault: Callable[[str], None] | None = None
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    def open(cls, url: str, *, max_bytes: int | None = None, policy: str = "lcbfu",
+             index_params: IndexParams | None = None, retry_s: float = 2.0, socket_timeout: float = 30.0,
+             connect_timeout: float = 2.0, full_url: str | None = None, claim: bool = True) -> "RedisStore":
+        """Open the store on the Redis named by ``url`` (public form; the credentials come from
+        ``CARNATOR_REDIS_URL`` via ``redis_url.connect_url`` unless ``full_url`` is given, e.g. by tests).
+
+        Never fails because Redis is down (the store starts "unavailable", logs once and retries later); raises
+        CacheError if the Redis holds another cache format, RedisConfigError for an unconfigured URL. ``claim``:
+        write the format marker into an empty Redis (False: only check it, e.g. for read-only statistics).
+        """
+        public = public_url(url)
+        full = full_url or connect_url(public)
+        # One immediate retry: a pooled connection broken by a Redis restart is replaced at once instead of
+        # costing a "down" period. Scripts stay safe when re-run (publish dedupes, delete/hit check existence).
+        client = redis.Redis.from_url(full, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                                      health_check_interval=30, retry=Retry(NoBackoff(), 1))
+        st = cls(public, client, max_bytes=max_bytes, policy=policy, index_params=index_params or IndexParams(),
+                 retry_s=retry_s)
+        try:
+            st._check_format(claim)
+            st._check_eviction_policy()
+        except CacheUnavailableError:
+            pass  # already logged; operations retry after retry_s
+        return st
+
+    def _check_eviction_policy(self) -> None:
+        """Warn once if Redis may evict keys by itself (it would drop parts of entries; Carnator's budget must
+        decide). Managed Redis services often forbid CONFIG: then nothing is said."""
+        try:
+            policy = self._r.config_get("maxmemory-policy").get("maxmemory-policy")
+        except (redis.ResponseError, *_CONN_ERRORS):
+            return
+        if policy and policy != "noeviction":
+            log.warning("carnator cache: Redis at %s runs with maxmemory-policy %s; set it to noeviction (Redis "
+                        "would otherwise drop parts of entries, which are then quarantined). Carnator's own byte "
+                        "budget (max_gb on the Cache node) decides what is evicted.", self.url, policy)
+
+    def _check_format(self, claim: bool = True) -> bool:
+        """True if the Redis holds a Carnator cache (after claiming an empty one when ``claim``)."""
+        marker = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "backend": "redis"})
+        got = self._call(lambda: (claim and self._r.set(f"{PREFIX}:format", marker, nx=True),
+                                  self._r.get(f"{PREFIX}:format")))
+        if got[1] is None and not claim:
+            return False
+        try:
+            m = json.loads(got[1])
+        except (TypeError, ValueError):
+            m = {}
+        if m.get("format") != STORE_FORMAT or m.get("version") != STORE_VERSION:
+            raise CacheError(f"the Redis at {self.url} holds cache format {m.get('format')!r} v{m.get('version')!r}; "
+                             f"this Carnator uses {STORE_FORMAT!r} v{STORE_VERSION}. Use another Redis database "
+                             "(redis://host:port/N) or upgrade Carnator.")
+        return True
+
+    def exists(self) -> bool:
+        """True if this Redis holds a Carnator cache (its format marker); raises CacheUnavailableError if down."""
+        return self._check_format(claim=False)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._indexes.clear()
+            self._r.close()
+
+    def __enter__(self) -> "RedisStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ connection faults
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run one Redis interaction; connection failures become CacheUnavailableError (logged once per outage)."""
+        if self._closed:
+            raise CacheError(f"the cache store at {self.url} is closed")
+        if time.monotonic() < self._down_until:
+            raise CacheUnavailableError(f"the shared cache at {self.url} is unreachable ({self._down_reason}); "
+                                        "continuing without it")
+        try:
+            out = fn()
+        except _CONN_ERRORS as e:
+            self._down_reason = f"{type(e).__name__}: {e}"
+            self._down_until = time.monotonic() + self.retry_s
+            with _OUTAGES_LOCK:
+                first = self.url not in _OUTAGES
+                _OUTAGES.add(self.url)
+            if first:
+                log.warning("carnator cache: Redis at %s is unreachable (%s); requests continue without the shared "
+                            "cache (dense) and reuse resumes when it is back", self.url, self._down_reason)
+            raise CacheUnavailableError(f"the shared cache at {self.url} is unreachable ({self._down_reason}); "
+                                        "continuing without it") from None
+        if self._down_reason or self.url in _OUTAGES:
+            self._down_reason = ""
+            with _OUTAGES_LOCK:
+                was_down = self.url in _OUTAGES
+                _OUTAGES.discard(self.url)
+            if was_down:
+                log.info("carnator cache: Redis at %s is reachable again; reuse resumes", self.url)
+        return out
+
+    @property
+    def available(self) -> bool:
+        """False while the last Redis call failed (within ``retry_s``)."""
+        return not self._down_reason
+
+    # ------------------------------------------------------------------ keys
+    @staticmethod
+    def _p(ns: str) -> str:
+        if not isinstance(ns, str) or not _NS_RE.match(ns) or ".." in ns:
+            raise ValueError(f"invalid namespace {ns!r}")
+        return f"{PREFIX}:{{{ns}}}:"
+
+    def _ns_of(self, entry_id: str) -> str | None:
+        if not isinstance(entry_id, str) or len(entry_id) != _ID_CHARS or not all(c in "0123456789abcdef"
+                                                                                  for c in entry_id):
+            raise EntryNotFoundError(f"{entry_id!r} is not a Carnator cache entry id")
+        tag = entry_id[:8]
+        ns = self._tags.get(tag)
+        if ns is None:
+            raw = self._call(lambda: self._r.hget(f"{PREFIX}:tags", tag))
+            if raw is None:
+                return None
+            ns = self._tags[tag] = _s(raw)
+        return ns
+
+    def _register_ns(self, ns: str) -> None:
+        """Record the namespace and its id tag (on every write: a Redis that lost its data must learn them again,
+        or other workers could not resolve the new ids)."""
+        tag = ns_tag(ns)
+        pipe = self._r.pipeline(transaction=False)
+        pipe.sadd(f"{PREFIX}:namespaces", ns)
+        pipe.hsetnx(f"{PREFIX}:tags", tag, ns)
+        pipe.hget(f"{PREFIX}:tags", tag)
+        got = _s(self._call(pipe.execute)[2])
+        if got != ns:
+            raise NamespaceMismatchError(f"namespace {ns} and {got} share the id tag {tag} in {self.url} (a 32-bit "
+                                         "hash collision): purge one of them or use another Redis database")
+        self._tags[tag] = ns
+
+    def _gone(self, entry_id: str) -> EntryNotFoundError:
+        return EntryNotFoundError(f"cache entry {entry_id} is no longer in the cache (evicted, purged or "
+                                  "quarantined meanwhile); retrieve candidates again")
+
+    def _inflation(self) -> float:
+        return float(self._call(lambda: self._r.get(f"{PREFIX}:inflation")) or 0.0)
+
+    # ------------------------------------------------------------------ write path
+    def put(self, data: EntryData) -> str:
+        """Store one entry; returns its id (an existing id if the same namespace + prompt + seed is cached)."""
+        return self.put_with_status(data)[0]
+
+    def put_with_status(self, data: EntryData) -> tuple[str, bool]:
+        """Like ``put``; also says whether a new entry was written (False: an identical request was cached).
+        Raises CacheUnavailableError when Redis is unreachable (nothing is written)."""
+        if not isinstance(data, EntryData):
+            raise TypeError(f"Store.put takes an EntryData, got {type(data).__name__}")
+        ns = data.namespace
+        p = self._p(ns)
+        dedup_key = f"{hashlib.sha256(data.prompt.encode()).hexdigest()}:{int(data.seed)}"
+        existing = self._call(lambda: self._r.hget(p + "dedup", dedup_key))
+        if existing is not None:
+            return _s(existing), False
+        self._register_ns(ns)
+        created = time.time()
+        entry_id = ns_tag(ns) + secrets.token_hex(4)
+        blob, meta_json, emb, sig_blob = encode_entry(data, entry_id, created)
+        if self.max_bytes and len(blob) > self.max_bytes:
+            raise CacheBudgetError(
+                f"the entry is {_fmt_bytes(len(blob))} but the cache budget is {_fmt_bytes(self.max_bytes)}: "
+                "raise max_gb on the cache loader (or 0 for no limit)")
+        cfg_json = json.dumps(data.config.to_meta(), sort_keys=True)
+        work = work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape)
+        for _ in range(8):  # a random-id collision within the namespace: retry with a fresh id
+            stage = f"{p}stage:{entry_id}"
+            chunks = [blob[i : i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
+
+            def stage_chunks() -> None:
+                first = self._r.pipeline(transaction=True)  # the key exists only with its TTL
+                first.rpush(stage, chunks[0])
+                first.expire(stage, STAGE_TTL_S)
+                first.execute()
+                for c in chunks[1:]:
+                    if not self._r.rpushx(stage, c):
+                        raise CacheError(f"staging of entry {entry_id} expired while it was written (over "
+                                         f"{STAGE_TTL_S} s); nothing was published")
+                    self._r.expire(stage, STAGE_TTL_S)
+
+            self._call(stage_chunks)
+            if self._fault:
+                self._fault("after_stage")
+            prio = priority(self._inflation(), 0, work, len(blob))
+            args = [entry_id, data.model_fingerprint, cfg_json, int(emb.shape[0]), secrets.token_hex(8),
+                    repr(created), data.prompt, int(data.seed), len(blob),
+                    hashlib.sha256(meta_json.encode()).hexdigest(), repr(work), len(chunks), sig_blob, dedup_key,
+                    repr(prio), np.ascontiguousarray(emb, np.float32).tobytes(),
+                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP]
+            res = self._call(lambda: self._scripts["publish"](keys=[p], args=args))
+            status = _s(res[0])
+            if status == "ok":
+                break
+            if status == "dup":
+                return _s(res[1]), False
+            if status == "mismatch":
+                what = _s(res[1])
+                if what == "dim":
+                    raise NamespaceMismatchError(
+                        f"namespace {ns} holds embeddings of dimension {_s(res[2])}, this entry has {emb.shape[0]}: "
+                        "the text encoder changed for the same model/config; purge the namespace")
+                raise NamespaceMismatchError(
+                    f"namespace {ns} already holds entries of another model/config (fingerprint "
+                    f"{_s(res[2])[:24]}...); this is a fingerprint collision: purge the namespace or use another "
+                    "Redis database")
+            if status == "incomplete":
+                raise CacheError(f"staging of entry {entry_id} was incomplete at publish (expired or evicted by "
+                                 "Redis? Redis must run with maxmemory-policy noeviction); nothing was published")
+            self._call(lambda: self._r.delete(stage))  # collision: drop this staging, retry with a new id
+            entry_id = ns_tag(ns) + secrets.token_hex(4)
+            blob, meta_json, emb, sig_blob = encode_entry(data, entry_id, created)
+        else:
+            raise CacheError(f"could not find a free entry id in namespace {ns} after 8 tries")
+        if self._fault:
+            self._fault("after_publish")
+        try:
+            self._evict_if_needed(protect={entry_id})
+        except CacheUnavailableError:
+            pass  # published; the next write enforces the budget (the outage is logged once)
+        return entry_id, True
+
+    # ------------------------------------------------------------------ deletes / eviction / purge
+    def _delete(self, ns: str, entry_id: str, reason: str = "") -> int:
+        """Unpublish one entry (quarantine its bytes if ``reason``). Returns its bytes, -1 if it was gone."""
+        n = int(self._call(lambda: self._scripts["delete"](keys=[self._p(ns)],
+                                                           args=[entry_id, STREAM_KEEP, reason, QUARANTINE_TTL_S])))
+        self._forget_sig(entry_id)
+        return n
+
+    def delete(self, entry_id: str) -> bool:
+        """Remove one entry. Returns False if it was not there."""
+        ns = self._ns_of(entry_id)
+        return ns is not None and self._delete(ns, entry_id) >= 0
+
+    def _known_namespaces(self) -> list[str]:
+        return sorted(_s(x) for x in self._call(lambda: self._r.smembers(f"{PREFIX}:namespaces")))
+
+    def _total_bytes(self, nss: list[str]) -> int:
+        pipe = self._r.pipeline(transaction=False)
+        for ns in nss:
+            pipe.get(self._p(ns) + "bytes")
+        return sum(int(v or 0) for v in self._call(pipe.execute))
+
+    def _evict_if_needed(self, protect: set[str]) -> int:
+        """Evict the lowest-priority entries (all namespaces) until the total is within ``max_bytes``. One worker
+        evicts at a time (a Redis lock with a TTL, so a worker that dies holding it blocks nobody for long)."""
+        if not self.max_bytes:
+            return 0
+        nss = self._known_namespaces()
+        if self._total_bytes(nss) <= self.max_bytes:
+            return 0
+        token = secrets.token_hex(8)
+        lock = f"{PREFIX}:evict-lock"
+        deadline = time.monotonic() + 120
+        while not self._call(lambda: self._r.set(lock, token, nx=True, px=LOCK_TTL_MS)):
+            if time.monotonic() > deadline:
+                raise CacheError(f"could not take the eviction lock of {self.url} within 120 s")
+            time.sleep(0.02)
+        evicted, top = 0, None
+        try:
+            nss = self._known_namespaces()
+            total = self._total_bytes(nss)
+            zset = "prio" if self.policy == "lcbfu" else "lru"
+            while total > self.max_bytes:
+                pipe = self._r.pipeline(transaction=False)
+                for ns in nss:
+                    pipe.zrange(self._p(ns) + zset, 0, 31, withscores=True)
+                heads = self._call(pipe.execute)
+                order = sorted((float(score), _s(m), ns) for ns, head in zip(nss, heads) for m, score in head)
+                order = [o for o in order if o[1][13:] not in protect]
+                if not order:
+                    break
+                progressed = False
+                for score, member, ns in order:
+                    if total <= self.max_bytes:
+                        break
+                    freed = self._delete(ns, member[13:])
+                    if freed >= 0:
+                        total -= freed
+                        evicted += 1
+                        progressed = True
+                        top = score if top is None else max(top, score)
+                    self._call(lambda: self._r.pexpire(lock, LOCK_TTL_MS))
+                if not progressed:
+                    break
+                total = self._total_bytes(nss)
+            if top is not None and self.policy == "lcbfu":
+                self._call(lambda: self._scripts["max"](keys=[f"{PREFIX}:inflation"], args=[repr(top)]))
+        finally:
+            try:
+                self._call(lambda: self._scripts["unlock"](keys=[lock], args=[token]))
+            except CacheUnavailableError:
+                pass  # the lock expires by itself
+        if evicted:
+            log.info("carnator cache: evicted %d entr%s (%s policy) to stay within %s", evicted,
+                     "y" if evicted == 1 else "ies", self.policy, _fmt_bytes(self.max_bytes))
+        return evicted
+
+    def purge(self, namespace: str | None = None) -> int:
+        """Delete every entry (``namespace=None``) or those of one namespace, with their counters.
+        Returns how many entries were removed."""
+        nss = [namespace] if namespace else self._known_namespaces()
+        n = 0
+        for ns in nss:
+            n += int(self._call(lambda ns=ns: self._scripts["purge"](keys=[self._p(ns)])))
+            with self._lock:
+                self._indexes.pop(ns, None)
+        if not namespace:
+            self._call(lambda: self._r.set(f"{PREFIX}:inflation", "0"))
+        with self._lock:
+            self._sigs.clear()
+            self._sig_bytes = 0
+        log.info("carnator cache: purged %d entries (%s) in %s", n, f"namespace {namespace}" if namespace else "all",
+                 self.url)
+        return n
+
+    # ------------------------------------------------------------------ quarantine
+    def _quarantine(self, entry_id: str, ns: str, reason: str) -> CorruptEntryError:
+        stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {reason}"
+        where = f"{self._p(ns)}q:{entry_id}"
+        try:
+            removed = self._delete(ns, entry_id, reason=stamped) >= 0
+        except CacheUnavailableError:
+            removed = False
+        if removed:
+            log.warning("carnator cache: quarantined entry %s (namespace %s): %s -> %s; other entries are "
+                        "unaffected", entry_id, ns, reason, where)
+        return CorruptEntryError(
+            f"cache entry {entry_id} is corrupt ({reason}); it was moved to {where} and removed from the cache. "
+            "Other entries are unaffected; the request continues without it.")
+
+    # ------------------------------------------------------------------ read path
+    def load(self, entry_id: str, *, count_hit: bool = True) -> Entry:
+        """Load and fully validate one entry. Raises EntryNotFoundError (not in the cache), CorruptEntryError
+        (quarantined; others unaffected) or CacheUnavailableError (Redis unreachable)."""
+        ns = self._ns_of(entry_id)
+        if ns is None:
+            raise self._gone(entry_id)
+        p = self._p(ns)
+
+        def read() -> list:
+            pipe = self._r.pipeline(transaction=True)  # row and bytes from one instant: never torn by a delete
+            pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "nbytes", "digest", "created", "hits", "nchunks")
+            pipe.lrange(p + f"b:{entry_id}", 0, -1)
+            return pipe.execute()
+
+        row, chunks = self._call(read)
+        if row[0] is None:
+            raise self._gone(entry_id)
+        prompt, seed, nbytes, digest, created, hits, nchunks = (_s(x) for x in row)
+        try:
+            if len(chunks) != int(nchunks):
+                raise ValueError(f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)")
+            blob = b"".join(chunks)
+            if len(blob) != int(nbytes):
+                raise ValueError(f"value is {len(blob)} bytes, the catalogue recorded {nbytes} (truncated?)")
+            meta, tensors = decode_entry(blob, entry_id, ns, digest)
+            config = GenConfig.from_meta(meta["config"])
+            signature = _signature_from(meta, {k: v for k, v in tensors.items() if k.startswith("sig.")})
+            block = _block_from(meta, tensors)
+            embedding = tensors["embedding"].numpy()
+            if embedding.ndim != 1 or embedding.shape[0] != int(meta["dim"]):
+                raise ValueError(f"embedding has shape {tuple(embedding.shape)}, expected [{meta['dim']}]")
+        except Exception as e:  # noqa: BLE001 - any defect of a stored value means "quarantine"
+            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
+        hits_now = int(hits)
+        if count_hit:
+            bumped = self._bump(entry_id, ns)
+            hits_now = bumped if bumped >= 0 else hits_now  # evicted since the read: the bytes are still valid
+        user = {k: v for k, v in tensors.items() if k != "embedding" and not k.startswith(_RESERVED)}
+        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=meta["model_fingerprint"], config=config,
+                     prompt=prompt, seed=int(seed), created=float(created), hits=hits_now, nbytes=int(nbytes),
+                     embedding=embedding, signature=signature, tensors=user, block_structure=block,
+                     meta=meta.get("meta") or {})
+
+    def _decode_sig(self, entry_id: str, ns: str, blob: bytes | None, sigsum: bytes | None) -> Signature:
+        try:
+            if blob is None or sigsum is None:
+                raise ValueError("signature is missing")
+            if hashlib.sha256(blob).hexdigest() != _s(sigsum):
+                raise ValueError("signature checksum mismatch")
+            n = int.from_bytes(blob[:8], "little")
+            header = json.loads(blob[8 : 8 + n])
+            sm = json.loads((header.get("__metadata__") or {})["carnator-signature"])
+            if sm.get("id") != entry_id:
+                raise ValueError(f"signature belongs to entry {sm.get('id')!r}")
+            tensors = st_load(blob)
+            return _signature_from({"signature": sm["signature"]}, tensors)
+        except Exception as e:  # noqa: BLE001
+            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
+
+    def _remember_sig(self, entry_id: str, sig: Signature) -> None:
+        size = int(sig.nbytes()) if callable(getattr(sig, "nbytes", None)) else 0
+        with self._lock:
+            self._sigs[entry_id] = (sig, size)
+            self._sig_bytes += size
+            while self._sig_bytes > self._sig_budget and self._sigs:
+                _, (_, s) = self._sigs.popitem(last=False)
+                self._sig_bytes -= s
+
+    def load_signature(self, entry_id: str) -> Signature:
+        """The entry's Early Signature only (a small value; cached per process)."""
+        with self._lock:
+            hit = self._sigs.get(entry_id)
+            if hit is not None:
+                self._sigs.move_to_end(entry_id)
+                return hit[0]
+        ns = self._ns_of(entry_id)
+        if ns is None:
+            raise self._gone(entry_id)
+        blob, sigsum = self._call(lambda: self._r.hmget(self._p(ns) + f"e:{entry_id}", "sig", "sigsum"))
+        if blob is None and sigsum is None:
+            raise self._gone(entry_id)
+        sig = self._decode_sig(entry_id, ns, blob, sigsum)
+        self._remember_sig(entry_id, sig)
+        return sig
+
+    def _forget_sig(self, entry_id: str) -> None:
+        with self._lock:
+            hit = self._sigs.pop(entry_id, None)
+            if hit is not None:
+                self._sig_bytes -= hit[1]
+
+    def _bump(self, entry_id: str, ns: str) -> int:
+        inflation = self._inflation()
+        return int(self._call(lambda: self._scripts["hit"](keys=[self._p(ns)],
+                                                           args=[entry_id, repr(inflation), repr(time.time())])))
+
+    def record_hit(self, entry_id: str) -> int:
+        """Count one reuse of ``entry_id`` (when it was not loaded with ``count_hit=True``). Returns its hits."""
+        ns = self._ns_of(entry_id)
+        if ns is None:
+            raise self._gone(entry_id)
+        hits = self._bump(entry_id, ns)
+        if hits < 0:
+            raise self._gone(entry_id)
+        return hits
+
+    def record_lookup(self, namespace: str) -> None:
+        """Count one retrieval request in ``namespace`` (the hit-rate denominator)."""
+        p = self._p(namespace)
+        self._call(lambda: self._r.hincrby(p + "counters", "lookups", 1))
+
+    # ------------------------------------------------------------------ retrieval
+    def query(self, namespace: str, embedding: np.ndarray, k: int = 5) -> list[tuple[str, float]]:
+        """Top-k entries of ``namespace`` by cosine similarity: ``[(entry_id, similarity)]``, best first, searched
+        in this process's index after catching up with the namespace's change stream."""
+        p = self._p(namespace)
+        q = normalize_rows(embedding)
+        if q.ndim != 1:
+            raise ValueError(f"query embedding must be one vector [D], got shape {np.shape(embedding)}")
+        with self._lock:
+            st = self._sync(namespace)
+            if st is None:
+                return []
+            if q.shape[0] != st.index.dim:
+                raise ValueError(f"query embedding has dimension {q.shape[0]} but namespace {namespace} holds "
+                                 f"dimension {st.index.dim}: a different text encoder produced it")
+            found = st.index.search(q, int(k), self.index_params,
+                                    fetch=lambda seqs: self._fetch_vectors(namespace, seqs))
+        if not found:
+            return []
+        ids = self._call(lambda: self._r.hmget(p + "sid", [int(s) for s, _ in found]))
+        return [(_s(i), float(sim)) for (_, sim), i in zip(found, ids) if i is not None]
+
+    def candidates(self, namespace: str, embedding: np.ndarray, k: int = 5, *, min_similarity: float = -1.0
+                   ) -> Candidates:
+        """Top-k candidates with their signatures; counts one lookup. Corrupt entries are quarantined and skipped,
+        evicted ones skipped; Redis unreachable gives no candidates and the reason in ``note``."""
+        t0 = time.perf_counter()
+        p = self._p(namespace)
+        notes: list[str] = []
+        items: list[Candidate] = []
+        try:
+            self.record_lookup(namespace)
+            try:
+                found = self.query(namespace, embedding, k)
+            except ValueError as e:
+                return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000,
+                                  note=f"no retrieval: {e}")
+            recalled = bool(found)
+            found = [(i, s) for i, s in found if s >= min_similarity]
+            if found:
+                pipe = self._r.pipeline(transaction=False)
+                for entry_id, _ in found:
+                    pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "sig", "sigsum")
+                rows = self._call(pipe.execute)
+                for (entry_id, sim), row in zip(found, rows):
+                    if row[0] is None:
+                        continue  # evicted since the query
+                    with self._lock:
+                        cached = self._sigs.get(entry_id)
+                    try:
+                        sig = cached[0] if cached else self._decode_sig(entry_id, namespace, row[2], row[3])
+                    except CorruptEntryError:
+                        notes.append(f"skipped corrupt entry {entry_id} (quarantined)")
+                        continue
+                    if not cached:
+                        self._remember_sig(entry_id, sig)
+                    items.append(Candidate(entry_id=entry_id, similarity=float(sim), prompt=_s(row[0]),
+                                           signature=sig, seed=int(_s(row[1]))))
+            if not items and not notes:
+                notes.append("no cached entry in this namespace (same model + config)" if not recalled
+                             else f"no entry with similarity >= {min_similarity}")
+        except CacheUnavailableError as e:
+            notes.append(f"cache unavailable: {e}")
+            items = []
+        return Candidates(namespace=namespace, items=tuple(items), retrieval_ms=(time.perf_counter() - t0) * 1000,
+                          note="; ".join(notes))
+
+    def _fetch_vectors(self, ns: str, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        want = [int(s) for s in seqs]
+        vals = self._call(lambda: self._r.hmget(self._p(ns) + "emb", want)) if want else []
+        pairs = [(s, np.frombuffer(v, dtype=np.float32)) for s, v in zip(want, vals) if v is not None]
+        if not pairs:
+            return np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+        return np.asarray([s for s, _ in pairs], np.int64), np.stack([v for _, v in pairs])
+
+    # ------------------------------------------------------------------ index maintenance
+    def _head(self, ns: str) -> tuple[str | None, int, int, str]:
+        """(token, generation, dim, last stream id) of ``ns`` in one round trip (token None: no such namespace)."""
+        p = self._p(ns)
+
+        def read() -> list:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hmget(p + "meta", "token", "dim")
+            pipe.get(p + "gen")
+            pipe.xrevrange(p + "log", count=1)
+            return pipe.execute()
+
+        (token, dim), gen, last = self._call(read)
+        xid = _s(last[0][0]) if last else "0-0"
+        return (_s(token) if token is not None else None), int(gen or 0), int(dim or 0), xid
+
+    def _sync(self, ns: str) -> _NsIndex | None:
+        """This process's index of ``ns``, brought up to the published state (caller holds self._lock)."""
+        token, gen, dim, xid = self._head(ns)
+        if token is None:
+            self._indexes.pop(ns, None)
+            return None
+        st = self._indexes.get(ns)
+        if st is not None and (st.token != token or gen < st.generation or dim != st.index.dim):
+            st = None  # purged and recreated, or Redis came back from an older snapshot
+        if st is not None and (st.generation != gen or st.last_xid != xid):
+            if not self._catch_up(ns, st):
+                st = None
+        if st is None:
+            st = self._build(ns, token, dim)
+        elif st.index.needs_rebuild(self.index_params):
+            st = self._build(ns, token, dim)
+        self._indexes[ns] = st
+        return st
+
+    def _read_log(self, ns: str, after: str) -> list[tuple[str, dict[str, str]]]:
+        p = self._p(ns)
+        out: list[tuple[str, dict[str, str]]] = []
+        start = f"({after}" if after != "0-0" else "-"
+        while True:
+            batch = self._call(lambda: self._r.xrange(p + "log", min=start, count=10_000))
+            out.extend((_s(i), {_s(k): _s(v) for k, v in f.items()}) for i, f in batch)
+            if len(batch) < 10_000:
+                return out
+            start = f"({_s(batch[-1][0])}"
+
+    def _apply(self, ns: str, st: _NsIndex, records: list[tuple[str, dict[str, str]]]) -> None:
+        """Apply change records to ``st`` idempotently (adds of present ids and removes of absent ids are no-ops)."""
+        net: dict[int, bool] = {}
+        for _, f in records:
+            net[int(f["seq"])] = f["op"] == "add"
+        adds = [s for s, on in net.items() if on and s not in st.ids]
+        drops = [s for s, on in net.items() if not on and s in st.ids]
+        if drops:
+            st.index.remove(np.asarray(drops, np.int64))
+            st.ids.difference_update(drops)
+        if adds:
+            ids, vecs = self._fetch_vectors(ns, np.asarray(adds, np.int64))  # deleted meanwhile: absent, skipped
+            if len(ids):
+                st.index.add(ids, vecs)
+                st.ids.update(int(i) for i in ids)
+        if records:
+            st.last_xid = records[-1][0]
+            st.generation = int(records[-1][1]["gen"])
+
+    def _catch_up(self, ns: str, st: _NsIndex) -> bool:
+        """Bring ``st`` forward from the stream; False if the stream has a gap (trimmed past us) or disagrees."""
+        records = self._read_log(ns, st.last_xid)
+        if records and int(records[0][1]["gen"]) != st.generation + 1:
+            return False
+        if not records and st.last_xid != "0-0":
+            return False
+        self._apply(ns, st, records)
+        return True
+
+    def _build(self, ns: str, token: str, dim: int) -> _NsIndex:
+        """Index every entry of ``ns``: a scan of its embeddings, then the change records written during the scan
+        (idempotent), so the result is exact as of the last record applied."""
+        p = self._p(ns)
+        _, gen0, _, xid0 = self._head(ns)
+        vecs: dict[int, np.ndarray] = {}
+        cursor = 0
+        while True:
+            cursor, part = self._call(lambda c=cursor: self._r.hscan(p + "emb", c, count=2000))
+            for s, v in part.items():
+                a = np.frombuffer(v, dtype=np.float32)
+                if a.shape[0] == dim:
+                    vecs[int(s)] = a
+            if int(cursor) == 0:
+                break
+        ids = np.fromiter(vecs, dtype=np.int64, count=len(vecs))
+        arr = np.stack([vecs[int(i)] for i in ids]) if len(vecs) else np.zeros((0, dim), np.float32)
+        index = VectorIndex.build(ids, arr, dim, self.index_params)
+        st = _NsIndex(token=token, generation=gen0, last_xid=xid0, index=index, ids=set(int(i) for i in ids))
+        self._apply(ns, st, self._read_log(ns, xid0))
+        return st
+
+    def warm(self) -> dict[str, int]:
+        """Build (or catch up) this process's index of every namespace now, instead of at its first recall.
+        Returns entries indexed per namespace; an unreachable Redis is logged (once) and gives ``{}``."""
+        out: dict[str, int] = {}
+        try:
+            for ns in self.namespaces():
+                with self._lock:
+                    st = self._sync(ns)
+                out[ns] = st.index.ntotal if st else 0
+        except CacheUnavailableError:
+            return {}
+        return out
+
+    def index_kind(self, namespace: str) -> str | None:
+        """The kind of this process's index for ``namespace`` ("flat" / "pca-ivf"), after syncing; None if empty."""
+        with self._lock:
+            st = self._sync(namespace)
+            return st.index.kind if st else None
+
+    # ------------------------------------------------------------------ scan / verify / stats
+    def namespaces(self) -> list[str]:
+        nss = self._known_namespaces()
+        pipe = self._r.pipeline(transaction=False)
+        for ns in nss:
+            pipe.exists(self._p(ns) + "meta")
+        return [ns for ns, ok in zip(nss, self._call(pipe.execute)) if ok]
+
+    def entry_ids(self, namespace: str | None = None) -> list[str]:
+        """Entry ids, oldest first within each namespace."""
+        out: list[str] = []
+        for ns in ([namespace] if namespace else self._known_namespaces()):
+            members = sorted(_s(m) for m in self._call(lambda ns=ns: self._r.zrange(self._p(ns) + "lru", 0, -1)))
+            out.extend(m[13:] for m in members)  # "<seq:012d>:<id>" sorts by sequence number
+        return out
+
+    def content_version(self) -> int:
+        """A number that changes whenever any entry is added or removed (any process): the sum of the namespaces'
+        change counters (a purge resets a namespace, so compare for equality only)."""
+        nss = self._known_namespaces()
+        pipe = self._r.pipeline(transaction=False)
+        for ns in nss:
+            pipe.get(self._p(ns) + "gen")
+            pipe.hget(self._p(ns) + "meta", "token")
+        vals = self._call(pipe.execute)
+        h = hashlib.sha256(json.dumps([_s(v) if v is not None else None for v in vals]).encode()).digest()
+        return int.from_bytes(h[:6], "little")
+
+    def scan(self, grace_s: float | None = None) -> dict[str, int]:
+        """Defensive clean-up: staging keys without a TTL (cannot happen through this class) are removed."""
+        removed = 0
+        for key in self._call(lambda: list(self._r.scan_iter(match=f"{PREFIX}:{{*}}:stage:*", count=1000))):
+            if self._call(lambda key=key: self._r.ttl(key)) == -1:
+                self._call(lambda key=key: self._r.delete(key))
+                removed += 1
+        return {"tmp_removed": removed, "orphans_removed": 0, "missing_rows_removed": 0}
+
+    def verify(self, *, deep: bool = False) -> VerifyReport:
+        """Check that rows, bytes, embeddings, sorted sets, byte totals and this process's indexes agree. ``deep``:
+        also load and checksum every entry (corrupt ones are quarantined and reported)."""
+        problems: list[str] = []
+        notes: list[str] = []
+        nss = self.namespaces()
+        total = 0
+        for ns in nss:
+            p = self._p(ns)
+
+            def snapshot(p: str = p) -> list:
+                pipe = self._r.pipeline(transaction=True)
+                pipe.zrange(p + "lru", 0, -1)
+                pipe.zrange(p + "prio", 0, -1)
+                pipe.hgetall(p + "sid")
+                pipe.hkeys(p + "emb")
+                pipe.get(p + "bytes")
+                pipe.get(p + "gen")
+                return pipe.execute()
+
+            lru, prio, sid, emb_keys, nbytes, gen = self._call(snapshot)
+            members = {_s(m) for m in lru}
+            if members != {_s(m) for m in prio}:
+                problems.append(f"namespace {ns}: the priority and recency sets differ")
+            by_seq = {int(_s(k)): _s(v) for k, v in sid.items()}
+            want = {f"{s:012d}:{i}" for s, i in by_seq.items()}
+            if want != members:
+                problems.append(f"namespace {ns}: {len(members ^ want)} entries differ between ids and sets")
+            if {int(_s(k)) for k in emb_keys} != set(by_seq):
+                problems.append(f"namespace {ns}: embeddings and ids differ")
+            pipe = self._r.pipeline(transaction=False)
+            for i in by_seq.values():
+                pipe.hmget(p + f"e:{i}", "nbytes", "nchunks")
+                pipe.llen(p + f"b:{i}")
+            vals = self._call(pipe.execute)
+            ns_bytes = 0
+            for n, i in enumerate(by_seq.values()):
+                (nb, nc), ln = vals[2 * n], vals[2 * n + 1]
+                if nb is None:
+                    problems.append(f"entry {i}: row is missing")
+                    continue
+                ns_bytes += int(nb)
+                if int(ln) != int(nc):
+                    problems.append(f"entry {i}: {ln} chunks stored, {_s(nc)} expected")
+            if ns_bytes != int(nbytes or 0):
+                problems.append(f"namespace {ns}: byte total {int(nbytes or 0)}, entries add up to {ns_bytes}")
+            total += ns_bytes
+            with self._lock:
+                st = self._sync(ns)
+                got = set(st.ids) if st else set()
+                idx_ids = st.index.ids().tolist() if st else []
+                at_snapshot = st is not None and st.generation == int(gen or 0)
+            if len(idx_ids) != len(set(idx_ids)) or set(idx_ids) != got:
+                problems.append(f"namespace {ns}: index holds duplicate or untracked ids")
+            if at_snapshot and got != set(by_seq):
+                problems.append(f"namespace {ns}: index has {len(got)} ids, the cache {len(by_seq)} entries")
+            elif not at_snapshot:
+                notes.append(f"namespace {ns}: index not compared (the namespace changed meanwhile)")
+            if deep:
+                for i in by_seq.values():
+                    try:
+                        self.load(i, count_hit=False)
+                    except EntryNotFoundError:
+                        pass
+                    except CorruptEntryError as e:
+                        problems.append(str(e))
+        if self.max_bytes and total > self.max_bytes:
+            notes.append(f"{_fmt_bytes(total)} stored, over this handle's budget {_fmt_bytes(self.max_bytes)}")
+        return VerifyReport(ok=not problems, entries=sum(1 for _ in self.entry_ids()), namespaces=len(nss),
+                            problems=tuple(problems), notes=tuple(notes))
+
+    def stats(self, namespace: str | None = None) -> CacheStats:
+        """Entries, bytes, lookups, hits and hit rate, overall and per namespace (or for one namespace)."""
+        nss = [namespace] if namespace else self._known_namespaces()
+        pipe = self._r.pipeline(transaction=False)
+        for ns in nss:
+            p = self._p(ns)
+            pipe.hmget(p + "meta", "fp", "config")
+            pipe.zcard(p + "lru")
+            pipe.get(p + "bytes")
+            pipe.hmget(p + "counters", "lookups", "hits")
+            pipe.hlen(p + "qreason")
+        vals = self._call(pipe.execute)
+        per = []
+        lookups = hits = quarantined = 0
+        for n, ns in enumerate(nss):
+            (fp, cfg), count, nb, (lk, ht), q = vals[5 * n : 5 * n + 5]
+            lk, ht = int(lk or 0), int(ht or 0)
+            lookups, hits, quarantined = lookups + lk, hits + ht, quarantined + int(q)
+            if fp is None:
+                continue  # purged (or never completed) namespace
+            per.append(NamespaceStats(namespace=ns, model_fingerprint=_s(fp), config=json.loads(_s(cfg)),
+                                      entries=int(count), bytes=int(nb or 0), lookups=lk, hits=ht,
+                                      hit_rate=ht / lk if lk else 0.0))
+        return CacheStats(path=self.url, entries=sum(x.entries for x in per), bytes=sum(x.bytes for x in per),
+                          max_bytes=self.max_bytes, policy=self.policy, lookups=lookups, hits=hits,
+                          hit_rate=hits / lookups if lookups else 0.0, quarantined=quarantined, catalog_bytes=0,
+                          index_bytes=0, namespaces=tuple(per))
+
+    def iter_quarantine(self, namespace: str) -> Iterator[tuple[str, str]]:
+        """(entry id, reason) of the quarantined entries of ``namespace``."""
+        for k, v in self._call(lambda: self._r.hgetall(self._p(namespace) + "qreason")).items():
+            yield _s(k), _s(v)
+
+
+__all__ = ["CHUNK_BYTES", "CacheUnavailableError", "RedisStore", "decode_entry", "encode_entry", "ns_tag"]

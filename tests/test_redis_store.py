@@ -1,0 +1,488 @@
+"""The Redis-backed store against a real ``redis-server``: the local store's semantics (round trip, dedupe,
+namespaces, exact retrieval, hits/stats/purge, eviction policies and budget, quarantine), chunked Wan-size
+entries, atomic publish, the synced per-worker index, Redis outages and restarts, and the URL rules that keep
+passwords out of workflows. Pure core (no ComfyUI)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from harness_redis import RedisServer
+from test_cache_store import CFG, DIM, SMALL_IVF, carnator_warnings, make_entry
+
+from carnator.carnator_core.cache import (
+    CacheBudgetError,
+    CacheHandle,
+    CacheUnavailableError,
+    CorruptEntryError,
+    EntryData,
+    EntryNotFoundError,
+    NamespaceMismatchError,
+    RedisConfigError,
+    open_store,
+    redis_store as rs,
+    resolve_redis_url,
+)
+from carnator.carnator_core.cache.redis_store import RedisStore
+from carnator.carnator_core.types import GenConfig, namespace_key
+
+NS_A = namespace_key("model-a", CFG)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture()
+def redis_url(server):
+    c = server.client()
+    c.flushall()
+    c.close()
+    return server.url
+
+
+def store(url: str, **kw) -> RedisStore:
+    return RedisStore.open(url, full_url=url, **kw)
+
+
+def _entry_bytes(url: str) -> int:
+    st = store(url)
+    st.put(make_entry(0))
+    n = st.stats().bytes
+    st.purge()
+    st.close()
+    return n
+
+
+# ------------------------------------------------------------------------------------------ round trip
+def test_put_load_round_trip(redis_url):
+    st = store(redis_url)
+    data = make_entry(1)
+    eid = st.put(data)
+    assert len(eid) == 16 and eid.startswith(rs.ns_tag(NS_A))
+    e = st.load(eid)
+    assert e.entry_id == eid and e.namespace == NS_A and e.config == CFG and e.prompt == "prompt 1" and e.seed == 1
+    assert e.hits == 1
+    for name, t in data.tensors.items():
+        assert e.tensors[name].dtype == t.dtype and torch.equal(e.tensors[name], t)
+    assert e.signature.object_names() == ("cat",)
+    np.testing.assert_array_equal(e.signature.objects[0].mask, data.signature.objects[0].mask)
+    np.testing.assert_array_equal(e.block_structure.keep, data.block_structure.keep)
+    assert e.meta["report"]["x"] == 0.5
+    assert torch.equal(e.cached_run().final_latent, data.tensors["latent_final"])
+    assert st.load(eid, count_hit=False).hits == 1 and st.load(eid).hits == 2
+    sig = st.load_signature(eid)
+    np.testing.assert_array_equal(sig.context_lab, data.signature.context_lab)
+    big = st.put(make_entry(2, seed=2**64 - 1, blocks=False))
+    assert st.load(big).seed == 2**64 - 1 and st.load(big).block_structure is None
+    rep = st.verify(deep=True)
+    assert rep.ok, rep
+
+
+def test_entry_bytes_are_the_local_store_format(redis_url, tmp_path):
+    """The same EntryData gives an entry the on-disk store can parse with its own reader."""
+    from carnator.carnator_core.cache.store import _read_partial
+
+    st = store(redis_url)
+    eid = st.put(make_entry(3))
+    chunks = st._r.lrange(f"carnator:{{{NS_A}}}:b:{eid}", 0, -1)
+    path = tmp_path / "e.safetensors"
+    path.write_bytes(b"".join(chunks))
+    meta, _, parts = _read_partial(path, ("embedding",), prefix="sig.")
+    assert meta["id"] == eid and meta["namespace"] == NS_A and "sig.context_lab" in parts
+
+
+def test_wan_size_entry_is_chunked(redis_url):
+    """A ~23 MiB entry (Wan 2.1 480p latents + attention structure) is stored as several bounded values."""
+    cfg = GenConfig(**{**CFG.__dict__, "latent_shape": (16, 21, 60, 104)})
+    g = torch.Generator().manual_seed(0)
+    lat = [torch.randn(cfg.latent_shape, generator=g) for _ in range(3)]
+    base = make_entry(1, config=cfg)
+    data = EntryData(**{**base.__dict__, "namespace": "",
+                        "tensors": {"latent_final": lat[0], "x0_probe": lat[1], "latent_probe": lat[2]}})
+    st = store(redis_url)
+    eid = st.put(data)
+    ns = namespace_key("model-a", cfg)
+    chunks = st._r.lrange(f"carnator:{{{ns}}}:b:{eid}", 0, -1)
+    total = sum(len(c) for c in chunks)
+    assert total > 23 * 2**20 and len(chunks) == -(-total // rs.CHUNK_BYTES)
+    assert max(len(c) for c in chunks) <= rs.CHUNK_BYTES
+    e = st.load(eid)
+    assert all(torch.equal(e.tensors[k], data.tensors[k]) for k in data.tensors)
+
+
+def test_put_rejects_bad_inputs(redis_url):
+    st = store(redis_url)
+    base = make_entry(1)
+    with pytest.raises(ValueError, match="not allowed"):
+        st.put(EntryData(**{**base.__dict__, "namespace": "", "tensors": {"sig.mask.0": torch.zeros(2)}}))
+    with pytest.raises(TypeError, match="dtype"):
+        st.put(EntryData(**{**base.__dict__, "namespace": "", "tensors": {"z": torch.zeros(2, dtype=torch.complex64)}}))
+    with pytest.raises(ValueError, match="NaN"):
+        st.put(EntryData(**{**base.__dict__, "namespace": "", "embedding": np.full(DIM, np.nan, np.float32)}))
+    assert st.stats().entries == 0 and not list(st._r.scan_iter(match="carnator:{*}:stage:*"))
+
+
+def test_dedupe_same_request(redis_url):
+    st, other = store(redis_url), store(redis_url)
+    a, written = st.put_with_status(make_entry(1))
+    b, written2 = other.put_with_status(make_entry(1))  # another worker, same request
+    assert a == b and written and not written2
+    c = st.put(make_entry(1, seed=99))
+    assert c != a and st.stats().entries == 2
+
+
+def test_racing_publishers_leave_one_entry(redis_url):
+    """Both writers passed the dedupe pre-check (a race): the publish script itself lets exactly one entry through."""
+    st = store(redis_url)
+    first = st.put(make_entry(1))
+    racer = store(redis_url)
+    real_hget = racer._r.hget
+    racer._r.hget = lambda key, field: None if key.endswith(":dedup") else real_hget(key, field)  # missed it
+    again, written = racer.put_with_status(make_entry(1))
+    assert again == first and not written and st.stats().entries == 1
+    assert not list(st._r.scan_iter(match="carnator:{*}:stage:*"))  # the loser's staging is gone
+
+
+# ------------------------------------------------------------------------------------------ namespacing
+def test_namespaces_never_mix(redis_url):
+    st = store(redis_url)
+    emb = np.ones(DIM, np.float32)
+    cfg_b = GenConfig(**{**CFG.__dict__, "steps": 20})
+    ids = {"a": st.put(make_entry(1, emb=emb)), "other_model": st.put(make_entry(2, fp="model-b", emb=emb)),
+           "other_config": st.put(make_entry(3, config=cfg_b, emb=emb))}
+    assert len(set(ids.values())) == 3 and len(st.namespaces()) == 3
+    reader = store(redis_url)  # another worker's index
+    for key, fp, cfg in (("a", "model-a", CFG), ("other_model", "model-b", CFG), ("other_config", "model-a", cfg_b)):
+        ns = namespace_key(fp, cfg)
+        for s in (st, reader):
+            hits = s.query(ns, emb, k=10)
+            assert [h[0] for h in hits] == [ids[key]] and hits[0][1] == pytest.approx(1.0, abs=1e-5)
+            c = s.candidates(ns, emb, k=10)
+            assert [x.entry_id for x in c.items] == [ids[key]] and c.namespace == ns
+    assert st.candidates(namespace_key("model-c", CFG), emb).items == ()
+    with pytest.raises(NamespaceMismatchError, match="dimension"):
+        st.put(make_entry(4, dim=DIM * 2))
+    with pytest.raises(ValueError, match="dimension"):
+        st.query(NS_A, np.ones(DIM * 2))
+    # an id is bound to its namespace: the id of an entry of another namespace with this namespace's tag is
+    # simply not found, never loaded from the other namespace
+    forged = rs.ns_tag(NS_A) + ids["other_model"][8:]
+    with pytest.raises(EntryNotFoundError):
+        st.load(forged)
+    assert st.verify().ok
+
+
+def test_query_is_exact_and_ordered(redis_url):
+    st = store(redis_url)
+    rng = np.random.default_rng(5)
+    embs = rng.standard_normal((6, DIM)).astype(np.float32)
+    ids = [st.put(make_entry(i, emb=embs[i])) for i in range(6)]
+    q = embs[3] + 0.1 * rng.standard_normal(DIM).astype(np.float32)
+    got = store(redis_url).query(NS_A, q, k=6)
+    unit = embs / np.linalg.norm(embs, axis=1, keepdims=True)
+    sims = unit @ (q / np.linalg.norm(q))
+    assert [g[0] for g in got] == [ids[i] for i in np.argsort(-sims)]
+    np.testing.assert_allclose([g[1] for g in got], np.sort(sims)[::-1], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ hits / stats / purge
+def test_hits_lookups_stats_purge(redis_url):
+    st, other = store(redis_url), store(redis_url)
+    ns_b = namespace_key("model-b", CFG)
+    a = [st.put(make_entry(i)) for i in range(3)]
+    b = [st.put(make_entry(10 + i, fp="model-b")) for i in range(2)]
+    for _ in range(4):
+        other.candidates(NS_A, np.ones(DIM), k=2)
+    st.candidates(ns_b, np.ones(DIM))
+    other.load(a[0])
+    st.record_hit(a[1])
+    s = st.stats()
+    assert (s.entries, s.lookups, s.hits) == (5, 5, 2) and s.hit_rate == pytest.approx(0.4)
+    sa = other.stats(NS_A)
+    assert (sa.entries, sa.lookups, sa.hits) == (3, 4, 2) and sa.hit_rate == pytest.approx(0.5)
+    assert sa.bytes == sum(sum(len(c) for c in st._r.lrange(f"carnator:{{{NS_A}}}:b:{i}", 0, -1)) for i in a)
+    assert "hit rate: 50.0%" in sa.to_text() and sa.to_meta()["namespaces"][0]["entries"] == 3
+    assert sa.path == redis_url
+    assert st.purge(ns_b) == 2
+    assert st.entry_ids() == a and other.query(ns_b, np.ones(DIM)) == []
+    with pytest.raises(EntryNotFoundError, match="no longer in the cache"):
+        other.load(b[0])
+    assert other.purge() == 3
+    s = st.stats()
+    assert (s.entries, s.bytes, s.lookups, s.hits) == (0, 0, 0, 0)
+    assert st.query(NS_A, np.ones(DIM)) == [] and st.verify().ok
+    # nothing of the purged namespaces is left in Redis but the bookkeeping of which namespaces exist
+    left = {k.decode() for k in st._r.scan_iter(match="carnator:{*")}
+    assert left == set(), left
+
+
+# ------------------------------------------------------------------------------------------ eviction
+class _Clock:
+    """``time`` for the store with a clock whose timestamps all print with the same number of digits: entry sizes
+    (the metadata holds the creation time) are then equal, so LCBFU's work-per-byte ties exactly."""
+
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.25
+
+    def time(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def __getattr__(self, name: str):
+        import time
+
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("policy,evicted", [("lru", 0), ("lcbfu", 1)])
+def test_eviction_policies(redis_url, policy, evicted, monkeypatch):
+    """As on disk: entry 0 reused once, 1 and 2 written; writing 3 evicts LRU's 0 or LCBFU's 1."""
+    monkeypatch.setattr(rs, "time", _Clock())
+    size = _entry_bytes(redis_url)
+    st = store(redis_url, max_bytes=int(size * 3.5), policy=policy)
+    reader = store(redis_url)
+    ids = [st.put(make_entry(0))]
+    reader.candidates(NS_A, np.ones(DIM))  # builds the reader's index now; it must follow the eviction later
+    reader.load(ids[0])  # a hit by another worker counts for the shared policy
+    ids += [st.put(make_entry(i)) for i in (1, 2)]
+    ids.append(st.put(make_entry(3)))
+    left = st.entry_ids()
+    assert len(left) == 3 and ids[evicted] not in left and ids[3] in left
+    assert st.stats().bytes <= int(size * 3.5)
+    with pytest.raises(EntryNotFoundError):
+        reader.load(ids[evicted])
+    assert ids[evicted] not in [h[0] for h in reader.query(NS_A, np.ones(DIM), k=10)]
+    assert sorted(h[0] for h in reader.query(NS_A, np.ones(DIM), k=10)) == sorted(left)
+    assert not st._r.exists(f"carnator:{{{NS_A}}}:b:{ids[evicted]}")
+    assert st.verify().ok and reader.verify().ok
+
+
+def test_lcbfu_ages_and_budget_error(redis_url, monkeypatch):
+    monkeypatch.setattr(rs, "time", _Clock())
+    size = _entry_bytes(redis_url)
+    st = store(redis_url, max_bytes=int(size * 2.5))
+    first = st.put(make_entry(0))
+    for _ in range(3):
+        st.load(first)
+    for i in range(1, 6):
+        st.put(make_entry(i))
+        assert first in st.entry_ids()
+    for i in range(6, 30):
+        st.put(make_entry(i))
+    assert first not in st.entry_ids() and len(st.entry_ids()) == 2
+    assert float(st._r.get("carnator:inflation")) > 0
+    tiny = store(redis_url, max_bytes=size // 2)
+    with pytest.raises(CacheBudgetError, match="max_gb"):
+        tiny.put(make_entry(100))
+
+
+def test_budget_spans_namespaces(redis_url):
+    size = _entry_bytes(redis_url)
+    st = store(redis_url, max_bytes=int(size * 3.5))
+    for i in range(4):
+        st.put(make_entry(i, fp="model-a" if i % 2 else "model-b"))
+    assert st.stats().entries == 3 and st.stats().bytes <= int(size * 3.5)
+
+
+# ------------------------------------------------------------------------------------------ corruption
+def _damage(client, key: str, how: str) -> None:
+    chunks = client.lrange(key, 0, -1)
+    if how == "flip_tensor_byte":
+        last = bytearray(chunks[-1])
+        last[-3] ^= 0xFF
+        client.lset(key, len(chunks) - 1, bytes(last))
+    elif how == "truncate":
+        client.lset(key, len(chunks) - 1, chunks[-1][: len(chunks[-1]) // 2])
+    elif how == "garbage_header":
+        client.lset(key, 0, b"\xff" * 64 + chunks[0][64:])
+    elif how == "missing":
+        client.delete(key)
+
+
+@pytest.mark.parametrize("how", ["flip_tensor_byte", "truncate", "garbage_header", "missing"])
+def test_corrupt_entry_is_quarantined(redis_url, caplog, how):
+    st = store(redis_url)
+    ids = [st.put(make_entry(i)) for i in range(3)]
+    key = f"carnator:{{{NS_A}}}:b:{ids[1]}"
+    _damage(st._r, key, how)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        with pytest.raises(CorruptEntryError, match="Other entries are unaffected"):
+            store(redis_url).load(ids[1])
+    warnings = carnator_warnings(caplog)
+    assert len(warnings) == 1 and ids[1] in warnings[0].getMessage()
+    qkey = f"carnator:{{{NS_A}}}:q:{ids[1]}"
+    assert not st._r.exists(key) and st.stats().quarantined == 1
+    if how != "missing":
+        assert st._r.exists(qkey) and 0 < st._r.ttl(qkey) <= rs.QUARANTINE_TTL_S
+    assert dict(st.iter_quarantine(NS_A))[ids[1]]
+    with pytest.raises(EntryNotFoundError):
+        st.load(ids[1])
+    assert len(carnator_warnings(caplog)) == 1
+    for other in (ids[0], ids[2]):
+        assert st.load(other).entry_id == other
+    assert ids[1] not in [h[0] for h in st.query(NS_A, np.ones(DIM), k=10)]
+    assert st.verify(deep=True).ok
+
+
+def test_corrupt_signature_is_skipped_by_candidates(redis_url, caplog):
+    st = store(redis_url)
+    emb = np.ones(DIM, np.float32)
+    good = st.put(make_entry(1, emb=emb))
+    bad = st.put(make_entry(2, emb=emb * 2))
+    row = f"carnator:{{{NS_A}}}:e:{bad}"
+    sig = bytearray(st._r.hget(row, "sig"))
+    sig[-2] ^= 0x55
+    st._r.hset(row, "sig", bytes(sig))
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        c = store(redis_url).candidates(NS_A, emb, k=5)
+    assert [x.entry_id for x in c.items] == [good] and f"skipped corrupt entry {bad}" in c.note
+    assert len(carnator_warnings(caplog)) == 1 and st.verify().ok
+
+
+# ------------------------------------------------------------------------------------------ atomic publish
+def test_writer_dying_before_publish_leaves_nothing_visible(redis_url):
+    st = store(redis_url)
+    keep = st.put(make_entry(0))
+
+    def die(stage: str) -> None:
+        if stage == "after_stage":
+            raise KeyboardInterrupt  # stands in for a SIGKILL (tests/test_redis_farm.py kills real processes)
+
+    st._fault = die
+    with pytest.raises(KeyboardInterrupt):
+        st.put(make_entry(1))
+    st._fault = None
+    other = store(redis_url)
+    assert other.entry_ids() == [keep] and other.stats().entries == 1
+    assert [h[0] for h in other.query(NS_A, np.ones(DIM), k=10)] == [keep]
+    staged = list(st._r.scan_iter(match="carnator:{*}:stage:*"))
+    assert len(staged) == 1 and 0 < st._r.ttl(staged[0]) <= rs.STAGE_TTL_S  # expires by itself
+    assert other.put(make_entry(1)) != keep and other.stats().entries == 2
+
+
+# ------------------------------------------------------------------------------------------ synced index
+def test_index_follows_the_stream_and_rebuilds_after_a_gap(redis_url):
+    writer, reader = store(redis_url, index_params=SMALL_IVF), store(redis_url, index_params=SMALL_IVF)
+    embs = np.random.default_rng(0).standard_normal((30, DIM)).astype(np.float32)
+    ids = [writer.put(make_entry(i, emb=embs[i])) for i in range(4)]
+    assert reader.query(NS_A, embs[2], k=1)[0][0] == ids[2] and reader.index_kind(NS_A) == "flat"
+    ids += [writer.put(make_entry(i, emb=embs[i])) for i in range(4, 30)]
+    writer.delete(ids[5])
+    # the reader caught up from the stream: the IVF index holds exactly the live entries
+    assert reader.query(NS_A, embs[7], k=1)[0][0] == ids[7] and reader.index_kind(NS_A) == "pca-ivf"
+    st = reader._indexes[NS_A]
+    assert st.ids == {int(s) for s in writer._r.hkeys(f"carnator:{{{NS_A}}}:sid")}
+    # a gap in the stream (trimmed past this reader) makes it rebuild from the embeddings
+    writer.delete(ids[6])
+    writer._r.xtrim(f"carnator:{{{NS_A}}}:log", maxlen=0)
+    got = [h[0] for h in reader.query(NS_A, embs[6], k=30)]
+    assert ids[6] not in got and ids[5] not in got and len(got) == 28
+    assert reader.verify().ok
+    joining = store(redis_url, index_params=SMALL_IVF)  # a worker joining the farm builds its indexes up front
+    assert joining.warm() == {NS_A: 28} and joining._indexes[NS_A].ids == reader._indexes[NS_A].ids
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_redis_outage_degrades_then_resumes(tmp_path, caplog):
+    srv = RedisServer(tmp_path / "redis", persist=True)
+    srv.start()
+    try:
+        st = store(srv.url, retry_s=0.2)
+        kept = st.put(make_entry(1))
+        assert st.candidates(NS_A, np.ones(DIM)).items
+        srv.stop()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="carnator"):
+            c = st.candidates(NS_A, np.ones(DIM))
+            assert c.items == () and "cache unavailable" in c.note
+            with pytest.raises(CacheUnavailableError, match="unreachable"):
+                st.put(make_entry(2))
+            with pytest.raises(CacheUnavailableError):
+                st.load(kept)
+            assert not st.available
+            warnings = carnator_warnings(caplog)
+            assert len(warnings) == 1 and "requests continue without the shared cache" in warnings[0].getMessage()
+            srv.start()  # same port, same append-only file: every acknowledged write is back
+            deadline = 50
+            while deadline and not st.candidates(NS_A, np.ones(DIM)).items:
+                import time
+
+                time.sleep(0.1)
+                deadline -= 1
+        assert st.available and any("reachable again" in r.getMessage() for r in caplog.records)
+        assert st.load(kept).entry_id == kept and st.put(make_entry(2))
+        assert st.verify(deep=True).ok
+        # a restart that lost everything (no persistence): indexes are dropped, not served stale
+        srv.kill()
+        srv.persist = False
+        for p in srv.dir.glob("appendonly*"):
+            import shutil
+
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        srv.start()
+        import time
+
+        time.sleep(0.3)
+        assert st.query(NS_A, np.ones(DIM)) == [] and st.candidates(NS_A, np.ones(DIM)).items == ()
+        with pytest.raises(EntryNotFoundError):
+            st.load(kept)
+        new = st.put(make_entry(3))
+        assert len(st.query(NS_A, np.ones(DIM))) == 1
+        assert store(srv.url).load(new).entry_id == new  # the lost namespace registry was written again
+    finally:
+        srv.stop()
+
+
+def test_open_never_fails_because_redis_is_down(caplog):
+    from harness_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        st = store(url, connect_timeout=0.5)
+    assert not st.available and len(carnator_warnings(caplog)) == 1
+    assert "cache unavailable" in st.candidates(NS_A, np.ones(DIM)).note
+    with pytest.raises(CacheUnavailableError):
+        st.stats()
+
+
+# ------------------------------------------------------------------------------------------ URLs / handle
+def test_redis_urls_never_carry_passwords_and_must_be_configured(redis_url, monkeypatch):
+    env = {"CARNATOR_REDIS_URL": "redis://:s3cret@cache.internal:6380/2"}
+    assert resolve_redis_url("redis://", env) == "redis://cache.internal:6380/2"
+    assert resolve_redis_url("redis://cache.internal:6380/2", env) == "redis://cache.internal:6380/2"
+    for bad, why in (("redis://:s3cret@cache.internal:6380/2", "never be saved in a workflow"),
+                     ("redis://user:pw@cache.internal:6380/2", "never be saved in a workflow"),
+                     ("redis://cache.internal:6380/2?password=x", "never be saved in a workflow"),
+                     ("redis://elsewhere:6379/0", "not a Redis this server may use"),
+                     ("redis://cache.internal:6380/x", "must be a number")):
+        with pytest.raises(RedisConfigError, match=why) as e:
+            resolve_redis_url(bad, env)
+        assert "s3cret" not in str(e.value)
+    with pytest.raises(RedisConfigError, match="CARNATOR_REDIS_URL"):
+        resolve_redis_url("redis://", {})
+    # the node's handle holds the public URL only; the store finds the credentials in the environment
+    monkeypatch.setenv("CARNATOR_REDIS_URL", redis_url)
+    h = CacheHandle(path=resolve_redis_url("redis://"), max_bytes=None)
+    st = open_store(h)
+    assert isinstance(st, RedisStore) and open_store(h) is st and st.url == redis_url
+    eid = st.put(make_entry(1))
+    assert h.store().load(eid).entry_id == eid
+    with pytest.raises(ValueError, match="public Redis URL"):
+        CacheHandle(path="redis://:pw@127.0.0.1:1/0")
+
+
+def test_foreign_data_in_redis_is_refused(redis_url):
+    st = store(redis_url)
+    st._r.set("carnator:format", '{"format": "something-else", "version": 9}')
+    with pytest.raises(Exception, match="something-else"):
+        store(redis_url)
