@@ -132,7 +132,7 @@ def _redis_store(url: str) -> Any:
 
 
 def _redis_answer(directory: str, purge: bool) -> dict[str, Any]:
-    from ..carnator_core.cache.redis_url import CacheUnavailableError
+    from ..carnator_core.cache.errors import CacheUnavailableError
 
     store = _redis_store(directory)
     base = {"directory": directory, "path": store.url}

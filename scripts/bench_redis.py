@@ -159,11 +159,6 @@ def _populate(st: rs.RedisStore, synth, n: int, ns_data: EntryData, start: int =
     p = st._p(ns)  # noqa: SLF001
     st._register_ns(ns)  # noqa: SLF001
     cfg_json = json.dumps(ns_data.config.to_meta(), sort_keys=True)
-    sig_tensors = {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-                   for k, a in ns_data.signature.to_tensors("sig.").items()}
-    sig_meta = ns_data.signature.to_meta()
-    from safetensors.torch import save as st_save
-
     script = st._scripts["publish"]  # noqa: SLF001
     for s in range(start, start + n, batch):
         m = min(batch, start + n - s)
@@ -173,8 +168,7 @@ def _populate(st: rs.RedisStore, synth, n: int, ns_data: EntryData, start: int =
             i = s + j
             eid = rs.ns_tag(ns) + secrets.token_hex(4)
             blob = f"bench entry {i}".encode()  # recall never reads the entry bytes
-            sig_blob = st_save({k: t.clone() for k, t in sig_tensors.items()},
-                               metadata={"carnator-signature": json.dumps({"id": eid, "signature": sig_meta})})
+            sig_blob = rs._signature_blob(eid, ns_data.signature)  # noqa: SLF001 - the row's signature copy
             pipe.rpush(f"{p}stage:{eid}", blob)
             pipe.expire(f"{p}stage:{eid}", rs.STAGE_TTL_S)
             script(keys=[p], args=[eid, ns_data.model_fingerprint, cfg_json, DIM, "bench-token", repr(time.time()),

@@ -14,6 +14,7 @@ from test_cache_store import CFG, DIM, SMALL_IVF, carnator_warnings, make_entry
 
 from carnator.carnator_core.cache import (
     CacheBudgetError,
+    CacheError,
     CacheHandle,
     CacheUnavailableError,
     CorruptEntryError,
@@ -88,16 +89,25 @@ def test_put_load_round_trip(redis_url):
 
 
 def test_entry_bytes_are_the_local_store_format(redis_url, tmp_path):
-    """The same EntryData gives an entry the on-disk store can parse with its own reader."""
-    from carnator.carnator_core.cache.store import _read_partial
+    """One entry format: the bytes in Redis are ``encode_entry``'s, byte for byte, and the on-disk store adopts
+    them as an entry file and serves the same tensors."""
+    from carnator.carnator_core.cache import Store, decode_entry, encode_entry
 
     st = store(redis_url)
-    eid = st.put(make_entry(3))
-    chunks = st._r.lrange(f"carnator:{{{NS_A}}}:b:{eid}", 0, -1)
-    path = tmp_path / "e.safetensors"
-    path.write_bytes(b"".join(chunks))
-    meta, _, parts = _read_partial(path, ("embedding",), prefix="sig.")
-    assert meta["id"] == eid and meta["namespace"] == NS_A and "sig.context_lab" in parts
+    data = make_entry(3)
+    eid = st.put(data)
+    blob = b"".join(st._r.lrange(f"carnator:{{{NS_A}}}:b:{eid}", 0, -1))
+    created = float(st._r.hget(f"carnator:{{{NS_A}}}:e:{eid}", "created"))
+    assert blob == encode_entry(data, entry_id=eid, created=created).blob
+    dec = decode_entry(blob, entry_id=eid, namespace=NS_A)
+    assert dec.model_fingerprint == "model-a" and set(dec.tensors) == set(data.tensors)
+    local = Store.open(tmp_path / "cache", key_path=tmp_path / "index.key")
+    (local.root / "entries" / NS_A).mkdir(parents=True, exist_ok=True)
+    (local.root / "entries" / NS_A / f"{eid}.safetensors").write_bytes(blob)
+    assert local.scan(grace_s=0)["orphans_adopted"] == 1
+    e = local.load(eid)
+    assert e.prompt == data.prompt and all(torch.equal(e.tensors[k], data.tensors[k]) for k in data.tensors)
+    local.close()
 
 
 def test_wan_size_entry_is_chunked(redis_url):
@@ -179,6 +189,62 @@ def test_namespaces_never_mix(redis_url):
     with pytest.raises(EntryNotFoundError):
         st.load(forged)
     assert st.verify().ok
+
+
+def test_reads_compare_the_full_model_fingerprint(redis_url):
+    """As on disk: two models whose fingerprints share the namespace key's prefix never get each other's entries
+    (query, candidates and load take ``model_fingerprint``); no embedding gives no retrieval."""
+    a, b = "0123456789abcdef" + "aaaaaaaa", "0123456789abcdef" + "bbbbbbbb"
+    ns = namespace_key(a, CFG)
+    assert namespace_key(b, CFG) == ns
+    st = store(redis_url)
+    emb = np.ones(DIM, np.float32)
+    eid = st.put(make_entry(1, fp=a, emb=emb))
+    reader = store(redis_url)  # another worker
+    for s in (st, reader):
+        assert [x.entry_id for x in s.candidates(ns, emb, k=3, model_fingerprint=a).items] == [eid]
+        assert [i for i, _ in s.query(ns, emb, k=3, model_fingerprint=a)] == [eid]
+        other = s.candidates(ns, emb, k=3, model_fingerprint=b)
+        assert other.items == () and "holds entries of model" in other.note
+        with pytest.raises(NamespaceMismatchError, match="never reused across models"):
+            s.query(ns, emb, k=3, model_fingerprint=b)
+        with pytest.raises(NamespaceMismatchError, match="never reused across models"):
+            s.load(eid, model_fingerprint=b)
+        assert s.load(eid, model_fingerprint=a, count_hit=False).entry_id == eid
+        none = s.candidates(ns, None, k=3)  # no embedding (unembeddable prompt): no retrieval, with the reason
+        assert none.items == () and "no retrieval embedding" in none.note
+    assert [i for i, _ in st.query(ns, emb, k=3)] == [eid]  # without a fingerprint: the namespace alone
+    assert st.load(eid).hits == 1  # refused loads counted no hit
+
+
+def test_surface_matches_the_local_store(redis_url, tmp_path):
+    """Callers hold either store: every public method of ``Store`` but the disk-only catalogue rebuild exists on
+    ``RedisStore`` with the same parameters (names, kinds, defaults), and ``scan`` reports the same keys."""
+    import inspect
+
+    from carnator.carnator_core.cache import Store
+
+    disk_only = {"open", "rebuild_catalog"}  # open: a directory vs a URL; the catalogue is the disk store's
+    checked = []
+    for name, fn in inspect.getmembers(Store, callable):
+        if (name.startswith("_") and name not in ("__enter__", "__exit__")) or name in disk_only:
+            continue
+        other = getattr(RedisStore, name, None)
+        assert other is not None, f"RedisStore lacks Store.{name}"
+        want, got = inspect.signature(fn).parameters, inspect.signature(other).parameters
+        assert [(p.name, p.kind, p.default) for p in want.values()] == \
+            [(p.name, p.kind, p.default) for p in got.values()], f"{name}: Store{inspect.signature(fn)} vs " \
+            f"RedisStore{inspect.signature(other)}"
+        checked.append(name)
+    assert {"candidates", "query", "load", "scan", "put_with_status", "verify"} <= set(checked)
+    local = Store.open(tmp_path / "cache", key_path=tmp_path / "index.key")
+    st = store(redis_url)
+    st.put(make_entry(1))
+    st._r.rpush(f"carnator:{{{NS_A}}}:stage:feedfeedfeedfeed", b"x")  # a staging key without TTL (cannot happen)
+    out = st.scan()
+    assert set(out) == set(local.scan(grace_s=0)) and out["tmp_removed"] == 1
+    assert not list(st._r.scan_iter(match="carnator:{*}:stage:*")) and st.stats().entries == 1
+    local.close()
 
 
 def test_query_is_exact_and_ordered(redis_url):
@@ -306,9 +372,11 @@ def _damage(client, key: str, how: str) -> None:
         client.lset(key, 0, b"\xff" * 64 + chunks[0][64:])
     elif how == "missing":
         client.delete(key)
+    elif how == "bad_row":  # the row's chunk count is not a number (a tampered Redis): quarantined, not a crash
+        client.hset(key.replace(":b:", ":e:"), "nchunks", "x")
 
 
-@pytest.mark.parametrize("how", ["flip_tensor_byte", "truncate", "garbage_header", "missing"])
+@pytest.mark.parametrize("how", ["flip_tensor_byte", "truncate", "garbage_header", "missing", "bad_row"])
 def test_corrupt_entry_is_quarantined(redis_url, caplog, how):
     st = store(redis_url)
     ids = [st.put(make_entry(i)) for i in range(3)]
@@ -453,6 +521,10 @@ def test_open_never_fails_because_redis_is_down(caplog):
     assert "cache unavailable" in st.candidates(NS_A, np.ones(DIM)).note
     with pytest.raises(CacheUnavailableError):
         st.stats()
+    # code that falls back when the cache cannot serve an entry catches CacheError: that covers a Redis outage
+    with pytest.raises(CacheError) as caught:
+        st.load(rs.ns_tag(NS_A) + "00000000")
+    assert caught.type is CacheUnavailableError
 
 
 # ------------------------------------------------------------------------------------------ URLs / handle

@@ -14,12 +14,18 @@ Public API (see each module's docstring for contracts)::
 """
 from ..paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
 from .embed import embed_comfy_conditioning, embed_conditioning
-from .entry import DecodedEntry, EncodedEntry, decode_entry, encode_entry
+from .entry import DecodedEntry, EncodedEntry, Entry, EntryData, decode_entry, encode_entry
 from .errors import (
+    CacheBudgetError,
+    CacheError,
     CacheFullError,
+    CacheUnavailableError,
     CatalogError,
     CatalogRebuiltError,
+    CorruptEntryError,
     EntryFormatError,
+    EntryNotFoundError,
+    NamespaceMismatchError,
     NotACacheDirectoryError,
 )
 from .handle import CacheHandle, open_store
@@ -27,20 +33,12 @@ from .index import IndexParams, VectorIndex
 from .policy import POLICIES
 from .redis_url import (
     ENV_URL as ENV_REDIS_URL,
-    CacheUnavailableError,
     RedisConfigError,
     is_redis_url,
     resolve_redis_url,
 )
 from .store import (
-    CacheBudgetError,
-    CacheError,
     CacheStats,
-    CorruptEntryError,
-    Entry,
-    EntryData,
-    EntryNotFoundError,
-    NamespaceMismatchError,
     NamespaceStats,
     Store,
     VerifyReport,

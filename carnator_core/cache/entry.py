@@ -14,6 +14,8 @@ Bytes-level API (no file system, no catalogue; a Redis-backed or any other store
     read_entry_parts(path, names, prefix="", expect_size=None) -> (meta, meta_json, arrays)
         Reads the header and a few float32 tensors of an entry *file* without mmap (a file truncated under an
         mmap would SIGBUS the process), checksummed like ``decode_entry`` (used for signatures and rebuilds).
+    signature_tensors(signature) -> {"sig.*": tensor}; signature_from(meta, tensors) -> Signature
+        The signature's part of the format, for a store that keeps signatures apart for recall.
 
 Format (version 1): safetensors with tensors ``embedding`` [D] float32, the user tensors (``latent_final``,
 ``x0_probe``, ...), the signature's arrays under ``sig.*``, the bit-packed attention block structure as
@@ -217,6 +219,15 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
     return t.contiguous()
 
 
+def signature_tensors(signature: Signature) -> dict[str, torch.Tensor]:
+    """The Early Signature's arrays as the float32 tensors an entry stores under ``sig.*``; ``signature_from``
+    reads them back together with the metadata's ``"signature"`` (``Signature.to_meta()``). A store that also
+    keeps each signature apart from its entry for recall (``redis_store``) uses it, so that copy has the entry's
+    layout."""
+    return {name: torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            for name, arr in signature.to_tensors("sig.").items()}
+
+
 def encode_entry(data: EntryData, *, entry_id: str, created: float) -> EncodedEntry:
     """Serialise ``data`` as entry ``entry_id`` (see the module docstring). Pure: touches no file."""
     if not isinstance(data, EntryData):
@@ -238,8 +249,7 @@ def encode_entry(data: EntryData, *, entry_id: str, created: float) -> EncodedEn
             t = t.clone()  # safetensors refuses tensors sharing memory
         seen_storage.add(ptr)
         tensors[name] = t
-    for name, arr in data.signature.to_tensors("sig.").items():
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    tensors.update(signature_tensors(data.signature))
     block_meta = None
     if data.block_structure is not None:
         bs = data.block_structure
@@ -295,6 +305,9 @@ def check_meta(meta: Any, entry_id: str | None, ns: str | None) -> None:
 
 
 def signature_from(meta: dict, tensors: Mapping[str, Any]) -> Signature:
+    """The Early Signature of entry metadata ``meta`` (its ``"signature"`` key) and its ``sig.*`` tensors (torch
+    or numpy; other names are ignored). Raises ValueError (or KeyError / TypeError from the parser) for a
+    signature that does not parse or whose masks do not match its grid: callers treat that as a corrupt entry."""
     arrays = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
     sig = Signature.from_parts(meta["signature"], arrays, prefix="sig.")
     grid = tuple(sig.grid)
@@ -444,6 +457,6 @@ def adopted_request_key(meta: Mapping[str, Any]) -> str:
 __all__ = [
     "REQUEST_KEY_RE", "adopted_request_key",
     "DecodedEntry", "ENTRY_FORMAT", "ENTRY_VERSION", "EncodedEntry", "Entry", "EntryData", "check_meta",
-    "decode_entry", "encode_entry", "meta_digest_of", "read_entry_parts", "signature_from", "valid_entry_id",
-    "valid_namespace",
+    "decode_entry", "encode_entry", "meta_digest_of", "read_entry_parts", "signature_from", "signature_tensors",
+    "valid_entry_id", "valid_namespace",
 ]

@@ -46,8 +46,15 @@ class CatalogRebuiltError(CatalogError):
     """The catalogue turned out damaged during the call and has been rebuilt from the entry files: retry."""
 
 
+class CacheUnavailableError(CacheError):
+    """The shared cache (Redis) cannot be reached (down, restarting, network): the request continues without it.
+
+    A ``CacheError`` like every other cache failure, so code that falls back when the cache cannot serve an entry
+    (``except CacheError``) covers an unreachable Redis too."""
+
+
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheFullError", "CatalogError", "CatalogRebuiltError",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CacheUnavailableError", "CatalogError", "CatalogRebuiltError",
     "CorruptEntryError",
     "EntryFormatError", "EntryNotFoundError", "NamespaceMismatchError", "NotACacheDirectoryError",
 ]

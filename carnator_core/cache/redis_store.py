@@ -2,9 +2,10 @@
 
 Same public surface and semantics as the on-disk ``Store`` (``store.py``): ``put`` / ``put_with_status``,
 ``load``, ``load_signature``, ``record_hit``, ``record_lookup``, ``query``, ``candidates``, ``stats``, ``purge``,
-``delete``, ``verify``, ``scan``, ``namespaces``, ``entry_ids``, ``index_kind``, ``content_version``, ``close``;
-the same errors (``EntryNotFoundError``, ``CorruptEntryError``, ``CacheBudgetError``, ``NamespaceMismatchError``)
-plus ``CacheUnavailableError`` when Redis cannot be reached.
+``delete``, ``verify``, ``scan``, ``namespaces``, ``entry_ids``, ``index_kind``, ``content_version``, ``close``
+(``query`` / ``candidates`` / ``load`` take ``model_fingerprint=`` and refuse another model's namespace or entry,
+as on disk); the same errors (``errors.py``: ``EntryNotFoundError``, ``CorruptEntryError``, ``CacheBudgetError``,
+``NamespaceMismatchError``) plus ``CacheUnavailableError`` (also a ``CacheError``) when Redis cannot be reached.
 
 Key layout (prefix ``carnator``; ``{ns}`` is a Redis Cluster hash tag, so every key of a namespace lives in one
 hash slot and each multi-key step below is one atomic Lua script in that slot)::
@@ -17,8 +18,8 @@ hash slot and each multi-key step below is one atomic Lua script in that slot)::
     carnator:{ns}:meta                    hash: model fingerprint, config JSON, embedding dim, token, created
     carnator:{ns}:gen / :seq              change counter (one per publish/eviction) / entry sequence numbers
     carnator:{ns}:e:<id>                  hash: catalogue row (prompt, seed, nbytes, digest, work, hits, ...,
-                                          signature blob + checksum)
-    carnator:{ns}:b:<id>                  list: the entry's safetensors bytes in chunks (local entry format)
+                                          signature copy + checksum)
+    carnator:{ns}:b:<id>                  list: the entry's bytes in chunks (``entry.py``'s format, as on disk)
     carnator:{ns}:stage:<id>              list: chunks being written (TTL; renamed to :b:<id> on publish)
     carnator:{ns}:emb / :sid              hash: seq -> embedding float32 bytes / seq -> entry id
     carnator:{ns}:prio / :lru             sorted sets "<seq:012d>:<id>" by LCBFU priority / last access
@@ -30,10 +31,12 @@ hash slot and each multi-key step below is one atomic Lua script in that slot)::
 
 Contracts
 ---------
-* **Never pickle.** Entries are the local store's safetensors entry format (tensors + JSON metadata with a
-  sha256 per tensor); everything else is plain strings/numbers. A value that fails to parse or verify is
-  quarantined: its bytes are moved to ``:q:<id>`` with a reason, the entry is unpublished, one warning is logged
-  and ``CorruptEntryError`` raised; nothing else is touched.
+* **One entry format.** An entry's bytes are ``entry.encode_entry``'s, byte for byte what the on-disk store
+  writes to a file, and every load checks them with ``entry.decode_entry`` (tensors + JSON metadata with a sha256
+  per tensor; never pickle). The row's signature copy (for recall without the latents) holds the entry's ``sig.*``
+  tensors (``entry.signature_tensors``); everything else is plain strings/numbers. A value that fails to parse
+  or verify is quarantined: its bytes are moved to ``:q:<id>`` with a reason, the entry is unpublished, one
+  warning is logged and ``CorruptEntryError`` raised; nothing else is touched.
 * **Atomic publish.** A writer first stages the chunks under ``:stage:<id>`` (created with a TTL in one
   MULTI/EXEC, extended only with RPUSHX, so it can never lose its TTL), then one Lua script checks the staging
   is complete, refuses a namespace/model/config/dimension mismatch, dedupes (same namespace + prompt + seed =
@@ -69,43 +72,35 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from safetensors.torch import load as st_load, save as st_save
 
-from ..types import Candidate, Candidates, GenConfig, Signature, namespace_key
-from .index import IndexParams, VectorIndex, normalize_rows
-from .policy import check_policy, priority, work_of
-from .redis_url import CacheUnavailableError, connect_url, public_url
-from .store import (
-    _NS_RE,
-    _RESERVED,
-    _TENSOR_RE,
-    ENTRY_FORMAT,
-    ENTRY_VERSION,
-    STORE_FORMAT,
-    STORE_VERSION,
-    CacheBudgetError,
-    CacheError,
-    CacheStats,
-    CorruptEntryError,
+from ..types import Candidate, Candidates, Signature
+from .catalog import STORE_FORMAT, STORE_VERSION
+from .entry import (
     Entry,
     EntryData,
+    decode_entry,
+    encode_entry,
+    signature_from,
+    signature_tensors,
+    valid_entry_id,
+    valid_namespace,
+)
+from .errors import (
+    CacheBudgetError,
+    CacheError,
+    CacheUnavailableError,
+    CorruptEntryError,
+    EntryFormatError,
     EntryNotFoundError,
     NamespaceMismatchError,
-    NamespaceStats,
-    VerifyReport,
-    _block_from,
-    _check_meta,
-    _dtype_name,
-    _fmt_bytes,
-    _header_meta,
-    _jsonable,
-    _sha256,
-    _signature_from,
-    _to_tensor,
 )
+from .index import IndexParams, VectorIndex, normalize_rows
+from .policy import check_policy, priority, work_of
+from .redis_url import connect_url, public_url
+from .store import CacheStats, NamespaceStats, VerifyReport, format_bytes
 
 log = logging.getLogger("carnator")
 
@@ -118,86 +113,17 @@ STAGE_TTL_S = 600  # a staging key outlives any healthy write, and vanishes afte
 QUARANTINE_TTL_S = 7 * 86400  # quarantined bytes are kept a week for inspection (memory is precious in Redis)
 STREAM_KEEP = 50_000  # change records kept per namespace; a worker further behind rebuilds its index
 LOCK_TTL_MS = 30_000
-_ID_CHARS = 16  # entry ids: 8 hex of namespace tag + 8 random hex, the same 16-hex shape as on disk
 
 T = TypeVar("T")
 
 
-# ---------------------------------------------------------------------------------------------- entry codec
-# Bytes-level encode/decode of one entry in the local store's file format (so an entry is the same bytes on disk
-# and in Redis). When store.py exposes its own encode/decode API, these two functions should call it instead.
-def encode_entry(data: EntryData, entry_id: str, created: float) -> tuple[bytes, str, np.ndarray, bytes]:
-    """(entry bytes, metadata JSON, normalised embedding, signature blob) of ``data``; raises ValueError/TypeError
-    with the reason for a bad tensor name/dtype or block structure (as ``Store.put`` does)."""
-    ns = data.namespace
-    emb = normalize_rows(data.embedding)
-    if emb.ndim != 1:
-        raise ValueError(f"EntryData.embedding must be one vector [D], got shape {np.shape(data.embedding)}")
-    tensors: dict[str, torch.Tensor] = {"embedding": torch.from_numpy(emb)}
-    seen: set[int] = set()
-    for name, value in data.tensors.items():
-        if not isinstance(name, str) or not _TENSOR_RE.match(name) or name == "embedding" or name.startswith(_RESERVED):
-            raise ValueError(f"tensor name {name!r} is not allowed (letters, digits, '_.-'; not 'embedding', "
-                             "not starting with 'sig.' or 'blocks.')")
-        t = _to_tensor(name, value)
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel():
-            t = t.clone()  # safetensors refuses tensors sharing memory
-        seen.add(ptr)
-        tensors[name] = t
-    sig_tensors = {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-                   for k, a in data.signature.to_tensors("sig.").items()}
-    tensors.update(sig_tensors)
-    block_meta = None
-    if data.block_structure is not None:
-        bs = data.block_structure
-        keep = np.asarray(bs.keep, dtype=bool)
-        if keep.ndim != 4 or keep.shape[0] != len(bs.layers):
-            raise ValueError(f"block_structure.keep must be bool [L, H, Qb, Kb] with L = len(layers) = "
-                             f"{len(bs.layers)}, got shape {keep.shape}")
-        tensors["blocks.keep"] = torch.from_numpy(np.ascontiguousarray(np.packbits(keep, axis=-1)))
-        block_meta = {"layers": [int(x) for x in bs.layers], "block_size": int(bs.block_size),
-                      "n_tokens": int(bs.n_tokens), "steps": [int(x) for x in bs.steps],
-                      "shape": list(keep.shape), "packing": "packbits-last-axis"}
-    sig_meta = data.signature.to_meta()
-    meta = {
-        "format": ENTRY_FORMAT, "version": ENTRY_VERSION, "id": entry_id, "namespace": ns,
-        "model_fingerprint": data.model_fingerprint, "config": data.config.to_meta(), "prompt": data.prompt,
-        "seed": int(data.seed), "created": created, "dim": int(emb.shape[0]), "signature": sig_meta,
-        "block_structure": block_meta, "meta": _jsonable(dict(data.meta)),
-        "tensors": {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "sha256": _sha256(t)}
-                    for k, t in tensors.items()},
-    }
-    meta_json = json.dumps(meta, sort_keys=True)
-    blob = st_save(tensors, metadata={"carnator": meta_json})
-    # The signature alone, for recall (candidates read it without the latents).
-    sig_blob = st_save({k: t.clone() for k, t in sig_tensors.items()},
-                       metadata={"carnator-signature": json.dumps({"id": entry_id, "signature": sig_meta})})
-    return blob, meta_json, emb, sig_blob
-
-
-def decode_entry(blob: bytes, entry_id: str, ns: str, meta_digest: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Parse and fully verify entry bytes: (metadata, tensors). Raises ValueError (or a parser error) on any defect:
-    checksums, manifest, id/namespace, model/config vs namespace."""
-    tensors = st_load(blob)
-    meta_json = _header_meta(blob)
-    if hashlib.sha256(meta_json.encode()).hexdigest() != meta_digest:
-        raise ValueError("metadata checksum mismatch")
-    meta = json.loads(meta_json)
-    _check_meta(meta, entry_id, ns)
-    manifest = meta["tensors"]
-    if set(manifest) != set(tensors):
-        raise ValueError(f"tensor set {sorted(tensors)} differs from the manifest {sorted(manifest)}")
-    for name, t in tensors.items():
-        m = manifest[name]
-        if _dtype_name(t) != m["dtype"] or list(t.shape) != list(m["shape"]):
-            raise ValueError(f"tensor {name} is {_dtype_name(t)}{list(t.shape)}, manifest says "
-                             f"{m['dtype']}{m['shape']}")
-        if _sha256(t) != m["sha256"]:
-            raise ValueError(f"tensor {name} checksum mismatch")
-    if namespace_key(meta["model_fingerprint"], GenConfig.from_meta(meta["config"])) != ns:
-        raise ValueError("metadata's model/config does not match the entry's namespace")
-    return meta, tensors
+# ---------------------------------------------------------------------------------------------- signature copy
+# Recall needs each candidate's Early Signature without the entry's latents, so the row keeps a copy: the entry's
+# ``sig.*`` tensors (``entry.signature_tensors``) in a small safetensors value whose metadata names the entry and
+# holds the signature's JSON part. It is checksummed in the row; the entry bytes themselves stay the one format.
+def _signature_blob(entry_id: str, signature: Signature) -> bytes:
+    meta = json.dumps({"id": entry_id, "signature": signature.to_meta()}, sort_keys=True)
+    return st_save(signature_tensors(signature), metadata={"carnator-signature": meta})
 
 
 # ---------------------------------------------------------------------------------------------- Lua scripts
@@ -489,14 +415,14 @@ class RedisStore:
     # ------------------------------------------------------------------ keys
     @staticmethod
     def _p(ns: str) -> str:
-        if not isinstance(ns, str) or not _NS_RE.match(ns) or ".." in ns:
-            raise ValueError(f"invalid namespace {ns!r}")
+        if not valid_namespace(ns):
+            raise ValueError(f"invalid namespace {str(ns)[:200]!r}")
         return f"{PREFIX}:{{{ns}}}:"
 
     def _ns_of(self, entry_id: str) -> str | None:
-        if not isinstance(entry_id, str) or len(entry_id) != _ID_CHARS or not all(c in "0123456789abcdef"
-                                                                                  for c in entry_id):
-            raise EntryNotFoundError(f"{entry_id!r} is not a Carnator cache entry id")
+        # Ids have the local store's shape (16 hex): 8 hex of the namespace tag + 8 random hex.
+        if not valid_entry_id(entry_id):
+            raise EntryNotFoundError(f"{str(entry_id)[:100]!r} is not a Carnator cache entry id")
         tag = entry_id[:8]
         ns = self._tags.get(tag)
         if ns is None:
@@ -546,10 +472,11 @@ class RedisStore:
         self._register_ns(ns)
         created = time.time()
         entry_id = ns_tag(ns) + secrets.token_hex(4)
-        blob, meta_json, emb, sig_blob = encode_entry(data, entry_id, created)
+        enc = encode_entry(data, entry_id=entry_id, created=created)
+        blob, emb, sig_blob = enc.blob, enc.embedding, _signature_blob(entry_id, data.signature)
         if self.max_bytes and len(blob) > self.max_bytes:
             raise CacheBudgetError(
-                f"the entry is {_fmt_bytes(len(blob))} but the cache budget is {_fmt_bytes(self.max_bytes)}: "
+                f"the entry is {format_bytes(len(blob))} but the cache budget is {format_bytes(self.max_bytes)}: "
                 "raise max_gb on the cache loader (or 0 for no limit)")
         cfg_json = json.dumps(data.config.to_meta(), sort_keys=True)
         work = work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape)
@@ -573,9 +500,8 @@ class RedisStore:
                 self._fault("after_stage")
             prio = priority(self._inflation(), 0, work, len(blob))
             args = [entry_id, data.model_fingerprint, cfg_json, int(emb.shape[0]), secrets.token_hex(8),
-                    repr(created), data.prompt, int(data.seed), len(blob),
-                    hashlib.sha256(meta_json.encode()).hexdigest(), repr(work), len(chunks), sig_blob, dedup_key,
-                    repr(prio), np.ascontiguousarray(emb, np.float32).tobytes(),
+                    repr(created), data.prompt, int(data.seed), len(blob), enc.meta_digest, repr(work), len(chunks),
+                    sig_blob, dedup_key, repr(prio), np.ascontiguousarray(emb, np.float32).tobytes(),
                     hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP]
             res = self._call(lambda: self._scripts["publish"](keys=[p], args=args))
             status = _s(res[0])
@@ -598,7 +524,8 @@ class RedisStore:
                                  "Redis? Redis must run with maxmemory-policy noeviction); nothing was published")
             self._call(lambda: self._r.delete(stage))  # collision: drop this staging, retry with a new id
             entry_id = ns_tag(ns) + secrets.token_hex(4)
-            blob, meta_json, emb, sig_blob = encode_entry(data, entry_id, created)
+            enc = encode_entry(data, entry_id=entry_id, created=created)  # the id is part of the entry's metadata
+            blob, emb, sig_blob = enc.blob, enc.embedding, _signature_blob(entry_id, data.signature)
         else:
             raise CacheError(f"could not find a free entry id in namespace {ns} after 8 tries")
         if self._fault:
@@ -683,7 +610,7 @@ class RedisStore:
                 pass  # the lock expires by itself
         if evicted:
             log.info("carnator cache: evicted %d entr%s (%s policy) to stay within %s", evicted,
-                     "y" if evicted == 1 else "ies", self.policy, _fmt_bytes(self.max_bytes))
+                     "y" if evicted == 1 else "ies", self.policy, format_bytes(self.max_bytes))
         return evicted
 
     def purge(self, namespace: str | None = None) -> int:
@@ -720,9 +647,10 @@ class RedisStore:
             "Other entries are unaffected; the request continues without it.")
 
     # ------------------------------------------------------------------ read path
-    def load(self, entry_id: str, *, count_hit: bool = True) -> Entry:
-        """Load and fully validate one entry. Raises EntryNotFoundError (not in the cache), CorruptEntryError
-        (quarantined; others unaffected) or CacheUnavailableError (Redis unreachable)."""
+    def load(self, entry_id: str, *, count_hit: bool = True, model_fingerprint: str | None = None) -> Entry:
+        """Load and fully validate one entry (``entry.decode_entry``). ``model_fingerprint``: refuse
+        (NamespaceMismatchError) an entry made by another model. Raises EntryNotFoundError (not in the cache),
+        CorruptEntryError (quarantined; others unaffected) or CacheUnavailableError (Redis unreachable)."""
         ns = self._ns_of(entry_id)
         if ns is None:
             raise self._gone(entry_id)
@@ -740,28 +668,27 @@ class RedisStore:
         prompt, seed, nbytes, digest, created, hits, nchunks = (_s(x) for x in row)
         try:
             if len(chunks) != int(nchunks):
-                raise ValueError(f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)")
+                raise EntryFormatError(f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)")
             blob = b"".join(chunks)
             if len(blob) != int(nbytes):
-                raise ValueError(f"value is {len(blob)} bytes, the catalogue recorded {nbytes} (truncated?)")
-            meta, tensors = decode_entry(blob, entry_id, ns, digest)
-            config = GenConfig.from_meta(meta["config"])
-            signature = _signature_from(meta, {k: v for k, v in tensors.items() if k.startswith("sig.")})
-            block = _block_from(meta, tensors)
-            embedding = tensors["embedding"].numpy()
-            if embedding.ndim != 1 or embedding.shape[0] != int(meta["dim"]):
-                raise ValueError(f"embedding has shape {tuple(embedding.shape)}, expected [{meta['dim']}]")
-        except Exception as e:  # noqa: BLE001 - any defect of a stored value means "quarantine"
-            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
+                raise EntryFormatError(f"value is {len(blob)} bytes, the catalogue recorded {nbytes} (truncated?)")
+            dec = decode_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest)
+        except ValueError as e:  # EntryFormatError, or a row field that is not a number: "quarantine"
+            reason = str(e) if isinstance(e, EntryFormatError) else f"{type(e).__name__}: {e}"
+            raise self._quarantine(entry_id, ns, reason) from None
+        if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
+            raise NamespaceMismatchError(
+                f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
+                "the two fingerprints share a namespace key prefix; it is never reused across models. Purge the "
+                "namespace or use another Redis database.")
         hits_now = int(hits)
         if count_hit:
             bumped = self._bump(entry_id, ns)
             hits_now = bumped if bumped >= 0 else hits_now  # evicted since the read: the bytes are still valid
-        user = {k: v for k, v in tensors.items() if k != "embedding" and not k.startswith(_RESERVED)}
-        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=meta["model_fingerprint"], config=config,
+        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=dec.model_fingerprint, config=dec.config,
                      prompt=prompt, seed=int(seed), created=float(created), hits=hits_now, nbytes=int(nbytes),
-                     embedding=embedding, signature=signature, tensors=user, block_structure=block,
-                     meta=meta.get("meta") or {})
+                     embedding=dec.embedding, signature=dec.signature, tensors=dec.tensors,
+                     block_structure=dec.block_structure, meta=dec.meta)
 
     def _decode_sig(self, entry_id: str, ns: str, blob: bytes | None, sigsum: bytes | None) -> Signature:
         try:
@@ -775,7 +702,7 @@ class RedisStore:
             if sm.get("id") != entry_id:
                 raise ValueError(f"signature belongs to entry {sm.get('id')!r}")
             tensors = st_load(blob)
-            return _signature_from({"signature": sm["signature"]}, tensors)
+            return signature_from({"signature": sm["signature"]}, tensors)
         except Exception as e:  # noqa: BLE001
             raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
 
@@ -832,10 +759,16 @@ class RedisStore:
         self._call(lambda: self._r.hincrby(p + "counters", "lookups", 1))
 
     # ------------------------------------------------------------------ retrieval
-    def query(self, namespace: str, embedding: np.ndarray, k: int = 5) -> list[tuple[str, float]]:
+    def query(self, namespace: str, embedding: np.ndarray, k: int = 5, *, model_fingerprint: str | None = None
+              ) -> list[tuple[str, float]]:
         """Top-k entries of ``namespace`` by cosine similarity: ``[(entry_id, similarity)]``, best first, searched
-        in this process's index after catching up with the namespace's change stream."""
+        in this process's index after catching up with the namespace's change stream. Raises ValueError if the
+        embedding's dimension differs from the namespace's. ``model_fingerprint``: raise NamespaceMismatchError if
+        the namespace holds another model's entries (its key is a fingerprint prefix: a collision must not mix
+        models)."""
         p = self._p(namespace)
+        if model_fingerprint is not None:
+            self._check_namespace_model(namespace, str(model_fingerprint))
         q = normalize_rows(embedding)
         if q.ndim != 1:
             raise ValueError(f"query embedding must be one vector [D], got shape {np.shape(embedding)}")
@@ -853,21 +786,36 @@ class RedisStore:
         ids = self._call(lambda: self._r.hmget(p + "sid", [int(s) for s, _ in found]))
         return [(_s(i), float(sim)) for (_, sim), i in zip(found, ids) if i is not None]
 
-    def candidates(self, namespace: str, embedding: np.ndarray, k: int = 5, *, min_similarity: float = -1.0
-                   ) -> Candidates:
-        """Top-k candidates with their signatures; counts one lookup. Corrupt entries are quarantined and skipped,
-        evicted ones skipped; Redis unreachable gives no candidates and the reason in ``note``."""
+    def _check_namespace_model(self, namespace: str, model_fingerprint: str) -> None:
+        pinned = self._call(lambda: self._r.hget(self._p(namespace) + "meta", "fp"))
+        if pinned is not None and _s(pinned) != model_fingerprint:
+            raise NamespaceMismatchError(
+                f"namespace {namespace} holds entries of model {_s(pinned)}, not {model_fingerprint}: the "
+                "fingerprints share the namespace key's prefix, and entries are never reused across models. Purge "
+                "the namespace or use another Redis database.")
+
+    def candidates(self, namespace: str, embedding: np.ndarray | None, k: int = 5, *, min_similarity: float = -1.0,
+                   model_fingerprint: str | None = None) -> Candidates:
+        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup. Corrupt entries are
+        quarantined and skipped, evicted ones skipped. No embedding (a prompt that could not be embedded), a
+        namespace pinned to another ``model_fingerprint`` or Redis unreachable gives no candidates, with the
+        reason in ``note``."""
         t0 = time.perf_counter()
         p = self._p(namespace)
         notes: list[str] = []
         items: list[Candidate] = []
+
+        def none(why: str) -> Candidates:
+            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000, note=why)
+
         try:
             self.record_lookup(namespace)
+            if embedding is None:
+                return none("no retrieval: the request has no retrieval embedding (its prompt could not be embedded)")
             try:
-                found = self.query(namespace, embedding, k)
-            except ValueError as e:
-                return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000,
-                                  note=f"no retrieval: {e}")
+                found = self.query(namespace, embedding, k, model_fingerprint=model_fingerprint)
+            except (NamespaceMismatchError, ValueError) as e:
+                return none(f"no retrieval: {e}")
             recalled = bool(found)
             found = [(i, s) for i, s in found if s >= min_similarity]
             if found:
@@ -1051,13 +999,17 @@ class RedisStore:
         return int.from_bytes(h[:6], "little")
 
     def scan(self, grace_s: float | None = None) -> dict[str, int]:
-        """Defensive clean-up: staging keys without a TTL (cannot happen through this class) are removed."""
+        """Defensive clean-up: staging keys without a TTL (cannot happen through this class) are removed. Returns
+        the counts ``Store.scan`` returns (the same keys); Redis has no temp files, orphan entry files or foreign
+        files, so only ``tmp_removed`` (staging keys) can be non-zero. ``grace_s`` is accepted for the common
+        surface: a staging key always carries its own TTL."""
         removed = 0
         for key in self._call(lambda: list(self._r.scan_iter(match=f"{PREFIX}:{{*}}:stage:*", count=1000))):
             if self._call(lambda key=key: self._r.ttl(key)) == -1:
                 self._call(lambda key=key: self._r.delete(key))
                 removed += 1
-        return {"tmp_removed": removed, "orphans_removed": 0, "missing_rows_removed": 0}
+        return {"tmp_removed": removed, "orphans_adopted": 0, "orphans_quarantined": 0, "missing_rows_removed": 0,
+                "foreign_files": 0}
 
     def verify(self, *, deep: bool = False) -> VerifyReport:
         """Check that rows, bytes, embeddings, sorted sets, byte totals and this process's indexes agree. ``deep``:
@@ -1126,7 +1078,7 @@ class RedisStore:
                     except CorruptEntryError as e:
                         problems.append(str(e))
         if self.max_bytes and total > self.max_bytes:
-            notes.append(f"{_fmt_bytes(total)} stored, over this handle's budget {_fmt_bytes(self.max_bytes)}")
+            notes.append(f"{format_bytes(total)} stored, over this handle's budget {format_bytes(self.max_bytes)}")
         return VerifyReport(ok=not problems, entries=sum(1 for _ in self.entry_ids()), namespaces=len(nss),
                             problems=tuple(problems), notes=tuple(notes))
 
@@ -1164,4 +1116,4 @@ class RedisStore:
             yield _s(k), _s(v)
 
 
-__all__ = ["CHUNK_BYTES", "CacheUnavailableError", "RedisStore", "decode_entry", "encode_entry", "ns_tag"]
+__all__ = ["CHUNK_BYTES", "CacheUnavailableError", "RedisStore", "ns_tag"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from urllib.parse import parse_qs, urlsplit
 
-from .store import CacheError
+from .errors import CacheUnavailableError  # defined with the other cache errors; re-exported here
 
 ENV_URL = "CARNATOR_REDIS_URL"
 SCHEMES = ("redis", "rediss")
@@ -25,10 +25,6 @@ SCHEMES = ("redis", "rediss")
 
 class RedisConfigError(ValueError):
     """A Redis cache URL that is malformed, carries credentials, or names a server the owner did not configure."""
-
-
-class CacheUnavailableError(CacheError):
-    """The shared cache (Redis) cannot be reached (down, restarting, network): the request continues without it."""
 
 
 def is_redis_url(text: object) -> bool:

@@ -156,18 +156,18 @@ class CacheStats:
         }
 
     def to_text(self) -> str:
-        budget = "unlimited" if not self.max_bytes else _fmt_bytes(self.max_bytes)
+        budget = "unlimited" if not self.max_bytes else format_bytes(self.max_bytes)
         lines = [
             f"Carnator cache at {self.path}",
-            f"entries: {self.entries}  size: {_fmt_bytes(self.bytes)} (budget {budget}, policy {self.policy})",
+            f"entries: {self.entries}  size: {format_bytes(self.bytes)} (budget {budget}, policy {self.policy})",
             f"lookups: {self.lookups}  hits: {self.hits}  hit rate: {self.hit_rate:.1%}",
-            f"catalogue: {_fmt_bytes(self.catalog_bytes)}  index files: {_fmt_bytes(self.index_bytes)}  "
+            f"catalogue: {format_bytes(self.catalog_bytes)}  index files: {format_bytes(self.index_bytes)}  "
             f"quarantined: {self.quarantined}",
         ]
         for n in self.namespaces:
             c = n.config
             lines.append(
-                f"- {n.namespace}: {n.entries} entries, {_fmt_bytes(n.bytes)}, hits {n.hits}/{n.lookups} "
+                f"- {n.namespace}: {n.entries} entries, {format_bytes(n.bytes)}, hits {n.hits}/{n.lookups} "
                 f"({n.hit_rate:.1%}) [{c.get('arch')} {tuple(c.get('latent_shape', ()))} {c.get('steps')} steps "
                 f"{c.get('sampler')}/{c.get('scheduler')} cfg {c.get('cfg')}]"
             )
@@ -192,7 +192,8 @@ class _NsIndex:
     index: VectorIndex
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a message: "512 B", "1.50 MiB", "2.00 GiB" (binary units, GiB at most)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -721,7 +722,7 @@ class Store:
         enc = encode_entry(data, entry_id=entry_id, created=now)
         if self.max_bytes and len(enc.blob) > self.max_bytes:
             raise CacheBudgetError(
-                f"the entry is {_fmt_bytes(len(enc.blob))} but the cache budget is {_fmt_bytes(self.max_bytes)}: "
+                f"the entry is {format_bytes(len(enc.blob))} but the cache budget is {format_bytes(self.max_bytes)}: "
                 "raise max_gb on the cache loader (or 0 for no limit)")
         final = self._entry_path(ns, entry_id)
         final.parent.mkdir(exist_ok=True)
@@ -830,7 +831,7 @@ class Store:
 
             self._commit_deletes("eviction", body)
         log.info("carnator cache: evicted %d entr%s (%s policy) to stay within %s", len(victims),
-                 "y" if len(victims) == 1 else "ies", self.policy, _fmt_bytes(self.max_bytes))
+                 "y" if len(victims) == 1 else "ies", self.policy, format_bytes(self.max_bytes))
         return len(victims)
 
     @_public
@@ -1575,5 +1576,5 @@ def _atomic_write(root: Path, final: Path, blob: bytes, durable: bool,
 __all__ = [
     "CacheBudgetError", "CacheError", "CacheFullError", "CacheStats", "CatalogError", "CorruptEntryError", "Entry",
     "EntryData", "EntryNotFoundError", "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "Store",
-    "VerifyReport", "adoption_problem", "default_key_path",
+    "VerifyReport", "adoption_problem", "default_key_path", "format_bytes",
 ]
