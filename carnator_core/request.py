@@ -361,7 +361,7 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     """Stage 6: persist a finished generation. Exact repeats and requests with unidentifiable conditioning are
     never stored; reuse results only with ``store_reused``. The request key is recorded only for a dense result
     of one batch item (``report`` says dense/miss): only such a latent is what the request computes."""
-    from .cache.redis_url import CacheUnavailableError
+    from .cache.errors import CacheUnavailableError
     from .cache.store import EntryData
 
     if probe.answered is not None:
