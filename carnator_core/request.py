@@ -1,20 +1,47 @@
-"""The whole request path in one call, in-process: probe -> signature -> retrieve -> filter -> sample -> write.
+"""Carnator's stage API: the request path as functions that the nodes and ``serve()`` both call.
 
-This is exactly what the node graph does (each step is the same core call the corresponding node makes), for
-benchmarks, calibration-pair generation and serving code that drives Carnator without a workflow. Every online
-cost is timed separately (ms): probe, signature, retrieval, filter, resume (the rest of sampling, including a
-dense fallback), write.
+Stages, in order (each node of the graph makes exactly one of these calls, and ``serve`` makes all of them, so
+what calibration certifies through ``serve`` is what a queued workflow runs):
+
+1. ``probe_request``  — exact lookup first: a request whose ``keys.request_key`` matches a cached dense result is
+   answered from the cache with no model call (the returned Probe is *answered*); otherwise the Early Probe.
+2. ``signature_stage`` — the Early Signature (an answered probe passes the stored one through).
+3. ``recall``         — top-K candidates of the same namespace above a minimum similarity (answered: none).
+4. ``decide_stage``   — the Risk Filter (answered: an "exact" decision naming the entry).
+5. ``reuse_stage``    — load the accepted entry and finish the request (reuse or dense); an accepted entry that
+   vanished meanwhile (evicted, purged, quarantined) means a dense resume, logged once, never a failed request;
+   an answered probe returns the stored latent.
+6. ``write_result``   — persist a finished dense generation (with its exact-request key) for later requests.
+
+Every online cost is timed separately (ms): key, probe, signature, retrieval, filter, resume, write.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from . import keys
 from .probe import ProbeConfig, objects_for, run_probe
-from .reuse import ReuseConfig, RunReport, sample
-from .signature import SignatureConfig, build_signature
-from .types import Candidates, Decision, Probe, Signature, namespace_key
+from .reuse import CachedRun, ReuseConfig, RunReport, sample
+from .signature import SignatureConfig, build_signature_timed
+from .types import (
+    Candidate,
+    Candidates,
+    CandidateVerdict,
+    Decision,
+    ExactAnswer,
+    Probe,
+    Signature,
+    namespace_key,
+)
+
+log = logging.getLogger("carnator")
+
+# Recall defaults shared by the Retriever node and ``serve`` (a risk rule may record its own, see ``recall_limits``).
+DEFAULT_TOP_K = 5
+DEFAULT_MIN_SIMILARITY = 0.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +55,7 @@ class RequestSpec:
     sampler: str = "euler"
     scheduler: str = "simple"
     objects: str | None = None  # user override of the object list
+    denoise: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -40,8 +68,10 @@ class ServeOptions:
     rule:          RiskRule for "carnator".
     allow_uncertified: accept a rule whose certificate fails (experiments; decisions carry the UNCERTIFIED banner).
     prompt_threshold: similarity threshold of "prompt_only".
-    top_k:         candidates recalled.
-    write:         persist the finished generation as a cache entry (misses only; hits reuse an entry).
+    top_k, min_similarity: recall limits; a rule that records its own (``recall_limits``) overrides them.
+    exact:         answer exact repeats (same ``keys.request_key``) from the cache before the probe, with no model
+                   call ("carnator" and "prompt_only" only: "never" and "dense" always compute).
+    write:         persist the finished generation as a cache entry (dense results only; hits reuse an entry).
     """
 
     method: str = "carnator"
@@ -49,7 +79,9 @@ class ServeOptions:
     rule: Any = None
     allow_uncertified: bool = False
     prompt_threshold: float = 0.9
-    top_k: int = 4
+    top_k: int = DEFAULT_TOP_K
+    min_similarity: float = DEFAULT_MIN_SIMILARITY
+    exact: bool = True
     write: bool = True
     probe: ProbeConfig = ProbeConfig(probe_steps=4)
     signature: SignatureConfig = field(default_factory=SignatureConfig)
@@ -71,64 +103,353 @@ class RequestResult:
     def hit(self) -> bool:
         return self.report.decision == "hit"
 
+    @property
+    def exact(self) -> bool:
+        return self.probe.answered is not None
 
-def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec: RequestSpec, store: Any,
-          options: ServeOptions, progress: Callable[[int], None] | None = None) -> RequestResult:
-    """Serve one request end to end. ``store`` is a ``cache.Store`` (or None for method "dense")."""
-    from .risk.filter import decide
 
-    t = {}
+@dataclass(frozen=True)
+class WriteResult:
+    """What ``write_result`` did: the entry id ("" when nothing was stored), whether a new file was written, and
+    a one-line explanation for the node's preview."""
+
+    entry_id: str
+    written: bool
+    text: str
+
+
+# ---------------------------------------------------------------------------------------------- 1. exact + probe
+def request_key_for(model: Any, positive: Any, negative: Any, latent: dict, *, seed: int, steps: int, cfg: float,
+                    sampler_name: str, scheduler: str, denoise: float = 1.0) -> str | None:
+    """``keys.request_key`` of a request on a ComfyUI MODEL (None: it cannot be digested; never answered by key)."""
+    from . import comfy_patch as cp  # ComfyUI-dependent: imported only when a model is actually served
+    from .adapters import adapter_for
+
+    adapter = adapter_for(model)
+    if not isinstance(latent, dict) or "samples" not in latent:
+        return None
+    samples = cp.prepare_latent(model, latent)
+    sigmas = cp.compute_sigmas(model, steps, sampler_name, scheduler, denoise)
+    return keys.request_key(model_fingerprint=cp.model_fingerprint(model, adapter.arch),
+                            model_options=getattr(model, "model_options", None), arch=adapter.arch,
+                            latent_shape=tuple(int(x) for x in samples.shape), steps=int(steps), sampler=sampler_name,
+                            scheduler=scheduler, cfg=float(cfg), sigmas_digest=cp.sigmas_digest(sigmas),
+                            denoise=float(denoise), seed=int(seed), positive=positive, negative=negative,
+                            latent=latent)
+
+
+def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, seed: int) -> Probe | None:
+    """The answered Probe of an exact repeat, or None. Loads the entry (checksums verified), counts one lookup and
+    one hit in its namespace. An entry that vanishes or proves corrupt meanwhile is simply not an answer."""
+    from .cache.store import CacheError
+
+    find = getattr(store, "find_request", None)  # a store without the index (the Redis store) answers nothing
+    if find is None or not request_key:
+        return None
     t0 = time.perf_counter()
+    try:
+        entry_id = find(request_key)
+    except CacheError as e:  # e.g. a shared cache that is unreachable: the request simply runs
+        log.info("carnator request: exact lookup unavailable (%s); running the request", e)
+        return None
+    if entry_id is None:
+        return None
+    try:
+        entry = store.load(entry_id, count_hit=False)
+    except CacheError as e:
+        log.info("carnator request: exact repeat of entry %s not answered from the cache (%s); running it", entry_id,
+                 e)
+        return None
+    final = entry.tensors.get("latent_final")
+    if final is None or final.ndim not in (4, 5):
+        return None
+    latent = final if final.ndim == 5 else final.unsqueeze(0)
+    try:
+        store.record_hit(entry_id)  # the data is loaded and verified: answer even if it is evicted this instant
+    except CacheError:
+        pass
+    store.record_lookup(entry.namespace)
+    ms = (time.perf_counter() - t0) * 1000
+    answer = ExactAnswer(entry_id=entry_id, request_key=request_key, namespace=entry.namespace, prompt=entry.prompt,
+                         latent=latent, signature=entry.signature, lookup_ms=ms)
+    from . import comfy_patch as cp
+    from .adapters import adapter_for
+
+    factors, bias = cp.latent_rgb(model)
+    x0 = entry.tensors.get("x0_probe", latent[0])
+    return Probe(arch=entry.config.arch, model_fingerprint=entry.model_fingerprint, config=entry.config,
+                 prompt=prompt, seed=int(seed), objects=(), object_source="none", object_maps={},
+                 grid=tuple(entry.signature.grid), patch=adapter_for(model).patch_of(model),  # type: ignore[arg-type]
+                 x0_probe=x0, latent_probe=entry.tensors.get("latent_probe", x0), latent_rgb_factors=factors,
+                 latent_rgb_bias=bias, embedding=entry.embedding, timings={"probe_ms": 0.0, "exact_ms": ms},
+                 note=f"exact repeat of cache entry {entry_id}: answered from the cache without running the model",
+                 request_key=request_key, answered=answer)
+
+
+def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: RequestSpec, config: ProbeConfig,
+                  text_encoder: Any = None, *, store: Any = None,
+                  progress: Callable[[int], None] | None = None) -> Probe:
+    """Stage 1. With a ``store``: an exact repeat is answered from it (answered Probe, no model call). Otherwise the
+    Early Probe, stamped with the request key and the non-text conditioning digest (part of the namespace)."""
+    t0 = time.perf_counter()
+    key = request_key_for(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
+                          sampler_name=spec.sampler, scheduler=spec.scheduler, denoise=spec.denoise)
+    key_ms = (time.perf_counter() - t0) * 1000
+    answered = lookup_exact(store, key, model, spec.prompt, spec.seed)
+    if answered is not None:
+        return replace(answered, timings={**answered.timings, "key_ms": key_ms})
     objs, source = objects_for(spec.prompt, text_encoder, spec.objects)
-    t["objects"] = (time.perf_counter() - t0) * 1000
     probe = run_probe(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
                       sampler_name=spec.sampler, scheduler=spec.scheduler, prompt=spec.prompt, objects=objs,
-                      object_source=source, config=options.probe, progress=progress)
-    t["probe"] = probe.timings["probe_ms"]
+                      object_source=source, config=config, denoise=spec.denoise, progress=progress)
+    cond = keys.conditioning_digest(positive, negative, latent)
+    note = probe.note
+    if cond.startswith(keys.OPAQUE_PREFIX):
+        note = (note + "; " if note else "") + ("the conditioning holds values Carnator cannot identify: nothing is "
+                                                "reused for this request and it is not cached")
+    return replace(probe, config=replace(probe.config, conditioning=cond), request_key=key or "", note=note,
+                   timings={**probe.timings, "key_ms": key_ms})
+
+
+# ---------------------------------------------------------------------------------------------- 2-4
+def signature_stage(probe: Probe, config: SignatureConfig | None = None) -> tuple[Signature, float]:
+    """Stage 2: (signature, build ms). An answered probe's stored signature is passed through (0 ms)."""
+    if probe.answered is not None:
+        return probe.answered.signature, 0.0
+    return build_signature_timed(probe, config)
+
+
+def recall_limits(rule: Any, top_k: int, min_similarity: float) -> tuple[int, float]:
+    """The recall K and minimum similarity to use: a rule that records them (it was certified on that recall)
+    wins over the caller's values."""
+    k = getattr(rule, "recall_k", None)
+    s = getattr(rule, "recall_min_similarity", None)
+    return (int(k) if k else int(top_k)), (float(s) if s is not None else float(min_similarity))
+
+
+def recall(store: Any, probe: Probe, top_k: int = DEFAULT_TOP_K,
+           min_similarity: float = DEFAULT_MIN_SIMILARITY) -> Candidates:
+    """Stage 3: the top-K entries of the request's namespace (model x config x non-text conditioning) by prompt
+    similarity, at least ``min_similarity``. An answered probe is passed through without a lookup."""
+    if probe.answered is not None:
+        a = probe.answered
+        return Candidates(namespace=a.namespace, items=(), note=f"exact repeat of entry {a.entry_id}", answered=a)
+    import inspect
+
+    ns = namespace_key(probe.model_fingerprint, probe.config)
+    kwargs: dict[str, Any] = {"min_similarity": float(min_similarity)}
+    if "model_fingerprint" in inspect.signature(store.candidates).parameters:  # the store compares it on read
+        kwargs["model_fingerprint"] = probe.model_fingerprint
+    return store.candidates(ns, probe.embedding, int(top_k), **kwargs)
+
+
+def exact_decision(candidates: Candidates | None) -> Decision | None:
+    """Stage 4 for an exact repeat: the "exact" decision naming the stored entry (None if not an exact repeat)."""
+    a = getattr(candidates, "answered", None)
+    if a is None:
+        return None
+    cand = Candidate(entry_id=a.entry_id, similarity=1.0, prompt=a.prompt, signature=a.signature)
+    summary = f"exact repeat of entry {a.entry_id}: the stored result is returned without running the model"
+    return Decision(accepted=True, candidate=cand, mode="exact", summary=summary,
+                    verdicts=(CandidateVerdict(entry_id=a.entry_id, similarity=1.0, accepted=True,
+                                               reason="exact repeat (same request key)"),))
+
+
+def decide_stage(signature: Signature, candidates: Candidates, probe: Probe, *, method: str = "carnator",
+                 rule: Any = None, prompt_threshold: float = 0.9, allow_uncertified: bool = False) -> Decision:
+    """Stage 4: the Risk Filter on the recalled candidates, checked against the probe's model and config (an
+    exact repeat gets its "exact" decision)."""
+    from .risk.filter import decide
+
+    exact = exact_decision(candidates)
+    if exact is not None:
+        return exact
+    mode = {"carnator": "signature", "prompt_only": "prompt_only", "never": "never"}[method]
+    return decide(signature, candidates, rule if mode == "signature" else None, mode, prompt_threshold,
+                  model_fingerprint=probe.model_fingerprint, config_fingerprint=probe.config.rule_fingerprint(),
+                  allow_uncertified=allow_uncertified)
+
+
+# ---------------------------------------------------------------------------------------------- 5. reuse
+def load_accepted(store: Any, decision: Decision | None) -> tuple[CachedRun | None, str]:
+    """The accepted entry as a CachedRun, or (None, reason) when it is gone or corrupt by now (evicted, purged or
+    quarantined after the filter accepted it): the request then continues dense. Logged once."""
+    from .cache.store import CacheError, CorruptEntryError, EntryNotFoundError
+
+    if decision is None or not decision.accepted or decision.candidate is None or decision.mode == "exact":
+        return None, ""
+    if store is None:
+        raise ValueError("the decision accepted a cache entry but no cache is connected to the sampler")
+    entry_id = decision.candidate.entry_id
+    try:
+        return store.load(entry_id).cached_run(), ""
+    except EntryNotFoundError:
+        why = "is no longer in the cache (evicted, purged or quarantined after the filter accepted it)"
+    except CorruptEntryError:
+        why = "turned out corrupt and was quarantined"
+    except CacheError as e:
+        why = f"could not be loaded ({e})"
+    reason = f"accepted entry {entry_id} {why}: continuing dense"
+    log.warning("carnator request: %s", reason)
+    return None, reason
+
+
+def exact_report(probe: Probe, upstream_ms: Mapping[str, float] | None = None) -> RunReport:
+    """The report of an exact repeat: a hit with no model call (every step skipped)."""
+    a = probe.answered
+    assert a is not None
+    steps = int(probe.config.steps)
+    timings = {**dict(upstream_ms or {}), "lookup": float(a.lookup_ms), "key": float(probe.timings.get("key_ms", 0))}
+    timings["total"] = sum(v for k, v in timings.items() if k != "total")
+    return RunReport(decision="hit", mode="exact", entry_id=a.entry_id, active_fraction=0.0, block_density=None,
+                     steps_total=steps, steps_probe=0, model_calls=0, replayed_calls=0, skipped_calls=steps,
+                     token_fraction=0.0, attention_fraction=0.0, timings_ms=timings, compute_fraction=0.0,
+                     reason=f"exact repeat of entry {a.entry_id}: stored result, no model call")
+
+
+def node_cache_report(probe: Probe, report: RunReport, entry_id: str) -> RunReport:
+    """The report of a requeued identical graph that ComfyUI's node cache answered: no Carnator stage ran and no
+    model was called; ``report`` is the run whose output was handed back (``entry_id``: where it is cached)."""
+    steps = int(probe.config.steps)
+    kept = report.entry_id or entry_id or None
+    return RunReport(decision="hit", mode="node_cache", entry_id=kept, active_fraction=0.0, block_density=None,
+                     steps_total=steps, steps_probe=0, model_calls=0, replayed_calls=0, skipped_calls=steps,
+                     token_fraction=0.0, attention_fraction=0.0, timings_ms={"total": 0.0}, compute_fraction=0.0,
+                     reason=f"identical graph requeued: ComfyUI's node cache returned the previous output "
+                            f"({report.decision}{' of entry ' + kept if kept else ''})")
+
+
+def _check_answered_inputs(model: Any, latent: dict, probe: Probe) -> None:
+    """The sampler's MODEL and latent must be the probe's (as ``reuse.sample`` checks on the computing path)."""
+    from . import comfy_patch as cp
+    from .adapters import adapter_for
+
+    if cp.model_fingerprint(model, adapter_for(model).arch) != probe.model_fingerprint:
+        raise ValueError("the MODEL differs from the one the probe ran on (weights or patches changed): connect "
+                         "the same MODEL to the Early Probe and the Joint Reuse Sampler")
+    shape = tuple(cp.prepare_latent(model, latent).shape)
+    if shape != tuple(probe.answered.latent.shape):
+        raise ValueError(f"latent shape {shape} differs from the probed one {tuple(probe.answered.latent.shape)}: "
+                         "connect the same latent to the probe and the sampler")
+
+
+def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
+                store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
+                progress: Callable[[int], None] | None = None,
+                upstream_ms: Mapping[str, float] | None = None) -> tuple[Any, RunReport]:
+    """Stage 5: finish the request. Returns (final LATENT samples, RunReport).
+
+    An answered probe returns the stored latent (bit-identical, no model call). Otherwise the accepted entry is
+    loaded here (``load_accepted``; gone = dense resume with the reason in the report) and ``reuse.sample`` runs.
+    """
+    if probe.answered is not None:
+        _check_answered_inputs(model, latent, probe)
+        return probe.answered.latent.clone(), exact_report(probe, upstream_ms)
+    cached, fallback = (None, "")
+    if config.mode != "dense":
+        cached, fallback = load_accepted(store, decision)
+    samples, report = sample(model, positive, negative, latent, probe, decision, cached, config,
+                             target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms)
+    if fallback:
+        report = replace(report, reason=fallback)
+    return samples, report
+
+
+# ---------------------------------------------------------------------------------------------- 6. write
+def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report: RunReport | None, *,
+                 store_reused: bool = False, meta: Mapping[str, Any] | None = None) -> WriteResult:
+    """Stage 6: persist a finished generation. Exact repeats and requests with unidentifiable conditioning are
+    never stored; reuse results only with ``store_reused``. The request key is recorded only for a dense result
+    of one batch item (``report`` says dense/miss): only such a latent is what the request computes."""
+    from .cache.errors import CacheUnavailableError
+    from .cache.store import EntryData
+
+    if probe.answered is not None:
+        return WriteResult(probe.answered.entry_id, False,
+                           f"exact repeat of entry {probe.answered.entry_id}: already cached, nothing stored")
+    if probe.config.conditioning.startswith(keys.OPAQUE_PREFIX):
+        return WriteResult("", False, "not stored: the conditioning holds values Carnator cannot identify")
+    if probe.embedding is None:
+        return WriteResult("", False, "not stored: the prompt could not be embedded for retrieval (see the probe's "
+                                      "summary)")
+    hit = report is not None and report.decision == "hit"
+    if hit and not store_reused:
+        return WriteResult("", False, f"not stored: this result reused cache entry {report.entry_id} (enable "
+                                      "store_reused to keep reused results too)")
+    if samples is None or getattr(samples, "ndim", 0) != 5:
+        raise ValueError("latent must be a video LATENT with samples [B, C, T, H, W] (the sampler's output)")
+    want = tuple(int(x) for x in probe.config.latent_shape)
+    if tuple(samples.shape[1:]) != want:
+        raise ValueError(f"the LATENT is {tuple(samples.shape[1:])} per item but the probe's config says {want}: "
+                         "connect the sampler output that belongs to this probe")
+    dense = report is not None and report.decision in ("dense", "miss")
+    key = probe.request_key if dense and int(samples.shape[0]) == 1 else ""
+    m: dict[str, Any] = {"batch_size": int(samples.shape[0]), **dict(meta or {})}
+    m["probe_timings_ms"] = {str(k): float(v) for k, v in dict(probe.timings).items()}
+    if report is not None:
+        m["report"] = report.to_meta()
+    data = EntryData(
+        model_fingerprint=probe.model_fingerprint, config=probe.config, prompt=probe.prompt, seed=probe.seed,
+        embedding=probe.embedding, signature=sig,
+        tensors={"latent_final": samples[0].detach().cpu(), "x0_probe": probe.x0_probe.float().cpu(),
+                 "latent_probe": probe.latent_probe.float().cpu()},
+        block_structure=report.block_structure if report is not None else None, meta=m, request_key=key,
+    )
+    try:
+        entry_id, written = store.put_with_status(data)
+    except CacheUnavailableError as e:  # a shared cache that is down: the generation itself succeeded
+        return WriteResult("", False, f"not stored: {e}")
+    ns = namespace_key(probe.model_fingerprint, probe.config)
+    if written:
+        text = f"stored entry {entry_id} in namespace {ns}" + (
+            " with attention block structure" if data.block_structure is not None else "")
+    else:
+        text = f"already cached as entry {entry_id} (same request, model and config)"
+    return WriteResult(entry_id, written, text)
+
+
+def write_entry(store: Any, probe: Probe, sig: Signature, samples: Any, report: RunReport | None) -> str:
+    """Persist a finished generation; returns the entry id ("" if not stored). See ``write_result``."""
+    return write_result(store, probe, sig, samples, report).entry_id
+
+
+# ---------------------------------------------------------------------------------------------- all stages
+def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec: RequestSpec, store: Any,
+          options: ServeOptions, progress: Callable[[int], None] | None = None) -> RequestResult:
+    """Serve one request end to end through the stages above. ``store`` is a ``cache.Store`` (or None for method
+    "dense")."""
+    t: dict[str, float] = {}
+    t0 = time.perf_counter()
+    use_cache = options.method != "dense" and store is not None
+    exact_store = store if use_cache and options.exact and options.method in ("carnator", "prompt_only") else None
+    probe = probe_request(model, positive, negative, latent, spec, options.probe, text_encoder, store=exact_store,
+                          progress=progress)
+    t["key"] = float(probe.timings.get("key_ms", 0.0))
+    t["probe"] = float(probe.timings.get("probe_ms", 0.0))
     t1 = time.perf_counter()
-    sig = build_signature(probe, options.signature)
+    sig, _ = signature_stage(probe, options.signature)
     t["signature"] = (time.perf_counter() - t1) * 1000
     candidates = decision = None
-    cached = None
-    if options.method != "dense" and store is not None:
-        ns = namespace_key(probe.model_fingerprint, probe.config)
-        candidates = store.candidates(ns, probe.embedding, options.top_k)
+    if use_cache:
+        k, min_sim = recall_limits(options.rule if options.method == "carnator" else None, options.top_k,
+                                   options.min_similarity)
+        candidates = recall(store, probe, k, min_sim)
         t["retrieval"] = candidates.retrieval_ms
-        mode = {"carnator": "signature", "prompt_only": "prompt_only", "never": "never"}[options.method]
-        decision = decide(sig, candidates, options.rule if mode == "signature" else None, mode,
-                          options.prompt_threshold, model_fingerprint=probe.model_fingerprint,
-                          config_fingerprint=probe.config.fingerprint(),
-                          allow_uncertified=options.allow_uncertified)
+        decision = decide_stage(sig, candidates, probe, method=options.method, rule=options.rule,
+                                prompt_threshold=options.prompt_threshold, allow_uncertified=options.allow_uncertified)
         t["filter"] = decision.filter_ms
-        if decision.accepted:
-            cached = store.load(decision.candidate.entry_id).cached_run()
-    samples, report = sample(model, positive, negative, latent, probe, decision, cached,
-                             replace(options.reuse, mode=options.reuse_mode if decision is not None else "dense"),
-                             target_signature=sig, record=options.write, progress=progress,
-                             upstream_ms={k: v for k, v in t.items() if k != "probe"})
-    t["resume"] = report.timings_ms["resume"]
-    entry_id = None
+    mode = options.reuse_mode if decision is not None else "dense"
+    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store,
+                                  replace(options.reuse, mode=mode), signature=sig, record=options.write,
+                                  progress=progress, upstream_ms={k: v for k, v in t.items() if k != "probe"})
+    t["resume"] = float(report.timings_ms.get("resume", 0.0))
+    entry_id = probe.answered.entry_id if probe.answered is not None else None
     if options.write and store is not None and report.decision != "hit":
         t2 = time.perf_counter()
-        entry_id = write_entry(store, probe, sig, samples, report)
+        entry_id = write_result(store, probe, sig, samples, report).entry_id or None
         t["write"] = (time.perf_counter() - t2) * 1000
     t["total"] = (time.perf_counter() - t0) * 1000
     out = dict(latent)
     out["samples"] = samples
     return RequestResult(latent=out, report=report, probe=probe, signature=sig, candidates=candidates,
                          decision=decision, entry_id=entry_id, timings_ms=t)
-
-
-def write_entry(store: Any, probe: Probe, sig: Signature, samples: Any, report: RunReport | None) -> str:
-    """Persist a finished generation (what the Cache Writer node does)."""
-    from .cache.store import EntryData
-
-    data = EntryData(
-        model_fingerprint=probe.model_fingerprint, config=probe.config, prompt=probe.prompt, seed=probe.seed,
-        embedding=probe.embedding, signature=sig,
-        tensors={"latent_final": samples[:1].float().cpu(), "x0_probe": probe.x0_probe.float().cpu(),
-                 "latent_probe": probe.latent_probe.float().cpu()},
-        block_structure=report.block_structure if report is not None else None,
-        meta={"report": report.to_meta()} if report is not None else {},
-    )
-    return store.put(data)

@@ -47,7 +47,20 @@ class GenConfig:
     sigmas_digest: str  # digest of the full sigma schedule (captures shift / model sampling / denoise)
     probe_steps: int
 
+    # Digest of the conditioning beyond the prompt text (start image, concat latent, reference latents, a non-empty
+    # input latent; ``keys.conditioning_digest``); "" for plain text-to-video. Part of the namespace, so a
+    # generation is only ever reused for requests with the same start image; not part of ``rule_fingerprint``
+    # (a risk rule is calibrated across start images as it is across prompts).
+    conditioning: str = ""
+
     def fingerprint(self) -> str:
+        """The namespace part of the config: every field, the conditioning digest included when set (a text-only
+        config fingerprints as it did before the field existed)."""
+        fp = self.rule_fingerprint()
+        return fp if not self.conditioning else stable_digest({"config": fp, "conditioning": self.conditioning})
+
+    def rule_fingerprint(self) -> str:
+        """What a risk rule is calibrated for: the generation config without the request's conditioning."""
         return stable_digest(
             {
                 "arch": self.arch,
@@ -63,7 +76,7 @@ class GenConfig:
         )
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "arch": self.arch,
             "latent_shape": list(self.latent_shape),
             "steps": self.steps,
@@ -73,6 +86,9 @@ class GenConfig:
             "sigmas_digest": self.sigmas_digest,
             "probe_steps": self.probe_steps,
         }
+        if self.conditioning:
+            meta["conditioning"] = self.conditioning
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "GenConfig":
@@ -85,6 +101,7 @@ class GenConfig:
             cfg=float(meta["cfg"]),
             sigmas_digest=str(meta["sigmas_digest"]),
             probe_steps=int(meta["probe_steps"]),
+            conditioning=str(meta.get("conditioning", "")),
         )
 
 
@@ -195,6 +212,7 @@ class Candidates:
     items: tuple[Candidate, ...]
     retrieval_ms: float = 0.0
     note: str = ""
+    answered: "ExactAnswer | None" = None  # an exact repeat answered before the probe: passed through, no recall
 
 
 @dataclass(frozen=True)
@@ -309,7 +327,26 @@ class Probe:
     sigmas: tuple[float, ...] = ()  # the full schedule
     timings: Mapping[str, float] = field(default_factory=dict)  # ms per stage
     note: str = ""
+    request_key: str = ""  # keys.request_key of the request ("" when it could not be digested)
+    answered: "ExactAnswer | None" = None  # set: an exact repeat, answered from the cache without running the model
 
     @property
     def probe_steps(self) -> int:
         return self.config.probe_steps
+
+
+@dataclass(frozen=True)
+class ExactAnswer:
+    """An exact repeat of a cached dense generation (same ``keys.request_key``), found before the probe.
+
+    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request would compute.
+    signature: the stored Early Signature (the Signature Builder passes it on instead of recomputing it).
+    """
+
+    entry_id: str
+    request_key: str
+    namespace: str
+    prompt: str
+    latent: Any
+    signature: Signature
+    lookup_ms: float

@@ -10,6 +10,7 @@ CARNATOR_CACHE value is a small frozen handle.
 from __future__ import annotations
 
 import math
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ from ..carnator_core.cache import (
     CacheHandle,
     CachePathError,
     CacheUnavailableError,
-    EntryData,
     RedisConfigError,
     adoption_problem,
     is_redis_url,
@@ -27,7 +27,8 @@ from ..carnator_core.cache import (
     resolve_redis_url,
     roots_from_env,
 )
-from ..carnator_core.types import Signature, namespace_key
+from ..carnator_core.request import DEFAULT_MIN_SIMILARITY, DEFAULT_TOP_K, node_cache_report, recall, write_result
+from ..carnator_core.types import Probe, Signature
 from ._api import CACHE, CANDIDATES, PROBE, REPORT, SIGNATURE, io, ui
 from ._common import advanced
 
@@ -177,21 +178,19 @@ class CarnatorCacheRetriever(io.ComfyNode):
             inputs=[
                 CACHE.Input("cache", tooltip="The cache to search (from Carnator Cache)."),
                 PROBE.Input("probe", tooltip="The probed request (from Carnator Early Probe)."),
-                advanced(io.Int.Input("k", default=5, min=1, max=64,
+                advanced(io.Int.Input("k", default=DEFAULT_TOP_K, min=1, max=64,
                                       tooltip="How many candidates to recall (top-K by prompt similarity).")),
-                advanced(io.Float.Input("min_similarity", default=0.0, min=-1.0, max=1.0, step=0.01,
+                advanced(io.Float.Input("min_similarity", default=DEFAULT_MIN_SIMILARITY, min=-1.0, max=1.0, step=0.01,
                                         tooltip="Drop candidates whose cosine prompt similarity is below this.")),
             ],
             outputs=[CANDIDATES.Output(display_name="candidates", tooltip="Top-K candidates for the Risk Filter.")],
         )
 
     @classmethod
-    def execute(cls, cache: CacheHandle, probe: Any, k: int = 5, min_similarity: float = 0.0) -> io.NodeOutput:
-        fp, config, _, _, emb = _probe_parts(probe)
-        store = open_store(_handle(cache))
-        found = store.candidates(namespace_key(fp, config), emb, int(k), min_similarity=float(min_similarity),
-                                 model_fingerprint=fp)
-        return io.NodeOutput(found)
+    def execute(cls, cache: CacheHandle, probe: Any, k: int = DEFAULT_TOP_K,
+                min_similarity: float = DEFAULT_MIN_SIMILARITY) -> io.NodeOutput:
+        _probe_parts(probe)
+        return io.NodeOutput(recall(open_store(_handle(cache)), _as_probe(probe), int(k), float(min_similarity)))
 
 
 class CarnatorCacheWriter(io.ComfyNode):
@@ -220,57 +219,62 @@ class CarnatorCacheWriter(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
+        # Always runs (a duplicate write is one indexed query): when ComfyUI's node cache answers a requeued
+        # identical graph, no other Carnator node runs, and this node is what puts the run's report into /history.
+        return float("nan")
+
+    @classmethod
     def execute(cls, cache: CacheHandle, probe: Any, signature: Signature, latent: dict, report: Any = None,
                 store_reused: bool = False) -> io.NodeOutput:
-        fp, config, prompt, seed, emb = _probe_parts(probe)
+        _probe_parts(probe)
         if not isinstance(signature, Signature):
             raise TypeError("the 'signature' input is not a Carnator signature: connect the CARNATOR_SIGNATURE output "
                             "of a Carnator Signature Builder node")
-        if report is not None and getattr(report, "decision", None) == "hit" and not store_reused:
-            text = ("not stored: this result reused cache entry "
-                    f"{getattr(report, 'entry_id', '?')} (enable store_reused to keep reused results too)")
-            return io.NodeOutput("", ui=ui.PreviewText(text))
-        if emb is None:
-            text = "not stored: the prompt could not be embedded for retrieval (see the probe's summary)"
-            return io.NodeOutput("", ui=ui.PreviewText(text))
         samples = latent.get("samples") if isinstance(latent, dict) else None
-        if samples is None or getattr(samples, "ndim", 0) != 5:
-            raise ValueError("latent must be a video LATENT with samples [B, C, T, H, W] (the sampler's output)")
-        final = samples[0].detach().cpu()
-        want = tuple(int(x) for x in config.latent_shape)
-        if tuple(final.shape) != want:
-            raise ValueError(f"the LATENT is {tuple(final.shape)} per item but the probe's config says {want}: connect "
-                             "the sampler output that belongs to this probe")
-        src = "CARNATOR_PROBE output of a Carnator Early Probe node"
-        tensors = {"latent_final": final,
-                   "latent_probe": _need(probe, "latent_probe", "probe", src),
-                   "x0_probe": _need(probe, "x0_probe", "probe", src)}
-        noise = getattr(probe, "noise", None)
-        if noise is not None:
-            tensors["noise"] = noise
-        meta: dict[str, Any] = {"batch_size": int(samples.shape[0])}
-        timings = getattr(probe, "timings", None)
-        if isinstance(timings, dict) or hasattr(timings, "items"):
-            meta["probe_timings_ms"] = {str(k): float(v) for k, v in dict(timings).items()}
-        block = None
-        if report is not None:
-            block = getattr(report, "block_structure", None)
-            to_meta = getattr(report, "to_meta", None)
-            if callable(to_meta):
-                meta["report"] = to_meta()
-        store = open_store(_handle(cache))
-        try:
-            entry_id, written = store.put_with_status(
-                EntryData(model_fingerprint=fp, config=config, prompt=prompt, seed=seed, embedding=emb,
-                          signature=signature, tensors=tensors, block_structure=block, meta=meta))
-        except CacheUnavailableError as e:  # the shared cache is down: the generation itself succeeded
-            return io.NodeOutput("", ui=ui.PreviewText(f"not stored: {e}"))
-        if written:
-            text = (f"stored entry {entry_id} in namespace {namespace_key(fp, config)}"
-                    + (" with attention block structure" if block else ""))
-        else:
-            text = f"already cached as entry {entry_id} (same prompt, seed, model and config)"
-        return io.NodeOutput(entry_id, ui=ui.PreviewText(text))
+        done = write_result(open_store(_handle(cache)), _as_probe(probe), signature, samples, report,
+                            store_reused=bool(store_reused))
+        served = None
+        if report is not None and _seen_before(report):
+            # The same report object again: ComfyUI's node cache served the sampler's output without running it.
+            served = node_cache_report(_as_probe(probe), report, done.entry_id).to_meta()
+        return io.NodeOutput(done.entry_id, ui=_WriterText(done.text, served))
+
+
+class _WriterText(ui.PreviewText):
+    """The Writer's preview text, plus the run's ``carnator_report`` when the node cache answered the graph."""
+
+    def __init__(self, value: str, report: dict | None = None) -> None:
+        super().__init__(value)
+        self.report = report
+
+    def as_dict(self) -> dict:
+        out = dict(super().as_dict())
+        if self.report is not None:
+            out["carnator_report"] = [self.report]
+        return out
+
+
+# Reports this process's Writers have seen, by identity (weak: nothing is kept alive). ComfyUI hands a cached
+# node output to the next prompt as the very same object, and a sampler run always makes a new report.
+_SEEN_REPORTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def _seen_before(report: Any) -> bool:
+    try:
+        if _SEEN_REPORTS.get(id(report)) is report:
+            return True
+        _SEEN_REPORTS[id(report)] = report
+    except TypeError:  # not weak-referenceable: cannot tell, report nothing extra
+        pass
+    return False
+
+
+def _as_probe(probe: Any) -> Probe:
+    if not isinstance(probe, Probe):
+        raise TypeError(f"the 'probe' input is a {type(probe).__name__}: connect the CARNATOR_PROBE output of a "
+                        "Carnator Early Probe node")
+    return probe
 
 
 def _handle(cache: Any) -> CacheHandle:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import comfy.samplers
 import comfy.utils
 
-from ..carnator_core.probe import ProbeConfig, ProbeConfigError, objects_for, run_probe
-from ._api import PROBE, TEXT_ENCODER, io
+from ..carnator_core.cache import CacheHandle, open_store
+from ..carnator_core.probe import ProbeConfig, ProbeConfigError
+from ..carnator_core.request import RequestSpec, probe_request
+from ._api import CACHE, PROBE, TEXT_ENCODER, io
 from ._common import advanced, parse_int_list
 
 
@@ -20,7 +22,9 @@ class CarnatorEarlyProbe(io.ComfyNode):
             category="Carnator",
             description="Runs the first steps of this request's real schedule and looks inside the model "
                         "(object cross-attention, x0 prediction). The Joint Reuse Sampler resumes from it, so "
-                        "the probe is never wasted.",
+                        "the probe is never wasted. With a cache connected, an exact repeat of a cached request "
+                        "(same model, settings, conditioning, seed and latent) is answered from the cache without "
+                        "running the model.",
             inputs=[
                 io.Model.Input("model", tooltip="Wan 2.1, Wan 2.2 TI2V, LTX-Video or the Carnator embedded model."),
                 io.Conditioning.Input("positive", tooltip="Positive text conditioning of the request."),
@@ -45,6 +49,9 @@ class CarnatorEarlyProbe(io.ComfyNode):
                                       "positions. Without it objects cannot be located."),
                 TEXT_ENCODER.Input("text_encoder", optional=True,
                                    tooltip="For the Carnator embedded model: its text encoder (instead of a CLIP)."),
+                CACHE.Input("cache", optional=True,
+                            tooltip="Optional Carnator Cache: an exact repeat of a cached dense generation is "
+                                    "answered from it before the probe, with no model call."),
                 io.String.Input("objects", default="", optional=True,
                                 tooltip="Optional override: comma-separated objects (e.g. 'red ball, cube'). "
                                         "Empty = extract nouns from the prompt."),
@@ -81,16 +88,23 @@ class CarnatorEarlyProbe(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler,
                 probe_steps, prompt, clip=None, text_encoder=None, objects="", probe_fraction=0.2, probe_sigma=0.0,
-                capture_layers="", denoise=1.0) -> io.NodeOutput:
+                capture_layers="", denoise=1.0, cache=None) -> io.NodeOutput:
         config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction, probe_sigma=probe_sigma,
                              layers=parse_int_list(capture_layers, "capture_layers"))
-        found, source = objects_for(prompt, clip if clip is not None else text_encoder, objects or None)
+        if cache is not None and not isinstance(cache, CacheHandle):
+            raise TypeError("the 'cache' input is not a Carnator cache: connect the output of a Carnator Cache node")
+        spec = RequestSpec(prompt=prompt, seed=seed, steps=steps, cfg=cfg, sampler=sampler_name, scheduler=scheduler,
+                           objects=objects or None, denoise=denoise)
         # The probe is the start of the generation: its bar counts the request's steps (the sampler finishes it).
         pbar = comfy.utils.ProgressBar(steps)
-        probe = run_probe(model, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
-                          sampler_name=sampler_name, scheduler=scheduler, prompt=prompt, objects=found,
-                          object_source=source, config=config, denoise=denoise,
-                          progress=lambda i: pbar.update_absolute(i + 1, steps))
+        probe = probe_request(model, positive, negative, latent_image, spec, config,
+                              clip if clip is not None else text_encoder,
+                              store=open_store(cache) if cache is not None else None,
+                              progress=lambda i: pbar.update_absolute(i + 1, steps))
+        if probe.answered is not None:
+            pbar.update_absolute(steps, steps)
+            return io.NodeOutput(probe, probe.note)
+        source = probe.object_source
         k = probe.probe_steps
         names = ", ".join(f"{o.name}({len(o.positions)} tok)" for o in probe.objects) or "none"
         summary = (f"probe {k}/{steps} steps on {probe.arch} in {probe.timings['probe_ms']:.0f} ms; "

@@ -16,6 +16,7 @@ from typing import Any
 import folder_paths
 
 from ..carnator_core.paths import PathNotAllowedError, resolve_confined
+from ..carnator_core.request import exact_decision
 from ..carnator_core.risk.filter import MODES, decide_with_rule_file
 from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
 from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError
@@ -134,6 +135,9 @@ class CarnatorRiskFilter(io.ComfyNode):
         signature: Any = None,
         probe: Any = None,
     ) -> io.NodeOutput:
+        exact = exact_decision(candidates)  # an exact repeat answered before the probe: nothing to filter
+        if exact is not None:
+            return io.NodeOutput(exact, exact.summary)
         decision = decide_with_rule_file(
             signature,
             candidates,

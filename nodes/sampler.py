@@ -6,7 +6,8 @@ import logging
 import comfy.utils
 
 from ..carnator_core.cache.handle import open_store
-from ..carnator_core.reuse import MODES, ReuseConfig, sample
+from ..carnator_core.request import reuse_stage
+from ..carnator_core.reuse import MODES, ReuseConfig
 from ._api import CACHE, DECISION, PROBE, REPORT, SIGNATURE, io
 from ._common import advanced
 
@@ -65,16 +66,14 @@ class CarnatorJointReuseSampler(io.ComfyNode):
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              x0_threshold=x0_threshold, dilation=dilation, block_size=block_size,
                              record_mass=record_mass).validate()
-        cached = None
-        if decision is not None and decision.accepted and mode != "dense":
-            if cache is None:
-                raise ValueError("the decision accepted a cache entry but no cache is connected to the sampler")
-            cached = open_store(cache).load(decision.candidate.entry_id).cached_run()
         total = probe.config.steps
         pbar = comfy.utils.ProgressBar(total)
-        samples, report = sample(model, positive, negative, latent_image, probe, decision, cached, config,
-                                 target_signature=signature, progress=lambda i: pbar.update_absolute(i + 1, total),
-                                 upstream_ms={"filter": decision.filter_ms} if decision is not None else None)
+        samples, report = reuse_stage(model, positive, negative, latent_image, probe, decision,
+                                      open_store(cache) if cache is not None else None, config, signature=signature,
+                                      progress=lambda i: pbar.update_absolute(i + 1, total),
+                                      upstream_ms={"filter": decision.filter_ms} if decision is not None else None)
+        if probe.answered is not None:
+            pbar.update_absolute(total, total)
         log.info("carnator request: %s", report.summary())
         out = latent_image.copy()
         out["samples"] = samples

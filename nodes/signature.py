@@ -1,7 +1,8 @@
 """Carnator Signature Builder node: Early Probe -> Early Signature (thin: validate, build config, one core call)."""
 from __future__ import annotations
 
-from ..carnator_core.signature import SignatureConfig, build_signature_timed, summarize
+from ..carnator_core.request import signature_stage
+from ..carnator_core.signature import SignatureConfig, summarize
 from ..carnator_core.types import Probe
 from ._api import PROBE, SIGNATURE, io
 from ._common import advanced
@@ -70,7 +71,9 @@ class CarnatorSignatureBuilder(io.ComfyNode):
                                  smooth_sigma_t=float(smooth_sigma_t), smooth_sigma_hw=float(smooth_sigma_hw),
                                  context_dilation=int(context_dilation),
                                  context_grid=(int(context_rows), int(context_cols)))
-        signature, ms = build_signature_timed(probe, config)
+        signature, ms = signature_stage(probe, config)
+        if probe.answered is not None:
+            return io.NodeOutput(signature, f"exact repeat: the stored signature of entry {probe.answered.entry_id}")
         return io.NodeOutput(signature, summarize(signature, build_ms=ms))
 
 

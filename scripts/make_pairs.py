@@ -207,6 +207,7 @@ def _run_phase(args: dict, phase: str, n: int, threads: int) -> None:
 def merge(args: dict, command: str) -> tuple[int, int, int]:
     """Merge the part files into --out (queries in order). Returns (requests, pairs, unsafe pairs)."""
     from carnator.carnator_core.lab import pairs
+    from carnator.carnator_core.request import DEFAULT_MIN_SIMILARITY
 
     work = Path(args["work"])
     _warm, queries = _requests(args)
@@ -241,6 +242,7 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
         "seeds": {"world": args["seed"], "warm_rng": [args["seed"], 0], "query_rng": [args["seed"], 1]},
         "generator": command,
         "top_k": args["top_k"],
+        "min_similarity": DEFAULT_MIN_SIMILARITY,  # pairs.embedded_context recalls with ServeOptions' default
         "label_missing": args["label_missing"],
         "reuse_mode": args["reuse_mode"],
         "requests_labelled": len(by_req),

@@ -404,6 +404,7 @@ def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: s
                                                             "allow_uncertified": False},
                          {"candidates": candidates, "signature": signature, "probe": probe})
         sampler_links.update(decision=decision, cache=cache)
+        g.nodes[probe.node - 1].links["cache"] = cache  # exact repeats are answered before the probe
         nodes += [candidates, decision]
     sampler = g.add("CarnatorJointReuseSampler", (X4, 0), {"mode": "joint" if reuse else "dense"}, sampler_links,
                     color="#223", bgcolor="#335")

@@ -192,15 +192,16 @@ def test_warm_then_hit_badge_and_cache_panel(page: Any, server: ComfyServer, ui:
     assert report["decision"] == "dense", report
     page.screenshot(path=str(out / "warm_cache.png"))
 
-    # 2. The same request through the full reuse path: a HIT, with per-axis verdicts on the badge.
+    # 2. The same request through the full reuse path: the workflow connects the cache to the Early Probe, so the
+    #    identical request is answered before the probe, from the stored result, with no model call.
     prompt = open_workflow(page, "embedded")
     assert executable(prompt) == api_file("embedded")
     report = run_and_wait_for_badge(page, server)
     assert report["decision"] == "hit", f"identical request not reused: {json.dumps(report)[:2000]}"
+    assert report["mode"] == "exact" and report["model_calls"] == 0, report
     lines = page.evaluate(f"() => window.carnator.badgeLines({SAMPLER_JS}.carnatorReport).lines.map(l => l.text)")
-    assert lines[0].startswith("HIT"), lines
-    assert any(t.startswith("✓ shape") for t in lines), lines
-    assert any(t.startswith("active ") for t in lines) and any(t.startswith("saved ") for t in lines)
+    assert lines[0] == "HIT · exact repeat (no model call)", lines
+    assert any(t.startswith("entry ") for t in lines) and any(t.startswith("saved 100%") for t in lines), lines
 
     # The badge on screen: one per sampler, showing exactly those lines, inside the node, painted in hit colours.
     node_box = focus_sampler(page)

@@ -382,10 +382,12 @@ def test_embedded_identical_request_is_a_hit(embedded_runs: dict[str, Any], serv
     (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
     (report,) = sampler["carnator_report"]
     assert report["decision"] == "hit", f"identical request not reused: {json.dumps(report)[:2000]}"
+    # The workflow connects the cache to the Early Probe: an identical request is answered before the probe,
+    # from the stored dense result, with no model call (the filter passes the exact answer through).
+    assert report["mode"] == "exact" and report["model_calls"] == 0 and report["saving"] == 1.0, report
     verdict = next(v for v in report["verdicts"] if v["entry_id"] == report["entry_id"])
-    assert verdict["accepted"] and all(c["passed"] for c in verdict["checks"])
-    assert {c["axis"] for c in verdict["checks"]} >= {"context", "size", "shape", "appearance"}
-    assert 0.0 <= report["saving"] <= 1.0 and report["timings_ms"]["total"] > 0
+    assert verdict["accepted"] and "exact repeat" in verdict["reason"]
+    assert report["timings_ms"]["total"] > 0
     log = server.log_path.read_text(errors="replace")
     assert len(re.findall(r"carnator request: ", log)) >= 2, "one log line per request expected"
 

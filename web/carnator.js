@@ -25,9 +25,13 @@ const BADGE_PAD = 6; // px, inside the badge's border
 
 // What a decision looks like. A new decision in the report is one entry here (unknown ones show their own name in
 // the neutral colours).
+// An exact repeat is answered from the cache before the probe (mode "exact"), or by ComfyUI's own node cache when
+// an identical graph is requeued (mode "node_cache", reported by the Cache Writer): the stored result, no model call.
+const isExact = (r) => r?.decision === "hit" && (r.mode === "exact" || r.mode === "node_cache");
+
 const KINDS = {
   hit: {
-    headline: (r) => `HIT · ${r.mode || "joint"} reuse`,
+    headline: (r) => (isExact(r) ? "HIT · exact repeat (no model call)" : `HIT · ${r.mode || "joint"} reuse`),
     colors: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
   },
   miss: {
@@ -101,6 +105,7 @@ export function kindOf(report) {
 // A line is {text, color?}. To show a new report field, add an entry.
 const BODY = [
   (r, { kind, verdict }) => {
+    if (r.mode === "node_cache") return { text: "ComfyUI node cache · stored result" };
     if (!verdict) return kind === "dense" ? null : { text: "no cached candidate" };
     const sim = typeof verdict.similarity === "number" ? ` · sim ${num(verdict.similarity)}` : "";
     return { text: `${kind === "hit" ? "entry" : "closest"} ${shortId(verdict.entry_id)}${sim}` };
@@ -113,7 +118,9 @@ const BODY = [
   (r, { verdict }) =>
     verdict && !verdict.accepted && verdict.reason && !(verdict.checks || []).length ? note(verdict.reason) : null,
   (r, { kind }) =>
-    kind === "hit" ? { text: `active ${pct(r.active_fraction)} · blocks ${pct(r.block_density)}` } : null,
+    kind === "hit" && !isExact(r)
+      ? { text: `active ${pct(r.active_fraction)} · blocks ${pct(r.block_density)}` }
+      : null,
   (r) => ({ text: `saved ${pct(r.saving)} of dense compute · ${seconds((r.timings_ms || {}).total)}` }),
   (r, { kind }) => (kind === "miss" && r.reason ? note(r.reason) : null),
 ];

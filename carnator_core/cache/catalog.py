@@ -43,8 +43,10 @@ SCHEMA = (
     "CREATE TABLE entries(seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, namespace TEXT NOT NULL,"
     " prompt TEXT NOT NULL, prompt_digest TEXT NOT NULL, seed TEXT NOT NULL, nbytes INTEGER NOT NULL,"
     " meta_digest TEXT NOT NULL, work REAL NOT NULL, priority REAL NOT NULL, created REAL NOT NULL,"
-    " last_access REAL NOT NULL, hits INTEGER NOT NULL, UNIQUE(namespace, prompt_digest, seed))",
+    " last_access REAL NOT NULL, hits INTEGER NOT NULL, request_key TEXT NOT NULL DEFAULT '',"
+    " UNIQUE(namespace, prompt_digest, seed, request_key))",
     "CREATE INDEX entries_namespace ON entries(namespace)",
+    "CREATE INDEX entries_request_key ON entries(request_key)",
     "CREATE INDEX entries_priority ON entries(priority)",
     "CREATE INDEX entries_last_access ON entries(last_access)",
     "CREATE TABLE embeddings(seq INTEGER PRIMARY KEY, vec BLOB NOT NULL)",
@@ -170,15 +172,17 @@ def ensure_namespace(c: sqlite3.Connection, ns: str, model_fp: str, config: GenC
 
 
 def insert_row(c: sqlite3.Connection, entry_id: str, ns: str, prompt: str, prompt_digest: str, seed: int,
-               nbytes: int, meta_digest: str, work: float, emb: np.ndarray, created: float) -> int:
+               nbytes: int, meta_digest: str, work: float, emb: np.ndarray, created: float,
+               request_key: str = "") -> int:
     """Insert one entry (row, embedding, change-log record); returns its seq. Raises sqlite3.IntegrityError for
-    an id or (namespace, prompt, seed) that is already there."""
+    an id or (namespace, prompt, seed, request key) that is already there."""
     inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
     cur = c.execute(
         "INSERT INTO entries(id, namespace, prompt, prompt_digest, seed, nbytes, meta_digest, work, priority,"
-        " created, last_access, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, carnator_priority(?, 0, ?, ?), ?, ?, 0)",
+        " created, last_access, hits, request_key)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, carnator_priority(?, 0, ?, ?), ?, ?, 0, ?)",
         (entry_id, ns, prompt, prompt_digest, str(seed), nbytes, meta_digest, work, inflation, work, nbytes, created,
-         created))
+         created, request_key))
     seq = int(cur.lastrowid)
     c.execute("INSERT INTO embeddings(seq, vec) VALUES (?, ?)", (seq, np.ascontiguousarray(emb, np.float32).tobytes()))
     log_changes(c, ns, [("add", seq)])

@@ -81,6 +81,8 @@ class EntryData:
                (names: letters, digits, ``_ . -``; not starting with "sig." / "blocks.", not "embedding").
     block_structure: recorded attention block structure of the dense run, if any.
     meta:      JSON-able extra metadata (e.g. the run report).
+    request_key: ``keys.request_key`` of the request whose *dense* output ``tensors["latent_final"]`` is ("" when
+               unknown or when the result came from reuse): ``Store.find_request`` answers exact repeats by it.
     """
 
     model_fingerprint: str
@@ -93,8 +95,11 @@ class EntryData:
     block_structure: BlockStructure | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     namespace: str = ""
+    request_key: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.request_key, str) or not REQUEST_KEY_RE.match(self.request_key):
+            raise ValueError("EntryData.request_key must be '' or 16-64 lowercase hex digits (keys.request_key)")
         if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
             raise ValueError("EntryData.model_fingerprint must be a non-empty string")
         if not isinstance(self.config, GenConfig):
@@ -263,6 +268,7 @@ def encode_entry(data: EntryData, *, entry_id: str, created: float) -> EncodedEn
         "model_fingerprint": data.model_fingerprint, "config": data.config.to_meta(), "prompt": data.prompt,
         "seed": int(data.seed), "created": float(created), "dim": int(emb.shape[0]),
         "signature": data.signature.to_meta(), "block_structure": block_meta, "meta": _jsonable(dict(data.meta)),
+        "request_key": data.request_key,
         "tensors": {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "sha256": _sha256(t)}
                     for k, t in tensors.items()},
     }
@@ -437,7 +443,19 @@ def read_entry_parts(path: Path, names: tuple[str, ...] | None, prefix: str = ""
     return meta, meta_json, out
 
 
+
+# An exact-request key as stored (``keys.request_key``): hex, or "" for none.
+REQUEST_KEY_RE = re.compile(r"^(|[0-9a-f]{16,64})$")
+
+
+def adopted_request_key(meta: Mapping[str, Any]) -> str:
+    """The request key an entry file carries ("" for files written before keys existed, or a malformed one)."""
+    key = meta.get("request_key", "")
+    return key if isinstance(key, str) and REQUEST_KEY_RE.match(key) else ""
+
+
 __all__ = [
+    "REQUEST_KEY_RE", "adopted_request_key",
     "DecodedEntry", "ENTRY_FORMAT", "ENTRY_VERSION", "EncodedEntry", "Entry", "EntryData", "check_meta",
     "decode_entry", "encode_entry", "meta_digest_of", "read_entry_parts", "signature_from", "signature_tensors",
     "valid_entry_id", "valid_namespace",

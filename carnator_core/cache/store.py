@@ -45,6 +45,9 @@ Contracts
   from the change log (per-namespace generation counter + a token that changes on purge / rebuild).
 * **Capacity.** ``max_bytes`` bounds the total size of entry files; after each write the lowest-value entries
   are evicted (``policy.py``: ``lcbfu`` by default, or ``lru``). An entry larger than the whole budget is refused.
+* **Exact repeats.** An entry may carry the ``keys.request_key`` of the request whose dense output it holds
+  (column ``entries.request_key``, indexed; ``""`` = none); ``find_request(key)`` finds it in one query.
+  Duplicates are (namespace, prompt, seed, request key).
 * **Hits.** ``candidates()`` counts a lookup per request; ``load(count_hit=True)`` or ``record_hit()`` counts a
   reuse (call exactly one of them per reuse). Hit rate = hits / lookups per namespace.
 """
@@ -75,9 +78,11 @@ from ..types import Candidate, Candidates, GenConfig, Signature, namespace_key
 from . import catalog
 from .catalog import CATALOG, SIDE_FILES, STORE_FORMAT, STORE_VERSION
 from .entry import (
+    REQUEST_KEY_RE,
     DecodedEntry,
     Entry,
     EntryData,
+    adopted_request_key,
     check_meta,
     decode_entry,
     encode_entry,
@@ -578,7 +583,7 @@ class Store:
             catalog.insert_row(c, entry_id, ns, prompt, _digest(prompt), int(meta["seed"]), nbytes,
                                _digest(meta_json),
                                work_of(config.steps, config.probe_steps, config.latent_shape), emb,
-                               float(meta.get("created", time.time())))
+                               float(meta.get("created", time.time())), request_key=adopted_request_key(meta))
         except (NamespaceMismatchError, sqlite3.IntegrityError) as e:
             c.execute("ROLLBACK TO adopt")
             c.execute("RELEASE adopt")
@@ -709,7 +714,7 @@ class Store:
         self._ns_dir(ns)
         prompt_digest = _digest(data.prompt)
         seed = int(data.seed)
-        existing = self._find_duplicate(ns, prompt_digest, seed)
+        existing = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
         if existing:
             return existing, False
         entry_id = secrets.token_hex(8)
@@ -728,10 +733,10 @@ class Store:
                 catalog.ensure_namespace(c, ns, data.model_fingerprint, data.config, int(enc.embedding.shape[0]))
                 catalog.insert_row(c, entry_id, ns, data.prompt, prompt_digest, seed, len(enc.blob), enc.meta_digest,
                                    work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape),
-                                   enc.embedding, now)
+                                   enc.embedding, now, request_key=data.request_key)
         except sqlite3.IntegrityError:
             final.unlink(missing_ok=True)  # another process stored the same request first
-            dup = self._find_duplicate(ns, prompt_digest, seed)
+            dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
             if dup:
                 return dup, False
             raise
@@ -747,10 +752,21 @@ class Store:
                         entry_id, e)
         return entry_id, True
 
-    def _find_duplicate(self, ns: str, prompt_digest: str, seed: int) -> str | None:
+    def _find_duplicate(self, ns: str, prompt_digest: str, seed: int, request_key: str = "") -> str | None:
         with self._read() as c:
-            row = c.execute("SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=?",
-                            (ns, prompt_digest, str(seed))).fetchone()
+            row = c.execute("SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=? AND request_key=?",
+                            (ns, prompt_digest, str(seed), request_key)).fetchone()
+        return row[0] if row else None
+
+    @_public
+    def find_request(self, request_key: str) -> str | None:
+        """The id of the entry holding the dense output of exactly this request (``EntryData.request_key``), or
+        None. One indexed query; counts nothing (the caller loads the entry and counts the hit)."""
+        if not isinstance(request_key, str) or not request_key or not REQUEST_KEY_RE.match(request_key):
+            return None
+        with self._read() as c:
+            row = c.execute("SELECT id FROM entries WHERE request_key=? ORDER BY seq DESC LIMIT 1",
+                            (request_key,)).fetchone()
         return row[0] if row else None
 
     # ------------------------------------------------------------------ deletes / eviction / purge

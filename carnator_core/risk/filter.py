@@ -63,6 +63,32 @@ def _signature_mode(
     return best, verdicts
 
 
+def _within_recall(
+    target: Signature, items: Sequence[Candidate], rule: RiskRule
+) -> tuple[int | None, list[CandidateVerdict]]:
+    """``_signature_mode`` over the candidates the rule was certified on: the top ``rule.recall_k`` by similarity
+    that reach ``rule.recall_min_similarity`` (a rule that records no recall considers all). Others are rejected
+    with the reason; verdicts stay in recall order."""
+    k, floor = getattr(rule, "recall_k", None), getattr(rule, "recall_min_similarity", None)
+    rejected: dict[int, str] = {}
+    kept: list[int] = []
+    for i in sorted(range(len(items)), key=lambda j: -float(items[j].similarity)):
+        sim = float(items[i].similarity)
+        if floor is not None and sim < floor:
+            rejected[i] = (f"rejected: similarity {sim:.4f} is below the rule's recall minimum {floor:.4f} (the "
+                           "rule was certified on that recall)")
+        elif k is not None and len(kept) >= k:
+            rejected[i] = f"rejected: outside the rule's recall top-{k} (the rule was certified on that recall)"
+        else:
+            kept.append(i)
+    kept.sort()
+    best_sub, sub = _signature_mode(target, [items[i] for i in kept], rule)
+    by_index = dict(zip(kept, sub))
+    verdicts = [by_index[i] if i in by_index else
+                CandidateVerdict(c.entry_id, float(c.similarity), False, rejected[i]) for i, c in enumerate(items)]
+    return (kept[best_sub] if best_sub is not None else None), verdicts
+
+
 def _prompt_mode(items: Sequence[Candidate], threshold: float) -> tuple[int | None, list[CandidateVerdict]]:
     top = select_best((i, c.similarity, 0.0, c.entry_id) for i, c in enumerate(items))
     verdicts = []
@@ -137,7 +163,7 @@ def decide(
                 "the candidates carry no cache namespace; connect the probe to the Risk Filter"
             )
         rule_id = rule.rule_id
-        best, verdicts = _signature_mode(target, items, rule)
+        best, verdicts = _within_recall(target, items, rule)
     elif mode == "prompt_only":
         best, verdicts = _prompt_mode(items, float(prompt_threshold))
     else:
@@ -199,7 +225,9 @@ def probe_fingerprints(probe: Any) -> tuple[str, str]:
             f"the probe input ({type(probe).__name__}) lacks model_fingerprint/config.fingerprint(); connect the "
             "output of 'Carnator Early Probe' (CARNATOR_PROBE)"
         )
-    return model_fp, str(config.fingerprint())
+    # A rule is calibrated for a model and generation config, across prompts and start images: compare the config
+    # without the request's own conditioning digest (GenConfig.rule_fingerprint) when the config has one.
+    return model_fp, str(getattr(config, "rule_fingerprint", config.fingerprint)())
 
 
 def decide_with_rule_file(

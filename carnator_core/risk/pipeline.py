@@ -220,8 +220,19 @@ def calibrate_rule(
         calibration=cal.to_dict(),
         provenance=prov,
         comparison=comparison,
+        **_recall_from(header),
     )
     return rule, cal
+
+
+def _recall_from(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The recall the pairs were made with, from the header (``top_k``; ``min_similarity``, which files written
+    before it was recorded did not carry: their recall had no floor, -1). Nothing when ``top_k`` is absent."""
+    k = header.get("top_k")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return {}
+    floor = header.get("min_similarity", -1.0)
+    return {"recall_k": k, "recall_min_similarity": None if floor is None else float(floor)}
 
 
 def _file_digest(path: Path) -> str:

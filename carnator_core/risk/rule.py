@@ -8,6 +8,7 @@ for an experiment. The file format is documented in rules/README.md and docs/CAL
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -56,6 +57,10 @@ class RiskRule:
     calibration:        calibration-split outcome and search settings (certify.Calibration.to_dict()).
     provenance:         dataset, seeds, split sizes, date, command, definition of "unsafe".
     comparison:         optional extra measurements (e.g. the prompt-only baseline on the same splits).
+    recall_k / recall_min_similarity: the recall the pairs were made with (top-K candidates of at least that
+                        prompt similarity). The certificate holds for decisions among those candidates, so the
+                        filter only considers them and ``request.serve`` recalls exactly them; None = not recorded
+                        (rules made before recall was recorded).
     """
 
     thresholds: Thresholds
@@ -67,6 +72,8 @@ class RiskRule:
     calibration: Mapping[str, Any] = field(default_factory=dict)
     provenance: Mapping[str, Any] = field(default_factory=dict)
     comparison: Mapping[str, Any] = field(default_factory=dict)
+    recall_k: int | None = None
+    recall_min_similarity: float | None = None
     source: str = field(default="", compare=False)  # the file it was loaded from (not serialised)
 
     # ------------------------------------------------------------------ identity and applicability
@@ -134,7 +141,7 @@ class RiskRule:
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": RULE_FORMAT,
             "schema_version": SCHEMA_VERSION,
             "thresholds": self.thresholds.to_dict(),
@@ -145,6 +152,9 @@ class RiskRule:
             "provenance": dict(self.provenance),
             "comparison": dict(self.comparison),
         }
+        if self.recall_k is not None:  # absent in older rules: their content (and rule_id) stays the same
+            out["recall"] = {"k": int(self.recall_k), "min_similarity": self.recall_min_similarity}
+        return out
 
     def save(self, path: str | Path) -> Path:
         """Write the rule as JSON (atomically: a reader never sees half a file)."""
@@ -194,6 +204,15 @@ class RiskRule:
         meta = config.get("meta", {})
         if not isinstance(meta, dict):
             raise bad("config.meta must be an object")
+        recall = data.get("recall")
+        recall_k = recall_min = None
+        if recall is not None:
+            k, m = (recall.get("k"), recall.get("min_similarity")) if isinstance(recall, dict) else (None, None)
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise bad(f"recall.k must be an integer ≥ 1, got {k!r}")
+            if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
+                raise bad(f"recall.min_similarity must be a number or null, got {m!r}")
+            recall_k, recall_min = k, (None if m is None else float(m))
         rule = cls(
             thresholds=thresholds,
             certificate=cert,
@@ -204,6 +223,8 @@ class RiskRule:
             calibration=data.get("calibration", {}),
             provenance=data.get("provenance", {}),
             comparison=data.get("comparison", {}),
+            recall_k=recall_k,
+            recall_min_similarity=recall_min,
             source=source,
         )
         if not allow_uncertified:

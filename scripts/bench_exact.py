@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""An exact repeat answered from the cache vs dense generation, on the embedded model (default config).
+
+    .host/venv/bin/python scripts/bench_exact.py [--repeats 8] [--threads 2]
+
+One process, side by side in rotating order, medians of ``--repeats`` runs of one request (default steps, cfg,
+sampler), whose dense result was cached once beforehand:
+
+* ``ksampler``  ``comfy.sample.sample`` as ComfyUI's KSampler calls it — the dense sampler, the bar.
+* ``exact``     what the Early Probe + Joint Reuse Sampler nodes run on an exact repeat: the request key (model
+                fingerprint, model options, sigma schedule, conditioning and latent digests), the indexed
+                lookup, loading and verifying the entry (checksums), and returning the stored latent
+                (``request.probe_request`` with the cache + ``request.reuse_stage``).
+* ``serve``     ``request.serve(method="carnator")`` end to end on the same exact repeat (signature, recall and
+                filter pass the answer through).
+
+Checks on every run that the exact answer is bit-identical to the KSampler latent and made no model call, and
+prints medians and the speedup ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    conftest.ensure_comfy_importable()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import comfy.sample
+
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.embedded import comfy_glue, config as ecfg
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, ServeOptions, probe_request, reuse_stage, serve
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    model, te, _dec = comfy_glue.load_embedded()
+    steps, cfg, seed = ecfg.DEFAULT_STEPS, float(ecfg.DEFAULT_CFG), 42
+    prompt = "a big red ball moves to the right in the top left, on green grass"
+    pos, neg = te.encode(prompt), te.encode("")
+    latent = comfy_glue.empty_latent(1)
+    tmp = Path(tempfile.mkdtemp(prefix="carnator-exact-"))
+    store = Store.open(tmp / "store", key_path=tmp / "key")
+    spec = RequestSpec(prompt, seed, steps, cfg, ecfg.DEFAULT_SAMPLER, ecfg.DEFAULT_SCHEDULER)
+    options = ServeOptions(method="carnator", probe=ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP))
+    first = serve(model, te, pos, neg, latent, spec, store, ServeOptions(method="never", write=True,
+                                                                         probe=options.probe))
+    assert first.entry_id and not first.exact, "the first run must compute and store the dense result"
+
+    calls = []
+    dm = model.model.diffusion_model
+    forward = dm.forward
+
+    def counting(*a, **k):
+        calls.append(1)
+        return forward(*a, **k)
+
+    dm.forward = counting
+    ref = {}
+
+    def ksampler() -> None:
+        lat = latent["samples"]
+        noise = comfy.sample.prepare_noise(lat, seed)
+        ref["samples"] = comfy.sample.sample(model, noise, steps, cfg, ecfg.DEFAULT_SAMPLER, ecfg.DEFAULT_SCHEDULER,
+                                             pos, neg, lat, disable_pbar=True, seed=seed)
+
+    def exact() -> None:
+        n = len(calls)
+        probe = probe_request(model, pos, neg, latent, spec, options.probe, te, store=store)
+        samples, report = reuse_stage(model, pos, neg, latent, probe, None, store, ReuseConfig(mode="joint"))
+        assert probe.answered is not None and report.mode == "exact" and len(calls) == n
+        ref["exact"] = samples
+
+    def end_to_end() -> None:
+        n = len(calls)
+        res = serve(model, te, pos, neg, latent, spec, store, options)
+        assert res.exact and len(calls) == n
+        ref["serve"] = res.latent["samples"]
+
+    variants = {"ksampler": ksampler, "exact": exact, "serve": end_to_end}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm-up (imports, allocator)
+        fn()
+    for r in range(args.repeats):
+        order = list(variants)[r % 3:] + list(variants)[: r % 3]
+        for name in order:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+        assert torch.equal(ref["exact"], ref["samples"]) and torch.equal(ref["serve"], ref["samples"])
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    out = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
+                   f"{args.threads} threads",
+        "steps": steps, "repeats": args.repeats, "median_ms": med,
+        "speedup_exact_vs_ksampler": med["ksampler"] / med["exact"],
+        "speedup_serve_vs_ksampler": med["ksampler"] / med["serve"],
+        "bit_identical": True, "model_calls_on_exact": 0,
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""What is certified is what runs: the node graph queued through POST /prompt on a real ComfyUI server and
+``request.serve`` (what calibration drives) reach the same decisions and outputs on the same request stream.
+
+Stream (embedded model, 8 steps, probe 2, prompt-only filter at 0.95 so that decisions do not depend on a rule
+calibrated for another config): a first request (miss, dense, written), the same prompt with another seed
+(recalled and reused), another scene (miss or hit — whatever the stage functions decide, both sides must agree),
+and the first request again (an exact repeat). The server runs with ``--cache-none`` so every request executes.
+The final latents come back through ComfyUI's SaveLatent node.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from harness_server import ComfyServer
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.comfy]
+
+P1 = "a small red ball rolls to the right across green grass"
+P2 = "a big blue cube sits still in the center on a sandy beach"
+STREAM = [(P1, 7), (P1, 8), (P2, 7), (P1, 7)]
+STEPS, PROBE, THRESHOLD = 8, 2, 0.95
+
+
+def graph(prompt: str, seed: int, prefix: str) -> dict:
+    return {
+        "1": {"class_type": "CarnatorEmbeddedLoader", "inputs": {}},
+        "2": {"class_type": "CarnatorEmbeddedTextEncode", "inputs": {"text_encoder": ["1", 1], "text": prompt}},
+        "3": {"class_type": "CarnatorEmbeddedTextEncode", "inputs": {"text_encoder": ["1", 1], "text": ""}},
+        "4": {"class_type": "CarnatorEmbeddedEmptyLatent", "inputs": {"batch_size": 1}},
+        "10": {"class_type": "CarnatorCacheLoader", "inputs": {"directory": "parity"}},
+        "5": {"class_type": "CarnatorEarlyProbe", "inputs": {
+            "model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": seed,
+            "steps": STEPS, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple", "probe_steps": PROBE,
+            "prompt": prompt, "text_encoder": ["1", 1], "cache": ["10", 0]}},
+        "11": {"class_type": "CarnatorSignatureBuilder", "inputs": {"probe": ["5", 0]}},
+        "12": {"class_type": "CarnatorCacheRetriever", "inputs": {"cache": ["10", 0], "probe": ["5", 0]}},
+        "13": {"class_type": "CarnatorRiskFilter", "inputs": {
+            "signature": ["11", 0], "candidates": ["12", 0], "rule_file": "embedded.json", "mode": "prompt_only",
+            "prompt_threshold": THRESHOLD, "allow_uncertified": False, "probe": ["5", 0]}},
+        "6": {"class_type": "CarnatorJointReuseSampler", "inputs": {
+            "model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+            "probe": ["5", 0], "decision": ["13", 0], "signature": ["11", 0], "cache": ["10", 0], "mode": "joint"}},
+        "14": {"class_type": "CarnatorCacheWriter", "inputs": {
+            "cache": ["10", 0], "probe": ["5", 0], "signature": ["11", 0], "latent": ["6", 0], "report": ["6", 1]}},
+        "15": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"latents/{prefix}"}},
+    }
+
+
+def _outcome(report: dict, written: str | None, own_ids: dict[str, int]) -> tuple:
+    """What must agree: decision, mode, which request's entry was used (by stream position), compute."""
+    used = own_ids.get(report.get("entry_id") or "", None)
+    return (report["decision"], report["mode"], used, report["model_calls"], round(report["active_fraction"], 6))
+
+
+def test_node_graph_and_serve_reach_the_same_decisions_and_outputs(tmp_path, comfy_env):
+    from safetensors.torch import load_file
+
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.embedded import comfy_glue
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
+
+    base = tmp_path / "base"
+    server_out, server_ids = [], {}
+    with ComfyServer(base, extra_args=["--cache-none"]) as server:
+        for i, (prompt, seed) in enumerate(STREAM):
+            h, _ = server.run_prompt_ws(graph(prompt, seed, f"parity{i}"), timeout=900)
+            report = h["outputs"]["6"]["carnator_report"][0]
+            text = h["outputs"]["14"]["text"][0]
+            m = re.search(r"stored entry ([0-9a-f]{16})", text)
+            if m:
+                server_ids[m.group(1)] = i
+            latent = load_file(next((base / "output" / "latents").glob(f"parity{i}_*.latent")))["latent_tensor"]
+            server_out.append((report, latent))
+
+    model, te, _ = comfy_glue.load_embedded()
+    store = Store.open(tmp_path / "serve-cache", key_path=tmp_path / "key")
+    options = ServeOptions(method="prompt_only", prompt_threshold=THRESHOLD, probe=ProbeConfig(probe_steps=PROBE))
+    serve_out, serve_ids = [], {}
+    for i, (prompt, seed) in enumerate(STREAM):
+        res = serve(model, te, te.encode(prompt), te.encode(""), comfy_glue.empty_latent(1),
+                    RequestSpec(prompt, seed, STEPS, 5.0), store, options)
+        if res.entry_id and not res.exact and res.report.decision != "hit":
+            serve_ids[res.entry_id] = i
+        serve_out.append((res.report.to_meta(), res.latent["samples"]))
+
+    decisions = []
+    for i, ((srep, slat), (rrep, rlat)) in enumerate(zip(server_out, serve_out)):
+        a, b = _outcome(srep, None, server_ids), _outcome(rrep, None, serve_ids)
+        assert a == b, f"request {i} {STREAM[i]}: node graph {a} vs serve {b}"
+        assert torch.allclose(slat, rlat, atol=1e-4, rtol=1e-4), (i, float((slat - rlat).abs().max()))
+        decisions.append(a)
+    # The stream exercised every path: a dense miss, a reuse of request 0, an exact repeat of request 0.
+    assert decisions[0][0] == "miss" and decisions[1][:3] == ("hit", "joint", 0)
+    assert decisions[3][:4] == ("hit", "exact", 0, 0)
