@@ -234,6 +234,145 @@ def bench_flex_cpu(config: str, L: int, bs: int, density: float, repeats: int) -
             "eager_max_abs_diff": float((eager - ref).abs().max()), "results": res}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Structured (Sparse VideoGen-like) masks at Wan length: the hit-path kernel vs dense SDPA
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _block_tables(grid: tuple[int, int, int], bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block of ``bs`` raster-order tokens on a (T, H, W) grid: which frames, which rows (h) and which
+    columns (w) it covers, as float incidence tables [nb, T], [nb, H], [nb, W]."""
+    T, Hh, W = grid
+    L = T * Hh * W
+    nb = sa.n_blocks(L, bs)
+    p = torch.arange(L)
+    blk = p // bs
+    tabs = []
+    for coord, n in ((p // (Hh * W), T), ((p // W) % Hh, Hh), (p % W, W)):
+        t = torch.zeros(nb, n)
+        t[blk, coord] = 1.0
+        tabs.append(t)
+    return tabs[0], tabs[1], tabs[2]
+
+
+def _dilate(table: torch.Tensor, r: int) -> torch.Tensor:
+    if r <= 0:
+        return table
+    return (F.max_pool1d(table[None], 2 * r + 1, stride=1, padding=r)[0] > 0).float()
+
+
+def svg_head_keep(kind: str, grid: tuple[int, int, int], bs: int, radius: int, band: int) -> torch.Tensor:
+    """A block pattern [nb, nb] as Sparse VideoGen's head types, on raster-ordered video tokens.
+
+    ``spatial``: a query attends the tokens of its own frame and of ``radius`` frames either side (tokens of a
+    block that straddles frames: any of its frames). ``temporal``: a query attends the tokens of every frame whose
+    row lies within ``radius`` rows of its own (same spatial position across frames, widened). Both add a local
+    window of ``band`` blocks either side of the diagonal (which is always kept).
+    """
+    tf, th, _ = _block_tables(grid, bs)
+    if kind == "spatial":
+        keep = (_dilate(tf, radius) @ tf.T) > 0
+    elif kind == "temporal":
+        keep = (_dilate(th, radius) @ th.T) > 0
+    else:
+        raise ValueError(kind)
+    nb = keep.shape[0]
+    i = torch.arange(nb)
+    return keep | ((i[:, None] - i[None, :]).abs() <= band)
+
+
+def svg_keep(grid: tuple[int, int, int], bs: int, density: float, heads: int) -> tuple[torch.Tensor, list[dict]]:
+    """Per-head patterns [heads, nb, nb] alternating spatial / temporal heads, each the widest radius whose
+    density stays <= ``density`` plus the narrowest local band that reaches it."""
+    rows, meta = [], []
+    for h in range(heads):
+        kind = ("spatial", "temporal")[h % 2]
+        radius = 0
+        while float(svg_head_keep(kind, grid, bs, radius + 1, 0).float().mean()) <= density and radius < 64:
+            radius += 1
+        band = 0
+        keep = svg_head_keep(kind, grid, bs, radius, band)
+        while float(keep.float().mean()) < density and band < keep.shape[0]:
+            band += 1 if band < 8 else max(1, band // 4)
+            keep = svg_head_keep(kind, grid, bs, radius, band)
+        rows.append(keep)
+        meta.append({"kind": kind, "radius": radius, "band": band, "density": round(float(keep.float().mean()), 3)})
+    return torch.stack(rows), meta
+
+
+def bench_structured(L: int, heads: int, dim: int, densities, active: float, bs: int, repeats: int,
+                     old_gather: bool = True, masked_subset: bool = True) -> dict:
+    """32k-token attention with Sparse VideoGen-like per-head patterns: dense SDPA vs the token-set kernel
+    (``token_block_sparse_attention``, gather backend) over the whole sequence, and on a hit's token subset
+    (active box + 1-token margin; queries = keys = subset) vs the old hit path (SDPA with the [S, S] mask) and vs
+    unmasked SDPA among the subset. Round-robin rounds, medians; plans are built once (as per layer in a run)."""
+    grid = token_grid(L)
+    if grid[0] * grid[1] * grid[2] != L:
+        raise ValueError(f"no video grid for {L} tokens; use one of {sorted(k for k in (2048, 4096, 8192, 32760))}")
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(1, heads, L, dim, generator=g) for _ in range(3))
+    variants: dict[str, Callable[[], object]] = {"dense_sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
+    meta: dict[str, dict] = {"dense_sdpa": {"density": 1.0, "tokens": L}}
+    # The hit's subset: a centred box of `active` of every frame, dilated by one token in (t, h, w).
+    T, Hh, W = grid
+    box = torch.zeros(T, Hh, W, dtype=torch.bool)
+    box.view(-1)[active_index(grid, active)] = True
+    sub_mask = F.max_pool3d(box[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0
+    subset = sub_mask.reshape(-1).nonzero().squeeze(1)
+    S = int(subset.numel())
+    qs, ks, vs = (x[:, :, subset].contiguous() for x in (q, k, v))
+    variants["subset_sdpa_unmasked"] = lambda: F.scaled_dot_product_attention(qs, ks, vs)
+    meta["subset_sdpa_unmasked"] = {"density": 1.0, "tokens": S}
+    arange = torch.arange(L)
+    patterns, plans_ms, checks = {}, {}, {}
+    for d in densities:
+        keep, pmeta = svg_keep(grid, bs, d, heads)
+        patterns[f"{d:g}"] = pmeta
+        t0 = time.perf_counter()
+        plan = sa.plan_token_block_sparse(keep, bs, L, arange)
+        plans_ms[f"full@{d:g}"] = round((time.perf_counter() - t0) * 1e3, 1)
+        name = f"kernel_full@{d:g}"
+        variants[name] = lambda keep=keep, plan=plan: sa.token_block_sparse_attention(
+            q, k, v, keep, bs, L, arange, backend="gather", plan=plan)
+        meta[name] = {"density": round(plan.density, 4), "tokens": L, "sdpa_calls": plan.n_calls}
+        if old_gather:
+            oplan = sa.plan_block_sparse(keep, bs, L)
+            name = f"old_gather_full@{d:g}"
+            variants[name] = lambda keep=keep, oplan=oplan: sa.block_sparse_attention(
+                q, k, v, keep, bs, backend="gather", plan=oplan)
+            meta[name] = {"density": round(oplan.density, 4), "tokens": L}
+        t0 = time.perf_counter()
+        splan = sa.plan_token_block_sparse(keep, bs, L, subset)
+        plans_ms[f"subset@{d:g}"] = round((time.perf_counter() - t0) * 1e3, 1)
+        name = f"kernel_subset@{d:g}"
+        variants[name] = lambda keep=keep, splan=splan: sa.token_block_sparse_attention(
+            qs, ks, vs, keep, bs, L, subset, backend="gather", plan=splan)
+        meta[name] = {"density": round(splan.density, 4), "tokens": S, "sdpa_calls": splan.n_calls}
+        if masked_subset:
+            sb = subset // bs
+            mask = keep[:, sb[:, None], sb[None, :]][None]  # the old hit path's token-level mask, per head
+            name = f"old_masked_subset@{d:g}"
+            variants[name] = lambda mask=mask: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            meta[name] = {"density": round(float(mask.float().mean()), 4), "tokens": S,
+                          "mask_mb": round(mask.numel() / 2**20, 1)}
+            # The kernel equals the masked reference (float32 tolerance) on these inputs.
+            ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            out = sa.token_block_sparse_attention(qs, ks, vs, keep, bs, L, subset, plan=splan)
+            checks[f"subset@{d:g}_max_abs_vs_masked"] = float((out - ref).abs().max())
+            del ref, out
+    res = run_round_robin(variants, repeats)
+    dense_ms = res["dense_sdpa"]["median_ms"]
+    sub_ms = res["subset_sdpa_unmasked"]["median_ms"]
+    for name, r in res.items():
+        r.update(meta[name])
+        r["speedup_vs_dense"] = round(dense_ms / r["median_ms"], 2)
+        if "subset" in name:
+            r["speedup_vs_subset_unmasked"] = round(sub_ms / r["median_ms"], 2)
+    return {"tokens": L, "grid": list(grid), "heads": heads, "head_dim": dim, "block_size": bs,
+            "subset_tokens": S, "active": active, "patterns": patterns, "plan_build_ms": plans_ms,
+            "checks": checks, "results": res}
+
+
 def machine() -> dict:
     def sh(cmd: str) -> str:
         try:
