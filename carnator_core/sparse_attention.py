@@ -950,6 +950,9 @@ class TokenBlockPlan:
     kept_pairs: int = 0
     density: float = 1.0
     dense: bool = False
+    # Flex backend state, built on first use and kept with the plan (callers that hold a plan per layer then
+    # pay for the block mask once): (q sort permutation or None, k sort permutation or None, BlockMask).
+    flex: tuple | None = field(default=None, repr=False)
 
     @property
     def n_calls(self) -> int:
@@ -1251,24 +1254,32 @@ def token_block_sparse_attention(
     if backend == "flex":
         if not flex_available():
             raise RuntimeError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use 'gather'")
-        kp = q_pos if k_pos is None else k_pos
-        qperm, kperm = torch.argsort(q_pos.long(), stable=True), torch.argsort(kp.long(), stable=True)
-        q_sorted = bool((qperm == torch.arange(Lq, device=qperm.device)).all())
-        k_sorted = bool((kperm == torch.arange(Lk, device=kperm.device)).all())
-        qs = q if q_sorted else q.index_select(2, qperm.to(q.device))
-        ks, vs = (k, v) if k_sorted else (k.index_select(2, kperm.to(k.device)), v.index_select(2, kperm.to(k.device)))
-        if block_mask is None:
-            qsp, ksp = q_pos.long()[qperm], kp.long()[kperm]
-            block_mask = _cached_key(
-                ("token_flex", block_size, int(n_tokens), str(q.device), *_content_key(keep, qsp, ksp)),
-                lambda: build_token_flex_block_mask(keep, block_size, n_tokens, qsp, ksp, device=q.device),
-            )
+        if plan.flex is None:
+            plan.flex = _token_flex_setup(keep, block_size, n_tokens, q_pos, k_pos, q.device)
+        qperm, kperm, bm = plan.flex
+        bm = bm if block_mask is None else block_mask
+        qs = q if qperm is None else q.index_select(2, qperm)
+        ks, vs = (k, v) if kperm is None else (k.index_select(2, kperm), v.index_select(2, kperm))
         compiled = q.is_cuda if flex_compiled is None else bool(flex_compiled)
-        out = _flex_fn(compiled, dynamic=None)(qs, ks, vs, block_mask=block_mask, scale=scale)
-        if q_sorted:
-            return out
-        return torch.empty_like(out).index_copy_(2, qperm.to(out.device), out)
+        out = _flex_fn(compiled, dynamic=None)(qs, ks, vs, block_mask=bm, scale=scale)
+        return out if qperm is None else torch.empty_like(out).index_copy_(2, qperm, out)
     raise ValueError(f"backend must be one of 'auto', 'gather', 'flex', 'dense_masked'; got {backend!r}")
+
+
+def _token_flex_setup(keep, block_size: int, n_tokens: int, q_pos, k_pos, device):
+    """Sort permutations (None when already ascending) and the BlockMask over the position-sorted tokens."""
+    qp = q_pos.detach().long().reshape(-1)
+    kp = qp if k_pos is None else k_pos.detach().long().reshape(-1)
+
+    def perm(p: torch.Tensor):
+        order = torch.argsort(p, stable=True)
+        ident = bool((order == torch.arange(p.numel(), device=p.device)).all())
+        return (None if ident else order.to(device)), p[order]
+
+    qperm, qsp = perm(qp)
+    kperm, ksp = perm(kp)
+    bm = build_token_flex_block_mask(keep, block_size, n_tokens, qsp, ksp, device=device)
+    return qperm, kperm, bm
 
 
 def token_block_sparse_attention_bld(

@@ -20,6 +20,15 @@ Usage:
   .host/venv/bin/python scripts/bench_sparse_attention.py                 # full run (~10+ min on 2 cores)
   .host/venv/bin/python scripts/bench_sparse_attention.py --quick         # smoke run (<1 min)
   .host/venv/bin/python scripts/bench_sparse_attention.py --flex --json runs/bench_sparse.json
+  # the hit-path kernel at Wan length with Sparse VideoGen-like masks (~5 min on 2 cores)
+  .host/venv/bin/python scripts/bench_sparse_attention.py --structured-only --repeats 3 --threads 2
+
+Structured masks (--structured): 32,760 tokens (Wan 2.1 480p x 81 frames: a 21 x 30 x 52 grid), per-head block
+patterns as in Sparse VideoGen -- "spatial" heads attend their own frame and `radius` frames either side,
+"temporal" heads the same rows (+- radius) in every frame, both plus a local window of blocks -- tuned to block
+densities 0.2-0.5. token_block_sparse_attention (the hit path's kernel) over the whole sequence and over a hit's
+token subset, next to dense SDPA, the former gather kernel, the former hit path (SDPA with the subset's [S, S]
+boolean mask) and unmasked SDPA among the subset.
 """
 from __future__ import annotations
 
@@ -340,7 +349,7 @@ def bench_structured(L: int, heads: int, dim: int, densities, active: float, bs:
             name = f"old_gather_full@{d:g}"
             variants[name] = lambda keep=keep, oplan=oplan: sa.block_sparse_attention(
                 q, k, v, keep, bs, backend="gather", plan=oplan)
-            meta[name] = {"density": round(oplan.density, 4), "tokens": L}
+            meta[name] = {"density": round(oplan.density, 4), "tokens": L, "sdpa_calls": len(oplan.groups)}
         t0 = time.perf_counter()
         splan = sa.plan_token_block_sparse(keep, bs, L, subset)
         plans_ms[f"subset@{d:g}"] = round((time.perf_counter() - t0) * 1e3, 1)
@@ -386,6 +395,24 @@ def machine() -> dict:
 
 def markdown(result: dict) -> str:
     lines = []
+    st = result.get("structured")
+    if st:
+        pats = "; ".join(f"{d}: " + ", ".join(f"{p['kind']} r={p['radius']} band={p['band']} ({p['density']})"
+                                           for p in ps) for d, ps in st["patterns"].items())
+        lines.append(f"\n**Structured masks: {st['heads']} heads x {st['head_dim']}, {st['tokens']} tokens "
+                     f"(grid {'x'.join(map(str, st['grid']))}), block {st['block_size']}; hit subset "
+                     f"{st['subset_tokens']} tokens (active {st['active']} + 1-token margin)** (ms, median / min "
+                     "of rounds; speedup = dense SDPA median / variant median)\n")
+        lines.append(f"Patterns per target density (head kind, radius, local band, realised density): {pats}\n")
+        lines.append("| variant | tokens | density | SDPA calls | median ms | min ms | speedup vs dense | "
+                     "vs subset unmasked |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for name, r in st["results"].items():
+            lines.append(f"| {name} | {r['tokens']} | {r['density']} | {r.get('sdpa_calls', 1)} | {r['median_ms']} | "
+                         f"{r['min_ms']} | {r['speedup_vs_dense']} | {r.get('speedup_vs_subset_unmasked', '')} |")
+        if st["checks"]:
+            lines.append("\nmax |kernel - masked SDPA| on the subset: " + ", ".join(
+                f"{k.split('_')[0]} {v:.1e}" for k, v in st["checks"].items()))
     for a in result["attention"]:
         lines.append(f"\n**{a['config']}: {a['heads']} heads x {a['head_dim']}, {a['tokens']} tokens, block {a['block_size']}**"
                      " (ms, median / min of rounds; speedup = dense median / variant median)\n")
@@ -437,11 +464,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--flex-config", default="wan", choices=sorted(CONFIGS))
     ap.add_argument("--flex-tokens", type=int, default=4096)
     ap.add_argument("--no-accuracy", action="store_true", help="skip the recording-accuracy study")
+    ap.add_argument("--structured", action="store_true",
+                    help="also run the structured-mask kernel benchmark (Sparse VideoGen-like heads, hit-path kernel)")
+    ap.add_argument("--structured-only", action="store_true", help="run only the structured-mask benchmark")
+    ap.add_argument("--structured-tokens", type=int, default=32760, help="32760 = Wan 2.1 480p x 81 frames")
+    ap.add_argument("--structured-heads", type=int, default=2)
+    ap.add_argument("--structured-dim", type=int, default=64)
+    ap.add_argument("--structured-densities", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
+    ap.add_argument("--structured-active", type=float, default=0.25, help="active fraction of the hit's subset")
     ap.add_argument("--quick", action="store_true", help="smoke run: small config, 1024 tokens, 2 repeats")
     ap.add_argument("--json", type=Path, help="also write the JSON result here")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.configs, args.repeats, args.block_size = [1024], ["small"], 2, 64
+        args.structured_tokens, args.structured_densities = 2048, [0.3]
+    if args.structured_only:
+        args.structured, args.tokens, args.no_accuracy, args.flex = True, [], True, False
     torch.set_num_threads(args.threads)
     result: dict = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "attention": [], "record_cost": []}
@@ -464,6 +502,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[bench] record cost {config} L={L} ...", file=sys.stderr, flush=True)
             result["record_cost"].append(bench_record_cost(config, L, args.block_size, args.repeats))
             save()
+    if args.structured:
+        print(f"[bench] structured masks L={args.structured_tokens} ...", file=sys.stderr, flush=True)
+        result["structured"] = bench_structured(
+            args.structured_tokens, args.structured_heads, args.structured_dim, args.structured_densities,
+            args.structured_active, args.block_size, args.repeats)
+        save()
     if not args.no_accuracy:
         print("[bench] record accuracy ...", file=sys.stderr, flush=True)
         result["record_accuracy"] = bench_record_accuracy(1024 if args.quick else 4096, args.block_size)
