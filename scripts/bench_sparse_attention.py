@@ -382,6 +382,111 @@ def bench_structured(L: int, heads: int, dim: int, densities, active: float, bs:
             "checks": checks, "results": res}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The joint hit at Wan depth: the kernel vs the former masked path inside the real sampler
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _old_subset_attention(run, q, k, v, heads: int, keep: torch.Tensor, bs: int, subset: torch.Tensor,
+                          dense_above: float = 1.0, k_subset=None):
+    """The hit path's former implementation (SDPA with a dense [S, S] boolean mask), kept here only to measure
+    the kernel against it in one process."""
+    key = ("submask", run.layer)
+    if key not in run.subset_cache:
+        kb = keep.any(0)
+        sb = (subset // bs).to(kb.device)
+        mask = kb[sb][:, sb] | (sb[:, None] == sb[None, :])
+        kept = int(mask.sum().item())
+        run.subset_cache[key] = None if kept > dense_above * mask.numel() else (mask, kept)
+    cached = run.subset_cache[key]
+    if cached is None:
+        return None
+    mask, kept = cached
+    run.stats["attn_pairs"] += kept
+    run.stats["attn_pairs_dense"] += run.n_tokens ** 2
+    B, S, HD = q.shape
+    d = HD // heads
+    qh, kh, vh = (t.reshape(B, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.to(q.device))
+    return out.transpose(1, 2).reshape(B, S, HD)
+
+
+def bench_wan_hit(latent: str, dim: int, layers: int, steps: int, probe_steps: int, active: float, density: float,
+                  bs: int, repeats: int, modes: list[str]) -> dict:
+    """A joint cache hit on a random-weight ComfyUI Wan (scripts/bench_reuse.py's model and box regions) whose
+    cached block structure is a Sparse VideoGen-like spatial pattern of the given density in every middle layer
+    (a random-weight model records a near-dense 0.98, which the hit path rightly skips). Per mode the resume of
+    the same hit is timed, rotating modes per round: ``joint`` (this kernel), ``joint_old_mask`` (the former
+    [S, S]-masked SDPA, patched in for the measurement), ``latent`` (unmasked attention among the subset) and
+    ``dense``. The cached latent is the probe's x0 (the output is not judged here, only time)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import numpy as np
+
+    import bench_reuse as br  # makes ComfyUI importable (CPU)
+    import tiny_models as tm
+    from carnator.carnator_core import comfy_patch as cp
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.probe import ProbeConfig, run_probe
+    from carnator.carnator_core.types import BlockStructure, Candidate, Decision
+
+    shape = tuple(int(x) for x in latent.split(","))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = br.build_model(dim, layers, Path(tmp))
+    pos, neg = tm.conditioning("wan21")
+    lat = {"samples": torch.zeros((1,) + shape)}
+    kw = dict(steps=steps, cfg=5.0, sampler_name="euler", scheduler="simple", prompt="a ball", objects=(),
+              object_source="none", config=ProbeConfig(probe_steps=probe_steps))
+    cfg = reuse.ReuseConfig(mode="dense", block_size=bs, x0_threshold=1e9, dilation=0, context_margin_blocks=1)
+    probe_b = run_probe(model, pos, neg, lat, seed=2, **kw)
+    grid = probe_b.grid
+    keep, pmeta = svg_keep(tuple(grid), bs, density, 1)
+    mids = reuse.middle_layers(layers, cfg)
+    nb = keep.shape[-1]
+    structure = BlockStructure(keep=np.broadcast_to(keep.numpy()[None], (len(mids), 1, nb, nb)).copy(),
+                               layers=tuple(mids), block_size=bs, n_tokens=int(np.prod(grid)))
+    sig_cached = br.box_signature(grid, active / 2)
+    sig_target = br.box_signature(grid, active / 2, shift=max(1, int(grid[2] * np.sqrt(active / 2))))
+    cached = reuse.CachedRun("bench", probe_b.x0_probe.clone(), probe_b.x0_probe, sig_cached, structure)
+    decision = Decision(True, Candidate("bench", 0.99, "a ball", sig_cached), (), "signature")
+    new_impl = cp._subset_attention
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    reports: dict[str, dict] = {}
+    try:
+        for _ in range(repeats):
+            for mode in modes:
+                cp._subset_attention = _old_subset_attention if mode == "joint_old_mask" else new_impl
+                c = reuse.ReuseConfig(**{**cfg.__dict__, "mode": "joint" if mode.startswith("joint") else mode})
+                t0 = time.perf_counter()
+                if mode == "dense":
+                    _, rep = reuse.sample(model, pos, neg, lat, probe_b, None, None, c, record=False)
+                else:
+                    _, rep = reuse.sample(model, pos, neg, lat, probe_b, decision, cached, c,
+                                          target_signature=sig_target)
+                times[mode].append(time.perf_counter() - t0)
+                reports[mode] = rep.to_meta()
+                print(f"[bench] wan hit {mode}: {times[mode][-1]:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        cp._subset_attention = new_impl
+    probe_s = probe_b.timings["probe_ms"] / 1000
+    rows = {}
+    for mode in modes:
+        med = statistics.median(times[mode])
+        rep = reports[mode]
+        rows[mode] = {"resume_s": round(med, 2), "request_s": round(probe_s + med, 2),
+                      "per_step_s": round(med / max(rep["model_calls"], 1), 3), "model_calls": rep["model_calls"],
+                      "token_fraction": round(rep["token_fraction"], 3),
+                      "attention_fraction": round(rep["attention_fraction"], 4), "fallbacks": rep["fallbacks"]}
+    ref = "dense" if "dense" in rows else "latent" if "latent" in rows else modes[0]
+    for r in rows.values():
+        r[f"speedup_step_vs_{ref}"] = round(rows[ref]["per_step_s"] / r["per_step_s"], 2)
+        r[f"speedup_request_vs_{ref}"] = round(rows[ref]["request_s"] / r["request_s"], 2)
+    return {"latent": list(shape), "grid": list(grid), "tokens": int(np.prod(grid)), "dim": dim, "layers": layers,
+            "steps": steps, "probe_steps": probe_steps, "probe_s": round(probe_s, 2), "block_size": bs,
+            "structure": pmeta, "repeats": repeats, "rows": rows}
+
+
 def machine() -> dict:
     def sh(cmd: str) -> str:
         try:
@@ -395,6 +500,21 @@ def machine() -> dict:
 
 def markdown(result: dict) -> str:
     lines = []
+    wh = result.get("wan_hit")
+    if wh:
+        st = wh["structure"][0]
+        lines.append(f"\n**Joint hit at Wan depth**: random-weight Wan, {wh['layers']} blocks of width {wh['dim']}, "
+                     f"{wh['tokens']} tokens, {wh['steps']} steps (probe {wh['probe_steps']}: {wh['probe_s']} s), "
+                     f"cached structure: {st['kind']} r={st['radius']} band={st['band']} (density {st['density']}), "
+                     f"block {wh['block_size']}; medians of {wh['repeats']} rounds\n")
+        ref = next(k for k in wh["rows"]["joint"] if k.startswith("speedup_step_vs_"))[len("speedup_step_vs_"):]
+        lines.append(f"| mode | resume s | request s | per step s | step speedup vs {ref} | request speedup vs "
+                     f"{ref} | token fraction | attention pairs |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for mode, r in wh["rows"].items():
+            lines.append(f"| {mode} | {r['resume_s']} | {r['request_s']} | {r['per_step_s']} | "
+                         f"{r['speedup_step_vs_' + ref]} | {r['speedup_request_vs_' + ref]} | {r['token_fraction']} | "
+                         f"{r['attention_fraction']} |")
     st = result.get("structured")
     if st:
         pats = "; ".join(f"{d}: " + ", ".join(f"{p['kind']} r={p['radius']} band={p['band']} ({p['density']})"
@@ -472,6 +592,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--structured-dim", type=int, default=64)
     ap.add_argument("--structured-densities", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
     ap.add_argument("--structured-active", type=float, default=0.25, help="active fraction of the hit's subset")
+    ap.add_argument("--wan-hit", action="store_true",
+                    help="time a joint hit in the real sampler on a random-weight Wan with a structured cached "
+                         "structure: this kernel vs the former [S, S]-masked path vs latent-only vs dense")
+    ap.add_argument("--wan-latent", default="16,21,30,52", help="Wan latent C,T,H,W (8,190 tokens by default)")
+    ap.add_argument("--wan-dim", type=int, default=256)
+    ap.add_argument("--wan-layers", type=int, default=30, help="30 = Wan 2.1 1.3B's depth")
+    ap.add_argument("--wan-steps", type=int, default=4)
+    ap.add_argument("--wan-probe", type=int, default=1)
+    ap.add_argument("--wan-density", type=float, default=0.3)
+    ap.add_argument("--wan-modes", default="dense,latent,joint,joint_old_mask")
     ap.add_argument("--quick", action="store_true", help="smoke run: small config, 1024 tokens, 2 repeats")
     ap.add_argument("--json", type=Path, help="also write the JSON result here")
     args = ap.parse_args(argv)
@@ -480,6 +610,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.structured_tokens, args.structured_densities = 2048, [0.3]
     if args.structured_only:
         args.structured, args.tokens, args.no_accuracy, args.flex = True, [], True, False
+    if args.wan_hit and not args.structured:
+        args.tokens, args.no_accuracy, args.flex = [], True, False
     torch.set_num_threads(args.threads)
     result: dict = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "attention": [], "record_cost": []}
@@ -507,6 +639,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["structured"] = bench_structured(
             args.structured_tokens, args.structured_heads, args.structured_dim, args.structured_densities,
             args.structured_active, args.block_size, args.repeats)
+        save()
+    if args.wan_hit:
+        print("[bench] joint hit at Wan depth ...", file=sys.stderr, flush=True)
+        result["wan_hit"] = bench_wan_hit(args.wan_latent, args.wan_dim, args.wan_layers, args.wan_steps,
+                                          args.wan_probe, args.structured_active, args.wan_density, args.block_size,
+                                          args.repeats, args.wan_modes.split(","))
         save()
     if not args.no_accuracy:
         print("[bench] record accuracy ...", file=sys.stderr, flush=True)
