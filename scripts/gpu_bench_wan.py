@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["checks"]["replacement_block_vs_model_block_max_abs"] = float((mine.float() - ref.float()).abs().max())
         every = torch.arange(L, device=device)
         hit_all = make_hit_block_fn(blk, sa, apply_rope1, full, bs, L, every, every, backend)(xin, e, freqs, ctx, {})
-        result["checks"]["hit_block_all_tokens_vs_model_block_max_abs"] = float((hit_all.float() - ref.float()).abs().max())
+        result["checks"]["hit_block_all_tokens_vs_model_block_max_abs"] = float(
+            (hit_all.float() - ref.float()).abs().max())
         keep = (torch.rand(H, nb, nb, generator=g) < 0.25) | torch.eye(nb, dtype=torch.bool)
         keep = keep.to(device)
         q = torch.randn(1, H, L, D, generator=g).to(device, dtype)
@@ -373,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
     S = int(subset.numel())
     with torch.inference_mode():
         qs, ks, vs = (t[:, :, subset].contiguous() for t in (q, k, v))
-        hit_res = {"subset_tokens": S, "sdpa_unmasked": timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs))}
+        hit_res = {"subset_tokens": S,
+                   "sdpa_unmasked": timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs))}
         sb = subset // bs
         for dens in args.densities:
             kp = ((torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)

@@ -6,7 +6,6 @@ with M = -inf outside the kept blocks, the token-level mask built by repeat_inte
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
