@@ -409,9 +409,22 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
     if cached is None:
         return None
     kb, plan = cached
+    backend = run.subset_cache.get("subset_backend", "auto")
+    try:
+        out = token_block_sparse_attention_bld(q, k, v, heads, kb, bs, run.n_tokens, subset, k_subset, plan=plan,
+                                               backend=backend)
+    except Exception as e:
+        if backend != "auto" or not q.is_cuda:
+            raise
+        # FlexAttention (the CUDA default) could not run here (e.g. no compiler): the gather kernel gives the same
+        # result on the fused SDPA tiles. Decided once per run.
+        run.fallback(f"flex block-sparse attention unavailable ({type(e).__name__}: {e}); using the gather kernel")
+        run.subset_cache["subset_backend"] = "gather"
+        out = token_block_sparse_attention_bld(q, k, v, heads, kb, bs, run.n_tokens, subset, k_subset, plan=plan,
+                                               backend="gather")
     run.stats["attn_pairs"] += plan.kept_pairs
     run.stats["attn_pairs_dense"] += run.n_tokens ** 2
-    return token_block_sparse_attention_bld(q, k, v, heads, kb, bs, run.n_tokens, subset, k_subset, plan=plan)
+    return out
 
 
 def _capture_cross(run: _Run, q: torch.Tensor, k: torch.Tensor, heads: int, topts: dict) -> None:

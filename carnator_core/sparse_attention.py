@@ -1254,8 +1254,8 @@ def token_block_sparse_attention(
     if backend == "flex":
         if not flex_available():
             raise RuntimeError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use 'gather'")
-        if plan.flex is None:
-            plan.flex = _token_flex_setup(keep, block_size, n_tokens, q_pos, k_pos, q.device)
+        if plan.flex is None or (block_mask is None and plan.flex[2] is None):
+            plan.flex = _token_flex_setup(keep, block_size, n_tokens, q_pos, k_pos, q.device, block_mask is None)
         qperm, kperm, bm = plan.flex
         bm = bm if block_mask is None else block_mask
         qs = q if qperm is None else q.index_select(2, qperm)
@@ -1266,8 +1266,9 @@ def token_block_sparse_attention(
     raise ValueError(f"backend must be one of 'auto', 'gather', 'flex', 'dense_masked'; got {backend!r}")
 
 
-def _token_flex_setup(keep, block_size: int, n_tokens: int, q_pos, k_pos, device):
-    """Sort permutations (None when already ascending) and the BlockMask over the position-sorted tokens."""
+def _token_flex_setup(keep, block_size: int, n_tokens: int, q_pos, k_pos, device, with_mask: bool = True):
+    """Sort permutations (None when already ascending) and the BlockMask over the position-sorted tokens (None
+    unless ``with_mask``: the caller brings its own)."""
     qp = q_pos.detach().long().reshape(-1)
     kp = qp if k_pos is None else k_pos.detach().long().reshape(-1)
 
@@ -1278,7 +1279,7 @@ def _token_flex_setup(keep, block_size: int, n_tokens: int, q_pos, k_pos, device
 
     qperm, qsp = perm(qp)
     kperm, ksp = perm(kp)
-    bm = build_token_flex_block_mask(keep, block_size, n_tokens, qsp, ksp, device=device)
+    bm = build_token_flex_block_mask(keep, block_size, n_tokens, qsp, ksp, device=device) if with_mask else None
     return qperm, kperm, bm
 
 
