@@ -468,8 +468,8 @@ def test_token_kernel_bld_layout_and_all_true_keep():
 
 def test_token_kernel_builds_no_token_mask(monkeypatch):
     """The gather kernel's SDPA calls get no mask at all, and each call is one group's dense tile: query blocks
-    grouped by their key-block set, so a banded pattern (every interior block the same 3-block window shape but
-    a different set) gives one call per query block, and a frame pattern one call per frame."""
+    are grouped by their key-block set, so a frame pattern (blocks attend the blocks of their own frame) gives
+    one call per frame, each exactly that frame's queries against that frame's keys."""
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
 
