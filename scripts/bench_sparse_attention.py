@@ -344,6 +344,11 @@ def bench_structured(L: int, heads: int, dim: int, densities, active: float, bs:
         variants[name] = lambda keep=keep, plan=plan: sa.token_block_sparse_attention(
             q, k, v, keep, bs, L, arange, backend="gather", plan=plan)
         meta[name] = {"density": round(plan.density, 4), "tokens": L, "sdpa_calls": plan.n_calls}
+        plain = sa.plan_token_block_sparse(keep, bs, L, arange, super_rows=0)  # without super-tiles
+        name = f"kernel_full_no_super_tiles@{d:g}"
+        variants[name] = lambda keep=keep, plain=plain: sa.token_block_sparse_attention(
+            q, k, v, keep, bs, L, arange, backend="gather", plan=plain)
+        meta[name] = {"density": round(plain.density, 4), "tokens": L, "sdpa_calls": plain.n_calls}
         if old_gather:
             oplan = sa.plan_block_sparse(keep, bs, L)
             name = f"old_gather_full@{d:g}"

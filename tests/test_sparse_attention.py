@@ -713,3 +713,33 @@ def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comf
     assert all(0 < n < n_tokens for n in kernel_calls)
     assert big_masks == []
     assert r.attention_fraction < r.token_fraction ** 2  # the band removed pairs among the subset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["all", "unsorted_subset", "queries_and_context"])
+def test_token_super_tiles_merge_exactly(kind, dtype):
+    """A banded pattern: neighbouring query blocks share most key blocks, so the plan stacks them into
+    super-tiles (shared keys in one tall tile, each block's own keys apart, merged by log-sum-exp). The result
+    equals the masked reference, and equals the plan without super-tiles."""
+    L, bs, H, D = 700, 16, 2, 8
+    nb = sa.n_blocks(L, bs)
+    i = torch.arange(nb)
+    band = ((i[:, None] - i[None, :]).abs() <= 6)[None].expand(2, nb, nb).clone()
+    band[1] |= (i[:, None] % 5) == (i[None, :] % 5)  # second head: plus a strided pattern
+    qp, kp = _token_sets(L, kind, seed=9)
+    kpos = qp if kp is None else kp
+    g = _gen(5)
+    q = torch.randn(1, H, qp.numel(), D, generator=g, dtype=dtype)
+    k, v = (torch.randn(1, H, kpos.numel(), D, generator=g, dtype=dtype) for _ in range(2))
+    tiled = sa.plan_token_block_sparse(band, bs, L, qp, kp, super_rows=64)
+    plain = sa.plan_token_block_sparse(band, bs, L, qp, kp, super_rows=0)
+    assert any(gr.residuals for gs in tiled.heads for gr in gs)  # super-tiles were formed
+    assert sum(len(gs) for gs in tiled.heads) < sum(len(gs) for gs in plain.heads)
+    assert tiled.kept_pairs == plain.kept_pairs
+    ref = _token_reference(q, k, v, band, bs, qp, kpos)  # float64 math, rounded to float32
+    out = sa.token_block_sparse_attention(q, k, v, band, bs, L, qp, kp, plan=tiled)
+    torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+    # float64 takes the exact-math path of the merge: tiled and plain agree to float64 rounding.
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(out, sa.token_block_sparse_attention(q, k, v, band, bs, L, qp, kp, plan=plain),
+                               **tol)
