@@ -438,7 +438,7 @@ def bench_wan_hit(latent: str, dim: int, layers: int, steps: int, probe_steps: i
     """A joint cache hit on a random-weight ComfyUI Wan (scripts/bench_reuse.py's model and box regions) whose
     cached block structure is a Sparse VideoGen-like spatial pattern of the given density in every middle layer
     (a random-weight model records a near-dense 0.98, which the hit path rightly skips). Per mode the resume of
-    the same hit is timed, rotating modes per round: ``joint`` (this kernel), ``joint_old_mask`` (the former
+    the same hit is timed, rotating the order of modes every round: ``joint`` (this kernel), ``joint_old_mask`` (the former
     [S, S]-masked SDPA, patched in for the measurement), ``latent`` (unmasked attention among the subset) and
     ``dense``. The cached latent is the probe's x0 (the output is not judged here, only time)."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -476,8 +476,9 @@ def bench_wan_hit(latent: str, dim: int, layers: int, steps: int, probe_steps: i
     times: dict[str, list[float]] = {m: [] for m in modes}
     reports: dict[str, dict] = {}
     try:
-        for _ in range(repeats):
-            for mode in modes:
+        for rnd in range(repeats):
+            # Rotate the order every round, so a load that changes during the run does not favour one mode.
+            for mode in modes[rnd % len(modes):] + modes[:rnd % len(modes)]:
                 cp._subset_attention = _old_subset_attention if mode == "joint_old_mask" else new_impl
                 c = reuse.ReuseConfig(**{**cfg.__dict__, "mode": "joint" if mode.startswith("joint") else mode})
                 t0 = time.perf_counter()
