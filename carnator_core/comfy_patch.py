@@ -394,9 +394,10 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
     runs one unmasked SDPA tile per group of query blocks that share a key-block set (FlexAttention ``BlockMask``
     on CUDA); the plan is O(blocks^2 + S) and built once per layer and run.
 
-    Returns None when the structure keeps more than ``dense_above`` of the subset's pairs: the sparse kernel then
-    costs more than unmasked SDPA (measured on a random-weight Wan at 8k tokens, recorded density 0.98: a masked
-    SDPA made joint 14% slower per step than latent-only), so the caller runs plain attention among the subset."""
+    Returns None when the structure keeps more than ``dense_above`` of the subset's pairs: there is then little
+    to skip and the tiles' overhead can exceed it (the former masked SDPA at recorded density 0.98 made joint 14%
+    slower per step than latent-only on a random-weight Wan at 8k tokens), so the caller runs plain attention
+    among the subset."""
     key = ("subplan", run.layer)
     if key not in run.subset_cache:
         # A query's own block is always kept: its recorded key blocks may all lie outside the subset, and a row
