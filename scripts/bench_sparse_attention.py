@@ -438,9 +438,9 @@ def bench_wan_hit(latent: str, dim: int, layers: int, steps: int, probe_steps: i
     """A joint cache hit on a random-weight ComfyUI Wan (scripts/bench_reuse.py's model and box regions) whose
     cached block structure is a Sparse VideoGen-like spatial pattern of the given density in every middle layer
     (a random-weight model records a near-dense 0.98, which the hit path rightly skips). Per mode the resume of
-    the same hit is timed, rotating the order of modes every round: ``joint`` (this kernel), ``joint_old_mask`` (the former
-    [S, S]-masked SDPA, patched in for the measurement), ``latent`` (unmasked attention among the subset) and
-    ``dense``. The cached latent is the probe's x0 (the output is not judged here, only time)."""
+    the same hit is timed, rotating the order of modes every round: ``joint`` (this kernel), ``joint_old_mask``
+    (the former [S, S]-masked SDPA, patched in for the measurement), ``latent`` (unmasked attention among the
+    subset) and ``dense``. The cached latent is the probe's x0 (the output is not judged here, only time)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import numpy as np
 
