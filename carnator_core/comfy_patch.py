@@ -33,7 +33,13 @@ import numpy as np
 import torch
 
 from .adapters import ArchAdapter, adapter_for
-from .sparse_attention import BlockRecorder, block_sparse_attention_bld, keep_for_layer
+from .sparse_attention import (
+    BlockRecorder,
+    block_sparse_attention_bld,
+    keep_for_layer,
+    plan_token_block_sparse,
+    token_block_sparse_attention_bld,
+)
 from .types import BlockStructure, ObjectTokens
 
 log = logging.getLogger("carnator")
@@ -461,33 +467,50 @@ def _attention_override(run: _Run, previous: Callable | None):
 
 
 def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: int, subset: torch.Tensor,
-                      dense_above: float = 1.0):
-    """Self-attention among a token subset, restricted to the recorded blocks (token-level mask).
+                      dense_above: float = 1.0, k_subset: torch.Tensor | None = None):
+    """Self-attention among a token subset, restricted to the recorded blocks, on the block-sparse kernel.
 
-    Returns None when the mask keeps more than ``dense_above`` of the subset's pairs: a masked SDPA then costs
-    more than the unmasked one (measured on a random-weight Wan at 8k tokens, recorded density 0.98: joint was
-    14% slower per step than latent-only), so the caller runs plain attention among the subset instead."""
-    key = ("submask", run.layer)
+    q: [B, S, heads*D], row i = the token at original position ``subset[i]``; k, v: the same tokens, or the
+    tokens at ``k_subset`` when the keys are another set (e.g. active tokens plus context supplied from elsewhere;
+    every query's own token should be among them). Query i attends key j iff the recorded key block of key j's
+    position is kept for the query block of ``subset[i]`` in any head (union over heads), or both lie in the
+    same block. The result equals SDPA with that [S, S] boolean mask (float tolerance), but no token-level mask
+    is built: :func:`~.sparse_attention.token_block_sparse_attention` maps the subset to the recorded blocks and
+    runs one unmasked SDPA tile per group of query blocks that share a key-block set (FlexAttention ``BlockMask``
+    on CUDA); the plan is O(blocks^2 + S) and built once per layer and run.
+
+    Returns None when the structure keeps more than ``dense_above`` of the subset's pairs: there is then little
+    to skip and the tiles' overhead can exceed it (the former masked SDPA at recorded density 0.98 made joint 14%
+    slower per step than latent-only on a random-weight Wan at 8k tokens), so the caller runs plain attention
+    among the subset."""
+    key = ("subplan", run.layer)
     if key not in run.subset_cache:
-        kb = keep.any(0)  # [Qb, Kb] union over heads
-        sb = (subset // bs).to(kb.device)
         # A query's own block is always kept: its recorded key blocks may all lie outside the subset, and a row
         # with no key would make softmax undefined (NaN).
-        mask = kb[sb][:, sb] | (sb[:, None] == sb[None, :])  # [S, S]
-        kept = int(mask.sum().item())
+        kb = (keep.any(0) | torch.eye(keep.shape[-1], dtype=torch.bool, device=keep.device))[None]  # [1, Qb, Kb]
+        plan = plan_token_block_sparse(kb, bs, run.n_tokens, subset, k_subset, device=q.device)
         # The same for every call of this run: build, count and decide once per layer.
-        run.subset_cache[key] = None if kept > dense_above * mask.numel() else (mask, kept)
+        run.subset_cache[key] = None if plan.density > dense_above else (kb, plan)
     cached = run.subset_cache[key]
     if cached is None:
         return None
-    mask, kept = cached
-    run.stats["attn_pairs"] += kept
+    kb, plan = cached
+    backend = run.subset_cache.get("subset_backend", "auto")
+    try:
+        out = token_block_sparse_attention_bld(q, k, v, heads, kb, bs, run.n_tokens, subset, k_subset, plan=plan,
+                                               backend=backend)
+    except Exception as e:
+        if backend != "auto" or not q.is_cuda:
+            raise
+        # FlexAttention (the CUDA default) could not run here (e.g. no compiler): the gather kernel gives the same
+        # result on the fused SDPA tiles. Decided once per run.
+        run.fallback(f"flex block-sparse attention unavailable ({type(e).__name__}: {e}); using the gather kernel")
+        run.subset_cache["subset_backend"] = "gather"
+        out = token_block_sparse_attention_bld(q, k, v, heads, kb, bs, run.n_tokens, subset, k_subset, plan=plan,
+                                               backend="gather")
+    run.stats["attn_pairs"] += plan.kept_pairs
     run.stats["attn_pairs_dense"] += run.n_tokens ** 2
-    B, S, HD = q.shape
-    d = HD // heads
-    qh, kh, vh = (t.reshape(B, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.to(q.device))
-    return out.transpose(1, 2).reshape(B, S, HD)
+    return out
 
 
 def _capture_cross(run: _Run, q: torch.Tensor, k: torch.Tensor, heads: int, topts: dict) -> None:

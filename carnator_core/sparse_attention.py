@@ -12,6 +12,10 @@ Pure torch (no ComfyUI import). Two halves:
   float rounding) to dense attention with a ``-inf`` additive mask outside the kept blocks. Backends: a
   gather-based kernel (CPU default), FlexAttention with a ``BlockMask`` (CUDA default, compiled), and the dense
   masked reference.
+* **Block-sparse attention between token sets** (the reuse hit path): :func:`token_block_sparse_attention` takes
+  queries and keys as two token sets given by their original positions (e.g. queries = the active tokens, keys
+  = active + supplied context), maps them to the recorded blocks, groups query blocks with the same key-block
+  set and runs one unmasked SDPA per group (or FlexAttention on CUDA). Nothing of size [Lq, Lk] is built.
 
 Conventions used throughout:
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -57,6 +62,11 @@ __all__ = [
     "block_sparse_attention_bld",
     "build_flex_block_mask",
     "flex_available",
+    "TokenBlockPlan",
+    "plan_token_block_sparse",
+    "build_token_flex_block_mask",
+    "token_block_sparse_attention",
+    "token_block_sparse_attention_bld",
 ]
 
 
@@ -592,11 +602,15 @@ def plan_block_sparse(
     return plan
 
 
-# Plans / block masks depend only on (keep, block_size, n_tokens, query_index): callers that rebuild `keep` per
-# call (e.g. from a BlockStructure at every step) hit this content-keyed LRU instead of re-planning (tens to
-# hundreds of ms at 4-32k tokens). Entries are small: O(H * Qb * Kb) indices per plan.
+# Plans / block masks depend only on (keep, block_size, n_tokens, query/key positions): callers that rebuild `keep`
+# per call (e.g. from a BlockStructure at every step) hit this content-keyed LRU instead of re-planning (tens to
+# hundreds of ms at 4-32k tokens). Entries are small: O(H * Qb * Kb) block indices plus O(tokens) row indices.
+# ComfyUI runs prompts on a worker thread and a server may run several samplers: every access holds _CACHE_LOCK.
+# The (possibly slow) build runs outside the lock; if two threads build the same entry the first one stored wins,
+# so every caller of one key gets the same object.
 _CACHE_SIZE = 64
 _PLAN_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_CACHE_LOCK = threading.Lock()
 
 
 def _content_key(*tensors: torch.Tensor | None) -> tuple:
@@ -610,22 +624,32 @@ def _content_key(*tensors: torch.Tensor | None) -> tuple:
     return tuple(key)
 
 
-def _cached(kind: str, keep: torch.Tensor, query_index: torch.Tensor | None, extra: tuple, build: Callable[[], object]):
-    key = (kind, *extra, *_content_key(keep, query_index))
-    hit = _PLAN_CACHE.get(key)
-    if hit is not None:
-        _PLAN_CACHE.move_to_end(key)
-        return hit
+def _cached_key(key: tuple, build: Callable[[], object]):
+    with _CACHE_LOCK:
+        hit = _PLAN_CACHE.get(key)
+        if hit is not None:
+            _PLAN_CACHE.move_to_end(key)
+            return hit
     value = build()
-    _PLAN_CACHE[key] = value
-    while len(_PLAN_CACHE) > _CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
+    with _CACHE_LOCK:
+        hit = _PLAN_CACHE.get(key)
+        if hit is not None:  # another thread stored it while we built: share that one
+            _PLAN_CACHE.move_to_end(key)
+            return hit
+        _PLAN_CACHE[key] = value
+        while len(_PLAN_CACHE) > _CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
     return value
+
+
+def _cached(kind: str, keep: torch.Tensor, query_index: torch.Tensor | None, extra: tuple, build: Callable[[], object]):
+    return _cached_key((kind, *extra, *_content_key(keep, query_index)), build)
 
 
 def clear_plan_cache() -> None:
     """Drop cached gather plans and flex block masks (they are rebuilt on demand)."""
-    _PLAN_CACHE.clear()
+    with _CACHE_LOCK:
+        _PLAN_CACHE.clear()
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -755,18 +779,23 @@ def build_flex_block_mask(
     )
 
 
-_COMPILED_FLEX: Callable | None = None
+_COMPILED_FLEX: dict[str, Callable] = {}
 
 
-def _flex_fn(compiled: bool) -> Callable:
-    global _COMPILED_FLEX
+def _flex_fn(compiled: bool, dynamic: bool | None = False) -> Callable:
+    """flex_attention, eager or compiled. ``dynamic=False``: one compiled kernel per shape (the full-sequence path,
+    whose shapes are fixed per model); ``None``: torch's automatic dynamic shapes, i.e. the first shape change
+    recompiles once with symbolic lengths (the token-set path, whose lengths change with every request's region)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    name = str(dynamic)
+    with _CACHE_LOCK:
+        fn = _COMPILED_FLEX.get(name)
+        if fn is None:
+            fn = _COMPILED_FLEX[name] = torch.compile(flex_attention, dynamic=dynamic)
+    return fn
 
 
 def block_sparse_attention(
@@ -876,3 +905,481 @@ def block_sparse_attention_bld(
         **kwargs,
     )
     return out.transpose(1, 2).reshape(B, Lq, HD)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-sparse attention between two token sets (the reuse hit path)
+# ---------------------------------------------------------------------------------------------------------------
+#
+# On a cache hit the middle layers compute attention among a token *subset* (the active region and the context
+# its attention needs), and the queries and the keys may be different sets (active tokens; active + supplied
+# context). A subset is not block-aligned in sequence order, so blocks are defined by the tokens' *original*
+# positions: query/key token p belongs to block p // block_size of the recorded structure. Each query block
+# attends to the key tokens of its kept key blocks that are present in the key set. Query blocks with the same
+# kept-and-present key-block set share one dense SDPA call (their query rows concatenated, their key rows
+# gathered once): no padding and no mask, so every tile runs on the fused SDPA kernel, and the plan is
+# O(blocks^2 + tokens) -- no [Lq, Lk] mask is ever built.
+
+
+@dataclass
+class _TokenGroup:
+    """Query rows that share one key-row set. A row set is a (start, length) slice when it is contiguous in the
+    tensor (then a view is used instead of a gather) and an index tensor otherwise."""
+
+    q_rows: torch.Tensor | tuple[int, int]
+    k_rows: torch.Tensor | tuple[int, int]
+    m: int
+    n: int
+    # A super-tile: several query-block groups whose key sets share ``k_rows`` (the common keys), computed as one
+    # tall tile; each member's own remaining keys are (row offset in the tile, rows, key rows, n), merged by
+    # log-sum-exp. None: a plain group (every query's keys are exactly ``k_rows``).
+    residuals: list[tuple[int, int, torch.Tensor | tuple[int, int], int]] | None = None
+
+
+@dataclass
+class TokenBlockPlan:
+    """Precomputed groups for :func:`token_block_sparse_attention` (one keep pattern, block size, sequence length
+    and query/key position sets); reusable across steps and batch/heads. Build with :func:`plan_token_block_sparse`.
+
+    ``kept_pairs``: (query, key) pairs attended, summed over pattern heads; ``density`` = kept_pairs /
+    (pattern heads * n_queries * n_keys); ``dense``: every query attends every key (plain SDPA is exact)."""
+
+    block_size: int
+    n_tokens: int
+    n_queries: int
+    n_keys: int
+    n_pattern_heads: int
+    device: torch.device
+    heads: list[list[_TokenGroup]] = field(default_factory=list)
+    kept_pairs: int = 0
+    density: float = 1.0
+    dense: bool = False
+    # Flex backend state, built on first use and kept with the plan (callers that hold a plan per layer then
+    # pay for the block mask once): (q sort permutation or None, k sort permutation or None, BlockMask).
+    flex: tuple | None = field(default=None, repr=False)
+
+    @property
+    def n_calls(self) -> int:
+        """SDPA calls per attention call (one per group, plus one per super-tile member with own keys)."""
+        return sum(1 + len(g.residuals or ()) for gs in self.heads for g in gs)
+
+    def compatible(self, n_heads: int, n_queries: int, n_keys: int, device: torch.device) -> bool:
+        return (
+            self.n_queries == n_queries
+            and self.n_keys == n_keys
+            and n_heads % self.n_pattern_heads == 0
+            and torch.device(device) == self.device
+        )
+
+
+def _positions(pos: torch.Tensor, n_tokens: int, name: str) -> torch.Tensor:
+    p = pos.detach().to("cpu").long().reshape(-1)
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= n_tokens):
+        raise ValueError(f"{name} must hold token positions in [0, {n_tokens}), got range [{int(p.min())}, "
+                         f"{int(p.max())}]")
+    return p
+
+
+def _rows(order: torch.Tensor, starts: torch.Tensor, blocks: torch.Tensor, identity: bool, device):
+    """Tensor rows of the tokens of ``blocks`` (ascending), as a slice when contiguous in the tensor."""
+    if identity:
+        a, b = starts[blocks], starts[blocks + 1]
+        if bool((a[1:] == b[:-1]).all()):  # consecutive ranges: one slice of the (position-sorted) tensor
+            return (int(a[0]), int(b[-1] - a[0]))
+    idx = torch.cat([order[int(s):int(e)] for s, e in zip(starts[blocks].tolist(), starts[blocks + 1].tolist())])
+    if idx.numel() and bool((idx[1:] - idx[:-1] == 1).all()):
+        return (int(idx[0]), int(idx.numel()))
+    return idx.to(device)
+
+
+@torch.no_grad()
+def plan_token_block_sparse(
+    keep: torch.Tensor,
+    block_size: int,
+    n_tokens: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+    super_rows: int | None = None,
+) -> TokenBlockPlan:
+    """Groups for block-sparse attention from query tokens at positions ``q_pos`` to key tokens at ``k_pos``.
+
+    keep: bool [Hk, Qb, Kb] / [Qb, Kb] over the blocks of the *original* sequence (``n_tokens`` positions in
+    blocks of ``block_size``). ``k_pos`` None = the same tokens as ``q_pos``. Positions need not be sorted or
+    block-aligned; each set must be free of duplicates for the result to be meaningful (not checked).
+    Per pattern head, query blocks with at least one query are grouped by their set of kept key blocks that hold
+    at least one key; a query block whose set is empty raises ValueError (its rows would have no key). Cost
+    O(Hk * Qb * Kb + Lq + Lk) on the CPU; memory: the row indices (O(Lq + Lk) per group set) only.
+
+    ``super_rows`` (default: 768 on the CPU, 0 elsewhere): consecutive groups (in position order) whose key sets
+    share at least half of each one's keys are stacked into super-tiles of up to about that many query rows: the
+    shared keys run as one tall SDPA tile and each group's remaining keys as a small one, merged exactly by
+    log-sum-exp. Why: the CPU's fused SDPA splits queries into chunks of 32 rows below 192 query rows and of 256
+    from 768 on; a 128-row tile against thousands of keys ran at about half the FLOP rate of dense SDPA.
+    """
+    block_size = _check_block_size(block_size)
+    L = int(n_tokens)
+    keep = _normalize_keep(keep, None, L, block_size).to("cpu")
+    device = torch.device(device) if device is not None else keep.device
+    Hk, Qb, Kb = keep.shape
+    qp = _positions(q_pos, L, "q_pos")
+    kp = qp if k_pos is None else _positions(k_pos, L, "k_pos")
+    Lq, Lk = int(qp.numel()), int(kp.numel())
+    plan = TokenBlockPlan(block_size=block_size, n_tokens=L, n_queries=Lq, n_keys=Lk, n_pattern_heads=Hk,
+                          device=device)
+    if Lq == 0:
+        plan.density = 0.0
+        return plan
+    if Lk == 0:
+        raise ValueError("k_pos is empty: every query needs at least one key")
+
+    def layout(p: torch.Tensor):
+        blk = p // block_size
+        order = torch.argsort(p, stable=True)  # position order: a block's tokens are one range of it
+        counts = torch.bincount(blk, minlength=Qb)
+        starts = torch.zeros(Qb + 1, dtype=torch.long)
+        starts[1:] = torch.cumsum(counts, 0)
+        identity = bool((order == torch.arange(p.numel())).all())
+        return order, counts, starts, identity
+
+    q_order, q_cnt, q_starts, q_id = layout(qp)
+    k_order, k_cnt, k_starts, k_id = layout(kp)
+    eff = keep & (k_cnt > 0)[None, None, :]  # kept key blocks that hold keys
+    used = q_cnt > 0
+    n_eff = eff.sum(-1)
+    empty = (n_eff == 0) & used[None, :]
+    if bool(empty.any()):
+        h, i = [int(x) for x in empty.nonzero()[0]]
+        raise ValueError(
+            f"query block {i} (head pattern {h}) has {int(q_cnt[i])} queries but none of its kept key blocks "
+            "holds a key: every query needs at least one key (keep each query's own block and include its tokens "
+            "in the key set)"
+        )
+    kept = (q_cnt[None, :, None] * eff.long() * k_cnt[None, None, :]).sum()
+    plan.kept_pairs = int(kept)
+    plan.density = float(kept) / float(Hk * Lq * Lk)
+    plan.dense = plan.kept_pairs == Hk * Lq * Lk
+    if plan.dense:
+        return plan
+    if super_rows is None:
+        super_rows = 768 if device.type == "cpu" else 0
+    used_idx = used.nonzero(as_tuple=True)[0]
+
+    def n_keys(bset: torch.Tensor) -> int:
+        return int(k_cnt[bset].sum())
+
+    for h in range(Hk):
+        rows = eff[h, used_idx]  # [U, Kb]
+        sets, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        exact = []  # (query blocks, key-block set, rows, keys), in position order
+        for s in range(sets.shape[0]):
+            qbs = used_idx[inverse == s]
+            exact.append((qbs, sets[s], int(q_cnt[qbs].sum()), n_keys(sets[s])))
+        exact.sort(key=lambda t: int(t[0][0]))
+        groups = []
+        i = 0
+        while i < len(exact):
+            members, common, M = [exact[i]], exact[i][1], exact[i][2]
+            j = i + 1
+            while super_rows and M < super_rows and j < len(exact):
+                cand = common & exact[j][1]
+                if 2 * n_keys(cand) < max(exact[j][3], max(t[3] for t in members)):
+                    break
+                members.append(exact[j])
+                common, M, j = cand, M + exact[j][2], j + 1
+            qbs = torch.cat([t[0] for t in members])
+            qr = _rows(q_order, q_starts, qbs, q_id, device)
+            kr = _rows(k_order, k_starts, common.nonzero(as_tuple=True)[0], k_id, device)
+            g = _TokenGroup(q_rows=qr, k_rows=kr, m=M, n=n_keys(common))
+            if len(members) > 1:
+                g.residuals, off = [], 0
+                for t in members:
+                    own = t[1] & ~common
+                    if bool(own.any()):
+                        g.residuals.append((off, t[2], _rows(k_order, k_starts, own.nonzero(as_tuple=True)[0],
+                                                             k_id, device), n_keys(own)))
+                    off += t[2]
+            groups.append(g)
+            i = j
+        plan.heads.append(groups)
+    return plan
+
+
+def _take(x: torch.Tensor, rows) -> torch.Tensor:
+    if isinstance(rows, tuple):
+        return x.narrow(2, rows[0], rows[1])
+    return x.index_select(2, rows)
+
+
+def _token_gather_attention(q, k, v, plan: TokenBlockPlan, scale: float, chunk_elems: int) -> torch.Tensor:
+    B, H, Lq, _ = q.shape
+    out = q.new_empty(B, H, Lq, v.shape[-1])
+    Hk = plan.n_pattern_heads
+    Hg = H // Hk
+    for h, groups in enumerate(plan.heads):
+        hs = slice(h * Hg, (h + 1) * Hg)
+        qh, kh, vh, oh = q[:, hs], k[:, hs], v[:, hs], out[:, hs]
+        for g in groups:
+            gk, gv = _take(kh, g.k_rows), _take(vh, g.k_rows)
+            if g.residuals is not None:
+                _super_tile(qh, kh, vh, oh, g, gk, gv, scale)
+                continue
+            # Query chunks bound the score tile of SDPA's non-fused (math) path; the fused kernels tile anyway.
+            step = max(plan.block_size, chunk_elems // max(1, B * Hg * g.n))
+            for a in range(0, g.m, step):
+                c = min(step, g.m - a)
+                if isinstance(g.q_rows, tuple):
+                    rows = (g.q_rows[0] + a, c)
+                else:
+                    rows = g.q_rows if c == g.m else g.q_rows[a:a + c]
+                o = F.scaled_dot_product_attention(_take(qh, rows), gk, gv, scale=scale)
+                if isinstance(rows, tuple):
+                    oh.narrow(2, rows[0], rows[1]).copy_(o)
+                else:
+                    oh.index_copy_(2, rows, o)
+    return out
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attention_lse(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and its row log-sum-exp (at least float32): the CPU's fused kernel when it serves these
+    inputs, else the exact math (which materialises one [rows, keys] score tile)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        try:
+            o, lse = _FLASH_CPU(q, k, v, scale=scale)
+            return o, lse.to(acc)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.softmax(s, -1), v.to(acc)).to(v.dtype), lse
+
+
+def _super_tile(qh, kh, vh, oh, g: _TokenGroup, gk, gv, scale: float) -> None:
+    """One super-tile: all its queries against the shared keys, each member's queries against its own remaining
+    keys, merged exactly: out = sum_i exp(lse_i - lse) * out_i with lse = logaddexp over the parts."""
+    gq = _take(qh, g.q_rows)
+    o, lse = _attention_lse(gq, gk, gv, scale)
+    o = o.to(lse.dtype)
+    for off, m, k_rows, _n in g.residuals:
+        o_r, l_r = _attention_lse(gq.narrow(2, off, m), _take(kh, k_rows), _take(vh, k_rows), scale)
+        l_s = lse.narrow(-1, off, m)
+        tot = torch.logaddexp(l_s, l_r)
+        seg = o.narrow(2, off, m)
+        seg.copy_(seg * (l_s - tot).exp().unsqueeze(-1) + o_r.to(o.dtype) * (l_r - tot).exp().unsqueeze(-1))
+    o = o.to(oh.dtype)
+    if isinstance(g.q_rows, tuple):
+        oh.narrow(2, g.q_rows[0], g.q_rows[1]).copy_(o)
+    else:
+        oh.index_copy_(2, g.q_rows, o)
+
+
+@torch.no_grad()
+def build_token_flex_block_mask(
+    keep: torch.Tensor,
+    block_size: int,
+    n_tokens: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+):
+    """A FlexAttention ``BlockMask`` for query tokens at ``q_pos`` and key tokens at ``k_pos``, both
+    **ascending** (position order, so a flex tile covers few original blocks).
+
+    Flex tiles are ``block_size`` consecutive rows of q / of k; tile (t, u) is listed when some (query block,
+    key block) pair it covers is kept and "full" when all are (and the kv tile is not the padded last one).
+    ``mask_mod`` evaluates ``keep[h, q_pos[q] // bs, k_pos[k] // bs]`` through O(Lq + Lk) lookup tables, never a
+    token-level mask. The tile lists are built with O(tiles x blocks) incidence products.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    block_size = _check_block_size(block_size)
+    L = int(n_tokens)
+    keep = _normalize_keep(keep, None, L, block_size)
+    device = torch.device(device) if device is not None else keep.device
+    keep = keep.to(device)
+    Hk, Qb, Kb = keep.shape
+    qp = q_pos.to(device).long().reshape(-1)
+    kp = qp if k_pos is None else k_pos.to(device).long().reshape(-1)
+    Lq, Lk = int(qp.numel()), int(kp.numel())
+    for name, p in (("q_pos", qp), ("k_pos", kp)):
+        if p.numel() > 1 and bool((p[1:] < p[:-1]).any()):
+            raise ValueError(f"{name} must be ascending for the flex block mask (sort the tokens first)")
+    qblk, kblk = qp // block_size, kp // block_size
+    nqt, nkt = n_blocks(Lq, block_size), n_blocks(Lk, block_size)
+
+    def incidence(blk: torch.Tensor, n_tiles: int, nb: int) -> torch.Tensor:
+        inc = torch.zeros(n_tiles, nb, dtype=torch.float32, device=device)
+        tile = torch.arange(blk.numel(), device=device) // block_size
+        inc[tile, blk] = 1.0
+        return inc
+
+    tq, tk = incidence(qblk, nqt, Qb), incidence(kblk, nkt, Kb)
+    kf = keep.float()
+    any_kept = (tq @ kf @ tk.T) > 0  # [Hk, nqt, nkt]
+    any_dropped = (tq @ (1.0 - kf) @ tk.T) > 0
+    full = any_kept & ~any_dropped
+    if Lk % block_size:
+        full[:, :, nkt - 1] = False  # the padded last kv tile keeps mask_mod's bounds check
+    partial = any_kept & ~full
+
+    def to_idx(b: torch.Tensor):
+        num = b.sum(-1).to(torch.int32)
+        idx = torch.argsort((~b).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num[None], idx[None]
+
+    kv_num, kv_idx = to_idx(partial)
+    full_num, full_idx = to_idx(full)
+    keep_c = keep.contiguous()
+    shared = Hk == 1
+    # Compiled kernels may evaluate mask_mod on the padding rows of the last tiles: keep the lookups in bounds.
+    qpad, kpad = nqt * block_size - Lq, nkt * block_size - Lk
+    qlut = torch.cat([qblk, qblk[-1:].expand(qpad)]) if qpad and Lq else qblk
+    klut = torch.cat([kblk, kblk[-1:].expand(kpad)]) if kpad and Lk else kblk
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        hh = h * 0 if shared else h
+        return keep_c[hh, qlut[q_idx], klut[kv_idx]] & (kv_idx < Lk)
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod,
+        seq_lengths=(Lq, Lk),
+    )
+
+
+TokenBackend = Literal["auto", "gather", "flex", "dense_masked"]
+
+
+def token_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    n_tokens: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor | None = None,
+    *,
+    backend: TokenBackend = "auto",
+    plan: TokenBlockPlan | None = None,
+    block_mask=None,
+    flex_compiled: bool | None = None,
+    scale: float | None = None,
+    chunk_elems: int = 1 << 26,
+) -> torch.Tensor:
+    """Block-sparse attention between two token sets: q [B, H, Lq, D], k/v [B, H, Lk, D] -> [B, H, Lq, Dv].
+
+    Row r of q is the token at original position ``q_pos[r]``, row c of k/v the token at ``k_pos[c]`` (None: the
+    same set as q, e.g. self-attention among a token subset). Query r attends key c iff
+    ``keep[h, q_pos[r] // block_size, k_pos[c] // block_size]``; the result equals (float tolerance) dense SDPA
+    with that token-level boolean mask (backend ``"dense_masked"``, the O(Lq * Lk) reference). keep: bool
+    [Hk, Qb, Kb] / [Qb, Kb] over the blocks of the original ``n_tokens``-token sequence, Hk dividing H (head
+    group j = heads [j*H/Hk, (j+1)*H/Hk) uses pattern j). Every query must keep at least one present key
+    (ValueError otherwise; keeping the diagonal and putting the queries' own tokens in the key set ensures it).
+
+    backend: ``"gather"`` (:func:`plan_token_block_sparse` groups, one unmasked SDPA per group: CPU default),
+    ``"flex"`` (FlexAttention with :func:`build_token_flex_block_mask` over position-sorted tokens; compiled with
+    automatic dynamic shapes on CUDA, eager elsewhere unless ``flex_compiled``; eager flex evaluates every
+    (query, key) pair and is for checks only), ``"auto"`` (flex on CUDA when available, gather otherwise).
+    ``plan`` / ``block_mask``: precomputed for the same arguments; when omitted they come from the content-keyed
+    LRU shared with :func:`block_sparse_attention`.
+    """
+    block_size = _check_block_size(block_size)
+    q, k, v = _as_bhld(q, "q"), _as_bhld(k, "k"), _as_bhld(v, "v")
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    if k.shape[:2] != (B, H) or v.shape[:3] != k.shape[:3] or k.shape[-1] != D:
+        raise ValueError(f"k and v must be [B, H, Lk, D] matching q's B, H, D; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q_pos.numel() != Lq:
+        raise ValueError(f"q_pos has {q_pos.numel()} entries but q has {Lq} rows")
+    if k_pos is None and Lk != Lq:
+        raise ValueError(f"k has {Lk} rows but q has {Lq}: pass k_pos when the keys are another token set")
+    if k_pos is not None and k_pos.numel() != Lk:
+        raise ValueError(f"k_pos has {k_pos.numel()} entries but k has {Lk} rows")
+    keep = _normalize_keep(keep, None, n_tokens, block_size)
+    if H % keep.shape[0]:
+        raise ValueError(f"keep has {keep.shape[0]} head patterns, which does not divide {H} heads")
+    scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+    if Lq == 0:
+        return q.new_empty(B, H, 0, v.shape[-1])
+    if backend == "auto":
+        backend = "flex" if (q.is_cuda and flex_available()) else "gather"
+    if backend == "dense_masked":
+        kp = q_pos if k_pos is None else k_pos
+        qb = (q_pos.to(keep.device).long() // block_size)
+        kb = (kp.to(keep.device).long() // block_size)
+        mask = keep[:, qb[:, None], kb[None, :]]  # [Hk, Lq, Lk]: the reference, O(Lq * Lk)
+        if bool((~mask.any(-1)).any()):
+            raise ValueError("keep leaves a query without any key: every query needs at least one key")
+        mask = mask.to(q.device).repeat_interleave(H // keep.shape[0], 0)
+        return _sdpa(q, k, v, mask.unsqueeze(0), scale)
+    if plan is None:
+        plan = _cached_key(
+            ("token_plan", block_size, int(n_tokens), str(q.device), *_content_key(keep, q_pos, k_pos)),
+            lambda: plan_token_block_sparse(keep, block_size, n_tokens, q_pos, k_pos, device=q.device),
+        )
+    elif not plan.compatible(H, Lq, Lk, q.device) or plan.n_tokens != int(n_tokens):
+        raise ValueError("the given plan was built for other shapes/device than these q/k/v; rebuild it")
+    if plan.dense:
+        return _sdpa(q, k, v, None, scale)
+    if backend == "gather":
+        return _token_gather_attention(q, k, v, plan, scale, chunk_elems)
+    if backend == "flex":
+        if not flex_available():
+            raise RuntimeError("backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use 'gather'")
+        if plan.flex is None or (block_mask is None and plan.flex[2] is None):
+            plan.flex = _token_flex_setup(keep, block_size, n_tokens, q_pos, k_pos, q.device, block_mask is None)
+        qperm, kperm, bm = plan.flex
+        bm = bm if block_mask is None else block_mask
+        qs = q if qperm is None else q.index_select(2, qperm)
+        ks, vs = (k, v) if kperm is None else (k.index_select(2, kperm), v.index_select(2, kperm))
+        compiled = q.is_cuda if flex_compiled is None else bool(flex_compiled)
+        out = _flex_fn(compiled, dynamic=None)(qs, ks, vs, block_mask=bm, scale=scale)
+        return out if qperm is None else torch.empty_like(out).index_copy_(2, qperm, out)
+    raise ValueError(f"backend must be one of 'auto', 'gather', 'flex', 'dense_masked'; got {backend!r}")
+
+
+def _token_flex_setup(keep, block_size: int, n_tokens: int, q_pos, k_pos, device, with_mask: bool = True):
+    """Sort permutations (None when already ascending) and the BlockMask over the position-sorted tokens (None
+    unless ``with_mask``: the caller brings its own)."""
+    qp = q_pos.detach().long().reshape(-1)
+    kp = qp if k_pos is None else k_pos.detach().long().reshape(-1)
+
+    def perm(p: torch.Tensor):
+        order = torch.argsort(p, stable=True)
+        ident = bool((order == torch.arange(p.numel(), device=p.device)).all())
+        return (None if ident else order.to(device)), p[order]
+
+    qperm, qsp = perm(qp)
+    kperm, ksp = perm(kp)
+    bm = build_token_flex_block_mask(keep, block_size, n_tokens, qsp, ksp, device=device) if with_mask else None
+    return qperm, kperm, bm
+
+
+def token_block_sparse_attention_bld(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: int,
+    keep: torch.Tensor,
+    block_size: int,
+    n_tokens: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """ComfyUI ``optimized_attention`` layout: q [B, Lq, heads*D], k/v [B, Lk, heads*D] -> [B, Lq, heads*D].
+
+    Same semantics and keyword options as :func:`token_block_sparse_attention`.
+    """
+    B, Lq, HD = q.shape
+    out = token_block_sparse_attention(
+        _bld_to_bhld(q, heads), _bld_to_bhld(k, heads), _bld_to_bhld(v, heads), keep, block_size, n_tokens,
+        q_pos, k_pos, **kwargs,
+    )
+    return out.transpose(1, 2).reshape(B, Lq, out.shape[1] * out.shape[-1])

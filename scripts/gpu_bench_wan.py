@@ -13,6 +13,12 @@ times (CUDA-synchronised, median of --repeats after a warm-up call):
   sparse@d,f            as above with middle-layer self-attention restricted to a block structure of density d
                         (FlexAttention BlockMask, compiled; f = 1 means all tokens active)
   attn_only             one self-attention call at full length: SDPA vs flex at each density (isolates the kernel)
+  hit_attn              the hit path's kernel alone: self-attention among a hit's token subset (active box + a
+                        1-token margin, queries = keys = subset) -- unmasked SDPA, the former path (SDPA with
+                        the subset's [S, S] boolean mask) and token_block_sparse_attention (flex / gather)
+  hit@d,f               full forward as the joint hit path runs it: middle layers compute only the subset
+                        (active fraction f + margin), self-attention among it on token_block_sparse_attention
+                        at block density d (d = 1: unmasked SDPA among the subset, i.e. latent-only)
 
 Weights are random, so recorded structures are not representative; sparse variants use a random per-head pattern
 (Bernoulli(d) + diagonal, 128-token blocks) at the requested density. First/last --edge-layers layers stay dense.
@@ -154,6 +160,53 @@ def make_sparse_block_fn(block, sa, apply_rope1, keep, bs, A, backend, block_mas
     return forward
 
 
+def subset_index(grid, frac: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hit's token subset: the active box (fraction ``frac`` of every frame) dilated by one token in (t, h, w),
+    ascending, and the active tokens' rows within it."""
+    T, H, W = grid
+    A = active_index(grid, frac, "cpu")
+    box = torch.zeros(T * H * W, dtype=torch.bool)
+    box[torch.arange(T * H * W) if A is None else A] = True
+    sub = torch.nn.functional.max_pool3d(box.view(1, 1, T, H, W).float(), 3, stride=1, padding=1).view(-1) > 0
+    subset = sub.nonzero().squeeze(1)
+    rows = torch.searchsorted(subset, box.nonzero().squeeze(1))
+    return subset.to(device), rows.to(device)
+
+
+def make_hit_block_fn(block, sa, apply_rope1, keep, bs, L, subset, rows, backend):
+    """The joint hit path's middle block: the block runs on the subset's tokens only (as comfy_patch gathers its
+    inputs), self-attention among the subset on token_block_sparse_attention (keep None: unmasked SDPA), and only
+    the active rows are written back. Mirrors comfy.ldm.wan.model.WanAttentionBlock.forward (0.3.75)."""
+    attn = block.self_attn
+    n, d = attn.num_heads, attn.head_dim
+
+    def forward(x, e, freqs, context, transformer_options):
+        mod = block.modulation.to(dtype=x.dtype, device=x.device)
+        e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
+        xs = x[:, subset]
+        fs = freqs[:, subset]
+        b, s = xs.shape[:2]
+        h = torch.addcmul(e[0], block.norm1(xs), 1 + e[1])
+        q = apply_rope1(attn.norm_q(attn.q(h)).view(b, s, n, d), fs).transpose(1, 2)
+        k = apply_rope1(attn.norm_k(attn.k(h)).view(b, s, n, d), fs).transpose(1, 2)
+        v = attn.v(h).view(b, s, n, d).transpose(1, 2)
+        if keep is None:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            y = sa.token_block_sparse_attention(q, k, v, keep, bs, L, subset, backend=backend)
+        y = attn.o(y.transpose(1, 2).reshape(b, s, n * d))
+        xs = torch.addcmul(xs, y, e[2])
+        xs = xs + block.cross_attn(block.norm3(xs), context, context_img_len=None,
+                                   transformer_options=transformer_options)
+        y = block.ffn(torch.addcmul(e[3], block.norm2(xs), 1 + e[4]))
+        xs = torch.addcmul(xs, y, e[5])
+        out = x.clone()
+        out[:, subset[rows]] = xs[:, rows]
+        return out
+
+    return forward
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a crash check, not a benchmark")
@@ -165,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new variant after this many seconds")
     ap.add_argument("--backend", default="auto", choices=["auto", "flex", "gather"])
+    ap.add_argument("--hit-active", type=float, default=0.25, help="active fraction of the hit-path variants")
+    ap.add_argument("--skip-old", action="store_true", help="skip the dense_active / sparse@ variants")
     args = ap.parse_args(argv)
     t_start = time.time()
 
@@ -287,6 +342,10 @@ def main(argv: list[str] | None = None) -> dict:
         full = torch.ones(1, nb, nb, dtype=torch.bool, device=device)
         mine = make_sparse_block_fn(blk, sa, apply_rope1, full, bs, None, backend)(xin, e, freqs, ctx, {})
         result["checks"]["replacement_block_vs_model_block_max_abs"] = float((mine.float() - ref.float()).abs().max())
+        every = torch.arange(L, device=device)
+        hit_all = make_hit_block_fn(blk, sa, apply_rope1, full, bs, L, every, every, backend)(xin, e, freqs, ctx, {})
+        result["checks"]["hit_block_all_tokens_vs_model_block_max_abs"] = float(
+            (hit_all.float() - ref.float()).abs().max())
         keep = (torch.rand(H, nb, nb, generator=g) < 0.25) | torch.eye(nb, dtype=torch.bool)
         keep = keep.to(device)
         q = torch.randn(1, H, L, D, generator=g).to(device, dtype)
@@ -313,6 +372,67 @@ def main(argv: list[str] | None = None) -> dict:
     result["attn_only"] = attn_res
     save()
 
+    # --- the hit path's kernel: self-attention among a hit's subset (queries = keys = subset) ---
+    subset, rows = subset_index(grid, args.hit_active, device)
+    S = int(subset.numel())
+    with torch.inference_mode():
+        qs, ks, vs = (t[:, :, subset].contiguous() for t in (q, k, v))
+        hit_res = {"subset_tokens": S,
+                   "sdpa_unmasked": timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs))}
+        sb = subset // bs
+        for dens in args.densities:
+            kp = ((torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+            t0 = time.perf_counter()
+            pl = sa.plan_token_block_sparse(kp, bs, L, subset, device=device)
+            bm = sa.build_token_flex_block_mask(kp, bs, L, subset, device=device) if backend == "flex" else None
+            sync()
+            prep_ms = (time.perf_counter() - t0) * 1e3
+            r = timed(lambda: sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend=backend,
+                                                              plan=pl, block_mask=bm))
+            r.update({"density": round(pl.density, 4), "plan_ms": round(prep_ms, 1), "gather_sdpa_calls": pl.n_calls,
+                      "speedup_vs_subset_sdpa": round(hit_res["sdpa_unmasked"]["median_ms"] / r["median_ms"], 2)})
+            if backend == "flex":
+                o_f = sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend="flex", block_mask=bm)
+                o_g = sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend="gather", plan=pl)
+                r["flex_vs_gather_max_abs"] = float((o_f.float() - o_g.float()).abs().max())
+                r["gather"] = timed(lambda: sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset,
+                                                                            backend="gather", plan=pl))
+            hit_res[f"kernel@{dens:g}"] = r
+            if S * S * 4 <= (4 << 30):  # the former hit path: an [S, S] boolean mask (skip if > 4 GiB of scores)
+                mask = kp[0][sb[:, None], sb[None, :]]
+                mr = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask))
+                mr["speedup_vs_subset_sdpa"] = round(hit_res["sdpa_unmasked"]["median_ms"] / mr["median_ms"], 2)
+                hit_res[f"old_masked@{dens:g}"] = mr
+                del mask
+            if time.time() - t_start > args.budget_s:
+                break
+    result["hit_attn"] = hit_res
+    save()
+
+    # --- full forwards as the joint hit path runs them (subset only in the middle layers) ---
+    for dens in [1.0, *args.densities]:
+        name = f"hit@{dens:g},{args.hit_active:g}"
+        if time.time() - t_start > args.budget_s:
+            result["variants"][name] = {"skipped": "budget"}
+            continue
+        patches = {}
+        for i in middle:
+            kp = None if dens >= 1.0 else (
+                (torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+            fn = make_hit_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, L, subset, rows, backend)
+            patches[("double_block", i)] = (lambda fn: lambda a, extra: {
+                "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
+        opts = {"patches_replace": {"dit": patches}}
+        t0 = time.perf_counter()
+        forward(opts)  # first call: plans, block masks and flex compilation
+        sync()
+        first_s = time.perf_counter() - t0
+        r = timed(lambda: forward(opts))
+        r.update({"subset": round(S / L, 4), "active": args.hit_active, "density": dens,
+                  "speedup_vs_dense": round(dense_ms / r["median_ms"], 3), "first_call_s": round(first_s, 1)})
+        result["variants"][name] = r
+        save()
+
     # --- full forwards: active-token restriction, block-sparse middle layers ---
     plans = []
     for dens in [None, *args.densities]:
@@ -320,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
             if dens is None and frac >= 1.0:
                 continue  # that is "dense"
             plans.append((dens, frac))
-    for dens, frac in plans:
+    for dens, frac in ([] if args.skip_old else plans):
         name = f"dense_active@{frac:g}" if dens is None else f"sparse@{dens:g},{frac:g}"
         if time.time() - t_start > args.budget_s:
             result["variants"][name] = {"skipped": "budget"}

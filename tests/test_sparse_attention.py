@@ -386,3 +386,360 @@ def test_estimate_is_independent_of_memory_chunking():
         whole = sa.estimate_block_mass(q, k, 32, sample_queries=s)
         tiny = sa.estimate_block_mass(q, k, 32, sample_queries=s, max_chunk_elems=100)  # one block per chunk
         torch.testing.assert_close(whole, tiny)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block-sparse attention between token sets (the reuse hit path)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _token_reference(q, k, v, keep, bs, q_pos, k_pos):
+    """float64 softmax with the token-level mask keep[h, q_pos // bs, k_pos // bs], built by repeat_interleave of
+    the block pattern over the whole sequence and then indexed (independent of the module's helpers)."""
+    keep3 = keep if keep.dim() == 3 else keep[None]
+    L = int(max(int(q_pos.max()), int(k_pos.max()))) + 1
+    tok = keep3.repeat_interleave(bs, dim=1).repeat_interleave(bs, dim=2)[:, :L, :L]
+    tok = tok[:, q_pos][:, :, k_pos]  # [Hk, Lq, Lk]
+    tok = tok.repeat_interleave(q.shape[1] // keep3.shape[0], 0)
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~tok[None], float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.double()).float()
+
+
+def _token_sets(L: int, kind: str, seed: int):
+    g = _gen(seed)
+    if kind == "all":
+        return torch.arange(L), None
+    if kind == "sorted_subset":  # the hit path today: queries = keys = a sorted subset
+        return torch.sort(torch.randperm(L, generator=g)[: L // 3]).values, None
+    if kind == "unsorted_subset":
+        return torch.randperm(L, generator=g)[: L // 2], None
+    # queries = active tokens, keys = active + context, in arbitrary order
+    qp = torch.randperm(L, generator=g)[: L // 4]
+    extra = torch.randperm(L, generator=g)[: L // 3]
+    kp = torch.unique(torch.cat([qp, extra]))
+    return qp, kp[torch.randperm(kp.numel(), generator=g)]
+
+
+@pytest.mark.parametrize("kind", ["all", "sorted_subset", "unsorted_subset", "queries_and_context"])
+@pytest.mark.parametrize("B,H,L,D,bs,Hk", CASES)
+@pytest.mark.parametrize("density", [0.15, 0.5])
+def test_token_kernel_equals_dense_mask_reference(B, H, L, D, bs, Hk, kind, density):
+    qp, kp = _token_sets(L, kind, seed=L + Hk)
+    kpos = qp if kp is None else kp
+    nb = sa.n_blocks(L, bs)
+    keep = _random_keep(Hk, nb, density, seed=bs + Hk)
+    g = _gen(L)
+    q = torch.randn(B, H, qp.numel(), D, generator=g)
+    k, v = (torch.randn(B, H, kpos.numel(), D, generator=g) for _ in range(2))
+    if kp is not None:
+        # Every query's own token is among the keys (as on the hit path): its own (diagonal) block has a key.
+        assert bool(torch.isin(qp, kp).all())
+    ref = _token_reference(q, k, v, keep, bs, qp, kpos)
+    out = sa.token_block_sparse_attention(q, k, v, keep, bs, L, qp, kp, backend="gather")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    masked = sa.token_block_sparse_attention(q, k, v, keep, bs, L, qp, kp, backend="dense_masked")
+    torch.testing.assert_close(masked, ref, atol=2e-5, rtol=1e-4)
+    # The pattern removes pairs, so the result differs from unmasked attention among the same tokens.
+    assert (out - torch.nn.functional.scaled_dot_product_attention(q, k, v)).abs().max() > 1e-2
+    plan = sa.plan_token_block_sparse(keep, bs, L, qp, kp)
+    qb, kb = qp // bs, kpos // bs
+    assert plan.kept_pairs == int(keep[:, qb[:, None], kb[None, :]].sum())
+
+
+def test_token_kernel_bld_layout_and_all_true_keep():
+    B, H, L, D, bs = 2, 3, 150, 8, 32
+    qp = torch.sort(torch.randperm(L, generator=_gen(1))[:70]).values
+    g = _gen(2)
+    q, k, v = (torch.randn(B, qp.numel(), H * D, generator=g) for _ in range(3))
+    nb = sa.n_blocks(L, bs)
+    keep = _random_keep(1, nb, 0.3, seed=4)
+    out = sa.token_block_sparse_attention_bld(q, k, v, H, keep, bs, L, qp)
+    to = lambda x: x.view(B, -1, H, D).transpose(1, 2)  # noqa: E731
+    ref = _token_reference(to(q), to(k), to(v), keep, bs, qp, qp).transpose(1, 2).reshape(B, -1, H * D)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    full = torch.ones(1, nb, nb, dtype=torch.bool)
+    plan = sa.plan_token_block_sparse(full, bs, L, qp)
+    assert plan.dense and plan.density == 1.0 and plan.n_calls == 0
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.testing.assert_close(sa.token_block_sparse_attention(to(q), to(k), to(v), full, bs, L, qp, plan=plan),
+                               sdpa(to(q), to(k), to(v)))
+
+
+def test_token_kernel_builds_no_token_mask(monkeypatch):
+    """The gather kernel's SDPA calls get no mask at all, and each call is one group's dense tile: query blocks
+    are grouped by their key-block set, so a frame pattern (blocks attend the blocks of their own frame) gives
+    one call per frame, each exactly that frame's queries against that frame's keys."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        calls.append((attn_mask, tuple(q.shape), tuple(k.shape)))
+        return real(q, k, v, attn_mask, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    L, bs, H, D = 512, 32, 2, 8
+    nb = sa.n_blocks(L, bs)
+    i = torch.arange(nb)
+    frames = (i[:, None] // 4) == (i[None, :] // 4)  # "spatial head": 4 blocks per frame
+    qp = torch.sort(torch.randperm(L, generator=_gen(3))[:300]).values
+    q, k, v = (torch.randn(1, H, qp.numel(), D, generator=_gen(s)) for s in range(3))
+    plan = sa.plan_token_block_sparse(frames, bs, L, qp)
+    assert plan.n_calls == nb // 4  # one tile per frame
+    out = sa.token_block_sparse_attention(q, k, v, frames, bs, L, qp, plan=plan)
+    assert len(calls) == nb // 4 and all(m is None for m, _, _ in calls)
+    # Each tile is exactly one frame's queries against that frame's keys: sum of tiles = kept pairs.
+    assert sum(qs[2] * ks[2] for _, qs, ks in calls) == plan.kept_pairs == int(
+        frames[(qp // bs)[:, None], (qp // bs)[None, :]].sum())
+    torch.testing.assert_close(out, _token_reference(q, k, v, frames, bs, qp, qp), atol=2e-5, rtol=1e-4)
+
+
+def test_token_kernel_errors_are_clear():
+    L, bs = 128, 32
+    q = torch.randn(1, 2, 10, 8)
+    qp = torch.arange(10)
+    keep = torch.eye(4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="q_pos has 9 entries"):
+        sa.token_block_sparse_attention(q, q, q, keep, bs, L, qp[:9])
+    with pytest.raises(ValueError, match="pass k_pos"):
+        sa.token_block_sparse_attention(q, q[:, :, :5], q[:, :, :5], keep, bs, L, qp)
+    with pytest.raises(ValueError, match=r"positions in \[0, 128\)"):
+        sa.plan_token_block_sparse(keep, bs, L, qp + 200)
+    with pytest.raises(ValueError, match="covers 4x4 blocks"):
+        sa.plan_token_block_sparse(keep, bs, 300, qp)
+    # Queries of block 0 whose only kept key block (0) holds no key: a row without keys is refused.
+    with pytest.raises(ValueError, match="none of its kept key blocks holds a key"):
+        sa.plan_token_block_sparse(keep, bs, L, qp, torch.arange(40, 60))
+
+
+def test_plan_cache_is_thread_safe_and_shares_one_build():
+    """Two threads that miss the same key at the same time both build, but both get the first stored object;
+    many threads hammering the LRU keep it bounded and consistent."""
+    import threading
+
+    sa.clear_plan_cache()
+    barrier = threading.Barrier(2)
+    got = [None, None]
+
+    def build():
+        barrier.wait(timeout=10)  # both threads are inside build() before either stores
+        return object()
+
+    def worker(j):
+        got[j] = sa._cached_key(("race",), build)
+
+    ts = [threading.Thread(target=worker, args=(j,)) for j in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=20)
+    assert got[0] is not None and got[0] is got[1]
+
+    errors = []
+    keep = _random_keep(1, 4, 0.3, seed=1)
+
+    def hammer(j):
+        try:
+            for n in range(200):
+                qp = torch.arange((j * 7 + n) % 100, 128)
+                sa._cached_key(("p", (j + n) % 80), lambda: sa.plan_token_block_sparse(keep, 32, 128, qp))
+        except Exception as e:  # pragma: no cover - the failure being tested
+            errors.append(e)
+
+    ts = [threading.Thread(target=hammer, args=(j,)) for j in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert not errors and len(sa._PLAN_CACHE) <= sa._CACHE_SIZE
+    sa.clear_plan_cache()
+
+
+@pytest.mark.skipif(not sa.flex_available(), reason="torch has no flex_attention")
+def test_token_flex_block_mask_lists_exactly_the_needed_tiles():
+    """Flex tiles of sorted token sets: listed iff some kept (query block, key block) pair falls in the tile,
+    'full' iff all pairs in it are kept -- checked against the token-level mask pooled per tile."""
+    L, bs = 300, 16
+    nb = sa.n_blocks(L, bs)
+    keep = _random_keep(2, nb, 0.3, seed=8)
+    qp = torch.sort(torch.randperm(L, generator=_gen(1))[:100]).values
+    kp = torch.sort(torch.unique(torch.cat([qp, torch.randperm(L, generator=_gen(2))[:90]]))).values
+    bm = sa.build_token_flex_block_mask(keep, bs, L, qp, kp)
+    tok = keep[:, (qp // bs)[:, None], (kp // bs)[None, :]]  # [2, Lq, Lk]
+    nqt, nkt = sa.n_blocks(qp.numel(), bs), sa.n_blocks(kp.numel(), bs)
+    padded = torch.zeros(2, nqt * bs, nkt * bs, dtype=torch.bool)
+    padded[:, : qp.numel(), : kp.numel()] = tok
+    tiles = padded.view(2, nqt, bs, nkt, bs)
+    want_any = tiles.any(4).any(2)
+    dense = bm.to_dense()[0].bool()  # [Hk, nqt, nkt]: listed tiles (partial or full)
+    assert torch.equal(dense, want_any)
+    full = torch.zeros_like(want_any)
+    for h in range(2):
+        for t in range(nqt):
+            for j in bm.full_kv_indices[0, h, t, : int(bm.full_kv_num_blocks[0, h, t])].tolist():
+                full[h, t, j] = True
+    for h in range(2):
+        for t in range(nqt):
+            rows = slice(t * bs, min((t + 1) * bs, qp.numel()))
+            for j in range(nkt):
+                cols = slice(j * bs, (j + 1) * bs)
+                all_kept = bool(tok[h, rows, cols].all()) and (j + 1) * bs <= kp.numel()
+                assert bool(full[h, t, j]) == all_kept, (h, t, j)
+
+
+@pytest.mark.skipif(not sa.flex_available(), reason="torch has no flex_attention")
+def test_token_flex_eager_equals_reference():
+    import warnings
+
+    L, bs, H, D = 200, 16, 2, 8
+    keep = _random_keep(1, sa.n_blocks(L, bs), 0.3, seed=6)
+    qp, kp = _token_sets(L, "queries_and_context", seed=3)  # unsorted: the flex path sorts and unsorts
+    g = _gen(4)
+    q = torch.randn(1, H, qp.numel(), D, generator=g)
+    k, v = (torch.randn(1, H, kp.numel(), D, generator=g) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = sa.token_block_sparse_attention(q, k, v, keep, bs, L, qp, kp, backend="flex", flex_compiled=False)
+    torch.testing.assert_close(out, _token_reference(q, k, v, keep, bs, qp, kp), atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the hit path in ComfyUI (comfy_patch._subset_attention and a joint-reuse run on a tiny Wan)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _old_subset_mask(keep: torch.Tensor, bs: int, q_sub: torch.Tensor, k_sub: torch.Tensor) -> torch.Tensor:
+    """The hit path's former token-level mask: union over heads, plus 'same block' (the contract to keep)."""
+    kb = keep.any(0)
+    qb, kb_ = q_sub // bs, k_sub // bs
+    return kb[qb][:, kb_] | (qb[:, None] == kb_[None, :])
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("with_context", [False, True])
+def test_subset_attention_equals_masked_reference_without_a_token_mask(comfy_env, monkeypatch, with_context):
+    from types import SimpleNamespace
+
+    from carnator.carnator_core import comfy_patch as cp
+
+    L, bs, H, D, B = 400, 16, 3, 8, 2
+    nb = sa.n_blocks(L, bs)
+    keep = torch.rand(H, nb, nb, generator=_gen(1)) < 0.08  # sparse per head; diagonal not forced
+    sub = torch.sort(torch.randperm(L, generator=_gen(2))[:150]).values
+    ksub = torch.unique(torch.cat([sub, torch.randperm(L, generator=_gen(3))[:60]])) if with_context else None
+    kpos = sub if ksub is None else ksub
+    g = _gen(4)
+    q = torch.randn(B, sub.numel(), H * D, generator=g)
+    k, v = (torch.randn(B, kpos.numel(), H * D, generator=g) for _ in range(2))
+    masks = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        masks.append(kw.get("attn_mask", a[3] if len(a) > 3 else None))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    run = SimpleNamespace(layer=3, subset_cache={}, n_tokens=L, stats={"attn_pairs": 0, "attn_pairs_dense": 0})
+    out = cp._subset_attention(run, q, k, v, H, keep, bs, sub, 0.85, k_subset=ksub)
+    assert out is not None and masks and all(m is None for m in masks)
+    mask = _old_subset_mask(keep, bs, sub, kpos)
+    assert run.stats["attn_pairs"] == int(mask.sum()) and run.stats["attn_pairs_dense"] == L * L
+    to = lambda x: x.view(B, -1, H, D).transpose(1, 2).double()  # noqa: E731
+    s = (to(q) @ to(k).transpose(-1, -2)) / math.sqrt(D)
+    ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ to(v)
+    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(B, -1, H * D).float(), atol=2e-5, rtol=1e-4)
+    # Above the density threshold the caller runs unmasked SDPA instead (None), decided once per layer.
+    run2 = SimpleNamespace(layer=3, subset_cache={}, n_tokens=L, stats={"attn_pairs": 0, "attn_pairs_dense": 0})
+    assert cp._subset_attention(run2, q, k, v, H, torch.ones_like(keep), bs, sub, 0.85, k_subset=ksub) is None
+
+
+@pytest.mark.comfy
+def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comfy_env, monkeypatch, tmp_path):
+    """A joint hit on a tiny Wan whose cached structure is sparse: every middle-layer self-attention among the
+    subset goes through the token-set kernel, and no SDPA call anywhere in the model gets a mask larger than
+    O(blocks^2) (the former path passed an [S, S] boolean mask)."""
+    import tiny_models as tm
+
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.types import BlockStructure, Candidate, Decision, ObjectSignature, Signature
+    from carnator.nodes.probe import CarnatorEarlyProbe
+
+    m = tm.load_tiny_model("wan21", tmp_path)
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    probe = CarnatorEarlyProbe.execute(m, pos, neg, lat, 6, 8, 5.0, "euler", "simple", 2, "a red ball",
+                                       None, None, "ball").args[0]
+    T, Hh, W = probe.grid
+    mask = np.zeros((T, Hh, W), np.float32)
+    mask[:, : Hh // 2, : W // 2] = 1.0
+    sig = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
+                    np.zeros((4, 4, 3), np.float32), probe.grid)
+    target = Signature((ObjectSignature("ball", np.roll(mask, W // 2, axis=2), float(mask.mean()),
+                                        (50.0, 10.0, 10.0)),), np.zeros((4, 4, 3), np.float32), probe.grid)
+    n_tokens, bs = T * Hh * W, 4
+    nb = sa.n_blocks(n_tokens, bs)
+    layers = (1, 2)  # the tiny Wan's middle layers (4 blocks, first/last dense)
+    band = (np.abs(np.arange(nb)[:, None] - np.arange(nb)[None, :]) <= 1)
+    structure = BlockStructure(keep=np.broadcast_to(band, (len(layers), 1, nb, nb)).copy(), layers=layers,
+                               block_size=bs, n_tokens=n_tokens)
+    cached = reuse.CachedRun("entry-1", probe.x0_probe.clone(), probe.x0_probe, sig, structure)
+    decision = Decision(True, Candidate("entry-1", 0.99, "a red ball", target), (), "signature",
+                        summary="test accept")
+    kernel_calls = []
+    real_kernel = sa.token_block_sparse_attention
+
+    def kernel_spy(*a, **kw):
+        kernel_calls.append(a[6].numel())  # q_pos: the subset
+        return real_kernel(*a, **kw)
+
+    big_masks = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa_spy(*a, **kw):
+        am = kw.get("attn_mask", a[3] if len(a) > 3 else None)
+        if am is not None and am.numel() > nb * nb:
+            big_masks.append(tuple(am.shape))
+        return real_sdpa(*a, **kw)
+
+    monkeypatch.setattr(sa, "token_block_sparse_attention", kernel_spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_spy)
+    out, r = reuse.sample(m, pos, neg, lat, probe, decision, cached,
+                          reuse.ReuseConfig(mode="joint", block_size=bs, dilation=0, x0_threshold=1e9),
+                          target_signature=target)
+    assert torch.isfinite(out).all() and r.decision == "hit" and not r.fallbacks, r.fallbacks
+    assert 0 < r.token_fraction < 1
+    # 8 steps - 2 probe steps = 6 model calls x 2 middle layers reach the kernel, each over the subset.
+    assert len(kernel_calls) == 6 * len(layers), kernel_calls
+    assert all(0 < n < n_tokens for n in kernel_calls)
+    assert big_masks == []
+    assert r.attention_fraction < r.token_fraction ** 2  # the band removed pairs among the subset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["all", "unsorted_subset", "queries_and_context"])
+def test_token_super_tiles_merge_exactly(kind, dtype):
+    """A banded pattern: neighbouring query blocks share most key blocks, so the plan stacks them into
+    super-tiles (shared keys in one tall tile, each block's own keys apart, merged by log-sum-exp). The result
+    equals the masked reference, and equals the plan without super-tiles."""
+    L, bs, H, D = 700, 16, 2, 8
+    nb = sa.n_blocks(L, bs)
+    i = torch.arange(nb)
+    band = ((i[:, None] - i[None, :]).abs() <= 6)[None].expand(2, nb, nb).clone()
+    band[1] |= (i[:, None] % 5) == (i[None, :] % 5)  # second head: plus a strided pattern
+    qp, kp = _token_sets(L, kind, seed=9)
+    kpos = qp if kp is None else kp
+    g = _gen(5)
+    q = torch.randn(1, H, qp.numel(), D, generator=g, dtype=dtype)
+    k, v = (torch.randn(1, H, kpos.numel(), D, generator=g, dtype=dtype) for _ in range(2))
+    tiled = sa.plan_token_block_sparse(band, bs, L, qp, kp, super_rows=64)
+    plain = sa.plan_token_block_sparse(band, bs, L, qp, kp, super_rows=0)
+    assert any(gr.residuals for gs in tiled.heads for gr in gs)  # super-tiles were formed
+    assert sum(len(gs) for gs in tiled.heads) < sum(len(gs) for gs in plain.heads)
+    assert tiled.kept_pairs == plain.kept_pairs
+    ref = _token_reference(q, k, v, band, bs, qp, kpos)  # float64 math, rounded to float32
+    out = sa.token_block_sparse_attention(q, k, v, band, bs, L, qp, kp, plan=tiled)
+    torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+    # float64 takes the exact-math path of the merge: tiled and plain agree to float64 rounding.
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(out, sa.token_block_sparse_attention(q, k, v, band, bs, L, qp, kp, plan=plain),
+                               **tol)
