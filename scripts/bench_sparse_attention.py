@@ -443,12 +443,11 @@ def bench_wan_hit(latent: str, dim: int, layers: int, steps: int, probe_steps: i
     (the former [S, S]-masked SDPA, patched in for the measurement), ``latent`` (unmasked attention among the
     subset) and ``dense``. The cached latent is the probe's x0 (the output is not judged here, only time)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import numpy as np
-
     import bench_reuse as br  # makes ComfyUI importable (CPU)
+    import numpy as np
     import tiny_models as tm
-    from carnator.carnator_core import comfy_patch as cp
-    from carnator.carnator_core import reuse
+
+    from carnator.carnator_core import comfy_patch as cp, reuse
     from carnator.carnator_core.probe import ProbeConfig, run_probe
     from carnator.carnator_core.types import BlockStructure, Candidate, Decision
 
