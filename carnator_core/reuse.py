@@ -34,7 +34,10 @@ class ReuseConfig:
     """Knobs of the Joint Reuse Sampler.
 
     mode:            "joint" | "latent" | "attention" | "dense" (ablations; see module docstring).
-    first_dense, last_dense: number of first/last transformer blocks always computed densely.
+    first_dense, last_dense: number of first/last transformer blocks always computed densely. 0 by default: with
+                     ``kv_context`` every block gets the context it needs, and a dense outer block after restricted
+                     ones would read tokens whose hidden states the restricted blocks did not update (PSNR of a
+                     hit vs its dense clip 25.5 dB with 1 + 1 dense outer blocks, 28.5 dB with none).
     mask_threshold:  a token belongs to an object where its soft signature mask is >= this.
     x0_threshold:    a token is active where the per-token mean |x0_target - x0_cached| at step k exceeds this
                      multiple of the typical (median) per-token difference magnitude of the target's x0.
@@ -49,11 +52,20 @@ class ReuseConfig:
     record_mass:     attention mass the recorded key blocks must cover per query block.
     record_steps:    how many representative steps to record at (spread over the schedule after the probe).
     context_margin_blocks: latent and joint modes: tokens of 3-D context margin around the active region.
+    kv_context:      latent and joint modes: the active tokens attend to every token in the restricted layers;
+                     keys/values of the tokens outside the computed subset come from this run's last dense
+                     call (see ``refreshes``). Off = attention among the subset only (an ablation: the
+                     lost context leaves rows of dashes around the region on the embedded model).
+    refreshes:       with ``kv_context``: how many reuse calls (spread evenly, the first included) run densely
+                     to record every token's keys/values for the calls that follow. Measured on the embedded
+                     model (same-seed wording + region of 34 % of the tokens, PSNR of the hit vs the dense clip):
+                     1 refresh 28.5 dB, 2: 30.5, 3: 31.8, 4: 33.6, every second call 36.6 dB; the recorded context
+                     goes stale as the noise level falls.
     """
 
     mode: str = "joint"
-    first_dense: int = 1
-    last_dense: int = 1
+    first_dense: int = 0
+    last_dense: int = 0
     mask_threshold: float = 0.5
     x0_threshold: float = 1.0
     dilation: int = 1
@@ -62,12 +74,16 @@ class ReuseConfig:
     record_mass: float = 0.9
     record_steps: int = 3
     context_margin_blocks: int = 1
+    kv_context: bool = True
+    refreshes: int = 3
 
     def validate(self) -> "ReuseConfig":
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.block_size < 0 or self.dilation < 0 or self.record_steps < 0:
             raise ValueError("block_size (0 = auto), dilation and record_steps must be >= 0")
+        if self.refreshes < 1:
+            raise ValueError(f"refreshes must be >= 1 (the first reuse call records the context), got {self.refreshes}")
         return self
 
 
@@ -204,6 +220,16 @@ def record_plan_steps(steps: int, probe_steps: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({int(round(x)) for x in np.linspace(probe_steps, steps - 1, n)}))
 
 
+def refresh_plan_calls(steps: int, probe_steps: int, refreshes: int) -> frozenset:
+    """Model-call indices computed densely to refresh the recorded keys/values: ``refreshes`` calls spread
+    evenly over the calls after the probe, the first of them always (it records what the others reuse)."""
+    n = steps - probe_steps
+    if n <= 0:
+        return frozenset()
+    k = max(1, min(int(refreshes), n))
+    return frozenset(probe_steps + (j * n) // k for j in range(k))
+
+
 def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision: Decision | None,
            cached: CachedRun | None, config: ReuseConfig = ReuseConfig(), target_signature: Signature | None = None,
            record: bool = True, progress: Callable[[int], None] | None = None,
@@ -273,7 +299,8 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
                             restrict_tokens=config.mode in ("joint", "latent"),
                             context_margin_blocks=config.context_margin_blocks,
                             block_size=config.block_size or auto_block_size(int(np.prod(probe.grid))),
-                            context_tokens=context)
+                            context_tokens=context, kv_context=config.kv_context,
+                            refresh_calls=refresh_plan_calls(gen.steps, gen.probe_steps, config.refreshes))
     elif record:
         n_tokens = int(np.prod(probe.grid))
         recorder = BlockRecorder(block_size=config.block_size or auto_block_size(n_tokens), layers=mids,
