@@ -330,6 +330,8 @@ class PairContext:
     steps, cfg, sampler, scheduler: the generation config (with ``options.probe`` it fixes the rule's config).
     store:        the cache (``cache.Store``) holding the warm entries.
     options:      ServeOptions (probe steps, reuse mode, signature config, top_k).
+    background:   (dense clip, prompt) -> bool [T, H, W] of the pixels reuse should leave unchanged, for the
+                  quality measures in each pair's ``diag`` (``bench.metrics.clip_quality``); None = whole clip.
     """
 
     model: Any
@@ -344,6 +346,7 @@ class PairContext:
     store: Any
     options: Any
     negative_prompt: str = ""
+    background: Callable[[np.ndarray, str], np.ndarray] | None = None
     _neg: Any = field(default=None, repr=False)
 
     def spec(self, req: PairRequest) -> Any:
@@ -374,7 +377,14 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
         decode=lambda s: codec.latent_to_rgb(s[:1].float().cpu())[0].numpy(),
         latent=comfy_glue.empty_latent(1), steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG,
         sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store, options=options,
+        background=_embedded_background,
     )
+
+
+def _embedded_background(dense_clip: np.ndarray, prompt: str) -> np.ndarray:
+    from ..bench.metrics import background_mask
+
+    return background_mask(dense_clip, prompt)
 
 
 def warm_entry(ctx: PairContext, req: PairRequest) -> tuple[str, Any]:
@@ -438,8 +448,11 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     neg = ctx.negative()
     res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(req), ctx.store,
                 replace(ctx.options, method="never", write=False))
+    from ..bench.metrics import artifact_score, clip_quality
+
     dense_clip = ctx.decode(res.latent["samples"])
     ref = labeler.reference(dense_clip, req.prompt)
+    background = ctx.background(dense_clip, req.prompt) if ctx.background is not None else None
     want = None if only is None else set(only(res) if callable(only) else only)
     cfg = replace(ctx.options.reuse, mode=ctx.options.reuse_mode)
     outs = []
@@ -458,12 +471,16 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
         samples, rep = reuse.sample(ctx.model, pos, neg, ctx.latent, res.probe, decision, cached, cfg,
                                     target_signature=res.signature, record=False)
         reuse_s = time.perf_counter() - t1
-        unsafe, diag = labeler.label(ref, ctx.decode(samples), req.prompt)
-        diag = {**diag, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
+        reuse_clip = ctx.decode(samples)
+        unsafe, diag = labeler.label(ref, reuse_clip, req.prompt)
+        quality = {k: (None if not np.isfinite(v) else round(float(v), 4))
+                   for k, v in clip_quality(reuse_clip, dense_clip, background).items()}
+        diag = {**diag, **quality, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
                 "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
                 "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3)}
         outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, True, bool(unsafe), diag))
-    dense_diag = {"dense_s": round(res.timings_ms.get("total", 0.0) / 1000.0, 3)}
+    dense_diag = {"dense_s": round(res.timings_ms.get("total", 0.0) / 1000.0, 3),
+                  "artifact_dense": round(artifact_score(dense_clip, background), 4)}
     if isinstance(ref, Mapping):
         dense_diag["dense_failed"] = sorted(a for a, ok in ref.items() if not ok)
     return RequestOutcome(req, res, tuple(outs), dense_diag, time.perf_counter() - t0)
