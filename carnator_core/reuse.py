@@ -47,6 +47,11 @@ class ReuseConfig:
                      requests, not only the tokens where the evidence is. Measured on the embedded model v2
                      (rules/README.md): with evidence-only regions, reuses recomputing 10-30% of the tokens failed
                      the checker in a third of the pairs (an object half kept from the cached run).
+    mask_iou_same:   an object's thresholded masks in the two signatures with IoU >= this are the same support:
+                     the tokens where they differ are attention jitter, not evidence (two wordings of one scene
+                     and seed differ by ~3 tokens); > 1 treats every differing token as evidence.
+    x0_object_fraction: x0 disagreement is evidence about an object (whole_objects) only when it covers at least
+                     this fraction of the object's support (both masks); 0 = any disagreeing token.
     block_size:      tokens per attention block when recording structure in dense runs; 0 = automatic
                      (``auto_block_size``: about 16 blocks per sequence, between 16 and 128 tokens).
     record_mass:     attention mass the recorded key blocks must cover per query block.
@@ -76,6 +81,8 @@ class ReuseConfig:
     context_margin_blocks: int = 1
     kv_context: bool = True
     refreshes: int = 3
+    mask_iou_same: float = 0.75
+    x0_object_fraction: float = 0.1
 
     def validate(self) -> "ReuseConfig":
         if self.mode not in MODES:
@@ -167,11 +174,13 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
                   patch: tuple[int, int, int], config: ReuseConfig, appearance_delta: float = 8.0) -> np.ndarray:
     """The evidence-derived active region A: bool [T, H, W] on the token grid.
 
-    Tokens are active where an object's (thresholded) mask differs between the two signatures, where an
-    object's colour differs by more than ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or
-    where the x0 predictions at step k disagree; with ``config.whole_objects`` any of these evidences touching
-    an object activates that object's whole support in both requests; then dilated by ``config.dilation``
-    tokens. Identical signatures and x0 predictions give an empty region.
+    Tokens are active where an object's (thresholded) mask differs between the two signatures (unless the masks
+    overlap with IoU >= ``config.mask_iou_same``: jitter), where an object's colour differs by more than
+    ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or where the x0 predictions at step k
+    disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
+    ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
+    requests; then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
+    region, and so do two wordings of one scene with the same seed.
     """
     from scipy.ndimage import binary_dilation
 
@@ -191,9 +200,14 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
             continue
         mc = other.mask >= t * max(float(other.mask.max()), 1e-8)
         both = mt | mc
-        moved = mt ^ mc
+        # Two wordings of one scene give cross-attention masks that differ by a few tokens at the border
+        # (jitter): masks that overlap this much are the same support, not evidence of a change.
+        moved = mt ^ mc if mask_iou(mt, mc) < config.mask_iou_same else np.zeros_like(mt)
+        # x0 disagreement is evidence about an object only where it covers a real part of its support: a few
+        # noisy tokens must not recompute the whole object.
+        x0_on_object = float((x0_differs & both).sum()) >= max(1.0, config.x0_object_fraction * float(both.sum()))
         recolour = float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta
-        if recolour or (config.whole_objects and (moved.any() or (x0_differs & both).any())):
+        if recolour or (config.whole_objects and (moved.any() or x0_on_object)):
             A |= both
         else:
             A |= moved
@@ -201,6 +215,12 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     if config.dilation > 0 and A.any():
         A = binary_dilation(A, iterations=config.dilation)
     return A
+
+
+def mask_iou(a: np.ndarray, b: np.ndarray) -> float:
+    """IoU of two boolean masks (1.0 when both are empty)."""
+    union = int(np.logical_or(a, b).sum())
+    return 1.0 if union == 0 else float(np.logical_and(a, b).sum()) / union
 
 
 def auto_block_size(n_tokens: int) -> int:
