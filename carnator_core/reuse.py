@@ -179,7 +179,8 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or where the x0 predictions at step k
     disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
     ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
-    requests; then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
+    requests; a cell of the coarse context grid whose colour differs by more than ``appearance_delta`` is
+    active in every frame (a changed background); then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
     region, and so do two wordings of one scene with the same seed.
     """
     from scipy.ndimage import binary_dilation
@@ -212,6 +213,16 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
         else:
             A |= moved
     A |= x0_differs
+    # The context (non-object) appearance is evidence too: a coarse cell whose colour changed (another background)
+    # is recomputed, or the cached background would be kept under the new request's objects.
+    ct, cc = np.asarray(target.context_lab, np.float32), np.asarray(cached.context_lab, np.float32)
+    if ct.shape == cc.shape and ct.ndim == 3:
+        changed = np.linalg.norm(ct - cc, axis=-1) > appearance_delta
+        if changed.any():
+            rows = [(i * grid[1]) // ct.shape[0] for i in range(ct.shape[0] + 1)]
+            cols = [(j * grid[2]) // ct.shape[1] for j in range(ct.shape[1] + 1)]
+            for i, j in zip(*np.nonzero(changed)):
+                A[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
     if config.dilation > 0 and A.any():
         A = binary_dilation(A, iterations=config.dilation)
     return A

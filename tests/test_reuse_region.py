@@ -76,3 +76,14 @@ def test_refresh_calls_spread_over_the_reuse_steps() -> None:
     assert reuse.refresh_plan_calls(20, 4, 3) == frozenset({4, 9, 14})
     assert reuse.refresh_plan_calls(6, 4, 5) == frozenset({4, 5})
     assert reuse.refresh_plan_calls(4, 4, 3) == frozenset()
+
+
+def test_changed_background_cells_are_recomputed() -> None:
+    a = _box(2, 2)
+    x0 = _x0()
+    target, cached = _sig(a), _sig(a)
+    ctx = np.zeros((4, 4, 3), np.float32)
+    ctx[0, 3] = (60.0, 0.0, 0.0)  # the top-right context cell changed colour
+    target = Signature(target.objects, ctx, GRID)
+    A = _region(target, cached, x0, x0, dilation=0)
+    assert A[:, 0:2, 6:8].all() and A.sum() == 4 * 2 * 2
