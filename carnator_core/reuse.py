@@ -179,8 +179,8 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or where the x0 predictions at step k
     disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
     ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
-    requests; a cell of the coarse context grid whose colour differs by more than ``appearance_delta`` is
-    active in every frame (a changed background); then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
+    requests; when the median cell of the coarse context grid differs by more than ``appearance_delta`` (a
+    changed background), every cell that does is active in every frame; then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
     region, and so do two wordings of one scene with the same seed.
     """
     from scipy.ndimage import binary_dilation
@@ -213,12 +213,14 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
         else:
             A |= moved
     A |= x0_differs
-    # The context (non-object) appearance is evidence too: a coarse cell whose colour changed (another background)
-    # is recomputed, or the cached background would be kept under the new request's objects.
+    # The context (non-object) appearance is evidence too when the background changed (the median cell's colour
+    # moved): then every coarse cell whose colour changed is recomputed, or the cached background would be kept
+    # under the new request's objects. A few cells next to an object change with the object's blur alone.
     ct, cc = np.asarray(target.context_lab, np.float32), np.asarray(cached.context_lab, np.float32)
     if ct.shape == cc.shape and ct.ndim == 3:
-        changed = np.linalg.norm(ct - cc, axis=-1) > appearance_delta
-        if changed.any():
+        delta = np.linalg.norm(ct - cc, axis=-1)
+        changed = delta > appearance_delta
+        if float(np.median(delta)) > appearance_delta:
             rows = [(i * grid[1]) // ct.shape[0] for i in range(ct.shape[0] + 1)]
             cols = [(j * grid[2]) // ct.shape[1] for j in range(ct.shape[1] + 1)]
             for i, j in zip(*np.nonzero(changed)):

@@ -83,7 +83,8 @@ def test_changed_background_cells_are_recomputed() -> None:
     x0 = _x0()
     target, cached = _sig(a), _sig(a)
     ctx = np.zeros((4, 4, 3), np.float32)
-    ctx[0, 3] = (60.0, 0.0, 0.0)  # the top-right context cell changed colour
-    target = Signature(target.objects, ctx, GRID)
-    A = _region(target, cached, x0, x0, dilation=0)
-    assert A[:, 0:2, 6:8].all() and A.sum() == 4 * 2 * 2
+    ctx[0, 3] = (60.0, 0.0, 0.0)  # one context cell changed colour (next to an object: its blur)
+    assert _region(Signature(target.objects, ctx, GRID), cached, x0, x0, dilation=0).sum() == 0
+    ctx[:, :2] = (60.0, 0.0, 0.0)  # the background changed: the cells that changed are recomputed
+    A = _region(Signature(target.objects, ctx, GRID), cached, x0, x0, dilation=0)
+    assert A[:, :, 0:4].all() and A[:, 0:2, 6:8].all() and A.sum() == 4 * (8 * 4 + 2 * 2)
