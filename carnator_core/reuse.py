@@ -179,8 +179,8 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or where the x0 predictions at step k
     disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
     ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
-    requests; when the median cell of the coarse context grid differs by more than ``appearance_delta`` (a
-    changed background), every cell that does is active in every frame; then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
+    requests; when the median over the coarse context cells no object touches differs by more than
+    ``appearance_delta`` (a changed background), every cell that does is active in every frame; then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
     region, and so do two wordings of one scene with the same seed.
     """
     from scipy.ndimage import binary_dilation
@@ -213,16 +213,22 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
         else:
             A |= moved
     A |= x0_differs
-    # The context (non-object) appearance is evidence too when the background changed (the median cell's colour
-    # moved): then every coarse cell whose colour changed is recomputed, or the cached background would be kept
+    # The context (non-object) appearance is evidence too when the background changed (the median object-free
+    # cell's colour moved): then every coarse cell whose colour changed is recomputed, or the cached background would be kept
     # under the new request's objects. A few cells next to an object change with the object's blur alone.
     ct, cc = np.asarray(target.context_lab, np.float32), np.asarray(cached.context_lab, np.float32)
     if ct.shape == cc.shape and ct.ndim == 3:
         delta = np.linalg.norm(ct - cc, axis=-1)
         changed = delta > appearance_delta
-        if float(np.median(delta)) > appearance_delta:
-            rows = [(i * grid[1]) // ct.shape[0] for i in range(ct.shape[0] + 1)]
-            cols = [(j * grid[2]) // ct.shape[1] for j in range(ct.shape[1] + 1)]
+        rows = [(i * grid[1]) // ct.shape[0] for i in range(ct.shape[0] + 1)]
+        cols = [(j * grid[2]) // ct.shape[1] for j in range(ct.shape[1] + 1)]
+        # judged on the cells no object touches in either request (a moved object changes the cells it left)
+        touched = np.zeros(grid, bool)
+        for obj in list(target.objects) + list(cached.objects):
+            touched |= obj.mask >= t * max(float(obj.mask.max()), 1e-8)
+        free = np.array([[not touched[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]].any()
+                          for j in range(ct.shape[1])] for i in range(ct.shape[0])])
+        if free.any() and float(np.median(delta[free])) > appearance_delta:
             for i, j in zip(*np.nonzero(changed)):
                 A[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
     if config.dilation > 0 and A.any():
