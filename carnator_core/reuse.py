@@ -180,8 +180,9 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
     ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
     requests; when the median over the coarse context cells no object touches differs by more than
-    ``appearance_delta`` (a changed background), every cell that does is active in every frame; then dilated by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty
-    region, and so do two wordings of one scene with the same seed.
+    ``appearance_delta`` (a changed background), every cell that does is active in every frame; then dilated
+    by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty region, and so do two
+    wordings of one scene with the same seed.
     """
     from scipy.ndimage import binary_dilation
 
@@ -214,8 +215,8 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
             A |= moved
     A |= x0_differs
     # The context (non-object) appearance is evidence too when the background changed (the median object-free
-    # cell's colour moved): then every coarse cell whose colour changed is recomputed, or the cached background would be kept
-    # under the new request's objects. A few cells next to an object change with the object's blur alone.
+    # cell's colour moved): then every coarse cell whose colour changed is recomputed, or the cached background
+    # would be kept under the new request's objects. A few cells next to an object change with its blur alone.
     ct, cc = np.asarray(target.context_lab, np.float32), np.asarray(cached.context_lab, np.float32)
     if ct.shape == cc.shape and ct.ndim == 3:
         delta = np.linalg.norm(ct - cc, axis=-1)

@@ -366,7 +366,8 @@ def hits_markdown(info: dict[str, Any]) -> str:
                 f"| {LABELS[m]} | {r['rid']} | {r['kind']} | {_f(r.get('compute_fraction'), '.2f')} "
                 f"| {_f(rec.psnr, '.1f')} | {_f(rec.psnr_bg, '.1f')} | {_f(r.get('ssim_bg'), '.3f')} "
                 f"| {_f(r.get('off_frac'), '.2%')} | {_f(r.get('artifact'), '.2f')} "
-                f"| {(f'{min(ref):.2f}–{max(ref):.2f}' if ref else '—')} | {'—' if inside is None else ('yes' if inside else 'NO')} "
+                f"| {(f'{min(ref):.2f}–{max(ref):.2f}' if ref else '—')} "
+                f"| {'—' if inside is None else ('yes' if inside else 'NO')} "
                 f"| {'pass' if r.get('checker_pass') else 'fail'}{' UNSAFE' if r.get('unsafe') else ''} |")
     return "\n".join(lines) + "\n"
 
@@ -415,7 +416,8 @@ def markdown(info: dict[str, Any]) -> str:
     cert = info.get("rule", {}).get("certified")
     lines = ["| Method | Hit rate | Mean latency (s) | Cache-hit latency (s) | Speedup vs dense (all / on hits) "
              "| Checker pass | PSNR vs dense, hits (dB) | SSIM vs dense | Unsafe (of hits) "
-             "| Compute of hits (median, non-repeat) | PSNR bg, hits (median) | Artifact, hits (median; inside spread) |",
+             "| Compute of hits (median, non-repeat) | PSNR bg, hits (median) "
+             "| Artifact, hits (median; inside spread) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in s.items():
         label = LABELS[m]
@@ -440,7 +442,8 @@ def markdown(info: dict[str, Any]) -> str:
             f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_hits'], '.1f')}{same} "
             f"| {_f(r['ssim'], '.3f')} | {_f(r['unsafe_rate'], '.1%')} ({r['unsafe']}/{r['hits']}) "
             f"| {_f(r['compute_hits_median'], '.2f')}, {_f(r['compute_nonrepeat_hits_median'], '.2f')} "
-            f"| {_f(r['psnr_bg_hits'], '.1f')} | {_f(r['artifact_hits'], '.2f')}; {r['artifact_inside_spread']}/{r['hits']} |")
+            f"| {_f(r['psnr_bg_hits'], '.1f')} "
+            f"| {_f(r['artifact_hits'], '.2f')}; {r['artifact_inside_spread']}/{r['hits']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -283,7 +283,8 @@ def _by_kind(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
             "psnr_median": _median(r.psnr for r in hits),
             "psnr_bg_median": _median(r.psnr_bg for r in hits),
             "artifact_median": _median(r.artifact for r in hits),
-            "artifact_inside_spread": sum(1 for x in inside if x), "artifact_judged": sum(1 for x in inside if x is not None),
+            "artifact_inside_spread": sum(1 for x in inside if x),
+            "artifact_judged": sum(1 for x in inside if x is not None),
         })
     return dict(sorted(out.items()))
 
