@@ -52,6 +52,10 @@ class ReuseConfig:
                      and seed differ by ~3 tokens); > 1 treats every differing token as evidence.
     x0_object_fraction: x0 disagreement is evidence about an object (whole_objects) only when it covers at least
                      this fraction of the object's support (both masks); 0 = any disagreeing token.
+    context_delta:   CIELAB ΔE76 by which the median object-free context cell must differ for the background to
+                     count as changed (then every cell differing by more is recomputed). On the embedded model a
+                     position or colour edit can redraw the whole scene (far context cells 10-12 ΔE apart, x0
+                     disagreeing over half the tokens): such regions are the whole clip by design.
     block_size:      tokens per attention block when recording structure in dense runs; 0 = automatic
                      (``auto_block_size``: about 16 blocks per sequence, between 16 and 128 tokens).
     record_mass:     attention mass the recorded key blocks must cover per query block.
@@ -83,12 +87,15 @@ class ReuseConfig:
     refreshes: int = 3
     mask_iou_same: float = 0.75
     x0_object_fraction: float = 0.1
+    context_delta: float = 8.0
 
     def validate(self) -> "ReuseConfig":
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.block_size < 0 or self.dilation < 0 or self.record_steps < 0:
             raise ValueError("block_size (0 = auto), dilation and record_steps must be >= 0")
+        if self.context_delta < 0 or not 0.0 <= self.x0_object_fraction <= 1.0:
+            raise ValueError("context_delta must be >= 0 and x0_object_fraction in [0, 1]")
         if self.refreshes < 1:
             raise ValueError(f"refreshes must be >= 1 (the first reuse call records the context), got {self.refreshes}")
         return self
@@ -180,7 +187,7 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
     ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
     requests; when the median over the coarse context cells no object touches differs by more than
-    ``appearance_delta`` (a changed background), every cell that does is active in every frame; then dilated
+    ``config.context_delta`` (a changed background), every cell that does is active in every frame; then dilated
     by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty region, and so do two
     wordings of one scene with the same seed.
     """
@@ -220,7 +227,7 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     ct, cc = np.asarray(target.context_lab, np.float32), np.asarray(cached.context_lab, np.float32)
     if ct.shape == cc.shape and ct.ndim == 3:
         delta = np.linalg.norm(ct - cc, axis=-1)
-        changed = delta > appearance_delta
+        changed = delta > config.context_delta
         rows = [(i * grid[1]) // ct.shape[0] for i in range(ct.shape[0] + 1)]
         cols = [(j * grid[2]) // ct.shape[1] for j in range(ct.shape[1] + 1)]
         # judged on the cells no object touches in either request (a moved object changes the cells it left)
@@ -229,7 +236,7 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
             touched |= obj.mask >= t * max(float(obj.mask.max()), 1e-8)
         free = np.array([[not touched[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]].any()
                           for j in range(ct.shape[1])] for i in range(ct.shape[0])])
-        if free.any() and float(np.median(delta[free])) > appearance_delta:
+        if free.any() and float(np.median(delta[free])) > config.context_delta:
             for i, j in zip(*np.nonzero(changed)):
                 A[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
     if config.dilation > 0 and A.any():
