@@ -513,6 +513,35 @@ def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[di
     return rows
 
 
+def summarize_by_kind(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per query kind (``diag.kind``) of labelled pair rows: pairs, unsafe, and the medians of the reuse's
+    counter-based compute, active fraction, PSNR over the background and artifact score (``diag``; pairs written
+    before those fields existed are skipped in the medians), plus how many reuse outputs have an artifact score
+    above their own dense clip's."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(str((r.get("diag") or {}).get("kind", "?")), []).append(r)
+
+    def med(xs: Iterable[Any]) -> float | None:
+        v = [float(x) for x in xs if x is not None and np.isfinite(float(x))]
+        return round(float(np.median(v)), 4) if v else None
+
+    out = {}
+    for kind, rs in sorted(groups.items()):
+        d = [r.get("diag") or {} for r in rs]
+        out[kind] = {
+            "pairs": len(rs), "unsafe": sum(bool(r.get("unsafe")) for r in rs),
+            "compute_median": med(x.get("compute_fraction") for x in d),
+            "active_median": med(x.get("active_fraction") for x in d),
+            "psnr_bg_median": med(x.get("psnr_bg") for x in d),
+            "artifact_median": med(x.get("artifact") for x in d),
+            "artifact_above_dense": sum(1 for x in d if x.get("artifact") is not None
+                                        and x.get("artifact_dense") is not None
+                                        and x["artifact"] > x["artifact_dense"]),
+        }
+    return out
+
+
 # --------------------------------------------------------------------------------------------- fresh streams
 
 
@@ -726,5 +755,5 @@ __all__ = [
     "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
     "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
     "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
-    "warm_entry", "write_header",
+    "summarize_by_kind", "warm_entry", "write_header",
 ]
