@@ -40,10 +40,15 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 io.Combo.Input("mode", options=list(MODES), default="joint",
                                tooltip="joint = region + sparse attention; latent / attention = one axis only "
                                        "(ablations); dense = never reuse."),
-                advanced(io.Int.Input("dense_first_layers", default=1, min=0, max=100,
-                                      tooltip="First transformer blocks always computed densely.")),
-                advanced(io.Int.Input("dense_last_layers", default=1, min=0, max=100,
+                advanced(io.Int.Input("dense_first_layers", default=0, min=0, max=100,
+                                      tooltip="First transformer blocks always computed densely (0: every block "
+                                              "computes only the changed region, over the full context).")),
+                advanced(io.Int.Input("dense_last_layers", default=0, min=0, max=100,
                                       tooltip="Last transformer blocks always computed densely.")),
+                advanced(io.Int.Input("refreshes", default=3, min=1, max=1000,
+                                      tooltip="Dense calls (spread over the steps after the probe) that refresh "
+                                              "the keys/values the changed region attends to; more = closer to "
+                                              "dense, costlier.")),
                 advanced(io.Float.Input("x0_threshold", default=1.0, min=0.0, max=100.0, step=0.05,
                                         tooltip="Tokens whose x0 predictions differ by more than this multiple "
                                                 "of the typical magnitude are recomputed.")),
@@ -61,11 +66,11 @@ class CarnatorJointReuseSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
-                mode="joint", dense_first_layers=1, dense_last_layers=1, x0_threshold=1.0, dilation=1,
-                block_size=0, record_mass=0.9) -> io.NodeOutput:
+                mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
+                dilation=1, block_size=0, record_mass=0.9) -> io.NodeOutput:
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
-                             x0_threshold=x0_threshold, dilation=dilation, block_size=block_size,
-                             record_mass=record_mass).validate()
+                             refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
+                             block_size=block_size, record_mass=record_mass).validate()
         total = probe.config.steps
         pbar = comfy.utils.ProgressBar(total)
         samples, report = reuse_stage(model, positive, negative, latent_image, probe, decision,

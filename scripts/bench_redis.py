@@ -53,16 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # harness_redis: the same redis-server start/stop discipline as the tests
 
 
-def _register() -> None:
-    if "carnator" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("carnator", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["carnator"] = mod
-        spec.loader.exec_module(mod)
+from repo_package import register_package  # noqa: E402  (the one repo-as-package bootstrap)
 
-
-_register()
+register_package()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -253,7 +246,7 @@ def bench_farm(args: argparse.Namespace, srv: RedisServer) -> list[dict]:
     sys.path.insert(0, str(ROOT / "scripts"))
     from workload import spec_from_args
 
-    from carnator.carnator_core.bench.workload import build_workload
+    from carnator.carnator_core.lab.workload import build_workload
 
     wl = build_workload(spec_from_args(args))
     urls = [f"redis://127.0.0.1:{srv.port}/{db}" for db in (0, 1, 2)]

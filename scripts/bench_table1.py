@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 shutil.copytree(warm_dir, tmp / m)
                 stores[m] = Store.open(tmp / m, key_path=key)
         records: dict[str, list[M.RequestRecord]] = {m: [] for m in methods}
+        ref_cache: dict[tuple, list[float]] = {}
         t_stream = time.perf_counter()
         for i, req in enumerate(wl.stream):
             order = methods[i % len(methods):] + methods[:i % len(methods)]
@@ -292,15 +293,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rec, clip = record_of(env, m, req, samples, sec, res)
                 outs[m] = (rec, clip, samples)
             d_rec, d_clip, d_samples = outs["dense"]
+            bg = M.background_mask(d_clip, req.scene)
+            d_rec.artifact = d_rec.artifact_dense = M.artifact_score(d_clip, bg)
             for m in methods:
                 rec, clip, samples = outs[m]
                 if m != "dense":
-                    rec.psnr = M.psnr(clip, d_clip)
-                    rec.ssim = M.ssim(clip, d_clip)
+                    q = M.clip_quality(clip, d_clip, bg)
+                    rec.psnr, rec.ssim, rec.psnr_bg, rec.ssim_bg = q["psnr"], q["ssim"], q["psnr_bg"], q["ssim_bg"]
+                    rec.off_frac, rec.artifact, rec.artifact_dense = q["off_frac"], q["artifact"], q["artifact_dense"]
                     rec.identical_to_dense = bool((samples.float() == d_samples.float()).all())
                     if rec.hit:
                         rec.regressions = M.regressions(rec.attributes, d_rec.attributes)
                         rec.unsafe = bool(rec.regressions)
+                        # The model's own texture: dense clips of the same prompt with other seeds (not timed).
+                        rec.artifact_ref = artifact_reference(env, req, bg, args.artifact_seeds, ref_cache)
                 records[m].append(rec)
             line = " ".join(f"{m}={outs[m][0].decision[:4]}/{outs[m][0].latency_s:.1f}s" for m in methods)
             print(f"stream {i + 1}/{len(wl.stream)} {req.rid} {req.kind:16s} {line}", flush=True)
@@ -322,6 +328,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info["summary"] = {m: M.summarize(records[m], dense) for m in methods}
     info["records"] = {m: [r.to_json() for r in records[m]] for m in methods}
     return info
+
+
+def artifact_reference(env: Env, req: Request, background: Any, n_seeds: int, cache: dict) -> list[float]:
+    """Artifact scores of dense clips of ``req``'s prompt with ``n_seeds`` other seeds, over the background of
+    ``req``'s own dense clip (evaluation only: not timed). Cached per (prompt, background)."""
+    key = (req.prompt, hash(background.tobytes()))
+    if key not in cache:
+        import dataclasses as dc
+
+        pos, neg = env.enc.encode(req.prompt), env.enc.encode("")
+        scores = []
+        for j in range(n_seeds):
+            other = dc.replace(req, seed=(req.seed + 7919 * (j + 1)) % (2 ** 31))
+            clip = env.dec.decode_clips(dense_run(env, env.model, pos, neg, other))[0].numpy()
+            scores.append(M.artifact_score(clip, background))
+        cache[key] = scores
+    return list(cache[key])
+
+
+def hits_markdown(info: dict[str, Any]) -> str:
+    """Per-hit quality: compute, PSNR/SSIM vs the dense clip of the same request and seed (whole clip and
+    background), artifact score vs the dense clips of the same prompt across seeds."""
+    lines = ["| Method | Request | Kind | Compute (of dense) | PSNR (dB) | PSNR bg (dB) | SSIM bg | Off > 0.25 "
+             "| Artifact (hit) | Artifact (dense, seeds: min–max) | Inside spread | Checker |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, recs in info.get("records", {}).items():
+        for r in recs:
+            if r.get("decision") != "hit":
+                continue
+            ref = [x for x in (r.get("artifact_ref") or []) + [r.get("artifact_dense")] if x is not None]
+            rec = M.RequestRecord(**{k: v for k, v in r.items() if k in M.RequestRecord.__dataclass_fields__})
+            for k in ("psnr", "psnr_bg"):
+                if getattr(rec, k) == "inf":
+                    setattr(rec, k, math.inf)
+            inside = M.artifact_inside_spread(rec)
+            lines.append(
+                f"| {LABELS[m]} | {r['rid']} | {r['kind']} | {_f(r.get('compute_fraction'), '.2f')} "
+                f"| {_f(rec.psnr, '.1f')} | {_f(rec.psnr_bg, '.1f')} | {_f(r.get('ssim_bg'), '.3f')} "
+                f"| {_f(r.get('off_frac'), '.2%')} | {_f(r.get('artifact'), '.2f')} "
+                f"| {(f'{min(ref):.2f}–{max(ref):.2f}' if ref else '—')} "
+                f"| {'—' if inside is None else ('yes' if inside else 'NO')} "
+                f"| {'pass' if r.get('checker_pass') else 'fail'}{' UNSAFE' if r.get('unsafe') else ''} |")
+    return "\n".join(lines) + "\n"
 
 
 def resolve_rule(args: argparse.Namespace, probe: Any) -> tuple[Any, dict[str, Any]]:
@@ -367,8 +416,10 @@ def markdown(info: dict[str, Any]) -> str:
     s = info["summary"]
     cert = info.get("rule", {}).get("certified")
     lines = ["| Method | Hit rate | Mean latency (s) | Cache-hit latency (s) | Speedup vs dense (all / on hits) "
-             "| Checker pass | PSNR vs dense, hits (dB) | SSIM vs dense | Unsafe (of hits) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| Checker pass | PSNR vs dense, hits (dB) | SSIM vs dense | Unsafe (of hits) "
+             "| Compute of hits (median, non-repeat) | PSNR bg, hits (median) "
+             "| Artifact, hits (median; inside spread) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in s.items():
         label = LABELS[m]
         if m in ("carnator", "latent_only", "attention_only", "carnator_easycache") and cert is False:
@@ -377,19 +428,23 @@ def markdown(info: dict[str, Any]) -> str:
             hit_lat = f"{_f(s.get('carnator', {}).get('dense_latency_on_hits_s'), '.2f')} (on Carnator's hits)" \
                 if "carnator" in s else "—"
             lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | {hit_lat} | 1.00× | "
-                         f"{_f(r['checker_pass'], '.1%')} | — | — | — |")
+                         f"{_f(r['checker_pass'], '.1%')} | — | — | — | 1.00 | — "
+                         f"| {_f(M._median(x['artifact'] for x in info['records']['dense']), '.2f')} (all) |")
             continue
         if m in NO_CACHE:  # no cache: no hits; PSNR/SSIM over every request against dense
             lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | — | {_f(r['speedup'], '.2f', '×')} / — "
                          f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_all'], '.1f')} (all requests) "
-                         f"| {_f(r['ssim'], '.3f')} | — |")
+                         f"| {_f(r['ssim'], '.3f')} | — | — | — | — |")
             continue
         same = f" ({r['psnr_hits_identical']} identical)" if r["psnr_hits_identical"] else ""
         lines.append(
             f"| {label} | {_f(r['hit_rate'], '.1%')} ({r['hits']}/{r['requests']}) | {_f(r['mean_latency_s'], '.2f')} "
             f"| {_f(r['hit_latency_s'], '.2f')} | {_f(r['speedup'], '.2f', '×')} / {_f(r['hit_speedup'], '.2f', '×')} "
             f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_hits'], '.1f')}{same} "
-            f"| {_f(r['ssim'], '.3f')} | {_f(r['unsafe_rate'], '.1%')} ({r['unsafe']}/{r['hits']}) |")
+            f"| {_f(r['ssim'], '.3f')} | {_f(r['unsafe_rate'], '.1%')} ({r['unsafe']}/{r['hits']}) "
+            f"| {_f(r['compute_hits_median'], '.2f')}, {_f(r['compute_nonrepeat_hits_median'], '.2f')} "
+            f"| {_f(r['psnr_bg_hits'], '.1f')} "
+            f"| {_f(r['artifact_hits'], '.2f')}; {r['artifact_inside_spread']}/{r['hits']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -414,6 +469,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "comparison threshold if it has one, else the rule's min_similarity, else 0.98: with the "
                          "embedded text encoder, one-word edits score about 0.98-1.0 and unrelated scenes of the "
                          "world 0.93-0.97)")
+    ap.add_argument("--artifact-seeds", type=int, default=2,
+                    help="dense clips of each hit's prompt with other seeds, for the artifact score's reference "
+                         "spread (evaluation only, not timed)")
     ap.add_argument("--easycache-threshold", type=float, default=0.2)
     ap.add_argument("--easycache-start", type=float, default=0.15)
     ap.add_argument("--easycache-end", type=float, default=0.95)
@@ -432,7 +490,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     info = run(args)
     info["total_seconds"] = time.perf_counter() - t0
-    table = markdown(info)
+    table = markdown(info) + "\nPer hit:\n\n" + hits_markdown(info)
     print(table)
     for k, v in info["summary"].items():
         print(k, json.dumps(v["by_kind"]))

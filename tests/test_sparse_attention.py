@@ -689,7 +689,8 @@ def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comf
     real_kernel = sa.token_block_sparse_attention
 
     def kernel_spy(*a, **kw):
-        kernel_calls.append(a[6].numel())  # q_pos: the subset
+        k_pos = a[7] if len(a) > 7 else kw.get("k_pos")
+        kernel_calls.append((a[6].numel(), None if k_pos is None else k_pos.numel()))  # q_pos: the subset
         return real_kernel(*a, **kw)
 
     big_masks = []
@@ -708,9 +709,13 @@ def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comf
                           target_signature=target)
     assert torch.isfinite(out).all() and r.decision == "hit" and not r.fallbacks, r.fallbacks
     assert 0 < r.token_fraction < 1
-    # 8 steps - 2 probe steps = 6 model calls x 2 middle layers reach the kernel, each over the subset.
-    assert len(kernel_calls) == 6 * len(layers), kernel_calls
-    assert all(0 < n < n_tokens for n in kernel_calls)
+    # 8 steps - 2 probe steps = 6 model calls; the dense refresh calls that record the context keys/values run
+    # plain attention, every other call reaches the kernel in the 2 recorded layers: queries = the subset, keys =
+    # every token (the subset's fresh, the others' recorded).
+    refresh = reuse.refresh_plan_calls(8, 2, reuse.ReuseConfig().refreshes)
+    assert 0 < len(refresh) < 6
+    assert len(kernel_calls) == (6 - len(refresh)) * len(layers), kernel_calls
+    assert all(0 < nq < n_tokens and nk == n_tokens for nq, nk in kernel_calls), kernel_calls
     assert big_masks == []
     assert r.attention_fraction < r.token_fraction ** 2  # the band removed pairs among the subset
 

@@ -8,6 +8,15 @@ Definitions (used by scripts/bench_table1.py and stated in BENCHMARKS.md):
   the same request (RGB in [0, 1], data range 1; SSIM per frame with a 7-pixel window, averaged over frames).
   Identical clips have PSNR = inf; summaries report PSNR over cache hits (misses of a cross-request method are
   the dense result itself: the probe + dense resume is bit-identical to KSampler, which the benchmark verifies).
+* **background** (what should be unchanged): pixels farther than ``BACKGROUND_MARGIN`` pixels from every named
+  object as the checker segments them in the *dense* clip of the same request (:func:`background_mask`).
+  PSNR / SSIM over the background (``psnr_bg`` / ``ssim_bg``: SSIM map averaged over background pixels).
+* **off fraction**: share of pixels whose largest channel difference from the dense clip exceeds 0.25.
+* **artifact score** (no reference): high-frequency energy of the background, ``1000 * mean ||x - box3(x)||^2``
+  over background pixels (box3 = 3x3 spatial mean per frame, RGB summed; :func:`artifact_score`). Reuse
+  artifacts (rows of short dashes, seams at the region border) raise it; it is judged against the spread of
+  dense clips of the same prompt across seeds (the model's own texture), e.g. 3.6 for a dense clip of the
+  embedded model and 6.5 for a hit with the artifacts.
 * **unsafe** (docs/CALIBRATION.md, section 2): a cache hit whose output *fails* the checker on an attribute
   (per object: found, colour, size, position, motion; plus background) where the dense output of the same request
   *passes*. Failures the dense output shares are the model's, not the reuse's. The unsafe rate is unsafe hits /
@@ -58,6 +67,75 @@ def ssim(a: Any, b: Any) -> float:
                           for f, g in zip(x, y)]))
 
 
+BACKGROUND_MARGIN = 2  # pixels around each segmented object that count as the object's (soft edges, motion blur)
+
+
+def background_mask(dense_clip: Any, caption_or_scene: Any, margin: int = BACKGROUND_MARGIN) -> np.ndarray:
+    """bool [T, H, W]: pixels farther than ``margin`` from every named object the checker finds in the dense
+    clip of the request (what reuse should leave as dense would have it)."""
+    from scipy import ndimage
+
+    from ..embedded import world
+
+    scene = world.parse_caption(caption_or_scene) if isinstance(caption_or_scene, str) else caption_or_scene
+    x = as_clip(dense_clip)
+    masks, _, _ = checker.object_masks(x, scene)
+    objects = masks.any(0) if len(masks) else np.zeros(x.shape[:3], bool)
+    if margin > 0 and objects.any():
+        objects = ndimage.binary_dilation(objects, structure=np.ones((1, 2 * margin + 1, 2 * margin + 1), bool))
+    return ~objects
+
+
+def artifact_score(clip: Any, mask: Optional[np.ndarray] = None) -> float:
+    """High-frequency energy (x1000) of a clip over ``mask`` pixels (all when None): mean over the masked pixels
+    of the squared RGB distance to the 3x3 spatial mean of each frame. NaN for an empty mask."""
+    from scipy import ndimage
+
+    x = as_clip(clip).astype(np.float64)
+    blur = ndimage.uniform_filter(x, size=(1, 3, 3, 1), mode="nearest")
+    e = ((x - blur) ** 2).sum(-1)
+    sel = e if mask is None else e[np.asarray(mask, bool)]
+    return float(sel.mean() * 1000.0) if sel.size else math.nan
+
+
+def _masked_psnr(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+    d = (a.astype(np.float64) - b.astype(np.float64))[mask]
+    if d.size == 0:
+        return math.nan
+    mse = float(np.mean(d ** 2))
+    return math.inf if mse == 0.0 else 10.0 * math.log10(1.0 / mse)
+
+
+def _masked_ssim(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+    from skimage.metrics import structural_similarity
+
+    win = min(7, a.shape[1], a.shape[2])
+    win -= (win + 1) % 2
+    vals = []
+    for f, g, m in zip(a, b, mask):
+        if not m.any():
+            continue
+        _, smap = structural_similarity(f, g, channel_axis=-1, data_range=1.0, win_size=win, full=True)
+        vals.append(float(smap.mean(-1)[m].mean()))
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def clip_quality(clip: Any, dense_clip: Any, background: Optional[np.ndarray] = None) -> dict[str, float]:
+    """Full-reference and no-reference quality of a (reuse) clip against the dense clip of the same request and
+    seed: psnr, ssim over the clip; psnr_bg, ssim_bg over ``background`` (see :func:`background_mask`; the
+    whole clip when None); off_frac; artifact (score of ``clip``) and artifact_dense (of ``dense_clip``)."""
+    x, y = as_clip(clip), as_clip(dense_clip)
+    if x.shape != y.shape:
+        raise ValueError(f"clips differ in shape: {x.shape} vs {y.shape}")
+    bg = np.ones(x.shape[:3], bool) if background is None else np.asarray(background, bool)
+    return {
+        "psnr": psnr(x, y), "ssim": ssim(x, y),
+        "psnr_bg": _masked_psnr(x, y, bg), "ssim_bg": _masked_ssim(x, y, bg),
+        "off_frac": float((np.abs(x - y).max(-1) > 0.25).mean()),
+        "artifact": artifact_score(x, bg), "artifact_dense": artifact_score(y, bg),
+    }
+
+
 def attribute_verdicts(result: checker.CheckResult) -> dict[str, bool]:
     """Flat {"obj0.found": True, "obj0.colour": False, ..., "background": True} of a checker result; attributes
     the caption does not name are left out."""
@@ -100,6 +178,12 @@ class RequestRecord:
     regressions: list[str] = field(default_factory=list)
     unsafe: bool = False
     identical_to_dense: Optional[bool] = None
+    psnr_bg: Optional[float] = None
+    ssim_bg: Optional[float] = None
+    off_frac: Optional[float] = None
+    artifact: Optional[float] = None
+    artifact_dense: Optional[float] = None
+    artifact_ref: Optional[list[float]] = None  # artifact scores of dense clips of the same prompt, other seeds
     discrepancies: Optional[dict[str, float]] = None
     summary: str = ""
 
@@ -109,7 +193,7 @@ class RequestRecord:
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        for k in ("psnr",):
+        for k in ("psnr", "psnr_bg"):
             if d[k] is not None and math.isinf(d[k]):
                 d[k] = "inf"
         return d
@@ -153,6 +237,12 @@ def summarize(records: Sequence[RequestRecord], dense: Sequence[RequestRecord]) 
         "psnr_all": _mean(r.psnr for r in records if r.psnr is not None and math.isfinite(r.psnr)),
         "ssim": _mean(r.ssim for r in records),
         "ssim_hits": _mean(r.ssim for r in hits),
+        "psnr_bg_hits": _median(r.psnr_bg for r in hits),
+        "ssim_bg_hits": _median(r.ssim_bg for r in hits),
+        "artifact_hits": _median(r.artifact for r in hits),
+        "artifact_inside_spread": sum(1 for r in hits if artifact_inside_spread(r)),
+        "compute_hits_median": _median(r.compute_fraction for r in hits),
+        "compute_nonrepeat_hits_median": _median(r.compute_fraction for r in hits if r.kind not in ("exact", "repeat")),
         "unsafe": unsafe,
         "unsafe_rate": unsafe / len(hits) if hits else 0.0,
         "unsafe_of_all": unsafe / n if n else math.nan,
@@ -162,14 +252,42 @@ def summarize(records: Sequence[RequestRecord], dense: Sequence[RequestRecord]) 
     }
 
 
+def artifact_inside_spread(r: RequestRecord) -> Optional[bool]:
+    """Whether a hit's artifact score is no higher than the highest of the dense clips of its prompt (its own
+    seed's dense clip included); None without the scores."""
+    ref = [x for x in (r.artifact_ref or []) + [r.artifact_dense] if x is not None and math.isfinite(x)]
+    if r.artifact is None or not ref:
+        return None
+    return bool(r.artifact <= max(ref))
+
+
+def _median(xs: Iterable[Optional[float]]) -> float:
+    v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+    return float(np.median(v)) if v else math.nan
+
+
 def _by_kind(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
+    groups: dict[str, list[RequestRecord]] = {}
     for r in records:
         d = out.setdefault(r.kind, {"n": 0, "hits": 0, "unsafe": 0})
         d["n"] += 1
         d["hits"] += int(r.hit)
         d["unsafe"] += int(r.unsafe)
+        if r.hit:
+            groups.setdefault(r.kind, []).append(r)
+    for kind, hits in groups.items():
+        inside = [artifact_inside_spread(r) for r in hits]
+        out[kind].update({
+            "compute_median": _median(r.compute_fraction for r in hits),
+            "psnr_median": _median(r.psnr for r in hits),
+            "psnr_bg_median": _median(r.psnr_bg for r in hits),
+            "artifact_median": _median(r.artifact for r in hits),
+            "artifact_inside_spread": sum(1 for x in inside if x),
+            "artifact_judged": sum(1 for x in inside if x is not None),
+        })
     return dict(sorted(out.items()))
 
 
-__all__ = ["GATED", "RequestRecord", "as_clip", "attribute_verdicts", "psnr", "regressions", "ssim", "summarize"]
+__all__ = ["BACKGROUND_MARGIN", "GATED", "RequestRecord", "artifact_inside_spread", "artifact_score", "as_clip",
+           "attribute_verdicts", "background_mask", "clip_quality", "psnr", "regressions", "ssim", "summarize"]

@@ -331,6 +331,8 @@ class PairContext:
     steps, cfg, sampler, scheduler: the generation config (with ``options.probe`` it fixes the rule's config).
     store:        the cache (``cache.Store``) holding the warm entries.
     options:      ServeOptions (probe steps, reuse mode, signature config, top_k).
+    background:   (dense clip, prompt) -> bool [T, H, W] of the pixels reuse should leave unchanged, for the
+                  quality measures in each pair's ``diag`` (``lab.metrics.clip_quality``); None = whole clip.
     """
 
     model: Any
@@ -345,6 +347,7 @@ class PairContext:
     store: Any
     options: Any
     negative_prompt: str = ""
+    background: Callable[[np.ndarray, str], np.ndarray] | None = None
     _neg: Any = field(default=None, repr=False)
 
     def spec(self, req: PairRequest) -> Any:
@@ -375,7 +378,14 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
         decode=lambda s: codec.latent_to_rgb(s[:1].float().cpu())[0].numpy(),
         latent=comfy_glue.empty_latent(1), steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG,
         sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store, options=options,
+        background=_embedded_background,
     )
+
+
+def _embedded_background(dense_clip: np.ndarray, prompt: str) -> np.ndarray:
+    from .metrics import background_mask
+
+    return background_mask(dense_clip, prompt)
 
 
 def warm_entry(ctx: PairContext, req: PairRequest) -> tuple[str, Any]:
@@ -439,8 +449,11 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     neg = ctx.negative()
     res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(req), ctx.store,
                 replace(ctx.options, method="never", write=False))
+    from .metrics import artifact_score, clip_quality
+
     dense_clip = ctx.decode(res.latent["samples"])
     ref = labeler.reference(dense_clip, req.prompt)
+    background = ctx.background(dense_clip, req.prompt) if ctx.background is not None else None
     want = None if only is None else set(only(res) if callable(only) else only)
     cfg = replace(ctx.options.reuse, mode=ctx.options.reuse_mode)
     outs = []
@@ -459,12 +472,16 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
         samples, rep = reuse.sample(ctx.model, pos, neg, ctx.latent, res.probe, decision, cached, cfg,
                                     target_signature=res.signature, record=False)
         reuse_s = time.perf_counter() - t1
-        unsafe, diag = labeler.label(ref, ctx.decode(samples), req.prompt)
-        diag = {**diag, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
+        reuse_clip = ctx.decode(samples)
+        unsafe, diag = labeler.label(ref, reuse_clip, req.prompt)
+        quality = {k: (None if not np.isfinite(v) else round(float(v), 4))
+                   for k, v in clip_quality(reuse_clip, dense_clip, background).items()}
+        diag = {**diag, **quality, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
                 "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
                 "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3)}
         outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, True, bool(unsafe), diag))
-    dense_diag = {"dense_s": round(res.timings_ms.get("total", 0.0) / 1000.0, 3)}
+    dense_diag = {"dense_s": round(res.timings_ms.get("total", 0.0) / 1000.0, 3),
+                  "artifact_dense": round(artifact_score(dense_clip, background), 4)}
     if isinstance(ref, Mapping):
         dense_diag["dense_failed"] = sorted(a for a, ok in ref.items() if not ok)
     return RequestOutcome(req, res, tuple(outs), dense_diag, time.perf_counter() - t0)
@@ -495,6 +512,35 @@ def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[di
     if rows:
         rows[0]["diag"]["skipped_missing"] = skipped
     return rows
+
+
+def summarize_by_kind(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per query kind (``diag.kind``) of labelled pair rows: pairs, unsafe, and the medians of the reuse's
+    counter-based compute, active fraction, PSNR over the background and artifact score (``diag``; pairs written
+    before those fields existed are skipped in the medians), plus how many reuse outputs have an artifact score
+    above their own dense clip's."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(str((r.get("diag") or {}).get("kind", "?")), []).append(r)
+
+    def med(xs: Iterable[Any]) -> float | None:
+        v = [float(x) for x in xs if x is not None and np.isfinite(float(x))]
+        return round(float(np.median(v)), 4) if v else None
+
+    out = {}
+    for kind, rs in sorted(groups.items()):
+        d = [r.get("diag") or {} for r in rs]
+        out[kind] = {
+            "pairs": len(rs), "unsafe": sum(bool(r.get("unsafe")) for r in rs),
+            "compute_median": med(x.get("compute_fraction") for x in d),
+            "active_median": med(x.get("active_fraction") for x in d),
+            "psnr_bg_median": med(x.get("psnr_bg") for x in d),
+            "artifact_median": med(x.get("artifact") for x in d),
+            "artifact_above_dense": sum(1 for x in d if x.get("artifact") is not None
+                                        and x.get("artifact_dense") is not None
+                                        and x["artifact"] > x["artifact_dense"]),
+        }
+    return out
 
 
 # --------------------------------------------------------------------------------------------- fresh streams
@@ -711,5 +757,5 @@ __all__ = [
     "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
     "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
     "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
-    "warm_entry", "write_header",
+    "summarize_by_kind", "warm_entry", "write_header",
 ]

@@ -1,0 +1,90 @@
+"""The active region of a cache hit matches the change: attention jitter between two wordings is not evidence,
+a moved or recoloured object is recomputed whole, a few disagreeing x0 tokens stay local (core, no ComfyUI)."""
+from __future__ import annotations
+
+import numpy as np
+
+from carnator.carnator_core import reuse
+from carnator.carnator_core.types import ObjectSignature, Signature
+
+GRID = (4, 8, 8)
+PATCH = (2, 2, 2)
+
+
+def _sig(mask: np.ndarray, lab=(50.0, 60.0, 40.0)) -> Signature:
+    return Signature((ObjectSignature("ball", mask.astype(np.float32), float(mask.mean()), lab),),
+                     np.zeros((4, 4, 3), np.float32), GRID)
+
+
+def _box(y0: int, x0: int, h: int = 4, w: int = 4) -> np.ndarray:
+    m = np.zeros(GRID, bool)
+    m[:, y0:y0 + h, x0:x0 + w] = True
+    return m
+
+
+def _x0(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(16, 8, 16, 16)).astype(np.float32)
+
+
+def _region(target: Signature, cached: Signature, xt: np.ndarray, xc: np.ndarray, **kw) -> np.ndarray:
+    return reuse.active_region(target, cached, xt, xc, PATCH, reuse.ReuseConfig(**kw))
+
+
+def test_mask_jitter_is_not_evidence() -> None:
+    a = _box(2, 2)
+    b = a.copy()
+    b[0, 2, 6] = True  # two wordings: a few border tokens differ (IoU 64/67 = 0.96)
+    b[1, 5, 1] = True
+    b[3, 2, 2] = False
+    assert reuse.mask_iou(a, b) >= 0.75
+    x0 = _x0()
+    assert not _region(_sig(b), _sig(a), x0, x0).any()
+    # the rule before: any differing token recomputes the whole object, dilated
+    old = _region(_sig(b), _sig(a), x0, x0, mask_iou_same=1.01)
+    assert old.mean() > 0.3
+
+
+def test_moved_object_is_recomputed_whole_in_both_places() -> None:
+    a, b = _box(0, 0), _box(4, 4)
+    x0 = _x0()
+    A = _region(_sig(b), _sig(a), x0, x0, dilation=0)
+    assert A[a].all() and A[b].all() and A.sum() == (a | b).sum()
+
+
+def test_recoloured_object_is_recomputed_whole() -> None:
+    a = _box(2, 2)
+    x0 = _x0()
+    A = _region(_sig(a, (50.0, -40.0, 30.0)), _sig(a), x0, x0, dilation=0)
+    assert A.sum() == a.sum() and A[a].all()
+
+
+def test_few_disagreeing_x0_tokens_stay_local() -> None:
+    a = _box(2, 2)
+    xc = _x0(1)
+    xt = xc.copy()
+    xt[:, 2:4, 4:6, 4:6] += 50.0  # one token (2x2x2 latent cells) inside the object disagrees
+    A = _region(_sig(a), _sig(a), xt, xc, dilation=0)
+    assert A.sum() == 1 and A[1, 2, 2]
+    # disagreement over a real part of the object (>= 10 % of its support) recomputes it whole
+    xt[:, 2:6, 4:8, 4:8] += 50.0  # 8 of 64 tokens
+    A = _region(_sig(a), _sig(a), xt, xc, dilation=0)
+    assert A[a].all()
+
+
+def test_refresh_calls_spread_over_the_reuse_steps() -> None:
+    assert reuse.refresh_plan_calls(20, 4, 1) == frozenset({4})
+    assert reuse.refresh_plan_calls(20, 4, 3) == frozenset({4, 9, 14})
+    assert reuse.refresh_plan_calls(6, 4, 5) == frozenset({4, 5})
+    assert reuse.refresh_plan_calls(4, 4, 3) == frozenset()
+
+
+def test_changed_background_cells_are_recomputed() -> None:
+    a = _box(2, 2)
+    x0 = _x0()
+    target, cached = _sig(a), _sig(a)
+    ctx = np.zeros((4, 4, 3), np.float32)
+    ctx[0, 3] = (60.0, 0.0, 0.0)  # one context cell changed colour (next to an object: its blur)
+    assert _region(Signature(target.objects, ctx, GRID), cached, x0, x0, dilation=0).sum() == 0
+    ctx[:, :2] = (60.0, 0.0, 0.0)  # the background changed: the cells that changed are recomputed
+    A = _region(Signature(target.objects, ctx, GRID), cached, x0, x0, dilation=0)
+    assert A[:, :, 0:4].all() and A[:, 0:2, 6:8].all() and A.sum() == 4 * (8 * 4 + 2 * 2)
