@@ -42,8 +42,8 @@ Contracts
 * **Atomic publish.** A writer first stages the chunks under ``:stage:<id>`` (created with a TTL in one
   MULTI/EXEC, extended only with RPUSHX, so it can never lose its TTL), then one Lua script checks the staging
   is complete, refuses a namespace/model/config/dimension mismatch, dedupes (same namespace + prompt + seed +
-  request key = one entry, whoever publishes first wins), renames the staging to ``:b:<id>`` and writes the row, embedding,
-  sorted sets, byte total and a stream record. Other workers see all of it or nothing; a writer killed before
+  request key = one entry, whoever publishes first wins), renames the staging to ``:b:<id>`` and writes the row,
+  embedding, sorted sets, byte total and a stream record. Other workers see all of it or nothing; a writer killed before
   the script leaves only a staging key that expires.
 * **Exact repeats.** ``find_request(key)`` answers a request whose ``EntryData.request_key`` is cached. A key
   does not name its namespace, so the key -> id map cannot live in a namespace's slot: it is the one global hash
@@ -55,7 +55,9 @@ Contracts
   went between two steps of other workers) answers None and is removed there and then (and by ``scan``). A
   reader that loses the race with an eviction after the check gets ``EntryNotFoundError`` from ``load``, which
   the request treats as "not an answer". Two round trips (hint, then the row), no counting. Several entries may
-  hold one key (another prompt label or probe setting: the same dense output); the last published is named.
+  hold one key (another prompt label or probe setting: the same dense output); the last published is named, and
+  when it goes the others are not found by key until that request is put again (a miss, never a wrong answer;
+  the on-disk store would name the newest remaining one).
 * **Recall stays local.** Each process keeps a FAISS index per namespace (``index.py``), built from ``:emb`` on
   first use and brought up to date from the ``:log`` stream before every query (one round trip). A stream gap
   (trimmed, or Redis restarted from an older snapshot), a new namespace token (purge) or a generation that went
