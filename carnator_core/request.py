@@ -143,7 +143,7 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
     one hit in its namespace. An entry that vanishes or proves corrupt meanwhile is simply not an answer."""
     from .cache.store import CacheError
 
-    find = getattr(store, "find_request", None)  # a store without the index (the Redis store) answers nothing
+    find = getattr(store, "find_request", None)  # a store without an exact-request index answers nothing
     if find is None or not request_key:
         return None
     t0 = time.perf_counter()

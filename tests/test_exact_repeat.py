@@ -159,6 +159,50 @@ def test_anything_that_decides_the_output_is_part_of_the_key(env, dirs):
         assert not res.exact and n == 8, method
 
 
+def test_exact_repeat_through_the_shared_redis_cache(env, dirs):
+    """Another worker on the same Redis answers an identical request with zero model calls, bit-identical, counted
+    as one lookup and one hit; once the entry is deleted the request runs again (and is cached again)."""
+    from harness_redis import RedisServer
+
+    from carnator.carnator_core.cache.redis_store import RedisStore
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
+
+    tm, models = env
+    m = models["wan21"]
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    opts = ServeOptions(method="prompt_only", prompt_threshold=2.0, probe=ProbeConfig(probe_steps=2))
+    spec = RequestSpec(PROMPT, 5, 8, 5.0, objects="ball")
+    srv = RedisServer(dirs / "redis")
+    try:
+        srv.start()
+        worker_a = RedisStore.open(srv.url, full_url=srv.url)
+        worker_b = RedisStore.open(srv.url, full_url=srv.url)
+
+        def run(st):
+            with count_calls(m) as calls:
+                res = serve(m, None, pos, neg, lat, spec, st, opts)
+            return res, len(calls)
+
+        first, n_first = run(worker_a)
+        assert n_first == 8 and first.entry_id and not first.exact
+        assert worker_b.find_request(first.probe.request_key) == first.entry_id
+        before = worker_b.stats()
+        again, n_again = run(worker_b)
+        assert n_again == 0 and again.exact and again.entry_id == first.entry_id
+        assert torch.equal(again.latent["samples"], first.latent["samples"]) and again.report.decision == "hit"
+        after = worker_a.stats()
+        assert (after.lookups - before.lookups, after.hits - before.hits, after.entries) == (1, 1, before.entries)
+        assert worker_a.delete(first.entry_id)
+        third, n_third = run(worker_b)  # the entry is gone: never answered from a stale key
+        assert n_third == 8 and not third.exact and third.entry_id != first.entry_id
+        assert torch.equal(third.latent["samples"], first.latent["samples"])
+        assert worker_a.find_request(first.probe.request_key) == third.entry_id
+    finally:
+        srv.stop()
+
+
 def test_a_batch_is_never_answered_by_key(env, dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig

@@ -4,6 +4,7 @@ entries, atomic publish, the synced per-worker index, Redis outages and restarts
 passwords out of workflows. Pure core (no ComfyUI)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -160,6 +161,129 @@ def test_racing_publishers_leave_one_entry(redis_url):
     again, written = racer.put_with_status(make_entry(1))
     assert again == first and not written and st.stats().entries == 1
     assert not list(st._r.scan_iter(match="carnator:{*}:stage:*"))  # the loser's staging is gone
+
+
+# ------------------------------------------------------------------------------------------ exact repeats
+KEY_A, KEY_B = "a" * 32, "b" * 32
+
+
+def keyed(i: int, key: str, **kw) -> EntryData:
+    return dataclasses.replace(make_entry(i, **kw), request_key=key)
+
+
+def test_find_request_across_workers_and_dedupe(redis_url):
+    """As on disk: one lookup by key from any worker, one entry per (namespace, prompt, seed, key), the newest
+    entry holding a key is named, malformed keys find nothing, and nothing is counted."""
+    st, other = store(redis_url), store(redis_url)
+    plain = st.put(make_entry(1, prompt="p", seed=1))
+    assert st.find_request(KEY_A) is None and st.find_request("") is None
+    a = st.put(keyed(2, KEY_A, prompt="p", seed=1))
+    b = st.put(keyed(3, KEY_B, prompt="p", seed=1))
+    assert len({plain, a, b}) == 3  # same prompt and seed, another request (e.g. another negative prompt)
+    for s in (st, other):
+        assert s.find_request(KEY_A) == a and s.find_request(KEY_B) == b
+    again, written = other.put_with_status(keyed(4, KEY_A, prompt="p", seed=1))  # another worker, same request
+    assert again == a and not written and st.stats().entries == 3
+    for bad in ("not hex", "A" * 32, "a" * 8, "a" * 65, None, 7, KEY_A + "\n"):
+        assert st.find_request(bad) is None, bad
+    s0 = st.stats()
+    assert (s0.lookups, s0.hits) == (0, 0)  # find_request counts nothing
+    newer = other.put(keyed(5, KEY_A, prompt="another label", seed=1))  # the same request under another label
+    assert newer != a and st.find_request(KEY_A) == newer and st.load(newer, count_hit=False).entry_id == newer
+    assert st.verify().ok
+
+
+def test_racing_publishers_of_one_request_leave_one_entry_and_its_hint(redis_url):
+    st = store(redis_url)
+    first = st.put(keyed(1, KEY_A))
+    racer = store(redis_url)
+    real_hget = racer._r.hget
+    racer._r.hget = lambda key, field: None if key.endswith(":dedup") else real_hget(key, field)  # missed it
+    again, written = racer.put_with_status(keyed(1, KEY_A))
+    assert again == first and not written and st.stats().entries == 1
+    assert store(redis_url).find_request(KEY_A) == first
+
+
+def test_a_hint_lost_with_its_writer_is_written_again(redis_url):
+    """A writer killed between the publish and the hint: the entry is stored but not found by key (a miss, never a
+    wrong answer); the next put of the same request dedupes to it and writes the hint."""
+    st = store(redis_url)
+
+    def die(stage: str) -> None:
+        if stage == "after_publish":
+            raise KeyboardInterrupt
+
+    st._fault = die
+    with pytest.raises(KeyboardInterrupt):
+        st.put(keyed(1, KEY_A))
+    st._fault = None
+    other = store(redis_url)
+    assert other.stats().entries == 1 and other.find_request(KEY_A) is None
+    eid, written = other.put_with_status(keyed(1, KEY_A))
+    assert not written and st.find_request(KEY_A) == eid == other.entry_ids()[0]
+
+
+@pytest.mark.parametrize("how", ["deleted", "evicted", "purged", "purged_all", "quarantined", "stale_hint"])
+def test_find_request_never_names_a_vanished_entry(redis_url, how):
+    """Every way an entry leaves the cache clears its hint; a hint left stale (a worker died between the delete
+    and clearing it) answers None and is removed by the next lookup, and by ``scan``."""
+    size = _entry_bytes(redis_url)
+    # LRU: the least recently used entry (eid, written first and never loaded) is the one evicted
+    st = store(redis_url, max_bytes=int(size * 2.5) if how == "evicted" else None, policy="lru")
+    reader = store(redis_url)
+    eid = st.put(keyed(1, KEY_A))
+    keep = st.put(keyed(2, KEY_B))
+    assert reader.find_request(KEY_A) == eid
+    hints = "carnator:requests"
+    if how == "deleted":
+        assert st.delete(eid)
+    elif how == "evicted":
+        st.put(make_entry(3))  # over the budget: the oldest entry (eid) goes
+        assert eid not in st.entry_ids() and keep in st.entry_ids()
+    elif how == "purged":
+        st.purge(NS_A)
+    elif how == "purged_all":
+        st.purge()
+    elif how == "quarantined":
+        _damage(st._r, f"carnator:{{{NS_A}}}:b:{eid}", "flip_tensor_byte")
+        with pytest.raises(CorruptEntryError):
+            reader.load(eid)
+    else:
+        real = st._scripts["forget"]
+        st._scripts["forget"] = lambda **kw: 0  # the worker dies before clearing the hint
+        assert st.delete(eid)
+        st._scripts["forget"] = real
+        assert st._r.hget(hints, KEY_A) is not None
+    if how != "stale_hint":
+        assert st._r.hget(hints, KEY_A) is None  # cleared with the entry, not left for a reader to find
+    for s in (reader, st):
+        assert s.find_request(KEY_A) is None
+        with pytest.raises(EntryNotFoundError):
+            s.load(eid)
+    assert st._r.hget(hints, KEY_A) is None
+    survivor = None if how.startswith("purged") else keep
+    assert reader.find_request(KEY_B) == survivor  # another entry's hint is untouched
+    if how.startswith("purged"):
+        assert not st._r.exists(hints)
+    st._r.hset(hints, KEY_A, eid)  # stale again: scan drops it (and only it)
+    assert st.scan()["missing_rows_removed"] == 1 and st._r.hget(hints, KEY_A) is None
+    assert reader.find_request(KEY_B) == survivor
+
+
+def test_find_request_after_its_entry_was_evicted_meanwhile_fails_the_load_only(redis_url):
+    """Found, then evicted by another worker before the load: the load raises EntryNotFoundError (the request
+    treats it as "not an answer"); a hint naming another namespace's id or a foreign value finds nothing."""
+    st, other = store(redis_url), store(redis_url)
+    eid = st.put(keyed(1, KEY_A))
+    assert st.find_request(KEY_A) == eid
+    other.delete(eid)
+    with pytest.raises(EntryNotFoundError):
+        st.load(eid)
+    b = st.put(keyed(2, KEY_B, fp="model-b"))
+    st._r.hset("carnator:requests", KEY_A, b)  # names an entry that holds another key
+    assert st.find_request(KEY_A) is None and st.find_request(KEY_B) == b
+    st._r.hset("carnator:requests", KEY_A, "not an id")
+    assert st.find_request(KEY_A) is None and st._r.hget("carnator:requests", KEY_A) is None
 
 
 # ------------------------------------------------------------------------------------------ namespacing
@@ -477,6 +601,8 @@ def test_redis_outage_degrades_then_resumes(tmp_path, caplog):
                 st.put(make_entry(2))
             with pytest.raises(CacheUnavailableError):
                 st.load(kept)
+            with pytest.raises(CacheUnavailableError):  # request.lookup_exact catches it and runs the request
+                st.find_request(KEY_A)
             assert not st.available
             warnings = carnator_warnings(caplog)
             assert len(warnings) == 1 and "requests continue without the shared cache" in warnings[0].getMessage()

@@ -1,11 +1,12 @@
 """Carnator's shared cache store on Redis: one cache for a farm of ComfyUI workers (processes and machines).
 
 Same public surface and semantics as the on-disk ``Store`` (``store.py``): ``put`` / ``put_with_status``,
-``load``, ``load_signature``, ``record_hit``, ``record_lookup``, ``query``, ``candidates``, ``stats``, ``purge``,
-``delete``, ``verify``, ``scan``, ``namespaces``, ``entry_ids``, ``index_kind``, ``content_version``, ``close``
-(``query`` / ``candidates`` / ``load`` take ``model_fingerprint=`` and refuse another model's namespace or entry,
-as on disk); the same errors (``errors.py``: ``EntryNotFoundError``, ``CorruptEntryError``, ``CacheBudgetError``,
-``NamespaceMismatchError``) plus ``CacheUnavailableError`` (also a ``CacheError``) when Redis cannot be reached.
+``load``, ``load_signature``, ``record_hit``, ``record_lookup``, ``query``, ``candidates``, ``find_request``,
+``stats``, ``purge``, ``delete``, ``verify``, ``scan``, ``namespaces``, ``entry_ids``, ``index_kind``,
+``content_version``, ``close`` (``query`` / ``candidates`` / ``load`` take ``model_fingerprint=`` and refuse
+another model's namespace or entry, as on disk); the same errors (``errors.py``: ``EntryNotFoundError``,
+``CorruptEntryError``, ``CacheBudgetError``, ``NamespaceMismatchError``) plus ``CacheUnavailableError`` (also a
+``CacheError``) when Redis cannot be reached.
 
 Key layout (prefix ``carnator``; ``{ns}`` is a Redis Cluster hash tag, so every key of a namespace lives in one
 hash slot and each multi-key step below is one atomic Lua script in that slot)::
@@ -15,6 +16,7 @@ hash slot and each multi-key step below is one atomic Lua script in that slot)::
     carnator:tags                         hash: 8-hex namespace tag -> namespace (entry ids start with the tag)
     carnator:inflation                    the LCBFU/GDSF clock L (policy.py), shared by all workers
     carnator:evict-lock                   short-lived lock: one worker evicts at a time
+    carnator:requests                     hash: request key -> entry id (exact repeats; a hint, see below)
     carnator:{ns}:meta                    hash: model fingerprint, config JSON, embedding dim, token, created
     carnator:{ns}:gen / :seq              change counter (one per publish/eviction) / entry sequence numbers
     carnator:{ns}:e:<id>                  hash: catalogue row (prompt, seed, nbytes, digest, work, hits, ...,
@@ -23,7 +25,7 @@ hash slot and each multi-key step below is one atomic Lua script in that slot)::
     carnator:{ns}:stage:<id>              list: chunks being written (TTL; renamed to :b:<id> on publish)
     carnator:{ns}:emb / :sid              hash: seq -> embedding float32 bytes / seq -> entry id
     carnator:{ns}:prio / :lru             sorted sets "<seq:012d>:<id>" by LCBFU priority / last access
-    carnator:{ns}:dedup                   hash: sha256(prompt):seed -> entry id (a request is cached once)
+    carnator:{ns}:dedup                   hash: sha256(prompt):seed[:request key] -> entry id (cached once)
     carnator:{ns}:bytes                   total entry bytes of the namespace
     carnator:{ns}:counters                hash: lookups, hits
     carnator:{ns}:log                     stream of changes: op (add/del), gen, seq, id (trimmed ~STREAM_KEEP)
@@ -39,10 +41,23 @@ Contracts
   warning is logged and ``CorruptEntryError`` raised; nothing else is touched.
 * **Atomic publish.** A writer first stages the chunks under ``:stage:<id>`` (created with a TTL in one
   MULTI/EXEC, extended only with RPUSHX, so it can never lose its TTL), then one Lua script checks the staging
-  is complete, refuses a namespace/model/config/dimension mismatch, dedupes (same namespace + prompt + seed =
-  one entry, whoever publishes first wins), renames the staging to ``:b:<id>`` and writes the row, embedding,
-  sorted sets, byte total and a stream record. Other workers see all of it or nothing; a writer killed before
+  is complete, refuses a namespace/model/config/dimension mismatch, dedupes (same namespace + prompt + seed +
+  request key = one entry, whoever publishes first wins), renames the staging to ``:b:<id>`` and writes the row,
+  embedding, sorted sets, byte total and a stream record. Other workers see all of it or nothing; a writer killed before
   the script leaves only a staging key that expires.
+* **Exact repeats.** ``find_request(key)`` answers a request whose ``EntryData.request_key`` is cached. A key
+  does not name its namespace, so the key -> id map cannot live in a namespace's slot: it is the one global hash
+  ``carnator:requests``, written right after the atomic publish (and again whenever a put finds the request
+  already cached, which heals a hint lost to a writer that died between the two steps) and cleared, only if it
+  still names that entry, when the entry is deleted, evicted, quarantined or purged. The hint is never trusted:
+  the entry's row (in its namespace's slot, written by the same publish script) records its request key, and
+  ``find_request`` returns the id only if that row exists and holds exactly this key; a stale hint (the entry
+  went between two steps of other workers) answers None and is removed there and then (and by ``scan``). A
+  reader that loses the race with an eviction after the check gets ``EntryNotFoundError`` from ``load``, which
+  the request treats as "not an answer". Two round trips (hint, then the row), no counting. Several entries may
+  hold one key (another prompt label or probe setting: the same dense output); the last published is named, and
+  when it goes the others are not found by key until that request is put again (a miss, never a wrong answer;
+  the on-disk store would name the newest remaining one).
 * **Recall stays local.** Each process keeps a FAISS index per namespace (``index.py``), built from ``:emb`` on
   first use and brought up to date from the ``:log`` stream before every query (one round trip). A stream gap
   (trimmed, or Redis restarted from an older snapshot), a new namespace token (purge) or a generation that went
@@ -79,6 +94,7 @@ from safetensors.torch import load as st_load, save as st_save
 from ..types import Candidate, Candidates, Signature
 from .catalog import STORE_FORMAT, STORE_VERSION
 from .entry import (
+    REQUEST_KEY_RE,
     Entry,
     EntryData,
     decode_entry,
@@ -166,7 +182,7 @@ redis.call('RENAME', stage, p .. 'b:' .. id)
 redis.call('PERSIST', p .. 'b:' .. id)
 redis.call('HSET', e, 'seq', seq, 'prompt', ARGV[7], 'seed', ARGV[8], 'nbytes', ARGV[9], 'digest', ARGV[10],
   'work', ARGV[11], 'nchunks', ARGV[12], 'sig', ARGV[13], 'sigsum', ARGV[17], 'dedup', ARGV[14], 'created', ARGV[6],
-  'last_access', ARGV[6], 'hits', 0)
+  'last_access', ARGV[6], 'hits', 0, 'rk', ARGV[19])
 redis.call('ZADD', p .. 'prio', ARGV[15], member)
 redis.call('ZADD', p .. 'lru', ARGV[6], member)
 redis.call('HSET', p .. 'emb', seq, ARGV[16])
@@ -178,13 +194,14 @@ redis.call('XADD', p .. 'log', 'MAXLEN', '~', ARGV[18], '*', 'op', 'add', 'gen',
 return {'ok', seq}
 """
 
-# ARGV: id, stream keep, quarantine reason ('' = plain delete), quarantine ttl. Returns the bytes freed (-1: gone).
+# ARGV: id, stream keep, quarantine reason ('' = plain delete), quarantine ttl. Returns {bytes freed (-1: gone),
+# the entry's request key ('' = none)}.
 _DELETE = """
 local p = KEYS[1]
 local id = ARGV[1]
 local e = p .. 'e:' .. id
-local r = redis.call('HMGET', e, 'seq', 'nbytes', 'dedup')
-if not r[1] then return -1 end
+local r = redis.call('HMGET', e, 'seq', 'nbytes', 'dedup', 'rk')
+if not r[1] then return {-1, ''} end
 local seq = tonumber(r[1])
 local member = string.format('%012d:%s', seq, id)
 redis.call('ZREM', p .. 'prio', member)
@@ -206,7 +223,7 @@ else
 end
 local g = redis.call('INCR', p .. 'gen')
 redis.call('XADD', p .. 'log', 'MAXLEN', '~', ARGV[2], '*', 'op', 'del', 'gen', g, 'seq', seq, 'id', id)
-return tonumber(r[2])
+return {tonumber(r[2]), r[4] or ''}
 """
 
 # ARGV: id, inflation, now. Returns the entry's hits after this one (-1: gone).
@@ -227,18 +244,37 @@ redis.call('HINCRBY', p .. 'counters', 'hits', 1)
 return hits
 """
 
-# Removes every entry and the namespace's state (a recreated namespace gets a new token). Returns the count.
+# Removes every entry and the namespace's state (a recreated namespace gets a new token). Returns the count and
+# the (request key, id) pairs of the removed entries that had a key (their hints are cleared by the caller).
 _PURGE = """
 local p = KEYS[1]
 local members = redis.call('ZRANGE', p .. 'lru', 0, -1)
+local keyed = {}
 for _, m in ipairs(members) do
   local id = string.sub(m, 14)
+  local rk = redis.call('HGET', p .. 'e:' .. id, 'rk')
+  if rk and rk ~= '' then
+    keyed[#keyed + 1] = rk
+    keyed[#keyed + 1] = id
+  end
   redis.call('UNLINK', p .. 'e:' .. id, p .. 'b:' .. id)
 end
 for _, k in ipairs({'meta', 'gen', 'seq', 'emb', 'sid', 'prio', 'lru', 'dedup', 'bytes', 'counters', 'log'}) do
   redis.call('UNLINK', p .. k)
 end
-return #members
+return {#members, keyed}
+"""
+
+# The exact-repeat hints (KEYS[1] = carnator:requests, one key): ARGV is (request key, entry id) pairs; each hint
+# is removed only if it still names that entry (a newer entry's hint stays). Returns how many were removed.
+_FORGET_REQUESTS = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return n
 """
 
 _MAX_UPDATE = """
@@ -301,7 +337,7 @@ class RedisStore:
         self._closed = False
         self._scripts = {name: client.register_script(src) for name, src in
                          (("publish", _PUBLISH), ("delete", _DELETE), ("hit", _HIT), ("purge", _PURGE),
-                          ("max", _MAX_UPDATE), ("unlock", _UNLOCK))}
+                          ("max", _MAX_UPDATE), ("unlock", _UNLOCK), ("forget", _FORGET_REQUESTS))}
         # Fault injection for crash tests: called with a stage name ("after_stage", "after_publish") in put().
         self._fault: Callable[[str], None] | None = None
 
@@ -465,9 +501,12 @@ class RedisStore:
             raise TypeError(f"Store.put takes an EntryData, got {type(data).__name__}")
         ns = data.namespace
         p = self._p(ns)
-        dedup_key = f"{hashlib.sha256(data.prompt.encode()).hexdigest()}:{int(data.seed)}"
+        rk = data.request_key
+        # As on disk, one entry per (namespace, prompt, seed, request key); "" keeps the key of keyless entries.
+        dedup_key = f"{hashlib.sha256(data.prompt.encode()).hexdigest()}:{int(data.seed)}" + (f":{rk}" if rk else "")
         existing = self._call(lambda: self._r.hget(p + "dedup", dedup_key))
         if existing is not None:
+            self._note_request(rk, _s(existing))
             return _s(existing), False
         self._register_ns(ns)
         created = time.time()
@@ -502,12 +541,13 @@ class RedisStore:
             args = [entry_id, data.model_fingerprint, cfg_json, int(emb.shape[0]), secrets.token_hex(8),
                     repr(created), data.prompt, int(data.seed), len(blob), enc.meta_digest, repr(work), len(chunks),
                     sig_blob, dedup_key, repr(prio), np.ascontiguousarray(emb, np.float32).tobytes(),
-                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP]
+                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP, rk]
             res = self._call(lambda: self._scripts["publish"](keys=[p], args=args))
             status = _s(res[0])
             if status == "ok":
                 break
             if status == "dup":
+                self._note_request(rk, _s(res[1]))
                 return _s(res[1]), False
             if status == "mismatch":
                 what = _s(res[1])
@@ -530,19 +570,63 @@ class RedisStore:
             raise CacheError(f"could not find a free entry id in namespace {ns} after 8 tries")
         if self._fault:
             self._fault("after_publish")
+        self._note_request(rk, entry_id)
         try:
             self._evict_if_needed(protect={entry_id})
         except CacheUnavailableError:
             pass  # published; the next write enforces the budget (the outage is logged once)
         return entry_id, True
 
+    # ------------------------------------------------------------------ exact repeats
+    def _note_request(self, request_key: str, entry_id: str) -> None:
+        """Point the global hint of ``request_key`` at ``entry_id`` (after the entry is published; see the module
+        docstring). A failure here loses only the hint: the entry is stored, and the next put of the same request
+        writes the hint again."""
+        if not request_key:
+            return
+        try:
+            self._call(lambda: self._r.hset(f"{PREFIX}:requests", request_key, entry_id))
+        except CacheUnavailableError:
+            pass  # logged once by _call
+
+    def _forget_requests(self, pairs: list[tuple[str, str]]) -> int:
+        """Remove the hints of these (request key, entry id) pairs that still name that entry."""
+        args = [x for pair in pairs if pair[0] for x in pair]
+        if not args:
+            return 0
+        return int(self._call(lambda: self._scripts["forget"](keys=[f"{PREFIX}:requests"], args=args)))
+
+    def find_request(self, request_key: str) -> str | None:
+        """The id of the entry holding the dense output of exactly this request (``EntryData.request_key``), or
+        None (a malformed key, none cached, or a hint whose entry is gone: then the hint is removed). Counts
+        nothing (the caller loads the entry and counts the hit). Raises CacheUnavailableError if Redis is down."""
+        if not isinstance(request_key, str) or not request_key or not REQUEST_KEY_RE.match(request_key):
+            return None
+        raw = self._call(lambda: self._r.hget(f"{PREFIX}:requests", request_key))
+        if raw is None:
+            return None
+        entry_id = _s(raw)
+        ns = self._ns_of(entry_id) if valid_entry_id(entry_id) else None
+        if ns is not None:
+            held = self._call(lambda: self._r.hget(self._p(ns) + f"e:{entry_id}", "rk"))
+            if held is not None and _s(held) == request_key:
+                return entry_id
+        self._forget_requests([(request_key, entry_id)])  # stale: the entry went between two steps of others
+        return None
+
     # ------------------------------------------------------------------ deletes / eviction / purge
     def _delete(self, ns: str, entry_id: str, reason: str = "") -> int:
-        """Unpublish one entry (quarantine its bytes if ``reason``). Returns its bytes, -1 if it was gone."""
-        n = int(self._call(lambda: self._scripts["delete"](keys=[self._p(ns)],
-                                                           args=[entry_id, STREAM_KEEP, reason, QUARANTINE_TTL_S])))
+        """Unpublish one entry (quarantine its bytes if ``reason``) and clear its exact-repeat hint. Returns its
+        bytes, -1 if it was gone."""
+        n, rk = self._call(lambda: self._scripts["delete"](keys=[self._p(ns)],
+                                                           args=[entry_id, STREAM_KEEP, reason, QUARANTINE_TTL_S]))
         self._forget_sig(entry_id)
-        return n
+        if rk:
+            try:
+                self._forget_requests([(_s(rk), entry_id)])
+            except CacheUnavailableError:
+                pass  # the hint is stale now; find_request and scan drop it
+        return int(n)
 
     def delete(self, entry_id: str) -> bool:
         """Remove one entry. Returns False if it was not there."""
@@ -619,7 +703,10 @@ class RedisStore:
         nss = [namespace] if namespace else self._known_namespaces()
         n = 0
         for ns in nss:
-            n += int(self._call(lambda ns=ns: self._scripts["purge"](keys=[self._p(ns)])))
+            count, keyed = self._call(lambda ns=ns: self._scripts["purge"](keys=[self._p(ns)]))
+            n += int(count)
+            keyed = [_s(x) for x in keyed]
+            self._forget_requests(list(zip(keyed[0::2], keyed[1::2])))
             with self._lock:
                 self._indexes.pop(ns, None)
         if not namespace:
@@ -999,17 +1086,21 @@ class RedisStore:
         return int.from_bytes(h[:6], "little")
 
     def scan(self, grace_s: float | None = None) -> dict[str, int]:
-        """Defensive clean-up: staging keys without a TTL (cannot happen through this class) are removed. Returns
-        the counts ``Store.scan`` returns (the same keys); Redis has no temp files, orphan entry files or foreign
-        files, so only ``tmp_removed`` (staging keys) can be non-zero. ``grace_s`` is accepted for the common
-        surface: a staging key always carries its own TTL."""
+        """Defensive clean-up: staging keys without a TTL (cannot happen through this class) are removed, and
+        exact-repeat hints whose entry is gone (a worker died between a delete and clearing its hint). Returns the
+        counts ``Store.scan`` returns (the same keys); Redis has no temp files, orphan entry files or foreign
+        files, so only ``tmp_removed`` (staging keys) and ``missing_rows_removed`` (stale hints) can be non-zero.
+        ``grace_s`` is accepted for the common surface: a staging key always carries its own TTL."""
         removed = 0
         for key in self._call(lambda: list(self._r.scan_iter(match=f"{PREFIX}:{{*}}:stage:*", count=1000))):
             if self._call(lambda key=key: self._r.ttl(key)) == -1:
                 self._call(lambda key=key: self._r.delete(key))
                 removed += 1
-        return {"tmp_removed": removed, "orphans_adopted": 0, "orphans_quarantined": 0, "missing_rows_removed": 0,
-                "foreign_files": 0}
+        hints = [(_s(k), _s(v)) for k, v in
+                 self._call(lambda: list(self._r.hscan_iter(f"{PREFIX}:requests", count=1000)))]
+        stale = [h for h in hints if self.find_request(h[0]) is None]  # find_request drops what it finds stale
+        return {"tmp_removed": removed, "orphans_adopted": 0, "orphans_quarantined": 0,
+                "missing_rows_removed": len(stale), "foreign_files": 0}
 
     def verify(self, *, deep: bool = False) -> VerifyReport:
         """Check that rows, bytes, embeddings, sorted sets, byte totals and this process's indexes agree. ``deep``:
