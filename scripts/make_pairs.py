@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
 RUN_KEYS = ("weights", "seed", "warm", "queries", "top_k", "kinds", "labeler", "tolerance", "reuse_mode",
-            "p_same_seed", "label_missing")
+            "p_same_seed", "label_missing", "label", "artifact_ratio")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probability that an edited query keeps its source's seed (0.5)")
     p.add_argument("--labeler", choices=("checker", "psnr", "ssim"), default="checker",
                    help="definition of unsafe: the embedded checker (default) or a tolerance vs dense")
+    p.add_argument("--label", choices=("attribute", "request"), default="attribute",
+                   help="with --labeler checker: 'attribute' = unsafe when an attribute dense passes fails on the "
+                   "reuse (the first label); 'request' = the excess label: unsafe (b) = the reuse clip fails where "
+                   "the dense clip passes, better (c) = the reverse (docs/CALIBRATION.md)")
+    p.add_argument("--artifact-ratio", type=float, default=1.25,
+                   help="with --label request: a reuse clip also fails when its background artifact score exceeds "
+                   "this multiple of the dense clip's (1.25; 0 = checker only)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="tolerance of --labeler psnr (dB, default 25) or ssim (default 0.9)")
     p.add_argument("--reuse-mode", choices=("joint", "latent", "attention"), default="joint",
@@ -94,7 +101,7 @@ def _labeler(args: dict):
     from carnator.carnator_core.lab import pairs
 
     if args["labeler"] == "checker":
-        return pairs.embedded_checker_labeler()
+        return pairs.embedded_checker_labeler(args.get("label", "attribute"), args.get("artifact_ratio") or None)
     tol = args["tolerance"]
     if tol is None:
         tol = 25.0 if args["labeler"] == "psnr" else 0.9

@@ -314,6 +314,15 @@ def test_excess_certificate_fails_when_reuse_adds_failures():
     assert not cert.passed and cert.upper_bound > 0.15
 
 
+def test_a_stratum_path_counts_in_each_of_its_prefixes():
+    pairs = [_paired(f"p{i}", 0.1, "0", "1obj/paraphrase") for i in range(60)]
+    pairs += [_paired(f"c{i}", 0.1, "0", "1obj/colour") for i in range(60)]
+    cert = certify(Thresholds(1.0, 1.0, 1.0, 1.0), pairs, alpha=0.05, delta=0.1, label="excess",
+                   required_strata=("1obj",))
+    assert set(cert.strata) == {"1obj", "1obj/paraphrase", "1obj/colour"}
+    assert cert.strata["1obj"].n == 120 and cert.strata["1obj/colour"].n == 60 and cert.passed
+
+
 def test_strata_each_get_a_certificate_and_a_required_one_must_pass_alone():
     one = _noise_pairs(300, 0.02, seed=4, stratum="1obj")
     two = [_paired(f"t{i}", 0.5, "b" if i % 4 == 0 else "0", "2obj") for i in range(60)]  # a weak stratum

@@ -231,14 +231,26 @@ def _verdicts(result: Any) -> dict[str, bool]:
 
 @dataclass(frozen=True)
 class CheckerLabeler:
-    """unsafe = some checked attribute passes on the dense output and fails on the reuse output.
+    """Labels a reuse output against the dense output of the same request and seed with a checker.
 
-    ``check(clip, prompt) -> {attribute: passed}`` must be deterministic; attributes the dense output fails
-    are the model's failures, not the reuse's, and never make a pair unsafe.
+    ``check(clip, prompt) -> {attribute: passed}`` must be deterministic.
+
+    level "attribute" (the first label): unsafe = some checked attribute passes on the dense output and fails on
+    the reuse output; attributes the dense output fails are the model's failures and never make a pair unsafe.
+    level "request" (the excess label, docs/CALIBRATION.md): a clip *fails* when any checked attribute fails (or,
+    with ``artifact_ratio``, when its background artifact score exceeds that multiple of the dense clip's);
+    unsafe = b = the reuse output fails where the dense output passes, and ``diag["better"]`` = c = the reuse
+    output passes where the dense output fails.
     """
 
     check: Callable[[np.ndarray, str], Mapping[str, bool]]
     definition: str
+    level: str = "attribute"
+    artifact_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in ("attribute", "request"):
+            raise ValueError(f"level must be 'attribute' or 'request', got {self.level!r}")
 
     def reference(self, dense_clip: np.ndarray, prompt: str) -> dict[str, bool]:
         return dict(self.check(dense_clip, prompt))
@@ -246,7 +258,20 @@ class CheckerLabeler:
     def label(self, ref: Mapping[str, bool], reuse_clip: np.ndarray, prompt: str) -> tuple[bool, dict[str, Any]]:
         got = dict(self.check(reuse_clip, prompt))
         broken = sorted(a for a, ok in ref.items() if ok and not got.get(a, False))
-        return bool(broken), {"broken": broken, "dense_failed": sorted(a for a, ok in ref.items() if not ok)}
+        diag: dict[str, Any] = {"broken": broken, "dense_failed": sorted(a for a, ok in ref.items() if not ok),
+                                "reuse_failed": sorted(a for a in ref if not got.get(a, False))}
+        if self.level == "attribute":
+            return bool(broken), diag
+        return request_outcome(diag, artifact_failed=False)
+
+
+def request_outcome(diag: Mapping[str, Any], artifact_failed: bool) -> tuple[bool, dict[str, Any]]:
+    """(unsafe = b, diag with ``better`` = c) at request level from a checker diag's ``reuse_failed`` and
+    ``dense_failed`` lists; ``artifact_failed`` makes the reuse output fail as well."""
+    reuse_fail = bool(diag.get("reuse_failed")) or artifact_failed
+    dense_fail = bool(diag.get("dense_failed"))
+    out = {**diag, "artifact_failed": bool(artifact_failed), "better": dense_fail and not reuse_fail}
+    return reuse_fail and not dense_fail, out
 
 
 EMBEDDED_UNSAFE_DEFINITION = (
@@ -256,11 +281,26 @@ EMBEDDED_UNSAFE_DEFINITION = (
 )
 
 
-def embedded_checker_labeler() -> CheckerLabeler:
-    """The embedded world's ground-truth labeler (see :data:`EMBEDDED_UNSAFE_DEFINITION`)."""
+EMBEDDED_EXCESS_DEFINITION = (
+    "excess label, request level (docs/CALIBRATION.md): a clip fails when the embedded pixel checker "
+    "(carnator_core/embedded/checker.py) fails it on any named object's colour, size, position or motion or on the "
+    "background, or when its background artifact score (lab/metrics.py) exceeds {ratio} x the dense clip's; "
+    "unsafe (b) = the joint-reuse output fails where the dense output of the same request and seed passes, better "
+    "(c) = it passes where the dense output fails"
+)
+
+
+def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | None = None) -> CheckerLabeler:
+    """The embedded world's ground-truth labeler: level "attribute" (:data:`EMBEDDED_UNSAFE_DEFINITION`) or
+    "request" (the excess label, :data:`EMBEDDED_EXCESS_DEFINITION`)."""
     from ..embedded import checker
 
-    return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt)), EMBEDDED_UNSAFE_DEFINITION)
+    if level == "request":
+        definition = EMBEDDED_EXCESS_DEFINITION.format(ratio=artifact_ratio if artifact_ratio else "inf")
+    else:
+        definition = EMBEDDED_UNSAFE_DEFINITION
+    return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt)), definition, level,
+                          artifact_ratio)
 
 
 def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
@@ -457,6 +497,7 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     want = None if only is None else set(only(res) if callable(only) else only)
     cfg = replace(ctx.options.reuse, mode=ctx.options.reuse_mode)
     outs = []
+    artifact_dense: float | None = None
     items = res.candidates.items if res.candidates is not None else ()
     top_sim = max((float(c.similarity) for c in items), default=0.0)
     for cand in items:
@@ -476,14 +517,24 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
         unsafe, diag = labeler.label(ref, reuse_clip, req.prompt)
         quality = {k: (None if not np.isfinite(v) else round(float(v), 4))
                    for k, v in clip_quality(reuse_clip, dense_clip, background).items()}
+        ratio = getattr(labeler, "artifact_ratio", None)
+        if getattr(labeler, "level", "attribute") == "request" and ratio:
+            if artifact_dense is None:
+                artifact_dense = artifact_score(dense_clip, background)
+            art = quality.get("artifact")
+            unsafe, diag = request_outcome(diag, art is not None and art > ratio * artifact_dense)
         diag = {**diag, **quality, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
                 "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
                 "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3)}
         outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, True, bool(unsafe), diag))
+    if artifact_dense is None:
+        artifact_dense = artifact_score(dense_clip, background)
     dense_diag = {"dense_s": round(res.timings_ms.get("total", 0.0) / 1000.0, 3),
-                  "artifact_dense": round(artifact_score(dense_clip, background), 4)}
+                  "artifact_dense": round(artifact_dense, 4)}
     if isinstance(ref, Mapping):
         dense_diag["dense_failed"] = sorted(a for a, ok in ref.items() if not ok)
+        # one-object / two-object scene: the stratum the certificate is also reported for
+        dense_diag["objects"] = len({a.split(".", 1)[0] for a in ref if a.startswith("o")})
     return RequestOutcome(req, res, tuple(outs), dense_diag, time.perf_counter() - t0)
 
 
@@ -504,6 +555,9 @@ def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[di
             raise ValueError(f"request {out.request.request_id}: candidate {c.entry_id} was not labelled")
         p = LabelledPair.from_discrepancies(out.request.request_id, entry_names.get(c.entry_id, c.entry_id),
                                             c.similarity, c.discrepancies, bool(c.unsafe))
+        n_obj = out.dense_diag.get("objects")
+        p = replace(p, better=bool(c.diag.get("better", False)),
+                    stratum=f"{n_obj}obj/{out.request.kind}" if n_obj else None)
         row = p.to_row()
         row["diag"] = {"kind": out.request.kind, "source": out.request.source, "prompt": out.request.prompt,
                        "seed": out.request.seed, "store_entry": c.entry_id,

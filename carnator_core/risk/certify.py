@@ -737,7 +737,8 @@ def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: f
     """Apply fixed thresholds to the certification split and bound the certified rate among accepted reuses.
 
     When the pairs carry a ``stratum``, a certificate per stratum is attached (each a valid bound for the traffic
-    of that stratum alone); ``required_strata`` must each pass on their own for the certificate to pass.
+    of that stratum alone; a name "a/b" also counts in stratum "a"); ``required_strata`` must each pass on their
+    own for the certificate to pass.
     """
     _check_alpha_delta(alpha, delta)
     if label not in LABELS:
@@ -746,7 +747,11 @@ def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: f
     by_stratum: dict[str, list[LabelledPair]] = {}
     for p in pairs_cert:
         if p.stratum is not None:
-            by_stratum.setdefault(p.stratum, []).append(p)
+            # "1obj/paraphrase" is counted in "1obj" and in "1obj/paraphrase": a scene kind certifies as a whole
+            # and per request kind
+            parts = p.stratum.split("/")
+            for i in range(1, len(parts) + 1):
+                by_stratum.setdefault("/".join(parts[:i]), []).append(p)
     missing = [r for r in required_strata if r not in by_stratum]
     if missing:
         raise CalibrationError(f"required strata {missing} have no certification requests (strata present: "
