@@ -5,8 +5,8 @@
         --variant "before:kv_context=False;first_dense=1;last_dense=1;mask_iou_same=1.01;x0_object_fraction=0" \\
         --variant "after:" --json artifacts/hits.json
 
-One process: a warm set of dense requests is written to a cache (``risk.pairs.embedded_warm_set``), then queries
-derived from them by one controlled change each (``risk.pairs.embedded_queries``: paraphrase, colour, size,
+One process: a warm set of dense requests is written to a cache (``lab.pairs.embedded_warm_set``), then queries
+derived from them by one controlled change each (``lab.pairs.embedded_queries``: paraphrase, colour, size,
 position, motion, background, object, reseed; same seed with probability ``--p-same-seed``). Each query is served
 once as serving does (``request.serve``: probe, signature, retrieval, dense resume = the reference clip), then
 reused from *its source entry* (forced as accepted, as the pairs labelling does) under every ``--variant``
@@ -76,9 +76,8 @@ def main() -> int:
     from carnator.carnator_core import reuse
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.embedded import checker, comfy_glue
-    from carnator.carnator_core.lab import metrics as M
+    from carnator.carnator_core.lab import metrics as M, pairs
     from carnator.carnator_core.request import serve
-    from carnator.carnator_core.risk import pairs
     from carnator.carnator_core.types import Decision
 
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]

@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     t2 = time.time()
     n_req, n_pairs, n_unsafe = merge(args, command)
     print(f"queries {t2 - t1:.0f} s; wrote {args['out']}: {n_req} requests, {n_pairs} pairs, {n_unsafe} unsafe")
-    from carnator.carnator_core.risk import pairs as _pairs
+    from carnator.carnator_core.lab import pairs as _pairs
 
     print("per kind (compute, background PSNR, artifact score of the reuse outputs):")
     print(json.dumps(_pairs.summarize_by_kind(_pairs.read_rows(args["out"])[1]), indent=1))

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.comfy]
 @pytest.fixture(scope="module")
 def ctx(comfy_env, tmp_path_factory):
     from carnator.carnator_core.cache.store import Store
-    from carnator.carnator_core.risk import pairs
+    from carnator.carnator_core.lab import pairs
 
     d = tmp_path_factory.mktemp("hits")
     return pairs.embedded_context(Store.open(d / "cache", key_path=d / "key"))
@@ -24,8 +24,8 @@ def _hit(ctx, source: str, prompt: str, seed: int, **config):
     import dataclasses
 
     from carnator.carnator_core import reuse
+    from carnator.carnator_core.lab.pairs import PairRequest, warm_entry
     from carnator.carnator_core.request import serve
-    from carnator.carnator_core.risk.pairs import PairRequest, warm_entry
     from carnator.carnator_core.types import Decision
 
     eid, first = warm_entry(ctx, PairRequest("w", source, seed))
