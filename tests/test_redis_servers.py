@@ -63,9 +63,11 @@ def test_request_served_by_a_is_a_hit_on_b(tmp_path):
             report_b = _report(history_b, reuse)
             assert report_b["decision"] == "hit", f"not reused across servers: {json.dumps(report_b)[:2000]}"
             assert report_b["entry_id"] == entry_id
+            # the same request as A's: B answers it from the shared cache before the probe (no model call)
+            assert report_b["mode"] == "exact" and report_b["model_calls"] == 0, report_b
             writer = next(i for i, n in reuse.items() if n["class_type"] == "CarnatorCacheWriter")
             text = json.dumps(history_b["outputs"].get(writer, {}))
-            assert "not stored" in text  # B reused A's entry and stored nothing of its own
+            assert "nothing stored" in text  # B reused A's entry and stored nothing of its own
 
             for server in (a, b):
                 s = server.get("/carnator/cache/stats?directory=redis://")
