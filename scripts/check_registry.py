@@ -47,10 +47,10 @@ NEEDED = ["__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LIC
 # Never in the package, even when tracked (development, calibration data, superseded weights).
 NOT_SHIPPED = ["tests/*", "scripts/*", ".ci/*", "Makefile", "pytest.ini", "requirements-dev.txt", "BENCHMARKS.md",
                ".gitignore", ".comfyignore", "rules/*.jsonl", "*_v1.safetensors", ".host/*", "artifacts/*",
-               "runs/*", "*.pyc"]
+               "runs/*", "*.pyc", "carnator_core/embedded/weights/train_state_*"]
 SHIPPED_EXCEPTIONS = ["scripts/api_client.py"]  # the documented API client is for users
 # A tracked file matching NEEDED is still left out when it also matches one of these.
-NEEDED_EXCEPTIONS = ["*_v1.safetensors"]
+NEEDED_EXCEPTIONS = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*"]
 
 
 def matches(path: str, patterns: list[str]) -> bool:
