@@ -88,13 +88,18 @@ def test_checker_labeler_on_ground_truth_renders():
     clip, _ = world.render(scene)
     ref = lab.reference(clip, prompt)
     assert all(ref.values()) and "o0.colour" in ref and "background" in ref
-    assert lab.label(ref, clip, prompt) == (False, {"broken": [], "dense_failed": []})
+    assert lab.label(ref, clip, prompt) == (False, {"broken": [], "dense_failed": [], "reuse_failed": []})
     blue, _ = world.render(replace(scene, objects=(replace(scene.objects[0], colour="blue"),)))
     unsafe, diag = lab.label(ref, blue, prompt)
-    assert unsafe and diag["broken"] == ["o0.colour"]
+    assert unsafe and diag["broken"] == ["o0.colour"] and diag["reuse_failed"] == ["o0.colour"]
     # An attribute the dense output already fails is the model's failure, not the reuse's.
     ref_failed = {**ref, "o0.colour": False}
     assert lab.label(ref_failed, blue, prompt)[0] is False
+    # The request-level (excess) label on the same renders: b when only the reuse fails, c when only dense does.
+    req = pairs.embedded_checker_labeler("request")
+    assert req.label(ref, blue, prompt)[0] is True and req.label(ref, blue, prompt)[1]["better"] is False
+    unsafe, diag = req.label(ref_failed, clip, prompt)
+    assert unsafe is False and diag["better"] is True
 
 
 def test_tolerance_labeler():
