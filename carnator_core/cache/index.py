@@ -145,6 +145,14 @@ def _ivf_ids(ivf: faiss.IndexIVF) -> np.ndarray:
     return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
 
 
+def query_vector(embedding: np.ndarray) -> np.ndarray:
+    """The unit query vector [D] of one embedding (both stores' ``query``); ValueError for anything else."""
+    q = normalize_rows(embedding)
+    if q.ndim != 1:
+        raise ValueError(f"query embedding must be one vector [D], got shape {np.shape(embedding)}")
+    return q
+
+
 class VectorIndex:
     """One namespace's index. Not thread-safe: the store serialises access."""
 
@@ -256,6 +264,15 @@ class VectorIndex:
         nlist = faiss.extract_index_ivf(self.index).nlist
         per_list = max(1.0, self.ntotal / max(nlist, 1))
         return int(min(nlist, max(params.nprobe, math.ceil(params.scan / per_list))))
+
+    def search_query(self, query: np.ndarray, k: int, params: IndexParams, fetch: FetchFn | None,
+                     namespace: str) -> list[tuple[int, float]]:
+        """:meth:`search` for a :func:`query_vector` of ``namespace``'s index, after checking its dimension (a
+        ValueError naming the namespace: another text encoder made the query)."""
+        if query.shape[0] != self.dim:
+            raise ValueError(f"query embedding has dimension {query.shape[0]} but namespace {namespace} holds "
+                             f"dimension {self.dim}: a different text encoder produced it")
+        return self.search(query, int(k), params, fetch=fetch)
 
     def search(self, query: np.ndarray, k: int, params: IndexParams, fetch: FetchFn | None = None
                ) -> list[tuple[int, float]]:

@@ -113,7 +113,7 @@ from .errors import (
     EntryNotFoundError,
     NamespaceMismatchError,
 )
-from .index import IndexParams, VectorIndex, normalize_rows
+from .index import IndexParams, VectorIndex, query_vector
 from .policy import check_policy, priority, work_of
 from .redis_url import connect_url, public_url
 from .store import CacheStats, NamespaceStats, VerifyReport, format_bytes
@@ -856,18 +856,13 @@ class RedisStore:
         p = self._p(namespace)
         if model_fingerprint is not None:
             self._check_namespace_model(namespace, str(model_fingerprint))
-        q = normalize_rows(embedding)
-        if q.ndim != 1:
-            raise ValueError(f"query embedding must be one vector [D], got shape {np.shape(embedding)}")
+        q = query_vector(embedding)
         with self._lock:
             st = self._sync(namespace)
             if st is None:
                 return []
-            if q.shape[0] != st.index.dim:
-                raise ValueError(f"query embedding has dimension {q.shape[0]} but namespace {namespace} holds "
-                                 f"dimension {st.index.dim}: a different text encoder produced it")
-            found = st.index.search(q, int(k), self.index_params,
-                                    fetch=lambda seqs: self._fetch_vectors(namespace, seqs))
+            found = st.index.search_query(q, k, self.index_params,
+                                          lambda seqs: self._fetch_vectors(namespace, seqs), namespace)
         if not found:
             return []
         ids = self._call(lambda: self._r.hmget(p + "sid", [int(s) for s, _ in found]))

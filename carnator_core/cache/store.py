@@ -103,7 +103,7 @@ from .errors import (
     NamespaceMismatchError,
     NotACacheDirectoryError,
 )
-from .index import IndexFileError, IndexParams, VectorIndex, normalize_rows
+from .index import IndexFileError, IndexParams, VectorIndex, query_vector
 from .policy import EVICTION_ORDER, check_policy, work_of
 
 log = logging.getLogger("carnator")
@@ -1065,17 +1065,12 @@ class Store:
         self._ns_dir(namespace)  # validates the name
         if model_fingerprint is not None:
             self._check_namespace_model(namespace, str(model_fingerprint))
-        q = normalize_rows(embedding)
-        if q.ndim != 1:
-            raise ValueError(f"query embedding must be one vector [D], got shape {np.shape(embedding)}")
+        q = query_vector(embedding)
         with self._lock:
             st = self._sync(namespace)
             if st is None:
                 return []
-            if q.shape[0] != st.index.dim:
-                raise ValueError(f"query embedding has dimension {q.shape[0]} but namespace {namespace} holds "
-                                 f"dimension {st.index.dim}: a different text encoder produced it")
-            found = st.index.search(q, int(k), self.index_params, fetch=self._fetch_vectors)
+            found = st.index.search_query(q, k, self.index_params, self._fetch_vectors, namespace)
             if not found:
                 return []
             seqs = [s for s, _ in found]
