@@ -81,7 +81,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -116,6 +115,7 @@ from .errors import (
 from .index import IndexParams, VectorIndex, query_vector
 from .policy import check_policy, priority, work_of
 from .redis_url import connect_url, public_url
+from .sigcache import SignatureLRU
 from .store import CacheStats, NamespaceStats, VerifyReport, format_bytes
 
 log = logging.getLogger("carnator")
@@ -329,9 +329,7 @@ class RedisStore:
         self._lock = threading.RLock()
         self._indexes: dict[str, _NsIndex] = {}
         self._tags: dict[str, str] = {}
-        self._sigs: OrderedDict[str, tuple[Signature, int]] = OrderedDict()
-        self._sig_bytes = 0
-        self._sig_budget = 256 << 20
+        self._sigs = SignatureLRU()
         self._down_until = 0.0
         self._down_reason = ""
         self._closed = False
@@ -711,9 +709,7 @@ class RedisStore:
                 self._indexes.pop(ns, None)
         if not namespace:
             self._call(lambda: self._r.set(f"{PREFIX}:inflation", "0"))
-        with self._lock:
-            self._sigs.clear()
-            self._sig_bytes = 0
+        self._sigs.clear()
         log.info("carnator cache: purged %d entries (%s) in %s", n, f"namespace {namespace}" if namespace else "all",
                  self.url)
         return n
@@ -795,20 +791,13 @@ class RedisStore:
 
     def _remember_sig(self, entry_id: str, sig: Signature) -> None:
         size = int(sig.nbytes()) if callable(getattr(sig, "nbytes", None)) else 0
-        with self._lock:
-            self._sigs[entry_id] = (sig, size)
-            self._sig_bytes += size
-            while self._sig_bytes > self._sig_budget and self._sigs:
-                _, (_, s) = self._sigs.popitem(last=False)
-                self._sig_bytes -= s
+        self._sigs.put(entry_id, sig, size)
 
     def load_signature(self, entry_id: str) -> Signature:
         """The entry's Early Signature only (a small value; cached per process)."""
-        with self._lock:
-            hit = self._sigs.get(entry_id)
-            if hit is not None:
-                self._sigs.move_to_end(entry_id)
-                return hit[0]
+        hit = self._sigs.get(entry_id)
+        if hit is not None:
+            return hit
         ns = self._ns_of(entry_id)
         if ns is None:
             raise self._gone(entry_id)
@@ -820,10 +809,7 @@ class RedisStore:
         return sig
 
     def _forget_sig(self, entry_id: str) -> None:
-        with self._lock:
-            hit = self._sigs.pop(entry_id, None)
-            if hit is not None:
-                self._sig_bytes -= hit[1]
+        self._sigs.discard(entry_id)
 
     def _bump(self, entry_id: str, ns: str) -> int:
         inflation = self._inflation()
@@ -908,10 +894,9 @@ class RedisStore:
                 for (entry_id, sim), row in zip(found, rows):
                     if row[0] is None:
                         continue  # evicted since the query
-                    with self._lock:
-                        cached = self._sigs.get(entry_id)
+                    cached = self._sigs.get(entry_id)
                     try:
-                        sig = cached[0] if cached else self._decode_sig(entry_id, namespace, row[2], row[3])
+                        sig = cached if cached is not None else self._decode_sig(entry_id, namespace, row[2], row[3])
                     except CorruptEntryError:
                         notes.append(f"skipped corrupt entry {entry_id} (quarantined)")
                         continue

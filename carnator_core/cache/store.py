@@ -64,7 +64,6 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +103,7 @@ from .errors import (
     NotACacheDirectoryError,
 )
 from .index import IndexFileError, IndexParams, VectorIndex, query_vector
+from .sigcache import SignatureLRU
 from .policy import EVICTION_ORDER, check_policy, work_of
 
 log = logging.getLogger("carnator")
@@ -339,9 +339,7 @@ class Store:
         self._key = key
         self._lock = threading.RLock()
         self._indexes: dict[str, _NsIndex] = {}
-        self._sigs: OrderedDict[str, tuple[Signature, int]] = OrderedDict()
-        self._sig_bytes = 0
-        self._sig_budget = 256 << 20
+        self._sigs = SignatureLRU()
         self._warned: set[str] = set()
         # Fault injection for crash tests: called with a stage name ("after_tmp_write", "after_rename",
         # "after_commit" in put; "rebuild_entry", "rebuild_built", "rebuild_set_aside" in a catalogue rebuild;
@@ -484,7 +482,6 @@ class Store:
             self._conn = None  # type: ignore[assignment]
         self._indexes.clear()
         self._sigs.clear()
-        self._sig_bytes = 0
         files = sorted(p for p in (self.root / "entries").glob("*/*.safetensors")
                        if valid_namespace(p.parent.name) and _ENTRY_FILE_RE.match(p.name))
         if reason != "missing" or files:
@@ -986,11 +983,9 @@ class Store:
     @_public
     def load_signature(self, entry_id: str) -> Signature:
         """The entry's Early Signature only (reads just those tensors; cached per process)."""
-        with self._lock:
-            hit = self._sigs.get(entry_id)
-            if hit is not None:
-                self._sigs.move_to_end(entry_id)
-                return hit[0]
+        hit = self._sigs.get(entry_id)
+        if hit is not None:
+            return hit
         row = self._row(entry_id)
         if row is None:
             raise self._gone(entry_id)
@@ -1009,20 +1004,11 @@ class Store:
             sig = signature_from(meta, {k: torch.from_numpy(v) for k, v in parts.items()})
         except Exception as e:  # noqa: BLE001
             raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
-        size = sum(a.nbytes for a in parts.values())
-        with self._lock:
-            self._sigs[entry_id] = (sig, size)
-            self._sig_bytes += size
-            while self._sig_bytes > self._sig_budget and self._sigs:
-                _, (_, s) = self._sigs.popitem(last=False)
-                self._sig_bytes -= s
+        self._sigs.put(entry_id, sig, sum(a.nbytes for a in parts.values()))
         return sig
 
     def _forget_sig(self, entry_id: str) -> None:
-        with self._lock:
-            hit = self._sigs.pop(entry_id, None)
-            if hit is not None:
-                self._sig_bytes -= hit[1]
+        self._sigs.discard(entry_id)
 
     def _bump(self, entry_id: str, ns: str, hits: int) -> int:
         """Count one reuse (best-effort: a full disk must not fail a read). Returns the entry's hits."""
