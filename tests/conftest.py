@@ -55,3 +55,18 @@ def ensure_comfy_importable() -> Path:
 @pytest.fixture(scope="session")
 def comfy_env() -> Path:
     return ensure_comfy_importable()
+
+
+@pytest.fixture()
+def comfy_dirs(comfy_env, tmp_path, monkeypatch) -> Path:
+    """ComfyUI's output/user/input folders under ``tmp_path`` (the roots a Cache node and the routes may use), and
+    no CARNATOR_CACHE_ROOTS from the environment. Returns ``tmp_path``."""
+    import folder_paths
+
+    for name in ("output", "user", "input"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
+    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
+    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
+    monkeypatch.delenv("CARNATOR_CACHE_ROOTS", raising=False)
+    return tmp_path

@@ -10,15 +10,7 @@ pytestmark = pytest.mark.comfy
 
 
 @pytest.fixture()
-def cache_nodes(comfy_env, tmp_path, monkeypatch):
-    import folder_paths
-
-    for name in ("output", "user", "input"):
-        (tmp_path / name).mkdir()
-    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
-    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
-    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
-    monkeypatch.delenv("CARNATOR_CACHE_ROOTS", raising=False)
+def cache_nodes(comfy_dirs):
     import carnator.nodes.cache as cache
 
     return cache

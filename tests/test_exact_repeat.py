@@ -31,19 +31,6 @@ def env(comfy_env, tmp_path_factory):
     return tm, {name: tm.load_tiny_model(name, d) for name in ("wan21", "wan22")}
 
 
-@pytest.fixture()
-def dirs(comfy_env, tmp_path, monkeypatch):
-    import folder_paths
-
-    for name in ("output", "user", "input"):
-        (tmp_path / name).mkdir()
-    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
-    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
-    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
-    monkeypatch.delenv("CARNATOR_CACHE_ROOTS", raising=False)
-    return tmp_path
-
-
 @contextmanager
 def count_calls(model):
     """Counts forward calls of the model's diffusion backbone (the one place every model call goes through)."""
@@ -81,7 +68,7 @@ def _graph(model, pos, neg, lat, handle, seed=5, steps=8):
     return probe, decision, latent, report, out.ui["carnator_report"][0], written
 
 
-def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(env, dirs, caplog):
+def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(env, comfy_dirs, caplog):
     import nodes as comfy_nodes
     from carnator.nodes.cache import CarnatorCacheLoader
 
@@ -120,7 +107,7 @@ def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(e
         CarnatorJointReuseSampler.execute(models["wan22"], pos, neg, lat, probe2, decision2, None, handle, "joint")
 
 
-def test_anything_that_decides_the_output_is_part_of_the_key(env, dirs):
+def test_anything_that_decides_the_output_is_part_of_the_key(env, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
@@ -129,7 +116,7 @@ def test_anything_that_decides_the_output_is_part_of_the_key(env, dirs):
     m = models["wan21"]
     pos, neg = tm.conditioning("wan21")
     lat = tm.empty_latent("wan21")
-    store = Store.open(dirs / "c", key_path=dirs / "key")
+    store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
     opts = ServeOptions(method="prompt_only", prompt_threshold=2.0, probe=ProbeConfig(probe_steps=2))
 
     def run(model=m, p=pos, n=neg, latent=lat, seed=5, options=opts, st=store):
@@ -139,7 +126,7 @@ def test_anything_that_decides_the_output_is_part_of_the_key(env, dirs):
 
     first, n_first = run()
     assert n_first == 8 and first.entry_id and not first.exact
-    restarted = Store.open(dirs / "c", key_path=dirs / "key")  # what a server restart sees
+    restarted = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")  # what a server restart sees
     again, n_again = run(st=restarted)
     assert n_again == 0 and again.exact and torch.equal(again.latent["samples"], first.latent["samples"])
     assert again.report.decision == "hit" and again.entry_id == first.entry_id
@@ -159,7 +146,7 @@ def test_anything_that_decides_the_output_is_part_of_the_key(env, dirs):
         assert not res.exact and n == 8, method
 
 
-def test_exact_repeat_through_the_shared_redis_cache(env, dirs):
+def test_exact_repeat_through_the_shared_redis_cache(env, comfy_dirs):
     """Another worker on the same Redis answers an identical request with zero model calls, bit-identical, counted
     as one lookup and one hit; once the entry is deleted the request runs again (and is cached again)."""
     from harness_redis import RedisServer
@@ -174,7 +161,7 @@ def test_exact_repeat_through_the_shared_redis_cache(env, dirs):
     lat = tm.empty_latent("wan21")
     opts = ServeOptions(method="prompt_only", prompt_threshold=2.0, probe=ProbeConfig(probe_steps=2))
     spec = RequestSpec(PROMPT, 5, 8, 5.0, objects="ball")
-    srv = RedisServer(dirs / "redis")
+    srv = RedisServer(comfy_dirs / "redis")
     try:
         srv.start()
         worker_a = RedisStore.open(srv.url, full_url=srv.url)
@@ -203,7 +190,7 @@ def test_exact_repeat_through_the_shared_redis_cache(env, dirs):
         srv.stop()
 
 
-def test_a_batch_is_never_answered_by_key(env, dirs):
+def test_a_batch_is_never_answered_by_key(env, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
@@ -211,7 +198,7 @@ def test_a_batch_is_never_answered_by_key(env, dirs):
     tm, models = env
     m = models["wan21"]
     pos, neg = tm.conditioning("wan21")
-    store = Store.open(dirs / "b", key_path=dirs / "key")
+    store = Store.open(comfy_dirs / "b", key_path=comfy_dirs / "key")
     opts = ServeOptions(method="prompt_only", prompt_threshold=2.0, probe=ProbeConfig(probe_steps=2))
     spec = RequestSpec(PROMPT, 5, 8, 5.0, objects="ball")
     first = serve(m, None, pos, neg, tm.empty_latent("wan21", batch=2), spec, store, opts)
@@ -221,7 +208,7 @@ def test_a_batch_is_never_answered_by_key(env, dirs):
 
 
 @pytest.mark.parametrize("how", ["deleted", "purged", "quarantined"])
-def test_accepted_entry_that_vanishes_means_a_dense_resume(env, dirs, caplog, how):
+def test_accepted_entry_that_vanishes_means_a_dense_resume(env, comfy_dirs, caplog, how):
     import nodes as comfy_nodes
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import RequestSpec, probe_request, write_result
@@ -276,7 +263,7 @@ def _ti2v_latent(value: float) -> dict:
     return {"samples": samples, "noise_mask": mask}
 
 
-def test_a_different_start_image_is_never_reused_on_wan22(env, dirs):
+def test_a_different_start_image_is_never_reused_on_wan22(env, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
@@ -284,7 +271,7 @@ def test_a_different_start_image_is_never_reused_on_wan22(env, dirs):
     tm, models = env
     m = models["wan22"]
     pos, neg = tm.conditioning("wan22")
-    store = Store.open(dirs / "w22", key_path=dirs / "key")
+    store = Store.open(comfy_dirs / "w22", key_path=comfy_dirs / "key")
     # prompt_only with a threshold every candidate passes: only the key can keep a request from reusing.
     opts = ServeOptions(method="prompt_only", prompt_threshold=-1.0, probe=ProbeConfig(probe_steps=2))
 

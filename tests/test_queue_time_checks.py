@@ -13,20 +13,7 @@ import torch
 pytestmark = pytest.mark.comfy
 
 
-@pytest.fixture()
-def dirs(comfy_env, tmp_path, monkeypatch):
-    import folder_paths
-
-    for name in ("output", "user", "input"):
-        (tmp_path / name).mkdir()
-    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"))
-    monkeypatch.setattr(folder_paths, "input_directory", str(tmp_path / "input"))
-    monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
-    monkeypatch.delenv("CARNATOR_CACHE_ROOTS", raising=False)
-    return tmp_path
-
-
-def test_probe_steps_are_checked_at_queue_time(dirs):
+def test_probe_steps_are_checked_at_queue_time(comfy_dirs):
     from carnator.nodes.probe import CarnatorEarlyProbe as P
 
     assert P.validate_inputs(steps=20, probe_steps=4) is True
@@ -37,7 +24,7 @@ def test_probe_steps_are_checked_at_queue_time(dirs):
     assert P.validate_inputs(steps=None, probe_steps=4) is True  # linked input: checked when it runs
 
 
-def test_rule_file_is_checked_at_queue_time(dirs):
+def test_rule_file_is_checked_at_queue_time(comfy_dirs):
     from carnator.nodes.risk import CarnatorRiskFilter as F
 
     assert F.validate_inputs(rule_file="embedded.json", mode="signature", allow_uncertified=False) is True
@@ -47,16 +34,16 @@ def test_rule_file_is_checked_at_queue_time(dirs):
     assert "escapes" in F.validate_inputs(rule_file="../../x.json", mode="signature", allow_uncertified=False)
     assert F.validate_inputs(rule_file="nope.json", mode="never", allow_uncertified=False) is True
     assert "mode must be one of" in F.validate_inputs(rule_file="embedded.json", mode="bogus", allow_uncertified=False)
-    rules = dirs / "user" / "carnator" / "rules"
+    rules = comfy_dirs / "user" / "carnator" / "rules"
     rules.mkdir(parents=True)
     (rules / "deep.json").write_text("[" * 100000 + "]" * 100000)
     assert "nests too deeply" in F.validate_inputs(rule_file="deep.json", mode="signature", allow_uncertified=False)
 
 
-def test_cache_loader_refuses_a_foreign_folder_at_queue_time(dirs):
+def test_cache_loader_refuses_a_foreign_folder_at_queue_time(comfy_dirs):
     from carnator.nodes.cache import CarnatorCacheLoader as L
 
-    out = dirs / "output"
+    out = comfy_dirs / "output"
     (out / "renders").mkdir()
     (out / "renders" / "shot_0001.png").write_bytes(b"png")
     msg = L.validate_inputs(directory="renders")
@@ -97,7 +84,7 @@ def _call_route(path: str, method: str, body: bytes | None = None, query: str = 
     return asyncio.run(go())
 
 
-def test_routes_answer_400_or_413_with_the_reason(dirs):
+def test_routes_answer_400_or_413_with_the_reason(comfy_dirs):
     status, body = _call_route("/carnator/cache/stats", "GET", query="?directory=" + "d" * 6000)
     assert status == 400 and "too long" in body["error"] and len(body["error"]) < 2000
     status, body = _call_route("/carnator/cache/purge", "POST", body=b'{"directory": "' + b"x" * (50 << 20) + b'"}')
@@ -109,7 +96,7 @@ def test_routes_answer_400_or_413_with_the_reason(dirs):
 
 
 @pytest.mark.parametrize("prompt_tokens", ["empty", "zeros"])
-def test_a_prompt_that_cannot_be_embedded_continues_dense(dirs, tmp_path_factory, prompt_tokens):
+def test_a_prompt_that_cannot_be_embedded_continues_dense(comfy_dirs, tmp_path_factory, prompt_tokens):
     import tiny_models as tm
 
     from carnator.carnator_core.probe import ProbeConfig, run_probe
