@@ -711,6 +711,14 @@ def flex_available() -> bool:
 
 
 @torch.no_grad()
+def _tile_lists(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's ``BlockMask`` lists of a bool [H, Qt, Kt] tile map: (count [1, H, Qt], kept tile indices
+    first [1, H, Qt, Kt]), int32."""
+    num = b.sum(-1).to(torch.int32)
+    idx = torch.argsort((~b).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[None], idx[None]
+
+
 def build_flex_block_mask(
     keep: torch.Tensor,
     block_size: int,
@@ -750,13 +758,8 @@ def build_flex_block_mask(
         full[:, :, Kb - 1] = False  # the partial last key block keeps the bounds check of mask_mod
     partial = union & ~full
 
-    def to_idx(b: torch.Tensor):
-        num = b.sum(-1).to(torch.int32)
-        idx = torch.argsort((~b).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num[None], idx[None]
-
-    kv_num, kv_idx = to_idx(partial)
-    full_num, full_idx = to_idx(full)
+    kv_num, kv_idx = _tile_lists(partial)
+    full_num, full_idx = _tile_lists(full)
     keep_c = keep.contiguous()
     shared = Hk == 1
     # Compiled kernels may evaluate mask_mod on the padding rows of the last q tile: keep the lookup in bounds.
@@ -1227,13 +1230,8 @@ def build_token_flex_block_mask(
         full[:, :, nkt - 1] = False  # the padded last kv tile keeps mask_mod's bounds check
     partial = any_kept & ~full
 
-    def to_idx(b: torch.Tensor):
-        num = b.sum(-1).to(torch.int32)
-        idx = torch.argsort((~b).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num[None], idx[None]
-
-    kv_num, kv_idx = to_idx(partial)
-    full_num, full_idx = to_idx(full)
+    kv_num, kv_idx = _tile_lists(partial)
+    full_num, full_idx = _tile_lists(full)
     keep_c = keep.contiguous()
     shared = Hk == 1
     # Compiled kernels may evaluate mask_mod on the padding rows of the last tiles: keep the lookups in bounds.
