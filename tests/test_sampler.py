@@ -295,7 +295,6 @@ def test_region_above_max_active_continues_dense_and_says_why(env):
     """A changed region larger than ``max_active`` would cost about a dense run: the sampler continues dense
     (bit-identical to KSampler), reports a miss with the reason, and still records the block structure."""
     import nodes as comfy_nodes
-
     from carnator.carnator_core import reuse
     from carnator.carnator_core.types import ObjectSignature, Signature
 
