@@ -216,3 +216,24 @@ def test_cli_certifies_the_excess_label_with_a_required_stratum(tmp_path, capsys
     rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "x.json"), "--label", "excess",
                "--require-stratum", "3obj"])
     assert rc == 2 and "required strata ['3obj'] have no certification requests" in capsys.readouterr().err
+
+
+def test_plan_for_the_excess_label_simulates_b_and_c():
+    from carnator.carnator_core.lab.plan import PlanRow, excess_pass_probability, plan_calib_alpha
+    from carnator.carnator_core.risk.certify import Evaluation
+
+    # equal b and c rates (a fresh dense sample) at n = 300 usually certify; b alone at 8 % never does
+    assert excess_pass_probability(300, 0.14, 0.14, 0.05, 0.1) > 0.5
+    assert excess_pass_probability(300, 0.08, 0.0, 0.05, 0.1) < 0.01
+    assert excess_pass_probability(300, 0.0, 0.0, 0.05, 0.1) == 1.0
+    assert excess_pass_probability(0, 0.0, 0.0, 0.05, 0.1) == 0.0
+    with pytest.raises(ValueError, match="≤ 1"):
+        excess_pass_probability(10, 0.7, 0.6, 0.05, 0.1)
+    line = PlanRow(0.03, Evaluation(100, 40, 3, 2), 0, 80, 0, 0.7, "excess").line()
+    assert "b = 3, c = 2 of 40 accepted" in line and "P(pass) ≈ 0.70 (simulated)" in line
+    rows = []
+    for i, p in enumerate(_runs(3, 120, "calib", seed=7)):
+        rows.append(p.__class__(**{**p.__dict__, "better": (not p.unsafe) and i % 13 == 0}))
+    plan = plan_calib_alpha(rows, [0.05, 0.03], cert_requests=300, levels=5, label="excess")
+    assert all(r.label == "excess" for r in plan.rows)
+    assert any(r.held_out.k_better > 0 for r in plan.rows if r.held_out.n_accepted)
