@@ -237,3 +237,39 @@ def test_plan_for_the_excess_label_simulates_b_and_c():
     plan = plan_calib_alpha(rows, [0.05, 0.03], cert_requests=300, levels=5, label="excess")
     assert all(r.label == "excess" for r in plan.rows)
     assert any(r.held_out.k_better > 0 for r in plan.rows if r.held_out.n_accepted)
+
+
+def test_rule_report_counts_what_the_rule_accepts_per_kind(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rule_report
+
+    from carnator.carnator_core.risk.certify import evaluate, read_pairs_jsonl, split_pairs
+
+    rows = synthetic_pairs(300, seed=4)
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, rows, header=HEADER)
+    out = tmp_path / "r.json"
+    assert main(["--pairs", str(pairs), "--out", str(out), "--write-uncertified"]) in (0, 3)
+    capsys.readouterr()
+    # give every row a kind and a compute figure, as scripts/make_pairs.py's diag does
+    lines = pairs.read_text().splitlines()
+    with_diag = []
+    for line in lines:
+        r = json.loads(line)
+        if "request_id" in r:
+            i = int("".join(ch for ch in r["request_id"] if ch.isdigit()))
+            r["diag"] = {"kind": "repeat" if i % 3 == 0 else "colour", "objects": 1, "compute_fraction": 0.5,
+                         "active_fraction": 0.2}
+        with_diag.append(json.dumps(r))
+    pairs.write_text("\n".join(with_diag) + "\n")
+    table = tmp_path / "t.json"
+    assert rule_report.main(["--pairs", str(pairs), "--rule", str(out), "--json", str(table)]) == 0
+    text = capsys.readouterr().out
+    assert "| all |" in text and "| non-repeat |" in text and "prompt-only at the same coverage" in text
+    got = {r["group"]: r for r in json.loads(table.read_text())["rows"]}
+    _, cert = split_pairs(read_pairs_jsonl(pairs)[1])
+    ev = evaluate(RiskRule.load(out, allow_uncertified=True).thresholds, cert)
+    assert (got["all"]["requests"], got["all"]["accepted"], got["all"]["b"]) == (ev.n_requests, ev.n_accepted,
+                                                                              ev.k_unsafe)
+    assert got["repeat"]["accepted"] + got["colour"]["accepted"] == ev.n_accepted
+    assert got["all"]["compute_median"] == (0.5 if ev.n_accepted else None)

@@ -354,10 +354,11 @@ def _by_request(pairs: Sequence[LabelledPair]) -> dict[str, list[LabelledPair]]:
     return groups
 
 
-def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluation:
-    """Exact per-request evaluation of the signature rule (the decision :func:`.filter.decide` makes)."""
-    n_acc = k = kb = 0
+def accepted_pairs(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> tuple[int, list[LabelledPair]]:
+    """(number of requests, the pair the signature rule reuses for each accepted request) — the decision
+    :func:`.filter.decide` makes followed by the sampler's ``max_active`` gate (a non-reusable choice is a miss)."""
     groups = _by_request(pairs)
+    out = []
     for group in groups.values():
         passing = []
         for i, p in enumerate(group):
@@ -367,10 +368,14 @@ def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluatio
                 passing.append((i, p.similarity, thresholds.normalised(p.vector()), p.entry_id))
         best = select_best(passing)
         if best is not None and group[best].reusable:
-            n_acc += 1
-            k += int(group[best].unsafe)
-            kb += int(group[best].better)
-    return Evaluation(len(groups), n_acc, k, kb)
+            out.append(group[best])
+    return len(groups), out
+
+
+def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluation:
+    """Exact per-request evaluation of the signature rule (the decision :func:`.filter.decide` makes)."""
+    n_req, acc = accepted_pairs(thresholds, pairs)
+    return Evaluation(n_req, len(acc), sum(int(p.unsafe) for p in acc), sum(int(p.better) for p in acc))
 
 
 def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Evaluation:
