@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
-RUN_KEYS = ("weights", "seed", "warm", "queries", "kinds", "p_same_seed", "artifact_ratio", "salt")
+RUN_KEYS = ("weights", "seed", "warm", "queries", "kinds", "p_same_seed", "artifact_ratio", "salt", "objects")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifact-ratio", type=float, default=1.25,
                    help="a clip also fails when its background artifact score exceeds this multiple of the dense "
                    "clip's (1.25, the excess label's; 0 = checker only)")
+    p.add_argument("--objects", type=int, choices=(0, 1, 2), default=0,
+                   help="keep only the requests whose caption names this many objects (the first --queries of them "
+                   "in the query stream; 0 = all). Two-object scenes are ~5 %% of the default workload: measure "
+                   "that stratum at realistic n with --objects 2 and a larger --warm (more distinct sources)")
     p.add_argument("--salt", type=int, default=1, help="salt of the fresh seed s' = other_seed(s, salt) (1)")
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--delta", type=float, default=0.1)
@@ -58,11 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def requests(args: argparse.Namespace):
+    from carnator.carnator_core.embedded import world
     from carnator.carnator_core.lab import pairs
 
     warm, scenes = pairs.embedded_warm_set(args.seed, args.warm)
-    return pairs.embedded_queries(args.seed, args.queries, warm, scenes,
-                                  kinds=tuple(k for k in args.kinds.split(",") if k), p_same_seed=args.p_same_seed)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not args.objects:
+        return pairs.embedded_queries(args.seed, args.queries, warm, scenes, kinds=kinds,
+                                      p_same_seed=args.p_same_seed)
+    if not any(len(sc.objects) == args.objects for sc, _ in scenes.values()):
+        raise SystemExit(f"no warm scene of --seed {args.seed} --warm {args.warm} has {args.objects} objects: "
+                         "raise --warm")
+    # The query stream is prefix-stable: a longer stream extends a shorter one, so the first --queries requests
+    # with the wanted number of objects do not depend on how far the stream is drawn.
+    m = args.queries
+    while True:
+        m *= 2
+        qs = [q for q in pairs.embedded_queries(args.seed, m, warm, scenes, kinds=kinds, p_same_seed=args.p_same_seed)
+              if len(world.parse_caption(q.prompt).objects) == args.objects]
+        if len(qs) >= args.queries:
+            return qs[:args.queries]
 
 
 def open_rows(path: Path | None, run: dict) -> list[dict]:
