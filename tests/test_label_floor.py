@@ -167,3 +167,19 @@ def test_script_writes_rows_and_summary_and_resumes(comfy_env, tmp_path, capsys)
     # another configuration with the same file is refused
     with pytest.raises(SystemExit, match="written with"):
         mod.main(["--queries", "3", "--warm", "10", "--out", str(out)])
+
+
+def test_script_objects_filter_keeps_the_stream_order():
+    from carnator.carnator_core.embedded import world
+
+    mod = _script()
+    args = mod.build_parser().parse_args(["--objects", "2", "--warm", "200", "--queries", "6"])
+    got = mod.requests(args)
+    warm, scenes = pairs.embedded_warm_set(0, 200)
+    stream = [q for q in pairs.embedded_queries(0, 400, warm, scenes)
+              if len(world.parse_caption(q.prompt).objects) == 2]
+    assert len(got) == 6 and got == stream[:6]
+    one = mod.requests(mod.build_parser().parse_args(["--objects", "1", "--warm", "200", "--queries", "6"]))
+    assert all(len(world.parse_caption(q.prompt).objects) == 1 for q in one)
+    with pytest.raises(SystemExit, match="raise --warm"):  # a warm set of one two-object scene
+        mod.requests(mod.build_parser().parse_args(["--objects", "1", "--warm", "1", "--queries", "2"]))
