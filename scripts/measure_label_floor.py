@@ -157,14 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     new = floor.measure_floor(reqs, gen, labeler, background_mask, salt=args.salt,
                               skip={r.request_id for r in done}, on_record=on_record)
     records = done + new
-    summary = floor.summarize_floor(records, args.alpha, args.delta)
+    summary = floor.summarize_floor(records, args.alpha, args.delta, artifact_ratio=args.artifact_ratio or None)
     for k, v in summary.items():
         f, ch = v["full"], v["checker"]
         print(f"{k:22s} n={v['n']:4d} | full b={f['b']:3d} c={f['c']:3d} b/n={f['b_rate']:.3f} "
               f"(U {f['b_upper']:.3f}) excess U={f['excess_upper']:.4f} {'OK' if f['certifies'] else 'FAILS'} "
               f"| checker b={ch['b']:3d} c={ch['c']:3d} b/n={ch['b_rate']:.3f} (U {ch['b_upper']:.3f}) "
               f"excess U={ch['excess_upper']:.4f} {'OK' if ch['certifies'] else 'FAILS'} "
-              f"| art flagged {v['artifact_flagged']}, b from art {v['b_from_artifact']}, "
+              f"| art flagged {v['artifact_flagged']} (both-bg {v['artifact_flagged_both_bg']}), "
+              f"b from art {v['b_from_artifact']}, "
               f"c lost {v['c_lost_to_artifact']}, ratio q50/90/99 {v['artifact_ratio_quantiles']} "
               f"(both-bg {v['artifact_ratio_both_quantiles']})")
     if args.json is not None:

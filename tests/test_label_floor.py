@@ -42,6 +42,11 @@ def test_summary_counts_and_bounds_per_stratum():
     assert (one["full"]["b"], one["full"]["c"]) == (4, 2)
     assert (one["checker"]["b"], one["checker"]["c"]) == (3, 3)
     assert one["b_from_artifact"] == 1 and one["c_lost_to_artifact"] == 1 and one["artifact_flagged"] == 2
+    # the hand-made records score 4.0 vs 3.0 (ratio 1.33) over the shared background: flagged at 1.25, not at 1.5
+    both = [floor.FloorRecord(**{**r.to_row(), "artifact_both": 4.0, "artifact_dense_both": 3.0}) for r in recs]
+    assert floor.summarize_floor(both)["1obj"]["artifact_flagged_both_bg"] == 7
+    assert floor.summarize_floor(both, artifact_ratio=1.5)["1obj"]["artifact_flagged_both_bg"] == 0
+    assert one["artifact_flagged_both_bg"] == 0  # no shared-background scores recorded
     assert one["full"]["b_upper"] == pytest.approx(clopper_pearson_upper(4, 7, 0.1), abs=1e-4)
     assert one["full"]["excess_upper"] == pytest.approx(excess_upper_bound(7, 4, 2, 0.1), abs=1e-4)
     assert one["full"]["certifies"] is False

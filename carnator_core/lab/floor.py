@@ -159,7 +159,8 @@ def measure_floor(requests: Sequence[PairRequest], generate: Callable[[str, int]
     return out
 
 
-def _stratum_summary(recs: Sequence[FloorRecord], alpha: float, delta: float) -> dict[str, Any]:
+def _stratum_summary(recs: Sequence[FloorRecord], alpha: float, delta: float,
+                     artifact_ratio: float | None) -> dict[str, Any]:
     n = len(recs)
     out: dict[str, Any] = {"n": n}
     for label in LABELS:
@@ -175,6 +176,11 @@ def _stratum_summary(recs: Sequence[FloorRecord], alpha: float, delta: float) ->
             "certifies": bool(u <= alpha),
         }
     out["artifact_flagged"] = sum(r.artifact_failed for r in recs)
+    # how many the measure would flag if it scored only the pixels that are background in both clips: the rest of
+    # the flags come from the fresh clip's objects standing where the dense clip has background
+    out["artifact_flagged_both_bg"] = (None if not artifact_ratio else sum(
+        1 for r in recs if r.artifact_both is not None and r.artifact_dense_both is not None
+        and r.artifact_both > artifact_ratio * r.artifact_dense_both))
     out["b_from_artifact"] = sum(r.b and not r.b_checker for r in recs)  # b only because of the artifact measure
     out["c_lost_to_artifact"] = sum(r.c_checker and not r.c for r in recs)  # fixed a dense failure, flagged
     out["dense_fail_rate"] = round(sum(bool(r.dense_failed) for r in recs) / n, 4) if n else None
@@ -189,13 +195,15 @@ def _stratum_summary(recs: Sequence[FloorRecord], alpha: float, delta: float) ->
 
 
 def summarize_floor(records: Sequence[FloorRecord], alpha: float = 0.05, delta: float = 0.1,
-                    by_kind: bool = True) -> dict[str, dict[str, Any]]:
+                    by_kind: bool = True, artifact_ratio: float | None = 1.25) -> dict[str, dict[str, Any]]:
     """Per stratum ("all", "1obj", "2obj", and with ``by_kind`` "1obj/<kind>", ...): n, per label (:data:`LABELS`)
     b, c, b/n, its Clopper–Pearson upper bound at δ, the excess (b − c)/n, its exact upper bound at δ
     (``excess_upper``), the union bound, and whether the exact bound is ≤ α; plus how many fresh clips the
-    artifact measure flagged, how many b exist only because of it (``b_from_artifact``), how many c it removed
-    (``c_lost_to_artifact``), the checker failure rates of the dense and fresh clips, and quantiles (50/90/99 %)
-    of the fresh/dense artifact ratio over the dense background and over the shared background."""
+    artifact measure flagged, how many it would flag over the shared background with ``artifact_ratio``
+    (``artifact_flagged_both_bg``, diagnostic), how many b exist only because of it (``b_from_artifact``), how
+    many c it removed (``c_lost_to_artifact``), the checker failure rates of the dense and fresh clips, and
+    quantiles (50/90/99 %) of the fresh/dense artifact ratio over the dense background and over the shared
+    background."""
     groups: dict[str, list[FloorRecord]] = {"all": list(records)}
     for r in records:
         groups.setdefault(f"{r.objects}obj", []).append(r)
@@ -203,7 +211,7 @@ def summarize_floor(records: Sequence[FloorRecord], alpha: float = 0.05, delta: 
         for r in records:
             groups.setdefault(r.stratum, []).append(r)
     order = sorted(groups, key=lambda k: (k != "all", k.count("/"), k))
-    return {k: _stratum_summary(groups[k], alpha, delta) for k in order}
+    return {k: _stratum_summary(groups[k], alpha, delta, artifact_ratio) for k in order}
 
 
 __all__ = ["FloorRecord", "LABELS", "judge_fresh", "measure_floor", "other_seed", "summarize_floor"]
