@@ -85,13 +85,15 @@ def requests(args: argparse.Namespace):
 
 
 def open_rows(path: Path | None, run: dict) -> list[dict]:
-    """Rows already measured under the same configuration; starts the file (header) when absent."""
+    """Rows already measured under the same configuration; starts the file (header) when absent. A header without
+    an option added since counts as written with that option's default."""
     if path is None:
         return []
     if path.exists() and path.stat().st_size:
         lines = path.read_text(encoding="utf-8").split("\n")
         head = json.loads(lines[0])
-        if head.get("run") != run:
+        defaults = {k: build_parser().get_default(k) for k in RUN_KEYS}
+        if {**defaults, **head.get("run", {})} != run:
             raise SystemExit(f"{path} was written with {head.get('run')}, not {run}: use another --out")
         rows = []
         for line in filter(str.strip, lines[1:]):
