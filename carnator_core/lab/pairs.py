@@ -274,6 +274,36 @@ def request_outcome(diag: Mapping[str, Any], artifact_failed: bool) -> tuple[boo
     return reuse_fail and not dense_fail, out
 
 
+
+def judge_against_dense(labeler: Labeler, ref: Any, clip: np.ndarray, dense_clip: np.ndarray, prompt: str,
+                        background: np.ndarray | None,
+                        artifact_dense: float | None = None) -> tuple[bool, dict[str, Any], float | None]:
+    """The labelling function: judge ``clip`` (a reuse output) against ``dense_clip``, the dense output of the
+    same request and seed, whose ``labeler.reference`` is ``ref``.
+
+    Returns (unsafe, diag, artifact_dense). ``diag`` is the labeler's diagnostics plus
+    ``lab.metrics.clip_quality`` of ``clip`` against ``dense_clip`` over ``background`` (values rounded to 4
+    decimals, None where not finite). With a request-level labeler that has an ``artifact_ratio``, the clip also
+    *fails* when its (rounded) background artifact score exceeds ``artifact_ratio`` x the dense clip's, and
+    unsafe / ``diag["better"]`` are the excess label's b / c (:func:`request_outcome`). ``artifact_dense`` (the
+    dense clip's score over ``background``) may be passed in to be computed once per request; the value used is
+    returned (None when the artifact measure was not needed). The pairs labelling and the floor measurement
+    (``lab.floor``) both judge through this function, so they label alike.
+    """
+    from .metrics import artifact_score, clip_quality
+
+    unsafe, diag = labeler.label(ref, clip, prompt)
+    quality = {k: (None if not np.isfinite(v) else round(float(v), 4))
+               for k, v in clip_quality(clip, dense_clip, background).items()}
+    ratio = getattr(labeler, "artifact_ratio", None)
+    if getattr(labeler, "level", "attribute") == "request" and ratio:
+        if artifact_dense is None:
+            artifact_dense = artifact_score(dense_clip, background)
+        art = quality.get("artifact")
+        unsafe, diag = request_outcome(diag, art is not None and art > ratio * artifact_dense)
+    return bool(unsafe), {**diag, **quality}, artifact_dense
+
+
 EMBEDDED_UNSAFE_DEFINITION = (
     "embedded pixel checker (carnator_core/embedded/checker.py): the joint-reuse output fails the checker on a "
     "named object's colour, size, position or motion, or on the background, where the dense output of the same "
@@ -489,7 +519,7 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     neg = ctx.negative()
     res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(req), ctx.store,
                 replace(ctx.options, method="never", write=False))
-    from .metrics import artifact_score, clip_quality
+    from .metrics import artifact_score
 
     dense_clip = ctx.decode(res.latent["samples"])
     ref = labeler.reference(dense_clip, req.prompt)
@@ -514,16 +544,9 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
                                     target_signature=res.signature, record=False)
         reuse_s = time.perf_counter() - t1
         reuse_clip = ctx.decode(samples)
-        unsafe, diag = labeler.label(ref, reuse_clip, req.prompt)
-        quality = {k: (None if not np.isfinite(v) else round(float(v), 4))
-                   for k, v in clip_quality(reuse_clip, dense_clip, background).items()}
-        ratio = getattr(labeler, "artifact_ratio", None)
-        if getattr(labeler, "level", "attribute") == "request" and ratio:
-            if artifact_dense is None:
-                artifact_dense = artifact_score(dense_clip, background)
-            art = quality.get("artifact")
-            unsafe, diag = request_outcome(diag, art is not None and art > ratio * artifact_dense)
-        diag = {**diag, **quality, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
+        unsafe, diag, artifact_dense = judge_against_dense(labeler, ref, reuse_clip, dense_clip, req.prompt,
+                                                           background, artifact_dense)
+        diag = {**diag, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
                 "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
                 "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3),
                 # the sampler continued dense (region > max_active): serving counts this candidate as a miss
@@ -816,6 +839,6 @@ __all__ = [
     "PairContext", "PairRequest",
     "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
     "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
-    "header_for", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
-    "summarize_by_kind", "warm_entry", "write_header",
+    "header_for", "judge_against_dense", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db",
+    "read_rows", "summarize_by_kind", "warm_entry", "write_header",
 ]
