@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from . import keys
-from .probe import ProbeConfig, objects_for, run_probe
+from .probe import ProbeConfig, ProbeConfigError, objects_for, run_probe, stage_bounds
 from .reuse import CachedRun, ReuseConfig, RunReport, sample
 from .signature import SignatureConfig, build_signature_timed
 from .types import (
@@ -34,6 +34,7 @@ from .types import (
     ExactAnswer,
     Probe,
     Signature,
+    Stage,
     namespace_key,
 )
 
@@ -56,6 +57,9 @@ class RequestSpec:
     scheduler: str = "simple"
     objects: str | None = None  # user override of the object list
     denoise: float = 1.0
+    # The probe's stage of a split schedule (KSamplerAdvanced's start/end steps and switches); the default is the
+    # whole schedule on one model.
+    stage: Stage = Stage()
 
 
 @dataclass(frozen=True)
@@ -188,12 +192,29 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
 
 def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: RequestSpec, config: ProbeConfig,
                   text_encoder: Any = None, *, store: Any = None,
-                  progress: Callable[[int], None] | None = None) -> Probe:
+                  progress: Callable[[int], None] | None = None, second_model: Any = None) -> Probe:
     """Stage 1. With a ``store``: an exact repeat is answered from it (answered Probe, no model call). Otherwise the
-    Early Probe, stamped with the request key and the non-text conditioning digest (part of the namespace)."""
+    Early Probe, stamped with the request key and the non-text conditioning digest (part of the namespace).
+
+    A split schedule (``spec.stage``) is probed on its first model; ``second_model`` is the MODEL that continues a
+    stage returning leftover noise (Wan 2.2 14B: the low-noise expert), fingerprinted into the namespace. Split
+    requests are never answered by exact key: a stage's output is not what the cache stores (the finished
+    generation), so they take the probe + recall path (an identical request is then an empty-region hit)."""
     t0 = time.perf_counter()
+    stage_bounds(spec.stage, spec.steps, second_connected=second_model is not None)
+    second = ""
+    if second_model is not None:
+        from . import comfy_patch as cp
+        from .adapters import adapter_for
+
+        arch2 = adapter_for(second_model).arch
+        if arch2 != adapter_for(model).arch:
+            raise ProbeConfigError(f"second_model is a {arch2} model but the probe's model is "
+                                   f"{adapter_for(model).arch}: both stages must run the same architecture")
+        second = cp.model_fingerprint(second_model, arch2)
+    whole = spec.stage.is_whole(spec.steps)
     key = request_key_for(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
-                          sampler_name=spec.sampler, scheduler=spec.scheduler, denoise=spec.denoise)
+                          sampler_name=spec.sampler, scheduler=spec.scheduler, denoise=spec.denoise) if whole else None
     key_ms = (time.perf_counter() - t0) * 1000
     answered = lookup_exact(store, key, model, spec.prompt, spec.seed)
     if answered is not None:
@@ -201,7 +222,8 @@ def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: 
     objs, source = objects_for(spec.prompt, text_encoder, spec.objects)
     probe = run_probe(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
                       sampler_name=spec.sampler, scheduler=spec.scheduler, prompt=spec.prompt, objects=objs,
-                      object_source=source, config=config, denoise=spec.denoise, progress=progress)
+                      object_source=source, config=config, denoise=spec.denoise, progress=progress,
+                      stage=spec.stage, second_model=second)
     cond = keys.conditioning_digest(positive, negative, latent)
     note = probe.note
     if cond.startswith(keys.OPAQUE_PREFIX):
@@ -336,11 +358,13 @@ def _check_answered_inputs(model: Any, latent: dict, probe: Probe) -> None:
 def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
                 store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
                 progress: Callable[[int], None] | None = None,
-                upstream_ms: Mapping[str, float] | None = None) -> tuple[Any, RunReport]:
+                upstream_ms: Mapping[str, float] | None = None, stage: Stage | None = None) -> tuple[Any, RunReport]:
     """Stage 5: finish the request. Returns (final LATENT samples, RunReport).
 
     An answered probe returns the stored latent (bit-identical, no model call). Otherwise the accepted entry is
     loaded here (``load_accepted``; gone = dense resume with the reason in the report) and ``reuse.sample`` runs.
+    ``stage``: the sampler's KSamplerAdvanced settings (None = the probe's stage); on a split schedule this stage
+    runs once for the probe's stage and once, on the second model, for the rest (``reuse.stage_role``).
     """
     if probe.answered is not None:
         _check_answered_inputs(model, latent, probe)
@@ -349,7 +373,8 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     if config.mode != "dense":
         cached, fallback = load_accepted(store, decision)
     samples, report = sample(model, positive, negative, latent, probe, decision, cached, config,
-                             target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms)
+                             target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms,
+                             stage=stage)
     if fallback:
         report = replace(report, reason=fallback)
     return samples, report
@@ -372,6 +397,14 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     if probe.embedding is None:
         return WriteResult("", False, "not stored: the prompt could not be embedded for retrieval (see the probe's "
                                       "summary)")
+    if report is not None and not report.final:
+        return WriteResult("", False, "not stored: this is the first stage's output of a split schedule (it still "
+                                      "holds leftover noise); connect the latent and report of the Joint Reuse "
+                                      "Sampler that finishes the schedule")
+    if probe.config.leftover_noise and (report is None or report.stage != "second"):
+        return WriteResult("", False, "not stored: a split schedule's result is stored only from the Joint Reuse "
+                                      "Sampler that runs its second stage (it checks the second model); connect its "
+                                      "latent and report")
     hit = report is not None and report.decision == "hit"
     if hit and not store_reused:
         return WriteResult("", False, f"not stored: this result reused cache entry {report.entry_id} (enable "
@@ -415,15 +448,17 @@ def write_entry(store: Any, probe: Probe, sig: Signature, samples: Any, report: 
 
 # ---------------------------------------------------------------------------------------------- all stages
 def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec: RequestSpec, store: Any,
-          options: ServeOptions, progress: Callable[[int], None] | None = None) -> RequestResult:
+          options: ServeOptions, progress: Callable[[int], None] | None = None,
+          second_model: Any = None) -> RequestResult:
     """Serve one request end to end through the stages above. ``store`` is a ``cache.Store`` (or None for method
-    "dense")."""
+    "dense"). A split schedule (``spec.stage`` returning leftover noise) runs its second stage on
+    ``second_model``, as the two-sampler graph does; the result's report is the second stage's."""
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     use_cache = options.method != "dense" and store is not None
     exact_store = store if use_cache and options.exact and options.method in ("carnator", "prompt_only") else None
     probe = probe_request(model, positive, negative, latent, spec, options.probe, text_encoder, store=exact_store,
-                          progress=progress)
+                          progress=progress, second_model=second_model)
     t["key"] = float(probe.timings.get("key_ms", 0.0))
     t["probe"] = float(probe.timings.get("probe_ms", 0.0))
     t1 = time.perf_counter()
@@ -439,10 +474,17 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
                                 prompt_threshold=options.prompt_threshold, allow_uncertified=options.allow_uncertified)
         t["filter"] = decision.filter_ms
     mode = options.reuse_mode if decision is not None else "dense"
-    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store,
-                                  replace(options.reuse, mode=mode), signature=sig, record=options.write,
-                                  progress=progress, upstream_ms={k: v for k, v in t.items() if k != "probe"})
+    reuse_config = replace(options.reuse, mode=mode)
+    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store, reuse_config,
+                                  signature=sig, record=options.write, progress=progress,
+                                  upstream_ms={k: v for k, v in t.items() if k != "probe"})
     t["resume"] = float(report.timings_ms.get("resume", 0.0))
+    if probe.config.leftover_noise:  # the second stage, on the second model, from the first stage's output
+        g = probe.config
+        samples, report = reuse_stage(second_model, positive, negative, {**latent, "samples": samples}, probe,
+                                      decision, store, reuse_config, signature=sig, record=options.write,
+                                      progress=progress, stage=Stage(g.stage_end, g.steps, False, False))
+        t["resume"] += float(report.timings_ms.get("resume", 0.0))
     entry_id = probe.answered.entry_id if probe.answered is not None else None
     if options.write and store is not None and report.decision != "hit":
         t2 = time.perf_counter()

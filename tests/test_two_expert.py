@@ -1,0 +1,233 @@
+"""Split schedules and two-expert models (Wan 2.2 14B: a high-noise and a low-noise expert), on a tiny two-expert
+Wan fixture: two tiny WanModels with different weights, each behind ModelSamplingSD3 shift 8 as the stock Wan 2.2
+14B workflow loads them.
+
+* Contract: the Early Probe on the high-noise expert over steps [0, switch) with leftover noise, the Joint Reuse
+  Sampler resuming that stage, and the Joint Reuse Sampler (or a plain KSamplerAdvanced) on the low-noise expert
+  over [switch, steps) give the plain two-KSamplerAdvanced graph's latents, bit for bit, stage by stage.
+* Namespace: the config of a two-expert run covers the switch step and the second expert; an entry written for it
+  is never recalled for a single-model request, another switch step or another second expert.
+* Reuse: an identical scene on the two-expert config is a hit (empty active region) whose output is the cached one.
+* Bad wiring gets a clear error (a stage the probe cannot resume, the wrong second model, a missing second model);
+  a first stage's leftover-noise latent is never stored as a finished generation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfy
+
+STEPS, SWITCH, K, SEED, CFG = 6, 3, 2, 42, 3.5
+PROMPT = "a red ball"
+
+
+@pytest.fixture(scope="module")
+def env(comfy_env, tmp_path_factory):
+    import tiny_models as tm
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    def expert(seed: int):
+        raw = tm.load_tiny_model("wan21", tmp_path_factory.mktemp(f"expert{seed}"), seed=seed)
+        return ModelSamplingSD3().patch(raw, shift=8.0)[0]
+
+    return tm, expert(0), expert(1), expert(2)
+
+
+def _advanced(model, latent, *, add_noise: bool, start: int, end: int, leftover: bool, sampler="euler"):
+    """ComfyUI's own KSamplerAdvanced node."""
+    import tiny_models as tm
+
+    import nodes as comfy_nodes
+
+    pos, neg = tm.conditioning("wan21")
+    return comfy_nodes.KSamplerAdvanced().sample(model, "enable" if add_noise else "disable", SEED, STEPS, CFG,
+                                                 sampler, "simple", pos, neg, latent, start, end,
+                                                 "enable" if leftover else "disable")[0]
+
+
+def _plain_two_stage(tm, high, low, sampler="euler"):
+    first = _advanced(high, tm.empty_latent("wan21"), add_noise=True, start=0, end=SWITCH, leftover=True,
+                      sampler=sampler)
+    final = _advanced(low, first, add_noise=False, start=SWITCH, end=10000, leftover=False, sampler=sampler)
+    return first, final
+
+
+def _spec(sampler="euler", switch=SWITCH, prompt=PROMPT):
+    from carnator.carnator_core.request import RequestSpec
+    from carnator.carnator_core.types import Stage
+
+    return RequestSpec(prompt, SEED, STEPS, CFG, sampler=sampler, objects="ball",
+                       stage=Stage(0, switch, True, True))
+
+
+@pytest.mark.parametrize("sampler", ["euler", "dpmpp_2m", "uni_pc"])
+def test_probe_and_dense_resume_equal_the_two_ksampler_advanced_graph(env, sampler):
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import probe_request, reuse_stage
+    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.types import Stage
+
+    tm, high, low, _ = env
+    pos, neg = tm.conditioning("wan21")
+    ref_first, ref_final = _plain_two_stage(tm, high, low, sampler)
+    lat = tm.empty_latent("wan21")
+    probe = probe_request(high, pos, neg, lat, _spec(sampler), ProbeConfig(probe_steps=K), tm.WordTokens(),
+                          second_model=low)
+    g = probe.config
+    assert (g.start_step, g.end_step, g.add_noise, g.leftover_noise, g.probe_steps) == (0, SWITCH, True, True, K)
+    assert g.second_model and g.second_model != probe.model_fingerprint and not probe.request_key
+    dense = ReuseConfig(mode="dense")
+    first, r1 = reuse_stage(high, pos, neg, lat, probe, None, None, dense, stage=Stage(0, SWITCH, True, True))
+    assert torch.equal(first, ref_first["samples"]), f"first stage: {(first - ref_first['samples']).abs().max()}"
+    # the probe's k calls were replayed: the first stage made only the rest of its calls
+    assert (r1.stage, r1.final, r1.replayed_calls, r1.model_calls, r1.steps_total) == ("first", False, K, SWITCH - K,
+                                                                                          SWITCH)
+    final, r2 = reuse_stage(low, pos, neg, {"samples": first}, probe, None, None, dense,
+                            stage=Stage(SWITCH, 10000, False, False))
+    assert torch.equal(final, ref_final["samples"]), f"second stage: {(final - ref_final['samples']).abs().max()}"
+    assert (r2.stage, r2.final, r2.replayed_calls, r2.model_calls) == ("second", True, 0, STEPS - SWITCH)
+    # Carnator's first stage feeds a plain KSamplerAdvanced second stage just as well
+    plain_second = _advanced(low, {"samples": first}, add_noise=False, start=SWITCH, end=10000, leftover=False,
+                             sampler=sampler)
+    assert torch.equal(plain_second["samples"], ref_final["samples"])
+
+
+def test_nodes_run_the_two_expert_graph_and_refuse_bad_stages(env):
+    from carnator.nodes.probe import CarnatorEarlyProbe
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+
+    tm, high, low, other = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    _, ref_final = _plain_two_stage(tm, high, low)
+    probe = CarnatorEarlyProbe.execute(high, pos, neg, lat, SEED, STEPS, CFG, "euler", "simple", K, PROMPT,
+                                       text_encoder=tm.WordTokens(), objects="ball", add_noise="enable",
+                                       start_at_step=0, end_at_step=SWITCH, return_with_leftover_noise="enable",
+                                       second_model=low).result[0]
+    first = CarnatorJointReuseSampler.execute(high, pos, neg, lat, probe, mode="dense", add_noise="enable",
+                                              start_at_step=0, end_at_step=SWITCH,
+                                              return_with_leftover_noise="enable").result[0]
+    final, report, summary = CarnatorJointReuseSampler.execute(low, pos, neg, first, probe, mode="dense",
+                                                               add_noise="disable", start_at_step=SWITCH).result
+    assert torch.equal(final["samples"], ref_final["samples"]) and report.stage == "second"
+    assert "stage=second" in summary
+
+    with pytest.raises(ValueError, match=r"not one the probe can resume.*start_at_step=3, end_at_step=>= 6"):
+        CarnatorJointReuseSampler.execute(low, pos, neg, first, probe, mode="dense", add_noise="disable",
+                                          start_at_step=SWITCH + 1)
+    with pytest.raises(ValueError, match="differs from the probe's second_model"):
+        CarnatorJointReuseSampler.execute(other, pos, neg, first, probe, mode="dense", add_noise="disable",
+                                          start_at_step=SWITCH)
+    with pytest.raises(ValueError, match="MODEL differs from the one the probe ran on"):
+        CarnatorJointReuseSampler.execute(low, pos, neg, lat, probe, mode="dense", add_noise="enable",
+                                          start_at_step=0, end_at_step=SWITCH, return_with_leftover_noise="enable")
+    with pytest.raises(ValueError, match="connect that model .* to second_model"):
+        CarnatorEarlyProbe.execute(high, pos, neg, lat, SEED, STEPS, CFG, "euler", "simple", K, PROMPT,
+                                   text_encoder=tm.WordTokens(), end_at_step=SWITCH,
+                                   return_with_leftover_noise="enable")
+    with pytest.raises(ValueError, match="second_model is connected but"):
+        CarnatorEarlyProbe.execute(high, pos, neg, lat, SEED, STEPS, CFG, "euler", "simple", K, PROMPT,
+                                   text_encoder=tm.WordTokens(), second_model=low)
+
+
+def test_queue_time_checks_of_stage_inputs():
+    from carnator.nodes.probe import CarnatorEarlyProbe
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+
+    ok = CarnatorEarlyProbe.validate_inputs(steps=20, probe_steps=4, start_at_step=0, end_at_step=10,
+                                            return_with_leftover_noise="enable")
+    assert ok is True
+    assert "probe steps (10) must be fewer than the steps of its stage [0, 10)" in \
+        CarnatorEarlyProbe.validate_inputs(steps=20, probe_steps=10, start_at_step=0, end_at_step=10)
+    assert "start_at_step (12) must be below end_at_step (10" in \
+        CarnatorEarlyProbe.validate_inputs(steps=20, probe_steps=2, start_at_step=12, end_at_step=10)
+    assert "start_at_step (25) must be below end_at_step (10000, clipped to steps=20)" in \
+        CarnatorEarlyProbe.validate_inputs(steps=20, probe_steps=2, start_at_step=25)
+    assert "must be in [0, 10000]" in CarnatorEarlyProbe.validate_inputs(steps=20, probe_steps=2, end_at_step=-1)
+    assert CarnatorJointReuseSampler.validate_inputs(start_at_step=10, end_at_step=10000) is True
+    assert "start_at_step (10) must be below end_at_step (10)" in \
+        CarnatorJointReuseSampler.validate_inputs(start_at_step=10, end_at_step=10)
+
+
+def test_namespace_covers_the_switch_step_and_the_second_expert(env, comfy_dirs):
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, ServeOptions, recall, serve
+    from carnator.carnator_core.types import GenConfig, namespace_key
+
+    tm, high, low, other = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
+    opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K))
+    written = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
+    assert written.entry_id and written.report.stage == "second"
+    ns = namespace_key(written.probe.model_fingerprint, written.probe.config)
+
+    def recalled(probe):
+        return [c.entry_id for c in recall(store, probe, 5, 0.0).items]
+
+    from carnator.carnator_core.request import probe_request
+
+    same = probe_request(high, pos, neg, lat, _spec(), ProbeConfig(probe_steps=K), tm.WordTokens(), second_model=low)
+    assert namespace_key(same.model_fingerprint, same.config) == ns and recalled(same) == [written.entry_id]
+    variants = {
+        "single model": probe_request(high, pos, neg, lat, RequestSpec(PROMPT, SEED, STEPS, CFG, objects="ball"),
+                                      ProbeConfig(probe_steps=K), tm.WordTokens()),
+        "switch step": probe_request(high, pos, neg, lat, _spec(switch=SWITCH + 1), ProbeConfig(probe_steps=K),
+                                     tm.WordTokens(), second_model=low),
+        "second expert": probe_request(high, pos, neg, lat, _spec(), ProbeConfig(probe_steps=K), tm.WordTokens(),
+                                       second_model=other),
+    }
+    for what, probe in variants.items():
+        assert namespace_key(probe.model_fingerprint, probe.config) != ns, what
+        assert recalled(probe) == [], what
+    # a whole-schedule config fingerprints exactly as before the stage fields existed (rules and caches still match)
+    whole = variants["single model"].config
+    legacy = GenConfig(whole.arch, whole.latent_shape, whole.steps, whole.sampler, whole.scheduler, whole.cfg,
+                       whole.sigmas_digest, whole.probe_steps)
+    assert whole.fingerprint() == legacy.fingerprint() and "second_model" not in whole.to_meta()
+    assert GenConfig.from_meta(written.probe.config.to_meta()) == written.probe.config
+
+
+def test_identical_scene_on_two_expert_config_is_a_hit_with_the_cached_output(env, comfy_dirs):
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import ServeOptions, serve
+
+    tm, high, low, _ = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
+    opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K))
+    first = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
+    assert first.report.decision == "miss" and first.entry_id
+    again = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
+    r = again.report
+    assert (r.decision, r.entry_id, r.stage) == ("hit", first.entry_id, "second")
+    assert r.active_fraction == 0.0 and r.model_calls == 0 and r.skipped_calls == STEPS - SWITCH
+    diff = (again.latent["samples"] - first.latent["samples"]).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+def test_first_stage_output_is_never_stored_as_a_generation(env, comfy_dirs):
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import probe_request, reuse_stage, signature_stage, write_result
+    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.types import Stage
+
+    tm, high, low, _ = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
+    probe = probe_request(high, pos, neg, lat, _spec(), ProbeConfig(probe_steps=K), tm.WordTokens(), second_model=low)
+    sig, _ = signature_stage(probe)
+    first, r1 = reuse_stage(high, pos, neg, lat, probe, None, None, ReuseConfig(mode="dense"),
+                            stage=Stage(0, SWITCH, True, True))
+    done = write_result(store, probe, sig, first, r1)
+    assert not done.written and "first stage's output" in done.text
+    done = write_result(store, probe, sig, first, None)
+    assert not done.written and "second stage" in done.text
+    assert store.stats().entries == 0
