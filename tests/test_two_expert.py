@@ -231,3 +231,26 @@ def test_first_stage_output_is_never_stored_as_a_generation(env, comfy_dirs):
     done = write_result(store, probe, sig, first, None)
     assert not done.written and "second stage" in done.text
     assert store.stats().entries == 0
+
+
+def test_a_probe_on_a_later_stage_resumes_like_ksampler_advanced(env):
+    """Any split schedule: the probe may run a stage that starts mid-schedule without adding noise (after a plain
+    KSamplerAdvanced first stage); probe + dense resume still equals that stage's KSamplerAdvanced."""
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, probe_request, reuse_stage
+    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.types import Stage
+
+    tm, high, low, _ = env
+    pos, neg = tm.conditioning("wan21")
+    ref_first, ref_final = _plain_two_stage(tm, high, low)
+    stage = Stage(SWITCH, 10000, False, False)
+    probe = probe_request(low, pos, neg, ref_first, RequestSpec(PROMPT, SEED, STEPS, CFG, objects="ball", stage=stage),
+                          ProbeConfig(probe_steps=1), tm.WordTokens())
+    g = probe.config
+    assert (g.start_step, g.end_step, g.add_noise, g.second_model) == (SWITCH, 0, False, "")
+    assert g.conditioning  # the input latent (the first stage's output) is part of the namespace
+    out, report = reuse_stage(low, pos, neg, ref_first, probe, None, None, ReuseConfig(mode="dense"), stage=stage)
+    assert torch.equal(out, ref_final["samples"])
+    assert (report.stage, report.final, report.replayed_calls, report.model_calls) == ("first", True, 1,
+                                                                                        STEPS - SWITCH - 1)
