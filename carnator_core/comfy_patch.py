@@ -13,6 +13,9 @@ Two sampling entry points:
   state (including multistep history) a plain run has at step ``k`` — so probe + dense resume equals plain
   sampling — and from then on the model is called normally, or with joint reuse (``ReusePlan``).
 
+Both take a ``types.Stage`` (KSamplerAdvanced's start/end steps and switches) and then call ComfyUI's sampler
+with exactly the arguments KSamplerAdvanced passes, so a split schedule's stage resumes like that node.
+
 Inside the model nothing raises because reuse is impossible: a block that cannot be restricted falls back to
 the original block, and the reason is logged once per run.
 """

@@ -4,7 +4,9 @@
 sampler/scheduler, see ``comfy_patch.RESUMABLE_SAMPLERS``), records what the Early Signature needs (object-token
 cross-attention in middle layers, the x0 prediction at step k) and what generation needs to resume exactly
 (the denoised outputs of those k calls). Contract (tested): probe + dense resume equals a plain KSampler run
-with the same seed and settings, and the input MODEL is unchanged.
+with the same seed and settings, and the input MODEL is unchanged. On a split schedule (``types.Stage``: a
+KSamplerAdvanced stage, e.g. Wan 2.2 14B's high-noise expert over [0, switch)) the probe is the first k steps of
+that stage, and probe + dense resume equals that KSamplerAdvanced node (tests/test_two_expert.py).
 """
 from __future__ import annotations
 

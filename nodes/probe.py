@@ -23,7 +23,8 @@ class CarnatorEarlyProbe(io.ComfyNode):
                         "(object cross-attention, x0 prediction). The Joint Reuse Sampler resumes from it, so "
                         "the probe is never wasted. With a cache connected, an exact repeat of a cached request "
                         "(same model, settings, conditioning, seed and latent) is answered from the cache without "
-                        "running the model.",
+                        "running the model. Split schedules (Wan 2.2 14B's two experts): set the advanced "
+                        "stage inputs as on KSamplerAdvanced and connect the second expert to second_model.",
             inputs=[
                 io.Model.Input("model", tooltip="Wan 2.1, Wan 2.2 TI2V, LTX-Video or the Carnator embedded model."),
                 io.Conditioning.Input("positive", tooltip="Positive text conditioning of the request."),
@@ -123,7 +124,8 @@ class CarnatorEarlyProbe(io.ComfyNode):
         probe = probe_request(model, positive, negative, latent_image, spec, config,
                               clip if clip is not None else text_encoder,
                               store=open_store(cache) if cache is not None else None,
-                              progress=lambda i: pbar.update_absolute(i + 1, steps), second_model=second_model)
+                              progress=lambda i: pbar.update_absolute(start_at_step + i + 1, steps),
+                              second_model=second_model)
         if probe.answered is not None:
             pbar.update_absolute(steps, steps)
             return io.NodeOutput(probe, probe.note)

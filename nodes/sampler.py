@@ -24,7 +24,9 @@ class CarnatorJointReuseSampler(io.ComfyNode):
             category="Carnator",
             description="Finishes a probed request. If the Risk Filter accepted a cache entry, only the region that "
                         "differs is recomputed, over the attention structure of the cached run; otherwise it "
-                        "continues dense (identical to KSampler) and records the attention structure for the cache.",
+                        "continues dense (identical to KSampler) and records the attention structure for the cache. "
+                        "On a split schedule (Wan 2.2 14B) use one per expert, with KSamplerAdvanced's stage inputs: "
+                        "the probe's stage on the first, the rest (add_noise disabled) on the second.",
             inputs=[
                 io.Model.Input("model", tooltip="The same MODEL the Early Probe ran on."),
                 io.Conditioning.Input("positive", tooltip="The same positive conditioning as the probe."),
