@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from . import keys
 from .probe import ProbeConfig, ProbeConfigError, objects_for, run_probe, stage_bounds
-from .reuse import CachedRun, ReuseConfig, RunReport, sample
+from .reuse import CachedRun, ReuseConfig, RunReport, sample, stage_role
 from .signature import SignatureConfig, build_signature_timed
 from .types import (
     Candidate,
@@ -367,6 +367,7 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     runs once for the probe's stage and once, on the second model, for the rest (``reuse.stage_role``).
     """
     if probe.answered is not None:
+        stage_role(probe.config, stage)  # the sampler's stage must be the probe's, answered or not
         _check_answered_inputs(model, latent, probe)
         return probe.answered.latent.clone(), exact_report(probe, upstream_ms)
     cached, fallback = (None, "")

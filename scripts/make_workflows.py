@@ -542,8 +542,11 @@ def wan22_t2v_14b(reuse: bool = True) -> Graph:
     high, clip, vae, prompt, pos, neg = wan_front(
         g, "wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan_2.1_vae.safetensors",
         "a red fox runs through a snowy pine forest, tracking camera, daytime")
+    high_loader = g.nodes[g.nodes[high.node - 1].links["model"].node - 1]
+    high_loader.title = "Load Diffusion Model (high-noise expert)"
     low_loader = g.add("UNETLoader", (X0, 600), {"unet_name": "wan2.2_t2v_low_noise_14B_fp16.safetensors",
-                                                 "weight_dtype": "default"})
+                                                 "weight_dtype": "default"},
+                       title="Load Diffusion Model (low-noise expert)")
     low = g.add("ModelSamplingSD3", (X0, 750), {"shift": 8.0}, {"model": low_loader})
     g.groups[-1]["members"] += [low_loader.node, low.node]  # the "Models" group of wan_front
     latent = g.add("EmptyHunyuanLatentVideo", (X1, 700), {"width": 832, "height": 480, "length": 81, "batch_size": 1})
