@@ -211,6 +211,33 @@ def test_identical_scene_on_two_expert_config_is_a_hit_with_the_cached_output(en
     assert diff < 1e-4, diff
 
 
+def test_partial_hit_reuses_the_entry_on_both_experts(env, comfy_dirs):
+    """Another seed of the cached scene: a hit whose active region is recomputed on both experts (the second
+    stage too computes only the region, over keys/values refreshed on the low-noise expert itself)."""
+    import dataclasses
+
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import ServeOptions, serve
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    tm, high, low, _ = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
+    opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K),
+                        reuse=ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False,
+                                                         context_delta=1e9, refreshes=1))
+    first = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
+    other = serve(high, tm.WordTokens(), pos, neg, lat, dataclasses.replace(_spec(), seed=SEED + 1), store, opts,
+                  second_model=low)
+    r = other.report
+    assert (r.decision, r.entry_id, r.stage) == ("hit", first.entry_id, "second")
+    assert 0.0 < r.active_fraction < 1.0, r.active_fraction
+    assert r.model_calls == STEPS - SWITCH and r.token_fraction < 1.0, r.summary()
+    assert torch.isfinite(other.latent["samples"]).all()
+
+
 def test_first_stage_output_is_never_stored_as_a_generation(env, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig
