@@ -225,9 +225,11 @@ def test_partial_hit_reuses_the_entry_on_both_experts(env, comfy_dirs):
     pos, neg = tm.conditioning("wan21")
     lat = tm.empty_latent("wan21")
     store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
+    # Random weights disagree everywhere across seeds (x0, context): the region here comes from the object's
+    # moved mask alone, and one refresh leaves two of the second stage's three calls restricted to it.
     opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K),
-                        reuse=ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False,
-                                                         context_delta=1e9, refreshes=1))
+                        reuse=ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False, context_delta=1e9,
+                                          refreshes=1))
     first = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
     other = serve(high, tm.WordTokens(), pos, neg, lat, dataclasses.replace(_spec(), seed=SEED + 1), store, opts,
                   second_model=low)
