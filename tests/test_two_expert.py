@@ -283,3 +283,51 @@ def test_a_probe_on_a_later_stage_resumes_like_ksampler_advanced(env):
     assert torch.equal(out, ref_final["samples"])
     assert (report.stage, report.final, report.replayed_calls, report.model_calls) == ("first", True, 1,
                                                                                         STEPS - SWITCH - 1)
+
+
+def test_two_expert_node_graph_writes_then_hits(env, comfy_dirs):
+    """The node graph of the example workflow on the tiny experts: probe (cache connected) -> signature ->
+    retriever -> risk filter -> sampler on each expert -> writer fed by the second stage. The first run is a miss
+    and is stored; the same request again is a hit on both stages that returns the stored latent; a writer fed by
+    the first stage stores nothing and says why."""
+    from carnator.nodes.cache import CarnatorCacheLoader, CarnatorCacheRetriever, CarnatorCacheWriter
+    from carnator.nodes.probe import CarnatorEarlyProbe
+    from carnator.nodes.risk import CarnatorRiskFilter
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+    from carnator.nodes.signature import CarnatorSignatureBuilder
+
+    tm, high, low, _ = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    handle = CarnatorCacheLoader.execute(directory="two-expert").result[0]
+    first_stage = {"add_noise": "enable", "start_at_step": 0, "end_at_step": SWITCH,
+                   "return_with_leftover_noise": "enable"}
+
+    def graph():
+        probe = CarnatorEarlyProbe.execute(high, pos, neg, lat, SEED, STEPS, CFG, "euler", "simple", K, PROMPT,
+                                           text_encoder=tm.WordTokens(), cache=handle, objects="ball",
+                                           second_model=low, **first_stage).result[0]
+        sig = CarnatorSignatureBuilder.execute(probe).result[0]
+        cands = CarnatorCacheRetriever.execute(cache=handle, probe=probe, k=5, min_similarity=0.0).result[0]
+        decision = CarnatorRiskFilter.execute(cands, "", "prompt_only", 0.5, False, signature=sig,
+                                              probe=probe).result[0]
+        mid, r1, _ = CarnatorJointReuseSampler.execute(high, pos, neg, lat, probe, decision, sig, handle, "joint",
+                                                       **first_stage).result
+        final, r2, _ = CarnatorJointReuseSampler.execute(low, pos, neg, mid, probe, decision, sig, handle, "joint",
+                                                         add_noise="disable", start_at_step=SWITCH).result
+        return probe, sig, mid, r1, final, r2
+
+    probe, sig, mid, r1, final, r2 = graph()
+    assert (r1.decision, r2.decision) == ("miss", "miss")
+    refused = CarnatorCacheWriter.execute(cache=handle, probe=probe, signature=sig, latent=mid, report=r1)
+    assert refused.result[0] == "" and "first stage's output" in refused.ui.as_dict()["text"][0]
+    written = CarnatorCacheWriter.execute(cache=handle, probe=probe, signature=sig, latent=final, report=r2)
+    entry_id = written.result[0]
+    assert entry_id and r2.block_structure is not None
+
+    probe2, _, _, h1, again, h2 = graph()
+    assert probe2.answered is None  # split requests take the probe + recall path, not the exact key
+    assert (h1.decision, h1.entry_id, h2.decision, h2.entry_id) == ("hit", entry_id, "hit", entry_id)
+    assert h1.model_calls == 0 and h2.model_calls == 0 and h2.active_fraction == 0.0
+    diff = (again["samples"] - final["samples"]).abs().max().item()
+    assert diff < 1e-4, diff
