@@ -70,6 +70,11 @@ class ReuseConfig:
                      model (same-seed wording + region of 34 % of the tokens, PSNR of the hit vs the dense clip):
                      1 refresh 28.5 dB, 2: 30.5, 3: 31.8, 4: 33.6, every second call 36.6 dB; the recorded context
                      goes stale as the noise level falls.
+    max_active:      largest active region (fraction of the tokens) worth reusing: above it the sampler
+                     continues densely (bit-identical to KSampler, reported as a miss with the reason), because a
+                     region that covers nearly the clip costs about a dense run plus the reuse's own overheads
+                     and keeps little of the cached run. Pair labelling marks such candidates as not reusable,
+                     so calibration and certification count them as rejected, exactly as serving does.
     """
 
     mode: str = "joint"
@@ -88,6 +93,7 @@ class ReuseConfig:
     mask_iou_same: float = 0.75
     x0_object_fraction: float = 0.1
     context_delta: float = 8.0
+    max_active: float = 0.6
 
     def validate(self) -> "ReuseConfig":
         if self.mode not in MODES:
@@ -96,6 +102,8 @@ class ReuseConfig:
             raise ValueError("block_size (0 = auto), dilation and record_steps must be >= 0")
         if self.context_delta < 0 or not 0.0 <= self.x0_object_fraction <= 1.0:
             raise ValueError("context_delta must be >= 0 and x0_object_fraction in [0, 1]")
+        if not 0.0 <= self.max_active <= 1.0:
+            raise ValueError(f"max_active must be in [0, 1] (1 = reuse whatever the region), got {self.max_active}")
         if self.refreshes < 1:
             raise ValueError(f"refreshes must be >= 1 (the first reuse call records the context), got {self.refreshes}")
         return self
@@ -384,6 +392,11 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             active_fraction = float(A.mean())
             token_mask = torch.from_numpy(A.astype(np.float32))
             active = torch.from_numpy(np.flatnonzero(A.reshape(-1))).long()
+            if active_fraction > config.max_active:
+                use = False
+                reason = (f"region covers {active_fraction:.0%} of the tokens (> max_active {config.max_active:.0%}): "
+                          f"reuse would cost about a dense run; continued dense")
+    if use:
         context = None
         if config.mode in ("latent", "joint") and token_mask is not None:
             from scipy.ndimage import binary_dilation
@@ -401,7 +414,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
                             block_size=config.block_size or auto_block_size(int(np.prod(probe.grid))),
                             context_tokens=context, kv_context=config.kv_context,
                             refresh_calls=refresh_plan_calls(n_calls, k_replay, config.refreshes))
-    elif record:
+    if not use and record:
         n_tokens = int(np.prod(probe.grid))
         recorder = BlockRecorder(block_size=config.block_size or auto_block_size(n_tokens), layers=mids,
                                  steps=record_plan_steps(n_calls, k_replay, config.record_steps),

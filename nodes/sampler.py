@@ -56,6 +56,10 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                 "of the typical magnitude are recomputed.")),
                 advanced(io.Int.Input("dilation", default=1, min=0, max=16,
                                       tooltip="Tokens of margin around the active region.")),
+                advanced(io.Float.Input("max_active", default=0.6, min=0.0, max=1.0, step=0.05,
+                                        tooltip="Largest changed region (fraction of the tokens) worth reusing; a "
+                                                "larger one continues dense (reported as a miss): it would cost "
+                                                "about a dense run. The shipped rule is certified at 0.6.")),
                 advanced(io.Int.Input("block_size", default=0, min=0, max=1024,
                                       tooltip="Tokens per attention block when recording structure "
                                               "(0 = automatic: ~16 blocks, 16..128 tokens).")),
@@ -81,11 +85,11 @@ class CarnatorJointReuseSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
-                dilation=1, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
+                dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
                 end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable") -> io.NodeOutput:
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
-                             block_size=block_size, record_mass=record_mass).validate()
+                             max_active=max_active, block_size=block_size, record_mass=record_mass).validate()
         total = probe.config.steps
         pbar = comfy.utils.ProgressBar(total)
         samples, report = reuse_stage(model, positive, negative, latent_image, probe, decision,

@@ -363,3 +363,27 @@ def test_pairs_rows_with_better_and_stratum_round_trip(tmp_path):
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(CalibrationError, match="cannot both be true"):
         read_pairs_jsonl(path)
+
+
+def test_a_selected_candidate_the_sampler_did_not_reuse_is_a_miss_not_the_next_candidate(tmp_path):
+    """Serving takes the best passing candidate and, when its region exceeds max_active, continues dense: the
+    request is a miss (no second candidate is tried). Evaluation, the calibration search and the prompt-only
+    baseline all count it so, and the field survives the pairs file."""
+    th = Thresholds(10, 1, 1, 10)
+    pairs = [
+        LabelledPair("r1", "a", 0.95, 1, 0, 0, 0, missing=False, unsafe=False, reusable=False),  # chosen, dense
+        LabelledPair("r1", "b", 0.90, 1, 0, 0, 0, missing=False, unsafe=False),  # passes too, never tried
+        LabelledPair("r2", "c", 0.99, 1, 0, 0, 0, missing=False, unsafe=False),
+    ]
+    ev = evaluate(th, pairs)
+    assert (ev.n_requests, ev.n_accepted) == (2, 1)
+    assert evaluate_prompt_only(0.9, pairs).n_accepted == 1
+    path = tmp_path / "p.jsonl"
+    write_pairs_jsonl(path, pairs)
+    assert json.loads(path.read_text().splitlines()[0])["reusable"] is False
+    assert read_pairs_jsonl(path)[1] == pairs
+    # the vectorised search agrees with the exact evaluation: half the requests' best candidate is not reusable
+    many = [LabelledPair(f"r{i}", "e", 0.99, 0.0, 0.0, 0.0, 0.0, missing=False, unsafe=False, reusable=i % 2 == 0)
+            for i in range(200)]
+    cal = calibrate(many, 0.05, 0.1)
+    assert cal.evaluation.n_accepted == 100

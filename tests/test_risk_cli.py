@@ -216,3 +216,60 @@ def test_cli_certifies_the_excess_label_with_a_required_stratum(tmp_path, capsys
     rc = main(["--pairs", str(pairs), "--out", str(tmp_path / "x.json"), "--label", "excess",
                "--require-stratum", "3obj"])
     assert rc == 2 and "required strata ['3obj'] have no certification requests" in capsys.readouterr().err
+
+
+def test_plan_for_the_excess_label_simulates_b_and_c():
+    from carnator.carnator_core.lab.plan import PlanRow, excess_pass_probability, plan_calib_alpha
+    from carnator.carnator_core.risk.certify import Evaluation
+
+    # equal b and c rates (a fresh dense sample) at n = 300 usually certify; b alone at 8 % never does
+    assert excess_pass_probability(300, 0.14, 0.14, 0.05, 0.1) > 0.5
+    assert excess_pass_probability(300, 0.08, 0.0, 0.05, 0.1) < 0.01
+    assert excess_pass_probability(300, 0.0, 0.0, 0.05, 0.1) == 1.0
+    assert excess_pass_probability(0, 0.0, 0.0, 0.05, 0.1) == 0.0
+    with pytest.raises(ValueError, match="≤ 1"):
+        excess_pass_probability(10, 0.7, 0.6, 0.05, 0.1)
+    line = PlanRow(0.03, Evaluation(100, 40, 3, 2), 0, 80, 0, 0.7, "excess").line()
+    assert "b = 3, c = 2 of 40 accepted" in line and "P(pass) ≈ 0.70 (simulated)" in line
+    rows = []
+    for i, p in enumerate(_runs(3, 120, "calib", seed=7)):
+        rows.append(p.__class__(**{**p.__dict__, "better": (not p.unsafe) and i % 13 == 0}))
+    plan = plan_calib_alpha(rows, [0.05, 0.03], cert_requests=300, levels=5, label="excess")
+    assert all(r.label == "excess" for r in plan.rows)
+    assert any(r.held_out.k_better > 0 for r in plan.rows if r.held_out.n_accepted)
+
+
+def test_rule_report_counts_what_the_rule_accepts_per_kind(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rule_report
+
+    from carnator.carnator_core.risk.certify import evaluate, read_pairs_jsonl, split_pairs
+
+    rows = synthetic_pairs(300, seed=4)
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs_jsonl(pairs, rows, header=HEADER)
+    out = tmp_path / "r.json"
+    assert main(["--pairs", str(pairs), "--out", str(out), "--write-uncertified"]) in (0, 3)
+    capsys.readouterr()
+    # give every row a kind and a compute figure, as scripts/make_pairs.py's diag does
+    lines = pairs.read_text().splitlines()
+    with_diag = []
+    for line in lines:
+        r = json.loads(line)
+        if "request_id" in r:
+            i = int("".join(ch for ch in r["request_id"] if ch.isdigit()))
+            r["diag"] = {"kind": "repeat" if i % 3 == 0 else "colour", "objects": 1, "compute_fraction": 0.5,
+                         "active_fraction": 0.2}
+        with_diag.append(json.dumps(r))
+    pairs.write_text("\n".join(with_diag) + "\n")
+    table = tmp_path / "t.json"
+    assert rule_report.main(["--pairs", str(pairs), "--rule", str(out), "--json", str(table)]) == 0
+    text = capsys.readouterr().out
+    assert "| all |" in text and "| non-repeat |" in text and "prompt-only at the same coverage" in text
+    got = {r["group"]: r for r in json.loads(table.read_text())["rows"]}
+    _, cert = split_pairs(read_pairs_jsonl(pairs)[1])
+    ev = evaluate(RiskRule.load(out, allow_uncertified=True).thresholds, cert)
+    assert (got["all"]["requests"], got["all"]["accepted"], got["all"]["b"]) == (ev.n_requests, ev.n_accepted,
+                                                                              ev.k_unsafe)
+    assert got["repeat"]["accepted"] + got["colour"]["accepted"] == ev.n_accepted
+    assert got["all"]["compute_median"] == (0.5 if ev.n_accepted else None)

@@ -289,3 +289,39 @@ def test_joint_never_computes_more_than_latent_only(env):
     assert reports["joint"].token_fraction <= reports["latent"].token_fraction + 1e-9
     assert reports["joint"].attention_fraction <= reports["latent"].attention_fraction + 1e-9
     assert reports["joint"].token_fraction < 1.0
+
+
+def test_region_above_max_active_continues_dense_and_says_why(env):
+    """A changed region larger than ``max_active`` would cost about a dense run: the sampler continues dense
+    (bit-identical to KSampler), reports a miss with the reason, and still records the block structure."""
+    import nodes as comfy_nodes
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.types import ObjectSignature, Signature
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5)
+    final, rep = _run(m, pos, neg, lat, probe)
+    T, H, W = probe.grid
+    left, right = np.zeros((T, H, W), np.float32), np.zeros((T, H, W), np.float32)
+    left[:, :, : W // 2], right[:, :, W // 2:] = 1.0, 1.0  # the object moved across the whole clip
+    cached = _cached(probe, {"samples": final}, rep)
+    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe,
+                          Signature((ObjectSignature("ball", left, 0.5, (50.0, 10.0, 10.0)),),
+                                    np.zeros((4, 4, 3), np.float32), probe.grid), None)
+    target = Signature((ObjectSignature("ball", right, 0.5, (50.0, 10.0, 10.0)),), np.zeros((4, 4, 3), np.float32),
+                       probe.grid)
+    cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, max_active=0.6)
+    out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+    ref = comfy_nodes.common_ksampler(m, 5, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    assert r.active_fraction == pytest.approx(1.0)
+    assert r.decision == "miss" and "max_active" in r.reason, r
+    assert torch.equal(out, ref)
+    assert r.model_calls == 8 - 2 and r.compute_fraction == pytest.approx(1.0)
+    assert r.block_structure is not None
+    # the same request with the gate open reuses (the region is what decided it)
+    _, r2 = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached,
+                         dataclasses.replace(cfg, max_active=1.0), target_signature=target)
+    assert r2.decision == "hit"
+    with pytest.raises(ValueError, match="max_active"):
+        reuse.ReuseConfig(max_active=1.5).validate()

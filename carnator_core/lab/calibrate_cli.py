@@ -147,7 +147,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise CalibrationError("the file has no certification split: give --cert-requests (planned size)")
         plan = plan_calib_alpha(calib, levels, cert_requests=cert_requests, alpha=args.alpha, delta=args.delta,
                                 levels=args.levels, search_similarity=args.search_similarity,
-                                n_folds=args.folds, seed=args.seed)
+                                n_folds=args.folds, seed=args.seed, label=args.label)
     except CalibrationError as e:
         print(f"planning failed: {e}", file=sys.stderr)
         return 2

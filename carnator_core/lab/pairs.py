@@ -525,7 +525,9 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
             unsafe, diag = request_outcome(diag, art is not None and art > ratio * artifact_dense)
         diag = {**diag, **quality, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
                 "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
-                "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3)}
+                "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3),
+                # the sampler continued dense (region > max_active): serving counts this candidate as a miss
+                "reused": rep.decision == "hit"}
         outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, True, bool(unsafe), diag))
     if artifact_dense is None:
         artifact_dense = artifact_score(dense_clip, background)
@@ -557,7 +559,8 @@ def outcome_rows(out: RequestOutcome, entry_names: Mapping[str, str]) -> list[di
                                             c.similarity, c.discrepancies, bool(c.unsafe))
         n_obj = out.dense_diag.get("objects")
         p = replace(p, better=bool(c.diag.get("better", False)),
-                    stratum=f"{n_obj}obj/{out.request.kind}" if n_obj else None)
+                    stratum=f"{n_obj}obj/{out.request.kind}" if n_obj else None,
+                    reusable=bool(c.diag.get("reused", True)))
         row = p.to_row()
         row["diag"] = {"kind": out.request.kind, "source": out.request.source, "prompt": out.request.prompt,
                        "seed": out.request.seed, "store_entry": c.entry_id,
@@ -661,6 +664,9 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
 
         out = label_request(ctx, req, labeler, only=select)
         label = {c.entry_id: c.unsafe for c in out.candidates if c.labelled}
+        # a chosen candidate the sampler did not reuse (region > max_active) is a miss, as in serving
+        kept = {c.entry_id for c in out.candidates if c.labelled and c.diag.get("reused", True)}
+        chosen = {m: (e if e in kept else None) for m, e in chosen.items()}
         rec = StreamRecord(req, dict(chosen), {m: (label[e] if e is not None else None) for m, e in chosen.items()},
                            float(out.dense_diag.get("dense_s", 0.0)))
         records.append(rec)

@@ -11,6 +11,10 @@ unsafe rate and coverage per level, and from them the probability that a certifi
     n ≈ cert_requests × coverage,   P(pass) = P(Binomial(n, rate) ≤ k_max(n)),
     k_max(n) = the largest k with Clopper–Pearson U(k, n, δ) ≤ α.
 
+With the excess label (``label="excess"``, the certified quantity (b − c)/n) the held-out rates of b and c give
+P(pass) by simulation: (B, C) ~ Multinomial(n, b̂, ĉ), P(pass) = the share of draws whose bound (the normal
+approximation the calibration search also uses; the certificate itself is exact) is ≤ α.
+
 The recommended level maximises P(pass) (ties: more coverage). Only calibration rows are read: the certification
 split stays unseen, so choosing the level this way costs the certificate nothing.
 """
@@ -22,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..risk.bounds import excess_upper_bound_approx
 from ..risk.certify import CalibrationError, Evaluation, LabelledPair, calibrate, clopper_pearson_upper, evaluate
 
 
@@ -35,10 +40,17 @@ class PlanRow:
     planned_n: int  # expected accepted requests in a certificate of the planned size
     k_max: int  # most unsafe a certificate with planned_n accepted may contain (-1: none can pass)
     p_pass: float
+    label: str = "unsafe"
 
     def line(self) -> str:
         h = self.held_out
         failed = f", {self.folds_failed} fold(s) without a qualifying setting" if self.folds_failed else ""
+        if self.label == "excess":
+            n = max(h.n_accepted, 1)
+            return (f"calib α {self.calib_alpha:g}: held-out b = {h.k_unsafe}, c = {h.k_better} of {h.n_accepted} "
+                    f"accepted / {h.n_requests} requests (coverage {h.coverage:.1%}, excess "
+                    f"{(h.k_unsafe - h.k_better) / n:.2%}, b/n {h.k_unsafe / n:.2%}){failed}; planned certificate "
+                    f"n ≈ {self.planned_n}: P(pass) ≈ {self.p_pass:.2f} (simulated)")
         return (
             f"calib α {self.calib_alpha:g}: held-out {h.k_unsafe} unsafe of {h.n_accepted} accepted / "
             f"{h.n_requests} requests (coverage {h.coverage:.1%}, rate {h.unsafe_rate:.2%}){failed}; "
@@ -82,6 +94,20 @@ def k_max_for_certificate(n: int, alpha: float, delta: float) -> int:
     return k
 
 
+def excess_pass_probability(n: int, b_rate: float, c_rate: float, alpha: float, delta: float, *,
+                            draws: int = 20000, seed: int = 0) -> float:
+    """P(an excess certificate on n accepted requests passes) when b and c occur at these rates: the share of
+    simulated (B, C) ~ Multinomial(n, b_rate, c_rate) whose approximate bound is ≤ α (0 when n = 0)."""
+    if n <= 0:
+        return 0.0
+    b, c = min(max(b_rate, 0.0), 1.0), min(max(c_rate, 0.0), 1.0)
+    if b + c > 1.0:
+        raise ValueError(f"b_rate + c_rate must be ≤ 1, got {b} + {c}")
+    x = np.random.default_rng(seed).multinomial(n, [b, c, max(0.0, 1.0 - b - c)], size=draws)
+    ub = np.asarray(excess_upper_bound_approx(np.full(draws, n), x[:, 0], x[:, 1], delta), dtype=np.float64)
+    return float(np.mean(ub <= alpha))
+
+
 def binomial_cdf(k: int, n: int, p: float) -> float:
     """P(Binomial(n, p) ≤ k), exact (log-space terms, so large n does not overflow)."""
     if k < 0:
@@ -123,6 +149,7 @@ def plan_calib_alpha(
     search_similarity: bool = False,
     n_folds: int = 5,
     seed: int = 0,
+    label: str = "unsafe",
 ) -> Plan:
     """Cross-validate each calibration level (module docstring). ``calib_pairs`` must be calibration rows only."""
     if cert_requests < 1:
@@ -136,19 +163,24 @@ def plan_calib_alpha(
         by_fold[fold_of[p.request_id]].append(p)
     rows = []
     for a in levels_:
-        n_req = n_acc = k = failed = 0
+        n_req = n_acc = k = kb = failed = 0
         for i, held in enumerate(by_fold):
             train = [p for j, f in enumerate(by_fold) if j != i for p in f]
             try:
-                cal = calibrate(train, a, delta, levels=levels, search_similarity=search_similarity)
+                cal = calibrate(train, a, delta, levels=levels, search_similarity=search_similarity, label=label)
             except CalibrationError:
                 failed += 1
                 continue
             ev = evaluate(cal.thresholds, held)
             n_req, n_acc, k = n_req + ev.n_requests, n_acc + ev.n_accepted, k + ev.k_unsafe
-        held = Evaluation(n_req, n_acc, k)
+            kb += ev.k_better if label == "excess" else 0
+        held = Evaluation(n_req, n_acc, k, kb)
         planned = int(round(cert_requests * held.coverage))
         kmax = k_max_for_certificate(planned, alpha, delta)
-        rate = held.unsafe_rate if n_acc else 1.0  # nothing accepted held out: no evidence of safety
-        rows.append(PlanRow(a, held, failed, planned, kmax, binomial_cdf(kmax, planned, rate)))
+        if label == "excess":
+            p_pass = excess_pass_probability(planned, k / n_acc, kb / n_acc, alpha, delta) if n_acc else 0.0
+        else:
+            rate = held.unsafe_rate if n_acc else 1.0  # nothing accepted held out: no evidence of safety
+            p_pass = binomial_cdf(kmax, planned, rate)
+        rows.append(PlanRow(a, held, failed, planned, kmax, p_pass, label))
     return Plan(tuple(rows), names, method, int(cert_requests), alpha, delta)

@@ -128,6 +128,10 @@ class LabelledPair:
     split: str | None = None
     better: bool = False  # c: the reuse output passes where the dense output of the same request fails
     stratum: str | None = None  # e.g. "1obj/paraphrase": certificates are also reported per stratum
+    # False: the sampler did not reuse this candidate (its changed region exceeded ``ReuseConfig.max_active``, so
+    # it continued dense). Serving picks the best passing candidate and then continues dense, so a request whose
+    # selected candidate is not reusable is a miss: it never counts as accepted (and never tries the next one).
+    reusable: bool = True
 
     def vector(self) -> tuple[float, float, float, float]:
         return (self.context, self.size, self.shape, self.appearance)
@@ -154,6 +158,8 @@ class LabelledPair:
             row["better"] = True
         if self.stratum is not None:
             row["stratum"] = self.stratum
+        if not self.reusable:
+            row["reusable"] = False
         return row
 
 
@@ -190,6 +196,7 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
                 f"{where}: field 'split' must be one of {CALIB_SPLITS + CERT_SPLITS} or absent, got {split!r}")
         split = "calib" if split.lower() in CALIB_SPLITS else "cert"
     better = _flag(row, "better", where) if "better" in row else False
+    reusable = _flag(row, "reusable", where) if "reusable" in row else True
     unsafe = _flag(row, "unsafe", where)
     if better and unsafe:
         raise CalibrationError(f"{where}: 'unsafe' (reuse fails where dense passes) and 'better' (reuse passes where "
@@ -210,6 +217,7 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
         split=split,
         better=better,
         stratum=stratum,
+        reusable=reusable,
     )
 
 
@@ -346,10 +354,11 @@ def _by_request(pairs: Sequence[LabelledPair]) -> dict[str, list[LabelledPair]]:
     return groups
 
 
-def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluation:
-    """Exact per-request evaluation of the signature rule (the decision :func:`.filter.decide` makes)."""
-    n_acc = k = kb = 0
+def accepted_pairs(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> tuple[int, list[LabelledPair]]:
+    """(number of requests, the pair the signature rule reuses for each accepted request) — the decision
+    :func:`.filter.decide` makes followed by the sampler's ``max_active`` gate (a non-reusable choice is a miss)."""
     groups = _by_request(pairs)
+    out = []
     for group in groups.values():
         passing = []
         for i, p in enumerate(group):
@@ -358,11 +367,15 @@ def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluatio
             if all(c.passed for c in thresholds.checks(p.vector(), p.similarity)):
                 passing.append((i, p.similarity, thresholds.normalised(p.vector()), p.entry_id))
         best = select_best(passing)
-        if best is not None:
-            n_acc += 1
-            k += int(group[best].unsafe)
-            kb += int(group[best].better)
-    return Evaluation(len(groups), n_acc, k, kb)
+        if best is not None and group[best].reusable:
+            out.append(group[best])
+    return len(groups), out
+
+
+def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluation:
+    """Exact per-request evaluation of the signature rule (the decision :func:`.filter.decide` makes)."""
+    n_req, acc = accepted_pairs(thresholds, pairs)
+    return Evaluation(n_req, len(acc), sum(int(p.unsafe) for p in acc), sum(int(p.better) for p in acc))
 
 
 def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Evaluation:
@@ -373,7 +386,7 @@ def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Eva
     limit = prompt_distance(threshold)
     for group in groups.values():
         top = select_best((i, p.similarity, 0.0, p.entry_id) for i, p in enumerate(group))
-        if top is not None and prompt_distance(group[top].similarity) <= limit:
+        if top is not None and prompt_distance(group[top].similarity) <= limit and group[top].reusable:
             n_acc += 1
             k += int(group[top].unsafe)
             kb += int(group[top].better)
@@ -433,6 +446,7 @@ def _search(
     min_accepted: int,
     better: np.ndarray | None = None,
     label: str = "unsafe",
+    reusable: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Evaluate every threshold combination; return (feasible combos [F, D] best first, n_acc [F], k [F], total).
 
@@ -459,6 +473,8 @@ def _search(
         cs = np.cumsum(ok, axis=1, dtype=np.int32)
         before = np.concatenate([np.zeros((len(flat), 1), np.int32), cs], axis=1)[:, starts]  # [B, G]
         first = ok & ((cs - before[:, group_idx]) == 1)
+        if reusable is not None:  # the selected candidate continues dense: a miss, not an acceptance
+            first &= reusable[None, :]
         n_acc = first.sum(axis=1)
         k = first.astype(np.int64) @ unsafe_i
         kb = first.astype(np.int64) @ better_i
@@ -534,6 +550,7 @@ def calibrate(
     sims = np.array([p.similarity for p in rows], dtype=np.float64)
     unsafe = np.array([p.unsafe for p in rows])
     better = np.array([p.better for p in rows])
+    reusable = np.array([p.reusable for p in rows])
     grids = [_levels(feats[usable, d], levels) for d in range(len(AXES))]
     if search_similarity:
         dist = np.array([prompt_distance(s) for s in sims])
@@ -541,7 +558,7 @@ def calibrate(
         # +inf distance threshold = "no similarity condition"
         grids.append(np.concatenate([_levels(dist[usable], levels), [np.inf]]))
     combos, n_acc, k, total = _search(
-        feats, usable, unsafe, group_idx, starts, grids, alpha, delta, constraint, n_min, better, label
+        feats, usable, unsafe, group_idx, starts, grids, alpha, delta, constraint, n_min, better, label, reusable
     )
     for thr in combos:
         min_sim = None

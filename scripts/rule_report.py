@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""What a calibrated rule does on the labelled requests of one split, per request kind and scene.
+
+    .host/venv/bin/python scripts/rule_report.py --pairs rules/embedded_pairs.jsonl --rule rules/embedded.json
+
+For the requests of ``--split`` (the certification split by default; rows carry their split): how many the rule
+accepts (and reuses: a candidate over ``max_active`` is a miss), b (reuse fails where dense passes), c (the reverse),
+the excess (b − c)/n and b/n, and the median counter-based compute and active fraction of the accepted hits
+(``diag`` of the pairs rows) — per query kind, per scene (one / two objects), for all requests and for the
+non-repeat ones. Then prompt-only reuse at the same coverage: the most similar candidate of the requests with the
+highest top similarity, as many as the rule accepted (same sampler, so its region gate applies too), with its b
+and c. Reads the pairs and the rule only; nothing is generated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from repo_package import register_package  # noqa: E402  (the one repo-as-package bootstrap)
+
+register_package()
+
+import numpy as np  # noqa: E402
+
+from carnator.carnator_core.risk.certify import (  # noqa: E402
+    accepted_pairs,
+    evaluate_prompt_only,
+    read_pairs_jsonl,
+    split_pairs,
+)
+from carnator.carnator_core.risk.rule import RiskRule  # noqa: E402
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(float(np.median(xs)), 3) if xs else None
+
+
+def _row(name: str, n_req: int, acc: list, diag: dict) -> dict:
+    b = sum(p.unsafe for p in acc)
+    c = sum(p.better for p in acc)
+    n = len(acc)
+    d = [diag.get((p.request_id, p.entry_id), {}) for p in acc]
+    return {"group": name, "requests": n_req, "accepted": n, "coverage": round(n / n_req, 3) if n_req else None,
+            "b": b, "c": c, "excess": round((b - c) / n, 4) if n else None, "b_rate": round(b / n, 4) if n else None,
+            "compute_median": _median([x["compute_fraction"] for x in d if "compute_fraction" in x]),
+            "active_median": _median([x["active_fraction"] for x in d if "active_fraction" in x])}
+
+
+def prompt_only_at(n_target: int, pairs: list) -> tuple[float | None, object]:
+    """The highest prompt-similarity threshold at which prompt-only reuse accepts at least ``n_target``
+    requests of ``pairs`` (None if it never does), and its evaluation."""
+    for t in sorted({p.similarity for p in pairs}, reverse=True):
+        ev = evaluate_prompt_only(t, pairs)
+        if ev.n_accepted >= n_target:
+            return t, ev
+    return None, evaluate_prompt_only(min(p.similarity for p in pairs), pairs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", required=True)
+    ap.add_argument("--rule", required=True)
+    ap.add_argument("--split", default="cert", choices=("cert", "calib", "all"))
+    ap.add_argument("--json", default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    _, pairs = read_pairs_jsonl(args.pairs)
+    diag: dict = {}
+    kind: dict = {}
+    with open(args.pairs, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("type") == "header" or "request_id" not in r:
+                continue
+            d = r.get("diag") or {}
+            diag[(r["request_id"], r["entry_id"])] = d
+            kind[r["request_id"]] = (d.get("kind", "?"), f"{d.get('objects', '?')}obj")
+    if args.split != "all":
+        calib, cert = split_pairs(pairs)
+        pairs = cert if args.split == "cert" else calib
+    rule = RiskRule.load(args.rule, allow_uncertified=True)  # a report, not a filter: a failed rule is shown too
+    th = rule.thresholds
+    groups: dict = defaultdict(list)
+    for p in pairs:
+        k, s = kind.get(p.request_id, ("?", "?"))
+        for g in ("all", s, k, f"{s}/{k}") + (("non-repeat",) if k != "repeat" else ()):
+            groups[g].append(p)
+    rows = []
+    for g in sorted(groups, key=lambda x: (x not in ("all", "non-repeat"), "/" in x, x)):
+        n_req, acc = accepted_pairs(th, groups[g])
+        rows.append(_row(g, n_req, acc, diag))
+    print(f"rule {args.rule} on the {args.split} split of {args.pairs}")
+    print("| requests | n | accepted | coverage | b | c | excess | b/n | compute (median) | active (median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['group']} | {r['requests']} | {r['accepted']} | {r['coverage']} | {r['b']} | {r['c']} | "
+              f"{r['excess']} | {r['b_rate']} | {r['compute_median']} | {r['active_median']} |")
+    out = {"rows": rows}
+    for g in ("all", "non-repeat"):
+        if g not in groups:
+            continue
+        n_acc = next(r["accepted"] for r in rows if r["group"] == g)
+        t, ev = prompt_only_at(n_acc, groups[g])
+        n = max(ev.n_accepted, 1)
+        print(f"prompt-only at the same coverage ({g}): threshold {t}, accepted {ev.n_accepted} of {ev.n_requests}, "
+              f"b = {ev.k_unsafe}, c = {ev.k_better}, excess {(ev.k_unsafe - ev.k_better) / n:.4f}, "
+              f"b/n {ev.k_unsafe / n:.4f}")
+        out[f"prompt_only_{g}"] = {"threshold": t, "accepted": ev.n_accepted, "requests": ev.n_requests,
+                                   "b": ev.k_unsafe, "c": ev.k_better}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
