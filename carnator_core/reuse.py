@@ -146,6 +146,10 @@ class RunReport:
     # not a stage's output with leftover noise (only a final latent may be stored in the cache).
     stage: str = ""
     final: bool = True
+    # The second stage of a split schedule whose first stage certainly ran dense (no entry was accepted): its input
+    # latent, the first stage's output [B, C, T, H, W]; the Cache Writer stores it so an exact repeat of the
+    # request can answer both stages. None otherwise.
+    first_stage_latent: Any = None
 
     @property
     def saving(self) -> float:
@@ -368,7 +372,10 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         Stage(gen.stage_end, STAGE_END_MAX, False, False) if role == "second" else None)
     n_layers = adapter.num_layers(model)
     mids = adapter.middle_layers(model, config.first_dense, config.last_dense)
-    use = bool(decision is not None and decision.accepted and cached is not None and config.mode != "dense")
+    # An accepted decision may have made the first stage of a split schedule a reuse even where this stage runs
+    # dense (mode "dense", its entry vanished, the region gate): then the first stage's output is no dense result.
+    accepted = bool(decision is not None and decision.accepted)
+    use = bool(accepted and cached is not None and config.mode != "dense")
     plan = None
     recorder = None
     active_fraction = 1.0
@@ -451,5 +458,6 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         timings_ms=timings, block_structure=res.structure, fallbacks=res.fallbacks,
         reason=reason or (decision.summary if decision is not None and not use else ""),
         stage=role, final=not (role == "first" and gen.leftover_noise),
+        first_stage_latent=samples.detach().cpu() if role == "second" and not accepted else None,
     )
     return res.samples, report

@@ -421,7 +421,8 @@ class Probe:
 class ExactAnswer:
     """An exact repeat of a cached dense generation (same ``keys.request_key``), found before the probe.
 
-    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request would compute.
+    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request would compute
+            (a split schedule: what its second stage computes, ``stage_latent`` what its first stage computes).
     signature: the stored Early Signature (the Signature Builder passes it on instead of recomputing it).
     """
 
@@ -432,3 +433,6 @@ class ExactAnswer:
     latent: Any
     signature: Signature
     lookup_ms: float
+    # A split schedule's first-stage output [B, C, T, H, W] (the latent with leftover noise at the switch step),
+    # what the probe's stage returns; None for a whole-schedule request.
+    stage_latent: Any = None

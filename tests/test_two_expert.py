@@ -13,6 +13,9 @@ Wan fixture: two tiny WanModels with different weights, each behind ModelSamplin
 """
 from __future__ import annotations
 
+import dataclasses
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -20,6 +23,24 @@ pytestmark = pytest.mark.comfy
 
 STEPS, SWITCH, K, SEED, CFG = 6, 3, 2, 42, 3.5
 PROMPT = "a red ball"
+
+
+@contextmanager
+def count_calls(model):
+    """Counts forward calls of the model's diffusion backbone (the one place every model call goes through)."""
+    dm = model.model.diffusion_model
+    calls = []
+    original = dm.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dm.forward = counting
+    try:
+        yield calls
+    finally:
+        del dm.forward
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +97,7 @@ def test_probe_and_dense_resume_equal_the_two_ksampler_advanced_graph(env, sampl
                           second_model=low)
     g = probe.config
     assert (g.start_step, g.end_step, g.add_noise, g.leftover_noise, g.probe_steps) == (0, SWITCH, True, True, K)
-    assert g.second_model and g.second_model != probe.model_fingerprint and not probe.request_key
+    assert g.second_model and g.second_model != probe.model_fingerprint and probe.request_key
     dense = ReuseConfig(mode="dense")
     first, r1 = reuse_stage(high, pos, neg, lat, probe, None, None, dense, stage=Stage(0, SWITCH, True, True))
     assert torch.equal(first, ref_first["samples"]), f"first stage: {(first - ref_first['samples']).abs().max()}"
@@ -200,7 +221,8 @@ def test_identical_scene_on_two_expert_config_is_a_hit_with_the_cached_output(en
     pos, neg = tm.conditioning("wan21")
     lat = tm.empty_latent("wan21")
     store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
-    opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K))
+    # exact answers off: the recall + reuse path (an exact repeat is answered before it, see the test below)
+    opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K), exact=False)
     first = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
     assert first.report.decision == "miss" and first.entry_id
     again = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
@@ -214,8 +236,6 @@ def test_identical_scene_on_two_expert_config_is_a_hit_with_the_cached_output(en
 def test_partial_hit_reuses_the_entry_on_both_experts(env, comfy_dirs):
     """Another seed of the cached scene: a hit whose active region is recomputed on both experts (the second
     stage too computes only the region, over keys/values refreshed on the low-noise expert itself)."""
-    import dataclasses
-
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import ServeOptions, serve
@@ -288,8 +308,8 @@ def test_a_probe_on_a_later_stage_resumes_like_ksampler_advanced(env):
 def test_two_expert_node_graph_writes_then_hits(env, comfy_dirs):
     """The node graph of the example workflow on the tiny experts: probe (cache connected) -> signature ->
     retriever -> risk filter -> sampler on each expert -> writer fed by the second stage. The first run is a miss
-    and is stored; the same request again is a hit on both stages that returns the stored latent; a writer fed by
-    the first stage stores nothing and says why."""
+    and is stored with both stages' outputs; the same request again is an exact repeat whose stages return them
+    bit for bit with no model call; a writer fed by the first stage stores nothing and says why."""
     from carnator.nodes.cache import CarnatorCacheLoader, CarnatorCacheRetriever, CarnatorCacheWriter
     from carnator.nodes.probe import CarnatorEarlyProbe
     from carnator.nodes.risk import CarnatorRiskFilter
@@ -325,9 +345,49 @@ def test_two_expert_node_graph_writes_then_hits(env, comfy_dirs):
     entry_id = written.result[0]
     assert entry_id and r2.block_structure is not None
 
-    probe2, _, _, h1, again, h2 = graph()
-    assert probe2.answered is None  # split requests take the probe + recall path, not the exact key
-    assert (h1.decision, h1.entry_id, h2.decision, h2.entry_id) == ("hit", entry_id, "hit", entry_id)
-    assert h1.model_calls == 0 and h2.model_calls == 0 and h2.active_fraction == 0.0
-    diff = (again["samples"] - final["samples"]).abs().max().item()
-    assert diff < 1e-4, diff
+    with count_calls(high) as calls_high, count_calls(low) as calls_low:
+        probe2, _, mid2, h1, again, h2 = graph()
+    # an exact repeat: both stages answered from the entry, bit for bit, with no model call
+    assert probe2.answered is not None and probe2.answered.entry_id == entry_id
+    assert (calls_high, calls_low) == ([], [])
+    assert (h1.mode, h1.entry_id, h1.stage, h1.final, h2.mode, h2.stage) == ("exact", entry_id, "first", False,
+                                                                              "exact", "second")
+    assert torch.equal(mid2["samples"], mid["samples"]) and torch.equal(again["samples"], final["samples"])
+
+
+def test_exact_repeat_of_a_two_expert_request(env, comfy_dirs):
+    """An exact repeat of a split request is answered before the probe: the first stage with the stored first-stage
+    output (what KSamplerAdvanced's first stage returns, bit for bit, so a plain second stage works too), the second
+    with the stored final latent; no model call. A result whose decision accepted an entry gets no request key."""
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import ServeOptions, serve
+
+    tm, high, low, other = env
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    ref_first, ref_final = _plain_two_stage(tm, high, low)
+    store = Store.open(comfy_dirs / "c", key_path=comfy_dirs / "key")
+    opts = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K))
+    first = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
+    assert first.report.decision == "miss" and first.probe.request_key
+    assert store.find_request(first.probe.request_key) == first.entry_id
+    assert torch.equal(first.latent["samples"], ref_final["samples"])
+    with count_calls(high) as calls_high, count_calls(low) as calls_low:
+        again = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
+    assert again.exact and (calls_high, calls_low) == ([], [])
+    assert torch.equal(again.latent["samples"], ref_final["samples"])
+    assert torch.equal(again.probe.answered.stage_latent, ref_first["samples"])
+    # the key covers the second expert and the switch: neither is answered from this entry
+    for what, kwargs in {"second expert": {"second_model": other}, "switch": {}}.items():
+        spec = _spec(switch=SWITCH + 1) if what == "switch" else _spec()
+        res = serve(high, tm.WordTokens(), pos, neg, lat, spec, store, ServeOptions(
+            method="prompt_only", prompt_threshold=0.5, probe=ProbeConfig(probe_steps=K), write=False),
+            second_model=kwargs.get("second_model", low))
+        assert not res.exact, what
+    # Another seed: the filter accepts the entry. Whether the stages then reuse it or the region gate runs them
+    # dense, the first stage's output is no certain dense result, so nothing stored for it answers by key.
+    other_seed = serve(high, tm.WordTokens(), pos, neg, lat, dataclasses.replace(_spec(), seed=SEED + 5), store,
+                       opts, second_model=low)
+    assert other_seed.decision.accepted and other_seed.report.first_stage_latent is None
+    assert other_seed.probe.request_key and store.find_request(other_seed.probe.request_key) is None
