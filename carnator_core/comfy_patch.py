@@ -13,6 +13,9 @@ Two sampling entry points:
   state (including multistep history) a plain run has at step ``k`` — so probe + dense resume equals plain
   sampling — and from then on the model is called normally, or with joint reuse (``ReusePlan``).
 
+Both take a ``types.Stage`` (KSamplerAdvanced's start/end steps and switches) and then call ComfyUI's sampler
+with exactly the arguments KSamplerAdvanced passes, so a split schedule's stage resumes like that node.
+
 Inside the model nothing raises because reuse is impossible: a block that cannot be restricted falls back to
 the original block, and the reason is logged once per run.
 """
@@ -40,7 +43,7 @@ from .sparse_attention import (
     plan_token_block_sparse,
     token_block_sparse_attention_bld,
 )
-from .types import BlockStructure, ObjectTokens
+from .types import BlockStructure, ObjectTokens, Stage
 
 log = logging.getLogger("carnator")
 KEY = "carnator"
@@ -658,10 +661,30 @@ def make_noise(latent_image: torch.Tensor, seed: int, latent: dict) -> torch.Ten
     return comfy.sample.prepare_noise(latent_image, seed, latent.get("batch_index"))
 
 
+def _stage_args(stage: Stage | None, steps: int) -> dict[str, Any]:
+    """``comfy.sample.sample``'s arguments for a stage, exactly as KSamplerAdvanced passes them (none for the whole
+    schedule, as KSampler passes none)."""
+    if stage is None or stage == Stage():
+        return {}
+    start, _ = stage.bounds(steps)
+    return {"start_step": start, "last_step": int(stage.end_at_step),
+            "force_full_denoise": not stage.return_with_leftover_noise}
+
+
+def _sampling_noise(latent_image: torch.Tensor, seed: int, latent: dict, stage: Stage | None) -> torch.Tensor:
+    """The noise the sampler adds: the seed's, or zeros when the stage adds none (KSamplerAdvanced's add_noise
+    disabled: the latent carries the previous stage's leftover noise)."""
+    if stage is not None and not stage.add_noise:
+        return torch.zeros(latent_image.size(), dtype=latent_image.dtype, layout=latent_image.layout, device="cpu")
+    return make_noise(latent_image, seed, latent)
+
+
 def probe_sample(model: Any, positive, negative, latent: dict, seed: int, steps: int, cfg: float,
                  sampler_name: str, scheduler: str, probe_steps: int, capture: CaptureConfig,
-                 denoise: float = 1.0, progress: Callable[[int], None] | None = None) -> ProbeRaw:
-    """Run the first ``probe_steps`` model calls of the real schedule; see the module docstring."""
+                 denoise: float = 1.0, progress: Callable[[int], None] | None = None,
+                 stage: Stage | None = None) -> ProbeRaw:
+    """Run the first ``probe_steps`` model calls of the real schedule (of ``stage``'s steps of it: a split
+    schedule's stage, as KSamplerAdvanced runs it); see the module docstring."""
     check_sampler(sampler_name)
     adapter = adapter_for(model)
     latent_image = prepare_latent(model, latent)
@@ -669,14 +692,15 @@ def probe_sample(model: Any, positive, negative, latent: dict, seed: int, steps:
     run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, stop_at=probe_steps, record_replay=True,
                capture=capture, progress=progress)
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
-    noise = make_noise(latent_image, seed, latent)
+    noise = _sampling_noise(latent_image, seed, latent, stage)
     sigmas = compute_sigmas(model, steps, sampler_name, scheduler, denoise)
     t0 = time.perf_counter()
     try:
         comfy.sample.sample(m, noise, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-                            denoise=denoise, noise_mask=latent.get("noise_mask"), disable_pbar=True, seed=seed)
+                            denoise=denoise, noise_mask=latent.get("noise_mask"), disable_pbar=True, seed=seed,
+                            **_stage_args(stage, steps))
         raise RuntimeError(f"the sampler finished before the probe's {probe_steps} model calls; "
-                           f"lower probe steps below the number of steps ({steps})")
+                           f"lower probe steps below the number of steps of its stage ({steps} in all)")
     except _ProbeStop:
         pass
     finally:
@@ -703,10 +727,12 @@ class ResumeResult:
 def resume_sample(model: Any, positive, negative, latent: dict, seed: int, steps: int, cfg: float,
                   sampler_name: str, scheduler: str, replay: tuple[torch.Tensor, ...], denoise: float = 1.0,
                   reuse: ReusePlan | None = None, recorder: BlockRecorder | None = None,
-                  progress: Callable[[int], None] | None = None) -> ResumeResult:
-    """Finish a probed request: replay the probe's calls, then dense or joint-reuse sampling to the end.
+                  progress: Callable[[int], None] | None = None, stage: Stage | None = None) -> ResumeResult:
+    """Finish a probed request: replay the probe's calls, then dense or joint-reuse sampling to the end (of
+    ``stage``: a split schedule's stage, run as KSamplerAdvanced runs it; the second stage of a split schedule has
+    no replay).
 
-    Returns the final latent in ComfyUI's LATENT space (as KSampler returns it).
+    Returns the final latent in ComfyUI's LATENT space (as KSampler / KSamplerAdvanced return it).
     """
     check_sampler(sampler_name)
     adapter = adapter_for(model)
@@ -715,14 +741,16 @@ def resume_sample(model: Any, positive, negative, latent: dict, seed: int, steps
     run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, replay=list(replay), reuse=reuse,
                recorder=recorder, progress=progress)
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
-    noise = make_noise(latent_image, seed, latent)
+    noise = _sampling_noise(latent_image, seed, latent, stage)
     if reuse is not None:
-        reuse.noise = noise
+        # Tokens outside the active region follow the cached x0 re-noised with the request's own noise: the seed's,
+        # also in a stage that adds none (its latent holds that noise, carried over from the first stage).
+        reuse.noise = make_noise(latent_image, seed, latent)
     t0 = time.perf_counter()
     try:
         samples = comfy.sample.sample(m, noise, steps, cfg, sampler_name, scheduler, positive, negative,
                                       latent_image, denoise=denoise, noise_mask=latent.get("noise_mask"),
-                                      disable_pbar=True, seed=seed)
+                                      disable_pbar=True, seed=seed, **_stage_args(stage, steps))
         structure = recorder.result() if (recorder is not None and recorder.n_observations) else None
     finally:
         stats = dict(run.stats)

@@ -219,14 +219,21 @@ def model_options_digest(model_options: Mapping[str, Any] | None) -> str:
 def request_key(*, model_fingerprint: str, model_options: Mapping[str, Any] | None, arch: str,
                 latent_shape: tuple[int, ...], steps: int, sampler: str, scheduler: str, cfg: float,
                 sigmas_digest: str, denoise: float, seed: int, positive: Any, negative: Any,
-                latent: Mapping[str, Any]) -> str | None:
+                latent: Mapping[str, Any], split: Mapping[str, Any] | None = None) -> str | None:
     """The exact-request key (32 hex), or None when part of the request cannot be digested faithfully (then the
-    request is never answered from the cache by key). Equal keys mean equal dense outputs."""
+    request is never answered from the cache by key). Equal keys mean equal dense outputs.
+
+    ``split``: a split schedule's facts beyond the first model (its stage, the second model's fingerprint and
+    ``model_options``); None for the whole schedule on one model, whose key is unchanged by the parameter."""
     try:
         h = _Hasher(KEY_VERSION.encode())
-        _feed(h, {"model": str(model_fingerprint), "arch": str(arch), "latent_shape": [int(x) for x in latent_shape],
-                  "steps": int(steps), "sampler": str(sampler), "scheduler": str(scheduler), "cfg": float(cfg),
-                  "sigmas": str(sigmas_digest), "denoise": float(denoise), "seed": int(seed)}, 0, ())
+        head: dict[str, Any] = {
+            "model": str(model_fingerprint), "arch": str(arch), "latent_shape": [int(x) for x in latent_shape],
+            "steps": int(steps), "sampler": str(sampler), "scheduler": str(scheduler), "cfg": float(cfg),
+            "sigmas": str(sigmas_digest), "denoise": float(denoise), "seed": int(seed)}
+        if split is not None:
+            head["split"] = dict(split)
+        _feed(h, head, 0, ())
         _feed(h, dict(model_options or {}), 0, ())
         for side, cond in (("positive", positive), ("negative", negative)):
             h.update(side.encode())

@@ -4,7 +4,9 @@
 sampler/scheduler, see ``comfy_patch.RESUMABLE_SAMPLERS``), records what the Early Signature needs (object-token
 cross-attention in middle layers, the x0 prediction at step k) and what generation needs to resume exactly
 (the denoised outputs of those k calls). Contract (tested): probe + dense resume equals a plain KSampler run
-with the same seed and settings, and the input MODEL is unchanged.
+with the same seed and settings, and the input MODEL is unchanged. On a split schedule (``types.Stage``: a
+KSamplerAdvanced stage, e.g. Wan 2.2 14B's high-noise expert over [0, switch)) the probe is the first k steps of
+that stage, and probe + dense resume equals that KSamplerAdvanced node (tests/test_two_expert.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from .cache.embed import embed_comfy_conditioning
-from .types import GenConfig, ObjectTokens, Probe
+from .types import GenConfig, ObjectTokens, Probe, Stage
 
 
 class ProbeConfigError(ValueError):
@@ -44,11 +46,12 @@ class ProbeConfig:
     first_dense: int = 1
     last_dense: int = 1
 
-    def resolve_steps(self, steps: int, sigmas: Sequence[float] | None = None) -> int:
-        """The probe length k for a schedule of ``steps`` steps (``sigmas``: its sigma schedule, needed for
-        ``probe_sigma``). Raises ProbeConfigError naming the problem."""
+    def resolve_steps(self, steps: int, sigmas: Sequence[float] | None = None, of: str = "the total steps") -> int:
+        """The probe length k for a schedule (or a split schedule's stage: ``of`` names it in messages) of ``steps``
+        steps (``sigmas``: its sigma schedule, needed for ``probe_sigma``). Raises ProbeConfigError naming the
+        problem."""
         if steps < 2:
-            raise ProbeConfigError(f"steps={steps}: a probed generation needs at least 2 steps")
+            raise ProbeConfigError(f"{of} = {steps}: a probed generation needs at least 2 steps")
         if self.probe_steps < 0:
             raise ProbeConfigError(f"probe_steps must be >= 0, got {self.probe_steps}")
         if self.probe_steps > 0:
@@ -67,27 +70,60 @@ class ProbeConfig:
             raise ProbeConfigError(f"probe_fraction must be in (0, 1), got {self.probe_fraction}")
         if k >= steps:
             raise ProbeConfigError(
-                f"probe steps ({k}) must be fewer than the total steps ({steps}): the probe is the *start* of the "
+                f"probe steps ({k}) must be fewer than {of} ({steps}): the probe is the *start* of the "
                 f"generation. Lower probe_steps (e.g. {max(1, steps // 5)}) or raise steps."
             )
         return k
 
 
 
+def stage_bounds(stage: Stage, steps: int, second_model: str = "", second_connected: bool | None = None
+                 ) -> tuple[int, int]:
+    """(start, end) of the probe's stage in a schedule of ``steps`` steps, after checking that the stage and the
+    second model fit together: a stage that returns leftover noise needs the model that continues it (its
+    fingerprint is part of the namespace), and only such a stage has one. ``second_connected`` overrides
+    "``second_model`` is set" (queue-time checks know only whether the input is linked). Raises
+    ProbeConfigError naming the problem and its fix."""
+    try:
+        start, end = stage.bounds(steps)
+    except ValueError as e:
+        raise ProbeConfigError(str(e)) from None
+    has_second = bool(second_model) if second_connected is None else second_connected
+    if stage.leaves_noise(steps) and not has_second:
+        raise ProbeConfigError(
+            f"the probe's stage ends at step {end} of {steps} with leftover noise, so another model finishes the "
+            "schedule: connect that model (Wan 2.2 14B: the low-noise expert; a single-model split: the same MODEL) "
+            "to second_model, so the cache never mixes generations whose second stage differs")
+    if has_second and not stage.leaves_noise(steps):
+        raise ProbeConfigError(
+            f"second_model is connected but the probe's stage [{start}, {end}) of {steps} steps does not return "
+            "leftover noise for it: set end_at_step to the switch step and return_with_leftover_noise to enable, or "
+            "disconnect second_model")
+    return start, end
+
+
 def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float, sampler_name: str,
               scheduler: str, prompt: str, objects: tuple[ObjectTokens, ...], object_source: str,
               config: ProbeConfig = ProbeConfig(), denoise: float = 1.0,
-              progress: Callable[[int], None] | None = None) -> Probe:
+              progress: Callable[[int], None] | None = None, stage: Stage = Stage(),
+              second_model: str = "") -> Probe:
     """Probe one request. Raises ProbeConfigError / UnsupportedModelError / UnsupportedSamplerError with a message
-    naming the problem. The input MODEL is only cloned, never modified."""
+    naming the problem. The input MODEL is only cloned, never modified.
+
+    ``stage``: the steps of the schedule this model runs (a split schedule's stage, KSamplerAdvanced semantics); the
+    probe is the first k of *its* steps. ``second_model``: the fingerprint of the model that continues a stage
+    returning leftover noise (``comfy_patch.model_fingerprint``); both go into the config (the namespace)."""
     from . import comfy_patch as cp  # ComfyUI-dependent: imported only when a model is actually probed
     from .adapters import adapter_for
 
     t_all = time.perf_counter()
     adapter = adapter_for(model)
     cp.check_sampler(sampler_name)
-    k = config.resolve_steps(steps, cp.compute_sigmas(model, steps, sampler_name, scheduler, denoise).tolist()
-                             if config.probe_sigma > 0 else None)
+    start, end = stage_bounds(stage, steps, second_model)
+    sigmas = cp.compute_sigmas(model, steps, sampler_name, scheduler, denoise).tolist() \
+        if config.probe_sigma > 0 else None
+    k = config.resolve_steps(end - start, sigmas[start:end + 1] if sigmas is not None else None,
+                             of="the total steps" if stage.is_whole(steps) else f"the steps of its stage [{start}, {end})")
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ProbeConfigError("latent must be a ComfyUI LATENT (a dict with 'samples')")
     samples = latent["samples"]
@@ -103,13 +139,16 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
     if bad:
         raise ProbeConfigError(f"capture layers {bad} do not exist: the model has {n_layers} blocks (0..{n_layers - 1})")
     raw = cp.probe_sample(model, positive, negative, latent, seed, steps, cfg, sampler_name, scheduler, k,
-                          cp.CaptureConfig(objects=objects, layers=tuple(layers)), denoise=denoise, progress=progress)
+                          cp.CaptureConfig(objects=objects, layers=tuple(layers)), denoise=denoise, progress=progress,
+                          stage=stage)
     t_fp = time.perf_counter()
     fingerprint = cp.model_fingerprint(model, adapter.arch)
     fp_ms = (time.perf_counter() - t_fp) * 1000
     gen = GenConfig(arch=adapter.arch, latent_shape=tuple(int(x) for x in samples.shape[1:]), steps=int(steps),
                     sampler=sampler_name, scheduler=scheduler, cfg=float(cfg),
-                    sigmas_digest=cp.sigmas_digest(raw.sigmas), probe_steps=k)
+                    sigmas_digest=cp.sigmas_digest(raw.sigmas), probe_steps=k, start_step=start,
+                    end_step=0 if end == steps else end, add_noise=bool(stage.add_noise),
+                    leftover_noise=stage.leaves_noise(steps), second_model=second_model)
     factors, bias = cp.latent_rgb(model)
     maps = dict(raw.object_maps)
     for o in objects:  # objects without tokens get an empty map (the signature says so)

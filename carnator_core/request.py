@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from . import keys
-from .probe import ProbeConfig, objects_for, run_probe
-from .reuse import CachedRun, ReuseConfig, RunReport, sample
+from .probe import ProbeConfig, ProbeConfigError, objects_for, run_probe, stage_bounds
+from .reuse import CachedRun, ReuseConfig, RunReport, sample, stage_role
 from .signature import SignatureConfig, build_signature_timed
 from .types import (
     Candidate,
@@ -34,6 +34,7 @@ from .types import (
     ExactAnswer,
     Probe,
     Signature,
+    Stage,
     namespace_key,
 )
 
@@ -56,6 +57,9 @@ class RequestSpec:
     scheduler: str = "simple"
     objects: str | None = None  # user override of the object list
     denoise: float = 1.0
+    # The probe's stage of a split schedule (KSamplerAdvanced's start/end steps and switches); the default is the
+    # whole schedule on one model.
+    stage: Stage = Stage()
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,10 @@ class WriteResult:
 
 # ---------------------------------------------------------------------------------------------- 1. exact + probe
 def request_key_for(model: Any, positive: Any, negative: Any, latent: dict, *, seed: int, steps: int, cfg: float,
-                    sampler_name: str, scheduler: str, denoise: float = 1.0) -> str | None:
-    """``keys.request_key`` of a request on a ComfyUI MODEL (None: it cannot be digested; never answered by key)."""
+                    sampler_name: str, scheduler: str, denoise: float = 1.0,
+                    split: Mapping[str, Any] | None = None) -> str | None:
+    """``keys.request_key`` of a request on a ComfyUI MODEL (None: it cannot be digested; never answered by key).
+    ``split``: ``split_key_facts`` of a split schedule (None: the whole schedule on ``model``)."""
     from . import comfy_patch as cp  # ComfyUI-dependent: imported only when a model is actually served
     from .adapters import adapter_for
 
@@ -135,7 +141,21 @@ def request_key_for(model: Any, positive: Any, negative: Any, latent: dict, *, s
                             latent_shape=tuple(int(x) for x in samples.shape), steps=int(steps), sampler=sampler_name,
                             scheduler=scheduler, cfg=float(cfg), sigmas_digest=cp.sigmas_digest(sigmas),
                             denoise=float(denoise), seed=int(seed), positive=positive, negative=negative,
-                            latent=latent)
+                            latent=latent, split=split)
+
+
+def split_key_facts(stage: Stage, steps: int, second_model: Any, second_fingerprint: str) -> dict[str, Any] | None:
+    """What a split schedule adds to the exact-request key: the probe's stage and, when another model finishes it,
+    that model's fingerprint and ``model_options`` (None for the whole schedule on one model)."""
+    if stage.is_whole(steps):
+        return None
+    start, end = stage.bounds(steps)
+    facts: dict[str, Any] = {"start": start, "end": end, "add_noise": bool(stage.add_noise),
+                             "leftover": stage.leaves_noise(steps)}
+    if second_model is not None:
+        facts["second_model"] = second_fingerprint
+        facts["second_options"] = dict(getattr(second_model, "model_options", None) or {})
+    return facts
 
 
 def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, seed: int) -> Probe | None:
@@ -164,6 +184,12 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
     if final is None or final.ndim not in (4, 5):
         return None
     latent = final if final.ndim == 5 else final.unsqueeze(0)
+    stage_latent = None
+    if entry.config.leftover_noise:  # a split schedule is answered only with its first stage's output too
+        switch = entry.tensors.get("latent_switch")
+        if switch is None or switch.ndim not in (4, 5):
+            return None
+        stage_latent = switch if switch.ndim == 5 else switch.unsqueeze(0)
     try:
         store.record_hit(entry_id)  # the data is loaded and verified: answer even if it is evicted this instant
     except CacheError:
@@ -171,7 +197,7 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
     store.record_lookup(entry.namespace)
     ms = (time.perf_counter() - t0) * 1000
     answer = ExactAnswer(entry_id=entry_id, request_key=request_key, namespace=entry.namespace, prompt=entry.prompt,
-                         latent=latent, signature=entry.signature, lookup_ms=ms)
+                         latent=latent, signature=entry.signature, lookup_ms=ms, stage_latent=stage_latent)
     from . import comfy_patch as cp
     from .adapters import adapter_for
 
@@ -188,12 +214,29 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
 
 def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: RequestSpec, config: ProbeConfig,
                   text_encoder: Any = None, *, store: Any = None,
-                  progress: Callable[[int], None] | None = None) -> Probe:
+                  progress: Callable[[int], None] | None = None, second_model: Any = None) -> Probe:
     """Stage 1. With a ``store``: an exact repeat is answered from it (answered Probe, no model call). Otherwise the
-    Early Probe, stamped with the request key and the non-text conditioning digest (part of the namespace)."""
+    Early Probe, stamped with the request key and the non-text conditioning digest (part of the namespace).
+
+    A split schedule (``spec.stage``) is probed on its first model; ``second_model`` is the MODEL that continues a
+    stage returning leftover noise (Wan 2.2 14B: the low-noise expert), fingerprinted into the namespace and the
+    request key. An exact repeat of a split request is answered only from an entry that holds both stages'
+    outputs (written from a dense second stage of Carnator's sampler, see ``write_result``)."""
     t0 = time.perf_counter()
+    stage_bounds(spec.stage, spec.steps, second_connected=second_model is not None)
+    second = ""
+    if second_model is not None:
+        from . import comfy_patch as cp
+        from .adapters import adapter_for
+
+        arch2 = adapter_for(second_model).arch
+        if arch2 != adapter_for(model).arch:
+            raise ProbeConfigError(f"second_model is a {arch2} model but the probe's model is "
+                                   f"{adapter_for(model).arch}: both stages must run the same architecture")
+        second = cp.model_fingerprint(second_model, arch2)
     key = request_key_for(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
-                          sampler_name=spec.sampler, scheduler=spec.scheduler, denoise=spec.denoise)
+                          sampler_name=spec.sampler, scheduler=spec.scheduler, denoise=spec.denoise,
+                          split=split_key_facts(spec.stage, spec.steps, second_model, second))
     key_ms = (time.perf_counter() - t0) * 1000
     answered = lookup_exact(store, key, model, spec.prompt, spec.seed)
     if answered is not None:
@@ -201,7 +244,8 @@ def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: 
     objs, source = objects_for(spec.prompt, text_encoder, spec.objects)
     probe = run_probe(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
                       sampler_name=spec.sampler, scheduler=spec.scheduler, prompt=spec.prompt, objects=objs,
-                      object_source=source, config=config, denoise=spec.denoise, progress=progress)
+                      object_source=source, config=config, denoise=spec.denoise, progress=progress,
+                      stage=spec.stage, second_model=second)
     cond = keys.conditioning_digest(positive, negative, latent)
     note = probe.note
     if cond.startswith(keys.OPAQUE_PREFIX):
@@ -294,17 +338,20 @@ def load_accepted(store: Any, decision: Decision | None) -> tuple[CachedRun | No
     return None, reason
 
 
-def exact_report(probe: Probe, upstream_ms: Mapping[str, float] | None = None) -> RunReport:
-    """The report of an exact repeat: a hit with no model call (every step skipped)."""
+def exact_report(probe: Probe, upstream_ms: Mapping[str, float] | None = None, role: str = "") -> RunReport:
+    """The report of an exact repeat: a hit with no model call (every step skipped); ``role``: the stage of a
+    split schedule it answers (``reuse.stage_role``)."""
     a = probe.answered
     assert a is not None
-    steps = int(probe.config.steps)
+    g = probe.config
+    steps = {"": g.steps, "first": g.stage_end - g.start_step, "second": g.steps - g.stage_end}[role]
     timings = {**dict(upstream_ms or {}), "lookup": float(a.lookup_ms), "key": float(probe.timings.get("key_ms", 0))}
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
     return RunReport(decision="hit", mode="exact", entry_id=a.entry_id, active_fraction=0.0, block_density=None,
                      steps_total=steps, steps_probe=0, model_calls=0, replayed_calls=0, skipped_calls=steps,
                      token_fraction=0.0, attention_fraction=0.0, timings_ms=timings, compute_fraction=0.0,
-                     reason=f"exact repeat of entry {a.entry_id}: stored result, no model call")
+                     reason=f"exact repeat of entry {a.entry_id}: stored result, no model call", stage=role,
+                     final=not (role == "first" and g.leftover_noise))
 
 
 def node_cache_report(probe: Probe, report: RunReport, entry_id: str) -> RunReport:
@@ -319,12 +366,18 @@ def node_cache_report(probe: Probe, report: RunReport, entry_id: str) -> RunRepo
                             f"({report.decision}{' of entry ' + kept if kept else ''})")
 
 
-def _check_answered_inputs(model: Any, latent: dict, probe: Probe) -> None:
+def _check_answered_inputs(model: Any, latent: dict, probe: Probe, role: str = "") -> None:
     """The sampler's MODEL and latent must be the probe's (as ``reuse.sample`` checks on the computing path)."""
     from . import comfy_patch as cp
     from .adapters import adapter_for
 
-    if cp.model_fingerprint(model, adapter_for(model).arch) != probe.model_fingerprint:
+    fp = cp.model_fingerprint(model, adapter_for(model).arch)
+    if role == "second":
+        if fp != probe.config.second_model:
+            raise ValueError("the MODEL differs from the probe's second_model (weights or patches changed): connect "
+                             "the model that finishes the schedule to both the Early Probe's second_model and this "
+                             "sampler")
+    elif fp != probe.model_fingerprint:
         raise ValueError("the MODEL differs from the one the probe ran on (weights or patches changed): connect "
                          "the same MODEL to the Early Probe and the Joint Reuse Sampler")
     shape = tuple(cp.prepare_latent(model, latent).shape)
@@ -336,20 +389,26 @@ def _check_answered_inputs(model: Any, latent: dict, probe: Probe) -> None:
 def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
                 store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
                 progress: Callable[[int], None] | None = None,
-                upstream_ms: Mapping[str, float] | None = None) -> tuple[Any, RunReport]:
+                upstream_ms: Mapping[str, float] | None = None, stage: Stage | None = None) -> tuple[Any, RunReport]:
     """Stage 5: finish the request. Returns (final LATENT samples, RunReport).
 
     An answered probe returns the stored latent (bit-identical, no model call). Otherwise the accepted entry is
     loaded here (``load_accepted``; gone = dense resume with the reason in the report) and ``reuse.sample`` runs.
+    ``stage``: the sampler's KSamplerAdvanced settings (None = the probe's stage); on a split schedule this stage
+    runs once for the probe's stage and once, on the second model, for the rest (``reuse.stage_role``).
     """
     if probe.answered is not None:
-        _check_answered_inputs(model, latent, probe)
-        return probe.answered.latent.clone(), exact_report(probe, upstream_ms)
+        role = stage_role(probe.config, stage)  # the sampler's stage must fit the probe's, answered or not
+        _check_answered_inputs(model, latent, probe, role)
+        a = probe.answered
+        out = a.stage_latent if role == "first" and probe.config.leftover_noise else a.latent
+        return out.clone(), exact_report(probe, upstream_ms, role)
     cached, fallback = (None, "")
     if config.mode != "dense":
         cached, fallback = load_accepted(store, decision)
     samples, report = sample(model, positive, negative, latent, probe, decision, cached, config,
-                             target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms)
+                             target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms,
+                             stage=stage)
     if fallback:
         report = replace(report, reason=fallback)
     return samples, report
@@ -372,6 +431,14 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     if probe.embedding is None:
         return WriteResult("", False, "not stored: the prompt could not be embedded for retrieval (see the probe's "
                                       "summary)")
+    if report is not None and not report.final:
+        return WriteResult("", False, "not stored: this is the first stage's output of a split schedule (it still "
+                                      "holds leftover noise); connect the latent and report of the Joint Reuse "
+                                      "Sampler that finishes the schedule")
+    if probe.config.leftover_noise and (report is None or report.stage != "second"):
+        return WriteResult("", False, "not stored: a split schedule's result is stored only from the Joint Reuse "
+                                      "Sampler that runs its second stage (it checks the second model); connect its "
+                                      "latent and report")
     hit = report is not None and report.decision == "hit"
     if hit and not store_reused:
         return WriteResult("", False, f"not stored: this result reused cache entry {report.entry_id} (enable "
@@ -383,6 +450,16 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         raise ValueError(f"the LATENT is {tuple(samples.shape[1:])} per item but the probe's config says {want}: "
                          "connect the sampler output that belongs to this probe")
     dense = report is not None and report.decision in ("dense", "miss")
+    tensors = {"latent_final": samples[0].detach().cpu(), "x0_probe": probe.x0_probe.float().cpu(),
+               "latent_probe": probe.latent_probe.float().cpu()}
+    if probe.config.leftover_noise:
+        # A split request is answered by key only with both stages' outputs: the second stage's report carries
+        # the first stage's (when that stage certainly ran dense too, see reuse.sample).
+        switch = getattr(report, "first_stage_latent", None)
+        if switch is None or tuple(switch.shape) != tuple(samples.shape):
+            dense = False
+        else:
+            tensors["latent_switch"] = switch[0].detach().cpu()
     key = probe.request_key if dense and int(samples.shape[0]) == 1 else ""
     m: dict[str, Any] = {"batch_size": int(samples.shape[0]), **dict(meta or {})}
     m["probe_timings_ms"] = {str(k): float(v) for k, v in dict(probe.timings).items()}
@@ -390,9 +467,7 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         m["report"] = report.to_meta()
     data = EntryData(
         model_fingerprint=probe.model_fingerprint, config=probe.config, prompt=probe.prompt, seed=probe.seed,
-        embedding=probe.embedding, signature=sig,
-        tensors={"latent_final": samples[0].detach().cpu(), "x0_probe": probe.x0_probe.float().cpu(),
-                 "latent_probe": probe.latent_probe.float().cpu()},
+        embedding=probe.embedding, signature=sig, tensors=tensors,
         block_structure=report.block_structure if report is not None else None, meta=m, request_key=key,
     )
     try:
@@ -415,15 +490,17 @@ def write_entry(store: Any, probe: Probe, sig: Signature, samples: Any, report: 
 
 # ---------------------------------------------------------------------------------------------- all stages
 def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec: RequestSpec, store: Any,
-          options: ServeOptions, progress: Callable[[int], None] | None = None) -> RequestResult:
+          options: ServeOptions, progress: Callable[[int], None] | None = None,
+          second_model: Any = None) -> RequestResult:
     """Serve one request end to end through the stages above. ``store`` is a ``cache.Store`` (or None for method
-    "dense")."""
+    "dense"). A split schedule (``spec.stage`` returning leftover noise) runs its second stage on
+    ``second_model``, as the two-sampler graph does; the result's report is the second stage's."""
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     use_cache = options.method != "dense" and store is not None
     exact_store = store if use_cache and options.exact and options.method in ("carnator", "prompt_only") else None
     probe = probe_request(model, positive, negative, latent, spec, options.probe, text_encoder, store=exact_store,
-                          progress=progress)
+                          progress=progress, second_model=second_model)
     t["key"] = float(probe.timings.get("key_ms", 0.0))
     t["probe"] = float(probe.timings.get("probe_ms", 0.0))
     t1 = time.perf_counter()
@@ -439,10 +516,17 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
                                 prompt_threshold=options.prompt_threshold, allow_uncertified=options.allow_uncertified)
         t["filter"] = decision.filter_ms
     mode = options.reuse_mode if decision is not None else "dense"
-    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store,
-                                  replace(options.reuse, mode=mode), signature=sig, record=options.write,
-                                  progress=progress, upstream_ms={k: v for k, v in t.items() if k != "probe"})
+    reuse_config = replace(options.reuse, mode=mode)
+    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store, reuse_config,
+                                  signature=sig, record=options.write, progress=progress,
+                                  upstream_ms={k: v for k, v in t.items() if k != "probe"})
     t["resume"] = float(report.timings_ms.get("resume", 0.0))
+    if probe.config.leftover_noise:  # the second stage, on the second model, from the first stage's output
+        g = probe.config
+        samples, report = reuse_stage(second_model, positive, negative, {**latent, "samples": samples}, probe,
+                                      decision, store, reuse_config, signature=sig, record=options.write,
+                                      progress=progress, stage=Stage(g.stage_end, g.steps, False, False))
+        t["resume"] += float(report.timings_ms.get("resume", 0.0))
     entry_id = probe.answered.entry_id if probe.answered is not None else None
     if options.write and store is not None and report.decision != "hit":
         t2 = time.perf_counter()

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .types import BlockStructure, Decision, Probe, Signature
+from .types import STAGE_END_MAX, BlockStructure, Decision, GenConfig, Probe, Signature, Stage
 
 MODES = ("joint", "latent", "attention", "dense")
 
@@ -141,6 +141,15 @@ class RunReport:
     fallbacks: tuple[str, ...] = ()
     reason: str = ""
     compute_fraction: float = 1.0  # estimated model compute / dense compute (probe included), from counters
+    # Which stage of a split schedule this run was ("": the whole schedule; "first": the probe's stage; "second":
+    # the stage after the switch, on the second model). ``final``: the run's latent is the finished generation,
+    # not a stage's output with leftover noise (only a final latent may be stored in the cache).
+    stage: str = ""
+    final: bool = True
+    # The second stage of a split schedule whose first stage certainly ran dense (no entry was accepted): its input
+    # latent, the first stage's output [B, C, T, H, W]; the Cache Writer stores it so an exact repeat of the
+    # request can answer both stages. None otherwise.
+    first_stage_latent: Any = None
 
     @property
     def saving(self) -> float:
@@ -156,6 +165,8 @@ class RunReport:
         parts.append(f"calls={self.model_calls}+{self.replayed_calls} replayed+{self.skipped_calls} skipped"
                      f"/{self.steps_total}")
         parts.append("ms: " + " ".join(f"{k}={v:.0f}" for k, v in t.items()))
+        if self.stage:
+            parts.append(f"stage={self.stage}" + ("" if self.final else " (leftover noise)"))
         if self.fallbacks:
             parts.append("fallbacks: " + "; ".join(self.fallbacks))
         if self.reason:
@@ -171,7 +182,8 @@ class RunReport:
             "token_fraction": self.token_fraction, "attention_fraction": self.attention_fraction,
             "timings_ms": dict(self.timings_ms), "fallbacks": list(self.fallbacks), "reason": self.reason,
             "has_block_structure": self.block_structure is not None,
-            "compute_fraction": self.compute_fraction, "saving": self.saving,
+            "compute_fraction": self.compute_fraction, "saving": self.saving, "stage": self.stage,
+            "final": self.final,
         }
 
 
@@ -281,15 +293,51 @@ def refresh_plan_calls(steps: int, probe_steps: int, refreshes: int) -> frozense
     return frozenset(probe_steps + (j * n) // k for j in range(k))
 
 
+def stage_role(gen: GenConfig, stage: Stage | None) -> str:
+    """Which stage of the probe's schedule a sampler with KSamplerAdvanced settings ``stage`` runs: "" (the whole
+    schedule, or None: the probe's own stage), "first" (the probe's stage of a split schedule) or "second" (the
+    rest of the schedule after a probe's stage that returned leftover noise). Raises ValueError for anything else,
+    naming the stages that fit."""
+    own = gen.probe_stage()
+    if stage is None:
+        return "first" if gen.split else ""
+    try:
+        start, end = stage.bounds(gen.steps)
+    except ValueError as e:
+        raise ValueError(f"sampler: {e}") from None
+    mine = (start, end, bool(stage.add_noise), stage.leaves_noise(gen.steps))
+    if mine == (gen.start_step, gen.stage_end, gen.add_noise, gen.leftover_noise):
+        return "first" if gen.split else ""
+    fits = (f"the probe's stage: start_at_step={own.start_at_step}, end_at_step={own.end_at_step}, add_noise="
+            f"{'enable' if own.add_noise else 'disable'}, return_with_leftover_noise="
+            f"{'enable' if own.return_with_leftover_noise else 'disable'}")
+    if gen.leftover_noise:
+        fits += (f"; or the rest of the schedule on the second model: start_at_step={gen.stage_end}, end_at_step="
+                 f">= {gen.steps}, add_noise=disable")
+        if start == gen.stage_end and end == gen.steps and not stage.add_noise:
+            return "second"
+    raise ValueError(f"the sampler's stage (steps [{start}, {end}) of {gen.steps}, add_noise="
+                     f"{'enable' if stage.add_noise else 'disable'}) is not one the probe can resume; use {fits}")
+
+
 def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision: Decision | None,
            cached: CachedRun | None, config: ReuseConfig = ReuseConfig(), target_signature: Signature | None = None,
            record: bool = True, progress: Callable[[int], None] | None = None,
-           upstream_ms: Mapping[str, float] | None = None) -> tuple[Any, RunReport]:
+           upstream_ms: Mapping[str, float] | None = None, stage: Stage | None = None) -> tuple[Any, RunReport]:
     """Finish the request the probe started. Returns (LATENT samples tensor, RunReport).
 
     Reuse happens only when ``decision.accepted`` and ``cached`` is given and the mode is not "dense";
     otherwise this is a plain dense resume (bit-identical to KSampler) that records the block structure
     (``record``) for the Cache Writer.
+
+    ``stage`` (KSamplerAdvanced's start/end steps and switches; None = the probe's stage) selects what runs, see
+    ``stage_role``: the probe's stage (its k calls replayed; on a split schedule it returns what KSamplerAdvanced
+    returns for that stage, leftover noise included), or, after a probe's stage that returned leftover noise, the
+    rest of the schedule on the second model (``latent`` = the first stage's output; no replay; the MODEL must be
+    the one the probe fingerprinted as ``second_model``). Dense, either stage equals its KSamplerAdvanced node bit
+    for bit. On a hit both stages reuse the accepted entry's final latent outside the active region (so a hit's
+    second stage finishes on the cached run's trajectory too); its recorded block structure, recorded at the
+    second stage's steps, is applied in the second stage only (joint/attention mode).
     """
     import torch
 
@@ -305,13 +353,29 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
     if tuple(samples.shape[1:]) != tuple(gen.latent_shape):
         raise ValueError(f"latent shape {tuple(samples.shape[1:])} differs from the probed one "
                          f"{tuple(gen.latent_shape)}: connect the same latent to the probe and the sampler")
+    role = stage_role(gen, stage)
     fp = cp.model_fingerprint(model, adapter.arch)
-    if fp != probe.model_fingerprint:
+    if role == "second":
+        if fp != gen.second_model:
+            raise ValueError("the MODEL differs from the probe's second_model (weights or patches changed): connect "
+                             "the model that finishes the schedule (Wan 2.2 14B: the low-noise expert) to both the "
+                             "Early Probe's second_model and this sampler")
+    elif fp != probe.model_fingerprint:
         raise ValueError("the MODEL differs from the one the probe ran on (weights or patches changed): connect "
                          "the same MODEL to the Early Probe and the Joint Reuse Sampler")
+    # This run's calls: the probe's stage (its first k calls replayed) or the rest of the schedule (none replayed).
+    if role == "second":
+        n_calls, k_replay, replay = gen.steps - gen.stage_end, 0, ()
+    else:
+        n_calls, k_replay, replay = gen.stage_end - gen.start_step, gen.probe_steps, probe.replay
+    run_stage = gen.probe_stage() if role == "first" else (
+        Stage(gen.stage_end, STAGE_END_MAX, False, False) if role == "second" else None)
     n_layers = adapter.num_layers(model)
     mids = adapter.middle_layers(model, config.first_dense, config.last_dense)
-    use = bool(decision is not None and decision.accepted and cached is not None and config.mode != "dense")
+    # An accepted decision may have made the first stage of a split schedule a reuse even where this stage runs
+    # dense (mode "dense", its entry vanished, the region gate): then the first stage's output is no dense result.
+    accepted = bool(decision is not None and decision.accepted)
+    use = bool(accepted and cached is not None and config.mode != "dense")
     plan = None
     recorder = None
     active_fraction = 1.0
@@ -326,6 +390,12 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         structure = cached.structure if config.mode in ("joint", "attention") else None
         if config.mode in ("joint", "attention") and structure is None:
             reason = "entry has no recorded block structure: attention stays dense"
+        elif structure is not None and role == "first" and gen.leftover_noise:
+            # A split schedule's entry is written from its second stage, so its structure was recorded at the
+            # second model's (low-noise) steps; the first stage's high-noise attention is not that sparse (applied
+            # there it cost 0.6-2.9 dB PSNR vs dense on the embedded model): this stage attends densely.
+            structure = None
+            reason = "the entry's block structure is the second stage's: attention in this stage stays dense"
         if config.mode == "attention":
             token_mask = None
             active = torch.arange(int(np.prod(probe.grid)))
@@ -356,18 +426,21 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
                             context_margin_blocks=config.context_margin_blocks,
                             block_size=config.block_size or auto_block_size(int(np.prod(probe.grid))),
                             context_tokens=context, kv_context=config.kv_context,
-                            refresh_calls=refresh_plan_calls(gen.steps, gen.probe_steps, config.refreshes))
+                            refresh_calls=refresh_plan_calls(n_calls, k_replay, config.refreshes))
     if not use and record:
         n_tokens = int(np.prod(probe.grid))
         recorder = BlockRecorder(block_size=config.block_size or auto_block_size(n_tokens), layers=mids,
-                                 steps=record_plan_steps(gen.steps, gen.probe_steps, config.record_steps),
+                                 steps=record_plan_steps(n_calls, k_replay, config.record_steps),
                                  mass=config.record_mass, head_average=False)
+    offset = gen.stage_end if role == "second" else gen.start_step
+    step_progress = (lambda i: progress(offset + i)) if progress is not None else None
     res = cp.resume_sample(model, positive, negative, latent, probe.seed, gen.steps, gen.cfg, gen.sampler,
-                           gen.scheduler, probe.replay, reuse=plan, recorder=recorder, progress=progress)
+                           gen.scheduler, replay, reuse=plan, recorder=recorder, progress=step_progress,
+                           stage=run_stage)
     st = res.stats
     sampler_ms = (time.perf_counter() - t0) * 1000
     timings = dict(upstream_ms or {})
-    timings["probe"] = float(probe.timings.get("probe_ms", 0.0))
+    timings["probe"] = float(probe.timings.get("probe_ms", 0.0)) if role != "second" else 0.0
     timings["resume"] = sampler_ms
     if recorder is not None:
         timings["record"] = st["record_s"] * 1000
@@ -378,17 +451,19 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
     # pays its outer layers densely and its middle layers at the measured token fraction.
     token_fraction = (st["token_layer_evals"] / dense_tokens) if st["token_layer_dense"] else 1.0
     per_call = (n_layers - len(mids) + len(mids) * token_fraction) / max(n_layers, 1)
-    compute_fraction = (gen.probe_steps + st["model_calls"] * per_call) / max(gen.steps, 1)
+    compute_fraction = (k_replay + st["model_calls"] * per_call) / max(n_calls, 1)
     report = RunReport(
         decision="hit" if use else ("miss" if decision is not None else "dense"),
         mode=config.mode if use else "dense", entry_id=cached.entry_id if use else None,
         active_fraction=active_fraction,
         block_density=(plan.structure.density if plan is not None and plan.structure is not None else None),
-        steps_total=gen.steps, steps_probe=gen.probe_steps, model_calls=st["model_calls"],
+        steps_total=n_calls, steps_probe=k_replay, model_calls=st["model_calls"],
         replayed_calls=st["replayed_calls"], skipped_calls=st["skipped_calls"],
         token_fraction=token_fraction, compute_fraction=compute_fraction,
         attention_fraction=(st["attn_pairs"] / dense_pairs) if st["attn_pairs_dense"] else 1.0,
         timings_ms=timings, block_structure=res.structure, fallbacks=res.fallbacks,
         reason=reason or (decision.summary if decision is not None and not use else ""),
+        stage=role, final=not (role == "first" and gen.leftover_noise),
+        first_stage_latent=samples.detach().cpu() if role == "second" and not accepted else None,
     )
     return res.samples, report

@@ -30,6 +30,49 @@ def stable_digest(obj: Any, n: int = 16) -> str:
 SIGNATURE_VERSION = 2
 
 
+# KSamplerAdvanced's "to the end of the schedule" (its end_at_step default and maximum).
+STAGE_END_MAX = 10000
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Which steps of the schedule one sampler runs, with ComfyUI's ``KSamplerAdvanced`` semantics.
+
+    start_at_step, end_at_step: the sampler runs steps [start, min(end, steps)) of the schedule of ``steps``
+                     steps (the end's default, 10000, is "to the end").
+    add_noise:       add the seed's noise to the input latent (off: the latent already carries the noise the
+                     previous stage left in it).
+    return_with_leftover_noise: a stage that ends before the schedule does returns its latent at that sigma
+                     (for a next stage to continue) instead of denoising it fully at its last step.
+    """
+
+    start_at_step: int = 0
+    end_at_step: int = STAGE_END_MAX
+    add_noise: bool = True
+    return_with_leftover_noise: bool = False
+
+    def bounds(self, steps: int) -> tuple[int, int]:
+        """(start, end) clipped to a schedule of ``steps`` steps. Raises ValueError naming what is wrong."""
+        if not 0 <= self.start_at_step <= STAGE_END_MAX or not 0 <= self.end_at_step <= STAGE_END_MAX:
+            raise ValueError(f"start_at_step and end_at_step must be in [0, {STAGE_END_MAX}], got "
+                             f"{self.start_at_step} and {self.end_at_step}")
+        end = min(int(self.end_at_step), int(steps))
+        if not int(self.start_at_step) < end:
+            clipped = f", clipped to steps={steps}" if end < self.end_at_step else ""
+            raise ValueError(f"start_at_step ({self.start_at_step}) must be below end_at_step "
+                             f"({self.end_at_step}{clipped}): the stage would run no step")
+        return int(self.start_at_step), end
+
+    def is_whole(self, steps: int) -> bool:
+        """The stage is the whole schedule with fresh noise: a plain KSampler run."""
+        start, end = self.bounds(steps)
+        return start == 0 and end == steps and self.add_noise
+
+    def leaves_noise(self, steps: int) -> bool:
+        """The stage stops before the end of the schedule and returns its latent with leftover noise."""
+        return self.bounds(steps)[1] < steps and self.return_with_leftover_noise
+
+
 @dataclass(frozen=True)
 class GenConfig:
     """The generation configuration that must match for a cache entry to be reusable.
@@ -53,6 +96,37 @@ class GenConfig:
     # (a risk rule is calibrated across start images as it is across prompts).
     conditioning: str = ""
 
+    # The probe's stage of a split schedule (KSamplerAdvanced's start/end steps and switches; see ``Stage``), and
+    # for a stage that returns leftover noise the fingerprint of the model that runs the rest of the schedule
+    # (Wan 2.2 14B: the low-noise expert). Defaults: the whole schedule on one model, which fingerprints as a
+    # config did before these fields existed. ``end_step`` 0 = the end of the schedule. A two-expert entry is
+    # hence never reused for a single-model request, another switch step or another second expert.
+    start_step: int = 0
+    end_step: int = 0
+    add_noise: bool = True
+    leftover_noise: bool = False
+    second_model: str = ""
+
+    @property
+    def split(self) -> bool:
+        """The probe's stage is not the whole schedule with fresh noise (a split schedule)."""
+        return self.start_step != 0 or self.end_step != 0 or not self.add_noise
+
+    @property
+    def stage_end(self) -> int:
+        """The step the probe's stage ends at (``steps`` for a stage that runs to the end)."""
+        return self.end_step or self.steps
+
+    def probe_stage(self) -> Stage:
+        """The probe's stage as a ``Stage``."""
+        return Stage(self.start_step, self.stage_end, self.add_noise, self.leftover_noise)
+
+    def _stage_meta(self) -> dict[str, Any]:
+        if not self.split and not self.second_model:
+            return {}
+        return {"start_step": self.start_step, "end_step": self.end_step, "add_noise": self.add_noise,
+                "leftover_noise": self.leftover_noise, "second_model": self.second_model}
+
     def fingerprint(self) -> str:
         """The namespace part of the config: every field, the conditioning digest included when set (a text-only
         config fingerprints as it did before the field existed)."""
@@ -61,19 +135,21 @@ class GenConfig:
 
     def rule_fingerprint(self) -> str:
         """What a risk rule is calibrated for: the generation config without the request's conditioning."""
-        return stable_digest(
-            {
-                "arch": self.arch,
-                "latent_shape": list(self.latent_shape),
-                "steps": self.steps,
-                "sampler": self.sampler,
-                "scheduler": self.scheduler,
-                "cfg": round(float(self.cfg), 6),
-                "sigmas": self.sigmas_digest,
-                "probe_steps": self.probe_steps,
-                "signature_version": SIGNATURE_VERSION,
-            }
-        )
+        parts: dict[str, Any] = {
+            "arch": self.arch,
+            "latent_shape": list(self.latent_shape),
+            "steps": self.steps,
+            "sampler": self.sampler,
+            "scheduler": self.scheduler,
+            "cfg": round(float(self.cfg), 6),
+            "sigmas": self.sigmas_digest,
+            "probe_steps": self.probe_steps,
+            "signature_version": SIGNATURE_VERSION,
+        }
+        stage = self._stage_meta()
+        if stage:  # a split schedule; a whole-schedule config keeps the fingerprint it always had
+            parts["stage"] = stage
+        return stable_digest(parts)
 
     def to_meta(self) -> dict[str, Any]:
         meta = {
@@ -88,6 +164,7 @@ class GenConfig:
         }
         if self.conditioning:
             meta["conditioning"] = self.conditioning
+        meta.update(self._stage_meta())
         return meta
 
     @classmethod
@@ -102,6 +179,11 @@ class GenConfig:
             sigmas_digest=str(meta["sigmas_digest"]),
             probe_steps=int(meta["probe_steps"]),
             conditioning=str(meta.get("conditioning", "")),
+            start_step=int(meta.get("start_step", 0)),
+            end_step=int(meta.get("end_step", 0)),
+            add_noise=bool(meta.get("add_noise", True)),
+            leftover_noise=bool(meta.get("leftover_noise", False)),
+            second_model=str(meta.get("second_model", "")),
         )
 
 
@@ -339,7 +421,8 @@ class Probe:
 class ExactAnswer:
     """An exact repeat of a cached dense generation (same ``keys.request_key``), found before the probe.
 
-    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request would compute.
+    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request would compute
+            (a split schedule: what its second stage computes, ``stage_latent`` what its first stage computes).
     signature: the stored Early Signature (the Signature Builder passes it on instead of recomputing it).
     """
 
@@ -350,3 +433,6 @@ class ExactAnswer:
     latent: Any
     signature: Signature
     lookup_ms: float
+    # A split schedule's first-stage output [B, C, T, H, W] (the latent with leftover noise at the switch step),
+    # what the probe's stage returns; None for a whole-schedule request.
+    stage_latent: Any = None

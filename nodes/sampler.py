@@ -8,11 +8,11 @@ import comfy.utils
 from ..carnator_core.cache.handle import open_store
 from ..carnator_core.request import reuse_stage
 from ..carnator_core.reuse import MODES, ReuseConfig
+from ..carnator_core.types import STAGE_END_MAX, Stage
 from ._api import CACHE, DECISION, PROBE, REPORT, SIGNATURE, io
-from ._common import advanced
+from ._common import advanced, stage_from, stage_inputs
 
 log = logging.getLogger("carnator")
-
 
 
 class CarnatorJointReuseSampler(io.ComfyNode):
@@ -24,7 +24,9 @@ class CarnatorJointReuseSampler(io.ComfyNode):
             category="Carnator",
             description="Finishes a probed request. If the Risk Filter accepted a cache entry, only the region that "
                         "differs is recomputed, over the attention structure of the cached run; otherwise it "
-                        "continues dense (identical to KSampler) and records the attention structure for the cache.",
+                        "continues dense (identical to KSampler) and records the attention structure for the cache. "
+                        "On a split schedule (Wan 2.2 14B) use one per expert, with KSamplerAdvanced's stage inputs: "
+                        "the probe's stage on the first, the rest (add_noise disabled) on the second.",
             inputs=[
                 io.Model.Input("model", tooltip="The same MODEL the Early Probe ran on."),
                 io.Conditioning.Input("positive", tooltip="The same positive conditioning as the probe."),
@@ -63,15 +65,28 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                               "(0 = automatic: ~16 blocks, 16..128 tokens).")),
                 advanced(io.Float.Input("record_mass", default=0.9, min=0.5, max=1.0, step=0.01,
                                         tooltip="Attention mass the recorded key blocks must cover.")),
+                *stage_inputs("the second expert's sampler"),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],
         )
 
     @classmethod
+    def validate_inputs(cls, start_at_step: int = 0, end_at_step: int = STAGE_END_MAX) -> bool | str:
+        # The steps are the probe's (known at execution): here only the stage's own range is checked.
+        if start_at_step is None or end_at_step is None:  # linked: checked at execution
+            return True
+        try:
+            Stage(int(start_at_step), int(end_at_step)).bounds(STAGE_END_MAX)
+        except ValueError as e:
+            return str(e)
+        return True
+
+    @classmethod
     def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
-                dilation=1, max_active=0.6, block_size=0, record_mass=0.9) -> io.NodeOutput:
+                dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
+                end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable") -> io.NodeOutput:
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
                              max_active=max_active, block_size=block_size, record_mass=record_mass).validate()
@@ -80,7 +95,9 @@ class CarnatorJointReuseSampler(io.ComfyNode):
         samples, report = reuse_stage(model, positive, negative, latent_image, probe, decision,
                                       open_store(cache) if cache is not None else None, config, signature=signature,
                                       progress=lambda i: pbar.update_absolute(i + 1, total),
-                                      upstream_ms={"filter": decision.filter_ms} if decision is not None else None)
+                                      upstream_ms={"filter": decision.filter_ms} if decision is not None else None,
+                                      stage=stage_from(add_noise, start_at_step, end_at_step,
+                                                       return_with_leftover_noise))
         if probe.answered is not None:
             pbar.update_absolute(total, total)
         log.info("carnator request: %s", report.summary())

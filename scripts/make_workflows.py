@@ -58,6 +58,10 @@ MODEL_FILES: dict[str, tuple[str, str]] = {  # file name -> (url, models sub-fol
     "wan2.2_ti2v_5B_fp16.safetensors": (f"{_HF_WAN22}/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
                                         "diffusion_models"),
     "wan2.2_vae.safetensors": (f"{_HF_WAN22}/vae/wan2.2_vae.safetensors", "vae"),
+    "wan2.2_t2v_high_noise_14B_fp16.safetensors": (
+        f"{_HF_WAN22}/diffusion_models/wan2.2_t2v_high_noise_14B_fp16.safetensors", "diffusion_models"),
+    "wan2.2_t2v_low_noise_14B_fp16.safetensors": (
+        f"{_HF_WAN22}/diffusion_models/wan2.2_t2v_low_noise_14B_fp16.safetensors", "diffusion_models"),
     "ltx-video-2b-v0.9.5.safetensors": ("https://huggingface.co/Lightricks/LTX-Video/resolve/main/"
                                         "ltx-video-2b-v0.9.5.safetensors", "checkpoints"),
     "t5xxl_fp16.safetensors": ("https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/"
@@ -374,6 +378,7 @@ class Settings:
     fps: float
     rule_file: str
     seed: int = 42
+    switch: int = 0  # split schedule: the step the second model takes over at (0: one model, one sampler)
 
 
 def stock_decode(vae: Ref) -> Callable[[Graph, Ref], Ref]:
@@ -382,16 +387,23 @@ def stock_decode(vae: Ref) -> Callable[[Graph, Ref], Ref]:
     return decode
 
 
-def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: str) -> list[Ref]:
+def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: str,
+                  second_model: Ref | None = None) -> list[Ref]:
     """The shared Carnator request path; returns its nodes. ``reuse``: the full path (cache → probe → signature →
-    retriever → risk filter → joint reuse sampler → writer); otherwise warm the cache (probe → dense → writer)."""
+    retriever → risk filter → joint reuse sampler → writer); otherwise warm the cache (probe → dense → writer).
+    ``second_model`` with ``s.switch``: a split schedule (Wan 2.2 14B's two experts): the probe and a first sampler
+    run steps [0, switch) on ``src.model`` and return leftover noise, a second sampler finishes on
+    ``second_model``, as two KSamplerAdvanced nodes would."""
     probe_links = {"model": src.model, "positive": src.positive, "negative": src.negative,
                    "latent_image": src.latent, "prompt": src.prompt}
     if src.tokenizer is not None:
         probe_links[src.tokenizer[0]] = src.tokenizer[1]
+    first_stage = {"end_at_step": s.switch, "return_with_leftover_noise": "enable"} if second_model else {}
+    if second_model is not None:
+        probe_links["second_model"] = second_model
     probe = g.add("CarnatorEarlyProbe", (X2, 0),
                   {"seed": s.seed, "steps": s.steps, "cfg": s.cfg, "sampler_name": s.sampler,
-                   "scheduler": s.scheduler, "probe_steps": s.probe_steps},
+                   "scheduler": s.scheduler, "probe_steps": s.probe_steps, **first_stage},
                   probe_links, control="fixed" if reuse else "increment")
     signature = g.add("CarnatorSignatureBuilder", (X2, 700), links={"probe": probe})
     cache = g.add("CarnatorCacheLoader", (X2, 900), {"directory": CACHE_DIR}, title="Carnator Cache")
@@ -406,11 +418,20 @@ def carnator_path(g: Graph, src: Sources, s: Settings, *, reuse: bool, prefix: s
         sampler_links.update(decision=decision, cache=cache)
         g.nodes[probe.node - 1].links["cache"] = cache  # exact repeats are answered before the probe
         nodes += [candidates, decision]
-    sampler = g.add("CarnatorJointReuseSampler", (X4, 0), {"mode": "joint" if reuse else "dense"}, sampler_links,
-                    color="#223", bgcolor="#335")
+    mode = {"mode": "joint" if reuse else "dense"}
+    sampler = g.add("CarnatorJointReuseSampler", (X4, 0), {**mode, **first_stage}, sampler_links,
+                    color="#223", bgcolor="#335", title="Carnator Joint Reuse Sampler (high noise)" if first_stage
+                    else None)
+    nodes.append(sampler)
+    if second_model is not None:
+        sampler = g.add("CarnatorJointReuseSampler", (X4, 300),
+                        {**mode, "add_noise": "disable", "start_at_step": s.switch},
+                        {**sampler_links, "model": second_model, "latent_image": sampler},
+                        color="#223", bgcolor="#335", title="Carnator Joint Reuse Sampler (low noise)")
+        nodes.append(sampler)
     writer = g.add("CarnatorCacheWriter", (X4, 600), links={"cache": cache, "probe": probe, "signature": signature,
                                                             "latent": sampler, "report": Ref(sampler.node, 1)})
-    nodes += [sampler, writer]
+    nodes.append(writer)
     image = src.decode(g, sampler)
     save = g.add("SaveAnimatedWEBP", (X5, 150), {"filename_prefix": f"carnator/{prefix}", "fps": s.fps,
                                                 "lossless": False, "quality": 90, "method": "default"},
@@ -507,6 +528,39 @@ def wan22_ti2v(reuse: bool = True) -> Graph:
     return g
 
 
+NOTE_TWO_EXPERTS = """**Two experts.** Wan 2.2 14B samples its first {switch} steps with the high-noise expert and the rest
+with the low-noise expert. The Early Probe runs on the high-noise expert (its `end_at_step` = {switch}, leftover
+noise on) and knows the low-noise expert through `second_model`: both experts and the switch step are part of the
+cache namespace. The first Joint Reuse Sampler resumes the probe up to step {switch}; the second one finishes on
+the low-noise expert (`start_at_step` = {switch}, `add_noise` off). Dense, the two equal the stock graph of two
+KSamplerAdvanced nodes bit for bit; on a hit both reuse the cached run outside the changed region."""
+
+
+def wan22_t2v_14b(reuse: bool = True) -> Graph:
+    """Wan 2.2 T2V 14B, as ComfyUI's Wan 2.2 template loads it: two experts, each behind ModelSamplingSD3."""
+    g = Graph("wan22_t2v_14b")
+    high, clip, vae, prompt, pos, neg = wan_front(
+        g, "wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan_2.1_vae.safetensors",
+        "a red fox runs through a snowy pine forest, tracking camera, daytime")
+    high_loader = g.nodes[g.nodes[high.node - 1].links["model"].node - 1]
+    high_loader.title = "Load Diffusion Model (high-noise expert)"
+    low_loader = g.add("UNETLoader", (X0, 600), {"unet_name": "wan2.2_t2v_low_noise_14B_fp16.safetensors",
+                                                 "weight_dtype": "default"},
+                       title="Load Diffusion Model (low-noise expert)")
+    low = g.add("ModelSamplingSD3", (X0, 750), {"shift": 8.0}, {"model": low_loader})
+    g.groups[-1]["members"] += [low_loader.node, low.node]  # the "Models" group of wan_front
+    latent = g.add("EmptyHunyuanLatentVideo", (X1, 700), {"width": 832, "height": 480, "length": 81, "batch_size": 1})
+    g.group("Prompt & video size", [prompt, pos, neg, latent], color="#3f7a4f")
+    settings = Settings(steps=20, cfg=3.5, sampler="euler", scheduler="simple", probe_steps=4, fps=16.0,
+                        rule_file="wan2.2_t2v_14B.json", switch=10)
+    carnator_path(g, Sources(high, pos, neg, latent, stock_decode(vae), prompt, ("clip", clip)), settings,
+                  reuse=reuse, prefix="wan22_14b", second_model=low)
+    g.note(NOTE_REUSE.format(model="Wan 2.2 T2V 14B (high- and low-noise experts)", k=4, steps=20,
+                             setup=SETUP_STOCK.format(rule=settings.rule_file)) + "\n"
+           + NOTE_TWO_EXPERTS.format(switch=settings.switch), (X5, 600), size=(440, 520))
+    return g
+
+
 def ltxv(reuse: bool = True) -> Graph:
     g = Graph("ltxv")
     ckpt = g.add("CheckpointLoaderSimple", (X0, 0), {"ckpt_name": "ltx-video-2b-v0.9.5.safetensors"})
@@ -575,6 +629,7 @@ def probe_input_for(object_info: Mapping[str, Any], socket_type: str) -> str | N
 WORKFLOWS: dict[str, Callable[[Mapping[str, Any]], Graph]] = {
     "wan21_t2v_1.3b": lambda oi: wan21(),
     "wan22_ti2v_5b": lambda oi: wan22_ti2v(),
+    "wan22_t2v_14b": lambda oi: wan22_t2v_14b(),
     "ltxv": lambda oi: ltxv(),
     "embedded": lambda oi: embedded(True, probe_input_for(oi, "CARNATOR_TEXT_ENCODER")),
     "embedded_warm_cache": lambda oi: embedded(False, probe_input_for(oi, "CARNATOR_TEXT_ENCODER")),

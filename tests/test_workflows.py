@@ -253,7 +253,7 @@ def ui_to_api(wf: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
 
 # --- tests ---------------------------------------------------------------------------------------------------
 def test_every_workflow_is_there() -> None:
-    expected = {"wan21_t2v_1.3b", "wan22_ti2v_5b", "ltxv", "embedded", "embedded_warm_cache"}
+    expected = {"wan21_t2v_1.3b", "wan22_ti2v_5b", "wan22_t2v_14b", "ltxv", "embedded", "embedded_warm_cache"}
     assert expected <= set(NAMES), f"missing UI workflows: {expected - set(NAMES)}"
     assert {p.stem for p in (WORKFLOWS / "api").glob("*.json")} == set(NAMES), "UI and API workflows differ"
 
@@ -278,7 +278,7 @@ def test_ui_workflow_is_valid_and_matches_api(name: str, object_info: dict[str, 
     assert ui_to_api(ui, object_info) == api
 
 
-@pytest.mark.parametrize("name", ["wan21_t2v_1.3b", "wan22_ti2v_5b", "ltxv", "embedded"])
+@pytest.mark.parametrize("name", ["wan21_t2v_1.3b", "wan22_ti2v_5b", "wan22_t2v_14b", "ltxv", "embedded"])
 def test_full_reuse_path(name: str) -> None:
     _, api = load(name)
     types = {n["class_type"] for n in api.values()}
@@ -309,6 +309,46 @@ def test_stock_loaders_and_file_names() -> None:
     assert find(ltx, "CheckpointLoaderSimple")[0]["ckpt_name"] == "ltx-video-2b-v0.9.5.safetensors"
     assert find(ltx, "CLIPLoader")[0].items() >= {"clip_name": "t5xxl_fp16.safetensors", "type": "ltxv"}.items()
     assert {"LTXVConditioning", "EmptyLTXVLatentVideo", "ModelSamplingLTXV"} <= {n["class_type"] for n in ltx.values()}
+
+
+def test_wan22_14b_two_experts_split_at_the_switch() -> None:
+    """The high-noise expert probes and samples [0, 10) with leftover noise, the low-noise expert finishes
+    [10, 20) from that latent without new noise (the stock two-KSamplerAdvanced split), and the probe knows the
+    low-noise expert (namespace); the writer stores the finished latent with the second stage's report."""
+    _, api = load("wan22_t2v_14b")
+
+    def one(t: str) -> tuple[str, dict[str, Any]]:
+        (found,) = [(i, n["inputs"]) for i, n in api.items() if n["class_type"] == t]
+        return found
+
+    def source(link: list[Any]) -> dict[str, Any]:
+        return api[link[0]]
+
+    loaders = {n["inputs"]["unet_name"]: i for i, n in api.items() if n["class_type"] == "UNETLoader"}
+    assert set(loaders) == {"wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"}
+    shifted = {n["inputs"]["model"][0]: i for i, n in api.items() if n["class_type"] == "ModelSamplingSD3"}
+    assert all(api[i]["inputs"]["shift"] == 8.0 for i in shifted.values()) and set(shifted) == set(loaders.values())
+    high = shifted[loaders["wan2.2_t2v_high_noise_14B_fp16.safetensors"]]
+    low = shifted[loaders["wan2.2_t2v_low_noise_14B_fp16.safetensors"]]
+    assert one("CLIPLoader")[1]["clip_name"] == "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+    assert one("VAELoader")[1]["vae_name"] == "wan_2.1_vae.safetensors"
+    _, probe = one("CarnatorEarlyProbe")
+    assert probe["model"][0] == high and probe["second_model"][0] == low
+    assert (probe["steps"], probe["cfg"], probe["sampler_name"], probe["scheduler"]) == (20, 3.5, "euler", "simple")
+    assert (probe["add_noise"], probe["start_at_step"], probe["end_at_step"], probe["return_with_leftover_noise"],
+            probe["probe_steps"]) == ("enable", 0, 10, "enable", 4)
+    samplers = {n["inputs"]["model"][0]: (i, n["inputs"]) for i, n in api.items()
+                if n["class_type"] == "CarnatorJointReuseSampler"}
+    first_id, first = samplers[high]
+    second_id, second = samplers[low]
+    assert (first["add_noise"], first["start_at_step"], first["end_at_step"],
+            first["return_with_leftover_noise"]) == ("enable", 0, 10, "enable")
+    assert (second["add_noise"], second["start_at_step"], second["end_at_step"]) == ("disable", 10, 10000)
+    assert second["latent_image"] == [first_id, 0] and source(first["latent_image"])["class_type"] == \
+        "EmptyHunyuanLatentVideo"
+    _, writer = one("CarnatorCacheWriter")
+    assert writer["latent"] == [second_id, 0] and writer["report"] == [second_id, 1]
+    assert one("VAEDecode")[1]["samples"] == [second_id, 0]
 
 
 # --- the cache routes ------------------------------------------------------------------------------------------
