@@ -267,13 +267,16 @@ def test_a_different_start_image_is_never_reused_on_wan22(env, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
+    from carnator.carnator_core.reuse import ReuseConfig
 
     tm, models = env
     m = models["wan22"]
     pos, neg = tm.conditioning("wan22")
     store = Store.open(comfy_dirs / "w22", key_path=comfy_dirs / "key")
     # prompt_only with a threshold every candidate passes: only the key can keep a request from reusing.
-    opts = ServeOptions(method="prompt_only", prompt_threshold=-1.0, probe=ProbeConfig(probe_steps=2))
+    # max_active=1: the positive control (c) must reuse however large its region on random weights.
+    opts = ServeOptions(method="prompt_only", prompt_threshold=-1.0, probe=ProbeConfig(probe_steps=2),
+                        reuse=ReuseConfig(max_active=1.0))
 
     def run(image: float, seed: int):
         return serve(m, None, pos, neg, _ti2v_latent(image), RequestSpec(PROMPT, seed, 8, 5.0, objects="ball"), store,
