@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompt-only's (a fresh-stream check of a shipped rule; use another --seed than its calibration)")
     p.add_argument("--limit-s", type=float, default=0.0,
                    help="stop starting new queries after this many seconds (0 = no limit); re-run to resume")
+    p.add_argument("--merge-only", action="store_true",
+                   help="label nothing: write --out from the requests this --work has labelled so far (a prefix "
+                        "of the planned query stream for one worker; the header records labelled vs planned)")
     return p
 
 
@@ -344,11 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         run_file.write_text(json.dumps(run, indent=1), encoding="utf-8")
     n = max(1, args["workers"])
     threads = max(1, args["threads"])
-    t0 = time.time()
-    _run_phase(args, "warm", n, threads)
-    t1 = time.time()
-    print(f"warm set ready ({t1 - t0:.0f} s)", flush=True)
-    _run_phase(args, "query", n, threads)
+    t0 = t1 = time.time()
+    if not args["merge_only"]:
+        _run_phase(args, "warm", n, threads)
+        t1 = time.time()
+        print(f"warm set ready ({t1 - t0:.0f} s)", flush=True)
+        _run_phase(args, "query", n, threads)
     t2 = time.time()
     n_req, n_pairs, n_unsafe = merge(args, command)
     print(f"queries {t2 - t1:.0f} s; wrote {args['out']}: {n_req} requests, {n_pairs} pairs, {n_unsafe} unsafe")

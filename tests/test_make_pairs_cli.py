@@ -1,0 +1,39 @@
+"""scripts/make_pairs.py's --merge-only: a run stopped early is written out as the prefix it labelled."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.comfy, pytest.mark.slow]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_pairs.py"), *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_merge_only_writes_the_labelled_prefix_and_says_so(tmp_path):
+    work, out = tmp_path / "w", tmp_path / "pairs.jsonl"
+    common = ["--work", str(work), "--out", str(out), "--seed", "5", "--warm", "4", "--queries", "9"]
+    r = _run(*common, "--merge-only")
+    assert r.returncode != 0 and "no labelled requests yet" in r.stderr
+    assert json.loads((work / "run.json").read_text())["queries"] == 9  # the run's settings are fixed as usual
+    header = {"type": "header", "model_fingerprint": "m" * 24, "config_fingerprint": "c" * 16, "arch": "embedded",
+              "config": {}, "dataset": "", "seeds": [], "unsafe_definition": "test", "generator": ""}
+    rows = [{"request_id": f"q000{i}", "entry_id": "w0000", "similarity": 0.9, "context": 0, "size": 0, "shape": 0,
+             "appearance": 0, "missing": False, "unsafe": i == 1} for i in (0, 1)]
+    (work / "part-0.jsonl").write_text("\n".join(json.dumps(x) for x in [header, *rows]) + "\n")
+    r = _run(*common, "--merge-only")
+    assert r.returncode == 4, r.stderr  # fewer requests than planned: not a complete run
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["type"] == "header"
+    assert (lines[0]["requests_labelled"], lines[0]["requests_planned"]) == (2, 9)
+    assert [x["request_id"] for x in lines[1:]] == ["q0000", "q0001"]
+    assert "wrote" in r.stdout and "2 requests, 2 pairs, 1 unsafe" in r.stdout
+    r = _run(*[a if a != "9" else "10" for a in common], "--merge-only")  # other settings: refused, as before
+    assert r.returncode != 0 and "other settings" in r.stderr
