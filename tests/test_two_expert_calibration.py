@@ -72,10 +72,15 @@ def _context(tm, high, low, store, *, two_expert: bool = True):
     options = ServeOptions(method="never", top_k=3, write=False, probe=ProbeConfig(probe_steps=K),
                            reuse=ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False, context_delta=1e9,
                                              refreshes=1))
-    return PairContext(model=high, text_encoder=tm.WordTokens(), encode=lambda prompt: pos, decode=_decode(high),
+    def encode(prompt: str):
+        # the fixture's conditioning does not depend on the words (the prompt reaches the probe through
+        # WordTokens and the object list); the negative prompt ("") gets the fixture's negative conditioning
+        return neg if prompt == "" else pos
+
+    return PairContext(model=high, text_encoder=tm.WordTokens(), encode=encode, decode=_decode(high),
                        latent=tm.empty_latent("wan21"), steps=STEPS, cfg=CFG, sampler="euler", scheduler="simple",
                        store=store, options=options, stage=Stage(0, SWITCH, True, True) if two_expert else None,
-                       second_model=low if two_expert else None, objects="ball", _neg=neg)
+                       second_model=low if two_expert else None, objects="ball")
 
 
 def test_two_expert_rule_from_labelled_pairs(experts, comfy_dirs, capsys):
