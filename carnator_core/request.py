@@ -389,13 +389,16 @@ def _check_answered_inputs(model: Any, latent: dict, probe: Probe, role: str = "
 def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
                 store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
                 progress: Callable[[int], None] | None = None,
-                upstream_ms: Mapping[str, float] | None = None, stage: Stage | None = None) -> tuple[Any, RunReport]:
+                upstream_ms: Mapping[str, float] | None = None, stage: Stage | None = None,
+                cached: CachedRun | None = None) -> tuple[Any, RunReport]:
     """Stage 5: finish the request. Returns (final LATENT samples, RunReport).
 
     An answered probe returns the stored latent (bit-identical, no model call). Otherwise the accepted entry is
     loaded here (``load_accepted``; gone = dense resume with the reason in the report) and ``reuse.sample`` runs.
     ``stage``: the sampler's KSamplerAdvanced settings (None = the probe's stage); on a split schedule this stage
     runs once for the probe's stage and once, on the second model, for the rest (``reuse.stage_role``).
+    ``cached``: the accepted entry already loaded by the caller (the pairs labelling loads it without counting a
+    hit); it must be the decision's candidate (``reuse.sample`` checks). None = load it from ``store``.
     """
     if probe.answered is not None:
         role = stage_role(probe.config, stage)  # the sampler's stage must fit the probe's, answered or not
@@ -403,8 +406,10 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
         a = probe.answered
         out = a.stage_latent if role == "first" and probe.config.leftover_noise else a.latent
         return out.clone(), exact_report(probe, upstream_ms, role)
-    cached, fallback = (None, "")
-    if config.mode != "dense":
+    fallback = ""
+    if config.mode == "dense":
+        cached = None
+    elif cached is None:
         cached, fallback = load_accepted(store, decision)
     samples, report = sample(model, positive, negative, latent, probe, decision, cached, config,
                              target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms,
@@ -412,6 +417,37 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     if fallback:
         report = replace(report, reason=fallback)
     return samples, report
+
+
+def finish_stages(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
+                  store: Any, config: ReuseConfig, *, second_model: Any = None, signature: Signature | None = None,
+                  record: bool = True, progress: Callable[[int], None] | None = None,
+                  upstream_ms: Mapping[str, float] | None = None,
+                  cached: CachedRun | None = None) -> tuple[Any, RunReport, float]:
+    """Stage 5 over the whole schedule: what the Joint Reuse Sampler(s) of the graph do, in order. Returns (final
+    LATENT samples, the last stage's RunReport, resume ms of all stages).
+
+    The probe's stage runs on ``model`` (``reuse_stage`` with the probe's stage); when that stage returns leftover
+    noise (a two-expert graph: Wan 2.2 14B), the rest of the schedule runs on ``second_model`` from its output,
+    with the same decision, entry and signature — exactly the second Joint Reuse Sampler (``start_at_step`` = the
+    switch step, ``add_noise`` off). ``serve`` and the pairs labelling both finish requests through this function,
+    so a rule is calibrated on the reuse the two-sampler graph runs. ``cached``: see ``reuse_stage``.
+    """
+    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store, config,
+                                  signature=signature, record=record, progress=progress, upstream_ms=upstream_ms,
+                                  cached=cached)
+    resume_ms = float(report.timings_ms.get("resume", 0.0))
+    g = probe.config
+    if g.leftover_noise:  # the second stage, on the second model, from the first stage's output
+        if second_model is None:
+            raise ValueError("the probe's stage returns leftover noise but no second_model was given: pass the "
+                             "model that finishes the schedule (Wan 2.2 14B: the low-noise expert)")
+        samples, report = reuse_stage(second_model, positive, negative, {**latent, "samples": samples}, probe,
+                                      decision, store, config, signature=signature, record=record,
+                                      progress=progress, stage=Stage(g.stage_end, g.steps, False, False),
+                                      cached=cached)
+        resume_ms += float(report.timings_ms.get("resume", 0.0))
+    return samples, report, resume_ms
 
 
 # ---------------------------------------------------------------------------------------------- 6. write
@@ -517,16 +553,10 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
         t["filter"] = decision.filter_ms
     mode = options.reuse_mode if decision is not None else "dense"
     reuse_config = replace(options.reuse, mode=mode)
-    samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store, reuse_config,
-                                  signature=sig, record=options.write, progress=progress,
-                                  upstream_ms={k: v for k, v in t.items() if k != "probe"})
-    t["resume"] = float(report.timings_ms.get("resume", 0.0))
-    if probe.config.leftover_noise:  # the second stage, on the second model, from the first stage's output
-        g = probe.config
-        samples, report = reuse_stage(second_model, positive, negative, {**latent, "samples": samples}, probe,
-                                      decision, store, reuse_config, signature=sig, record=options.write,
-                                      progress=progress, stage=Stage(g.stage_end, g.steps, False, False))
-        t["resume"] += float(report.timings_ms.get("resume", 0.0))
+    samples, report, t["resume"] = finish_stages(model, positive, negative, latent, probe, decision, store,
+                                                 reuse_config, second_model=second_model, signature=sig,
+                                                 record=options.write, progress=progress,
+                                                 upstream_ms={k: v for k, v in t.items() if k != "probe"})
     entry_id = probe.answered.entry_id if probe.answered is not None else None
     if options.write and store is not None and report.decision != "hit":
         t2 = time.perf_counter()

@@ -2,16 +2,17 @@
 
 What a labelled pair is and what the calibration does with it: docs/CALIBRATION.md. This module produces them
 by running the request path exactly as serving does (:func:`..request.serve` for probe → signature → retrieval
-→ dense resume; :func:`..reuse.sample` for the joint-reuse output with a given candidate) — nothing of the
-pipeline is re-implemented here.
+→ dense resume; :func:`..request.finish_stages` for the joint-reuse output with a given candidate, through both
+stages of a split schedule as the two Joint Reuse Samplers run them) — nothing of the pipeline is re-implemented
+here.
 
 Procedure (per test request; :func:`label_request`)
 ---------------------------------------------------
 1. ``serve(method="never", write=False)``: the Early Probe, the Signature Builder, top-K recall from the cache
    (same namespace, as serving), and the dense resume of the request (the reference output).
 2. For each recalled candidate: the four discrepancies (:func:`.discrepancy.discrepancies`) and the joint-reuse
-   output with that candidate forced as accepted (``reuse.sample`` with a ``Decision`` accepting it), and the
-   label from a :class:`Labeler`:
+   output with that candidate forced as accepted (``request.finish_stages`` with a ``Decision`` accepting it),
+   and the label from a :class:`Labeler`:
 
    * :class:`CheckerLabeler` — ground truth exists (the embedded world): unsafe = the reuse output fails the
      checker on an attribute where the dense output passes (:func:`embedded_checker_labeler`).
@@ -391,9 +392,9 @@ class ToleranceLabeler:
 
 @dataclass
 class PairContext:
-    """Everything needed to serve requests on one model and config.
+    """Everything needed to serve requests on one model (or one two-expert pair of models) and config.
 
-    model:        ComfyUI MODEL (ModelPatcher).
+    model:        ComfyUI MODEL (ModelPatcher); on a split schedule the model the probe's stage runs on.
     text_encoder: what ``serve`` uses to locate object words (the embedded encoder, or a ComfyUI CLIP).
     encode:       prompt -> CONDITIONING (the negative prompt is ``encode(negative_prompt)``).
     decode:       LATENT samples [1, C, T, H, W] -> clip [T, H, W, 3] in [0, 1] (for the labeler).
@@ -403,6 +404,14 @@ class PairContext:
     options:      ServeOptions (probe steps, reuse mode, signature config, top_k).
     background:   (dense clip, prompt) -> bool [T, H, W] of the pixels reuse should leave unchanged, for the
                   quality measures in each pair's ``diag`` (``lab.metrics.clip_quality``); None = whole clip.
+    stage:        the probe's stage of a split schedule (``types.Stage``: KSamplerAdvanced's start/end steps and
+                  switches); None = the whole schedule on ``model``.
+    second_model: the MODEL that finishes a stage returning leftover noise (Wan 2.2 14B: the low-noise expert).
+                  Requests are served and each candidate's reuse runs through both stages as the two Joint Reuse
+                  Samplers of the graph do (``request.finish_stages``); the rule calibrated on the pairs is for
+                  that two-expert config (both experts, the switch step), see docs/CALIBRATION.md.
+    objects:      the object list override of every request (the probe's ``objects`` input); None = the words
+                  the prompt names.
     """
 
     model: Any
@@ -418,13 +427,18 @@ class PairContext:
     options: Any
     negative_prompt: str = ""
     background: Callable[[np.ndarray, str], np.ndarray] | None = None
+    stage: Any = None
+    second_model: Any = None
+    objects: str | None = None
     _neg: Any = field(default=None, repr=False)
 
     def spec(self, req: PairRequest) -> Any:
         from ..request import RequestSpec
+        from ..types import Stage
 
         return RequestSpec(prompt=req.prompt, seed=int(req.seed), steps=self.steps, cfg=self.cfg,
-                           sampler=self.sampler, scheduler=self.scheduler)
+                           sampler=self.sampler, scheduler=self.scheduler, objects=self.objects,
+                           stage=self.stage if self.stage is not None else Stage())
 
     def negative(self) -> Any:
         if self._neg is None:
@@ -465,7 +479,7 @@ def warm_entry(ctx: PairContext, req: PairRequest) -> tuple[str, Any]:
 
     opts = replace(ctx.options, method="dense", write=True)
     res = serve(ctx.model, ctx.text_encoder, ctx.encode(req.prompt), ctx.negative(), ctx.latent, ctx.spec(req),
-                ctx.store, opts)
+                ctx.store, opts, second_model=ctx.second_model)
     if res.entry_id is None:  # pragma: no cover - serve always writes a dense result when write=True
         raise RuntimeError(f"warm request {req.request_id} was not written to the cache")
     return res.entry_id, res
@@ -511,14 +525,13 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     """
     if missing not in ("all", "top"):
         raise ValueError(f"missing must be 'all' or 'top', got {missing!r}")
-    from .. import reuse
-    from ..request import serve
+    from ..request import finish_stages, serve
 
     t0 = time.perf_counter()
     pos = ctx.encode(req.prompt)
     neg = ctx.negative()
     res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(req), ctx.store,
-                replace(ctx.options, method="never", write=False))
+                replace(ctx.options, method="never", write=False), second_model=ctx.second_model)
     from .metrics import artifact_score
 
     dense_clip = ctx.decode(res.latent["samples"])
@@ -540,8 +553,10 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
         decision = Decision(accepted=True, candidate=cand, verdicts=(), mode="signature",
                             summary="pair labelling: candidate forced as accepted")
         t1 = time.perf_counter()
-        samples, rep = reuse.sample(ctx.model, pos, neg, ctx.latent, res.probe, decision, cached, cfg,
-                                    target_signature=res.signature, record=False)
+        # Both stages of a split schedule, as serving runs them; ``rep`` is the last stage's report.
+        samples, rep, _ = finish_stages(ctx.model, pos, neg, ctx.latent, res.probe, decision, ctx.store, cfg,
+                                        second_model=ctx.second_model, signature=res.signature, record=False,
+                                        cached=cached)
         reuse_s = time.perf_counter() - t1
         reuse_clip = ctx.decode(samples)
         unsafe, diag, artifact_dense = judge_against_dense(labeler, ref, reuse_clip, dense_clip, req.prompt,
@@ -668,7 +683,7 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
     and one prompt-only filter per entry of ``prompt_thresholds`` (name -> similarity threshold). Each query is
     served once (probe, recall, dense); only the candidates some method accepts get a reuse run and a label.
     """
-    from ..risk.filter import decide
+    from ..risk.filter import decide, probe_fingerprints
 
     methods = ("rule", *tuple(prompt_thresholds or {}))
     records = []
@@ -676,9 +691,9 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
         chosen: dict[str, str | None] = {}
 
         def select(res: Any) -> list[str]:
-            probe = res.probe
-            dec = decide(res.signature, res.candidates, rule, "signature", model_fingerprint=probe.model_fingerprint,
-                         config_fingerprint=probe.config.fingerprint(), allow_uncertified=allow_uncertified)
+            model_fp, config_fp = probe_fingerprints(res.probe)  # what serving's filter checks
+            dec = decide(res.signature, res.candidates, rule, "signature", model_fingerprint=model_fp,
+                         config_fingerprint=config_fp, allow_uncertified=allow_uncertified)
             chosen["rule"] = dec.candidate.entry_id if dec.accepted else None
             for name, t in (prompt_thresholds or {}).items():
                 d = decide(None, res.candidates, None, "prompt_only", float(t))
@@ -752,10 +767,17 @@ def write_header(path: str | os.PathLike, header: Mapping[str, Any]) -> None:
 
 def header_for(probe: Any, *, dataset: str, seeds: Sequence[int] | Mapping[str, Any], unsafe_definition: str,
                generator: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The pairs-file header for pairs generated with ``probe``'s model and config (docs/CALIBRATION.md §4)."""
+    """The pairs-file header for pairs generated with ``probe``'s model and config (docs/CALIBRATION.md §4).
+
+    The fingerprints are the ones the Risk Filter checks at serving time (``risk.filter.probe_fingerprints``: the
+    config's ``rule_fingerprint``, which covers a split schedule's stage and second expert and leaves out the
+    request's own conditioning digest; for a text-only whole-schedule config it equals ``fingerprint()``)."""
+    from ..risk.filter import probe_fingerprints
+
+    model_fp, config_fp = probe_fingerprints(probe)
     return {
-        "model_fingerprint": probe.model_fingerprint,
-        "config_fingerprint": probe.config.fingerprint(),
+        "model_fingerprint": model_fp,
+        "config_fingerprint": config_fp,
         "arch": probe.arch,
         "config": probe.config.to_meta(),
         "dataset": dataset,
