@@ -151,6 +151,7 @@ def _warm_manifest(work: Path) -> dict[str, str]:
 def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> None:
     """One worker: its slice (index % n_shards == shard) of the warm set or of the queries."""
     from carnator.carnator_core.lab import pairs
+    from carnator.carnator_core.risk.filter import probe_fingerprints  # what header_for writes and rules check
 
     work = Path(args["work"])
     warm, queries = _requests(args)
@@ -187,8 +188,7 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
                 header = pairs.header_for(probe, dataset="", seeds=[], unsafe_definition=labeler.definition,
                                           generator="")
                 pairs.write_header(path, header)
-            elif (header["model_fingerprint"], header["config_fingerprint"]) != (
-                    probe.model_fingerprint, probe.config.fingerprint()):
+            elif (header["model_fingerprint"], header["config_fingerprint"]) != probe_fingerprints(probe):
                 raise RuntimeError(f"{path} was started with another model or config (header "
                                    f"{header['model_fingerprint']}/{header['config_fingerprint']}); use a new --work")
             rows = pairs.outcome_rows(out, names)
