@@ -13,7 +13,6 @@ ComfyUI's own classes, through the nodes and through ``request.serve`` (the same
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -29,24 +28,6 @@ def env(comfy_env, tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tiny")
     return tm, {name: tm.load_tiny_model(name, d) for name in ("wan21", "wan22")}
-
-
-@contextmanager
-def count_calls(model):
-    """Counts forward calls of the model's diffusion backbone (the one place every model call goes through)."""
-    dm = model.model.diffusion_model
-    calls = []
-    original = dm.forward
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dm.forward = counting
-    try:
-        yield calls
-    finally:
-        del dm.forward
 
 
 def _graph(model, pos, neg, lat, handle, seed=5, steps=8):
@@ -79,7 +60,7 @@ def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(e
     handle = CarnatorCacheLoader.execute(directory="exact").result[0]
     store = handle.store()
     ref = comfy_nodes.common_ksampler(m, 5, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
-    with count_calls(m) as calls:
+    with tm.count_calls(m) as calls:
         probe, decision, first, report, _, written = _graph(m, pos, neg, lat, handle)
     assert len(calls) == 8 and report.decision == "miss" and probe.request_key and probe.answered is None
     assert torch.equal(first["samples"], ref)
@@ -88,7 +69,7 @@ def test_exact_repeat_through_the_nodes_is_bit_identical_with_zero_model_calls(e
     before = store.stats()
 
     caplog.set_level(logging.INFO, logger="carnator")
-    with count_calls(m) as calls:
+    with tm.count_calls(m) as calls:
         probe2, decision2, again, report2, ui, written2 = _graph(m, pos, neg, lat, handle)
     assert calls == [], f"{len(calls)} model calls on an exact repeat"
     assert probe2.answered is not None and probe2.answered.entry_id == entry_id
@@ -120,7 +101,7 @@ def test_anything_that_decides_the_output_is_part_of_the_key(env, comfy_dirs):
     opts = ServeOptions(method="prompt_only", prompt_threshold=2.0, probe=ProbeConfig(probe_steps=2))
 
     def run(model=m, p=pos, n=neg, latent=lat, seed=5, options=opts, st=store):
-        with count_calls(model) as calls:
+        with tm.count_calls(model) as calls:
             res = serve(model, None, p, n, latent, RequestSpec(PROMPT, seed, 8, 5.0, objects="ball"), st, options)
         return res, len(calls)
 
@@ -168,7 +149,7 @@ def test_exact_repeat_through_the_shared_redis_cache(env, comfy_dirs):
         worker_b = RedisStore.open(srv.url, full_url=srv.url)
 
         def run(st):
-            with count_calls(m) as calls:
+            with tm.count_calls(m) as calls:
                 res = serve(m, None, pos, neg, lat, spec, st, opts)
             return res, len(calls)
 

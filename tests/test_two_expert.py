@@ -14,7 +14,6 @@ Wan fixture: two tiny WanModels with different weights, each behind ModelSamplin
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -23,24 +22,6 @@ pytestmark = pytest.mark.comfy
 
 STEPS, SWITCH, K, SEED, CFG = 6, 3, 2, 42, 3.5
 PROMPT = "a red ball"
-
-
-@contextmanager
-def count_calls(model):
-    """Counts forward calls of the model's diffusion backbone (the one place every model call goes through)."""
-    dm = model.model.diffusion_model
-    calls = []
-    original = dm.forward
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dm.forward = counting
-    try:
-        yield calls
-    finally:
-        del dm.forward
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +326,7 @@ def test_two_expert_node_graph_writes_then_hits(env, comfy_dirs):
     entry_id = written.result[0]
     assert entry_id and r2.block_structure is not None
 
-    with count_calls(high) as calls_high, count_calls(low) as calls_low:
+    with tm.count_calls(high) as calls_high, tm.count_calls(low) as calls_low:
         probe2, _, mid2, h1, again, h2 = graph()
     # an exact repeat: both stages answered from the entry, bit for bit, with no model call
     assert probe2.answered is not None and probe2.answered.entry_id == entry_id
@@ -373,7 +354,7 @@ def test_exact_repeat_of_a_two_expert_request(env, comfy_dirs):
     assert first.report.decision == "miss" and first.probe.request_key
     assert store.find_request(first.probe.request_key) == first.entry_id
     assert torch.equal(first.latent["samples"], ref_final["samples"])
-    with count_calls(high) as calls_high, count_calls(low) as calls_low:
+    with tm.count_calls(high) as calls_high, tm.count_calls(low) as calls_low:
         again = serve(high, tm.WordTokens(), pos, neg, lat, _spec(), store, opts, second_model=low)
     assert again.exact and (calls_high, calls_low) == ([], [])
     assert torch.equal(again.latent["samples"], ref_final["samples"])

@@ -9,6 +9,7 @@ Import only after ComfyUI is importable (the ``comfy_env`` fixture).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,3 +127,21 @@ class WordTokens:
 
     def carnator_word_tokens(self, prompt: str) -> list[tuple[int, int]]:
         return [(i, i + 1) for i in range(min(len(prompt.split()), self.text_len))]
+
+
+@contextmanager
+def count_calls(model):
+    """Counts forward calls of the model's diffusion backbone (the one place every model call goes through)."""
+    dm = model.model.diffusion_model
+    calls = []
+    original = dm.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dm.forward = counting
+    try:
+        yield calls
+    finally:
+        del dm.forward
