@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import comfy.patcher_extension
 import comfy.sample
@@ -262,6 +262,9 @@ class ReusePlan:
     dense_above: float = 0.85  # a layer whose recorded density exceeds this runs dense attention (cheaper)
     kv_context: bool = True
     refresh_calls: frozenset = frozenset()
+    # Keys/values recorded at the probe's last call (``Probe.context_kv``): the first context record, so the first
+    # reuse call need not be a dense refresh. Read only.
+    initial_kv: Mapping | None = None
 
 
 @dataclass
@@ -293,6 +296,10 @@ class _Run:
     attn_in_block: int = 0  # optimized_attention calls seen in the current block (the first is self-attention)
     refreshing: bool = False  # the current model call is a dense refresh (records keys/values)
     kv: dict = field(default_factory=dict)  # (layer, batch composition) -> (keys, values) of every token
+    # Probe: keep every block's self-attention keys/values (on the CPU) at this model call, within a byte budget.
+    kv_record_call: int | None = None
+    kv_budget: int = 0
+    kv_over_budget: bool = False
 
     def fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
@@ -472,6 +479,9 @@ def _attention_override(run: _Run, previous: Callable | None):
             _capture_cross(run, q, k, heads, topts)
         if is_cross:
             return fall()
+        if run.kv_record_call is not None and run.calls - 1 == run.kv_record_call and layer >= 0 \
+                and q.shape[1] == run.n_tokens and topts.get(KEY + "_subset") is None:
+            _record_probe_kv(run, layer, k, v, topts)
         # --- dense run: record the self-attention block structure -----------------------------------------
         rec = run.recorder
         if rec is not None and q.shape[1] == run.n_tokens and rec.wants(layer, run.calls - 1):
@@ -522,6 +532,20 @@ def _attention_override(run: _Run, previous: Callable | None):
     return override
 
 
+def _record_probe_kv(run: _Run, layer: int, k: torch.Tensor, v: torch.Tensor, topts: dict) -> None:
+    """Keep one block's keys/values of the probe's last call for a later hit's context, all or nothing: once the
+    budget is exceeded every record of this probe is dropped (a hit then refreshes densely, as without them)."""
+    if run.kv_over_budget:
+        return
+    key = (layer, _composition(topts, k.shape[0]))
+    used = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in run.kv.values())
+    if used + 2 * k.numel() * k.element_size() > run.kv_budget:
+        run.kv.clear()
+        run.kv_over_budget = True
+        return
+    run.kv[key] = (k.detach().to("cpu", copy=True), v.detach().to("cpu", copy=True))
+
+
 def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: int, subset: torch.Tensor,
                        topts: dict, args: tuple, kwargs: dict, previous: Callable | None, func: Callable):
     """Self-attention of a token subset's queries over *every* token: the subset's keys/values are fresh, the
@@ -530,13 +554,16 @@ def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: i
     Over the recorded block structure when the entry has one for this layer (block-sparse kernel with
     ``query_index``; no token-level mask), else plain attention. Returns None when nothing is recorded (the
     caller then falls back to attention among the subset and logs it)."""
-    rec = run.kv.get((layer, _composition(topts, q.shape[0])))
+    comp = (layer, _composition(topts, q.shape[0]))
+    rec = run.kv.get(comp)
     if rec is None or rec[0].shape[0] != k.shape[0]:
         run.fallback(f"layer {layer}: no recorded keys/values for this batch; attention sees the subset only")
         return None
+    if rec[0].device != k.device:  # the probe's record lives on the CPU: move it once per run (a new tensor)
+        rec = run.kv[comp] = (rec[0].to(k.device), rec[1].to(k.device))
     idx = subset.to(k.device)
-    keys = rec[0].to(dtype=k.dtype).index_copy(1, idx, k)
-    values = rec[1].to(dtype=v.dtype).index_copy(1, idx, v)
+    keys = rec[0].to(device=k.device, dtype=k.dtype).index_copy(1, idx, k)
+    values = rec[1].to(device=v.device, dtype=v.dtype).index_copy(1, idx, v)
     n, s = keys.shape[1], q.shape[1]
     structure = plan.structure
     if structure is not None and layer in structure.layers:
@@ -650,6 +677,7 @@ class ProbeRaw:
     sigmas: torch.Tensor
     seconds: float
     fallbacks: tuple[str, ...]
+    context_kv: dict = field(default_factory=dict)  # (layer, composition) -> (keys, values) at the last call
 
 
 def prepare_latent(model: Any, latent: dict) -> torch.Tensor:
@@ -682,15 +710,17 @@ def _sampling_noise(latent_image: torch.Tensor, seed: int, latent: dict, stage: 
 def probe_sample(model: Any, positive, negative, latent: dict, seed: int, steps: int, cfg: float,
                  sampler_name: str, scheduler: str, probe_steps: int, capture: CaptureConfig,
                  denoise: float = 1.0, progress: Callable[[int], None] | None = None,
-                 stage: Stage | None = None) -> ProbeRaw:
+                 stage: Stage | None = None, kv_budget_bytes: int = 0) -> ProbeRaw:
     """Run the first ``probe_steps`` model calls of the real schedule (of ``stage``'s steps of it: a split
-    schedule's stage, as KSamplerAdvanced runs it); see the module docstring."""
+    schedule's stage, as KSamplerAdvanced runs it); see the module docstring. ``kv_budget_bytes`` > 0: keep every
+    block's self-attention keys/values of the last call when they fit (``ProbeRaw.context_kv``)."""
     check_sampler(sampler_name)
     adapter = adapter_for(model)
     latent_image = prepare_latent(model, latent)
     grid = adapter.token_grid(tuple(latent_image.shape), adapter.patch_of(model))
     run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, stop_at=probe_steps, record_replay=True,
-               capture=capture, progress=progress)
+               capture=capture, progress=progress,
+               kv_record_call=probe_steps - 1 if kv_budget_bytes > 0 else None, kv_budget=int(kv_budget_bytes))
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
     noise = _sampling_noise(latent_image, seed, latent, stage)
     sigmas = compute_sigmas(model, steps, sampler_name, scheduler, denoise)
@@ -708,11 +738,12 @@ def probe_sample(model: Any, positive, negative, latent: dict, seed: int, steps:
         maps = {name: (run.maps[name] / run.map_counts[name]).reshape(grid).numpy().astype(np.float32)
                 for name in run.maps}
         latent_k = run.latent_at_stop
+        context_kv = dict(run.kv)
         run.reset()
     if latent_k is None or len(replay) != probe_steps:
         raise RuntimeError(f"probe recorded {len(replay)} of {probe_steps} model calls")
     return ProbeRaw(replay=replay, latent_at_k=latent_k, object_maps=maps, grid=grid, sigmas=sigmas,
-                    seconds=time.perf_counter() - t0, fallbacks=tuple(sorted(run.fallbacks)))
+                    seconds=time.perf_counter() - t0, fallbacks=tuple(sorted(run.fallbacks)), context_kv=context_kv)
 
 
 @dataclass
@@ -740,6 +771,8 @@ def resume_sample(model: Any, positive, negative, latent: dict, seed: int, steps
     grid = adapter.token_grid(tuple(latent_image.shape), adapter.patch_of(model))
     run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, replay=list(replay), reuse=reuse,
                recorder=recorder, progress=progress)
+    if reuse is not None and reuse.kv_context and reuse.initial_kv:
+        run.kv.update(reuse.initial_kv)  # the probe's record; entries are replaced by refreshes, never mutated
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
     noise = _sampling_noise(latent_image, seed, latent, stage)
     if reuse is not None:

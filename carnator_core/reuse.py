@@ -70,6 +70,10 @@ class ReuseConfig:
                      model (same-seed wording + region of 34 % of the tokens, PSNR of the hit vs the dense clip):
                      1 refresh 28.5 dB, 2: 30.5, 3: 31.8, 4: 33.6, every second call 36.6 dB; the recorded context
                      goes stale as the noise level falls.
+    probe_context:   with ``kv_context``: when the probe kept its last call's keys/values
+                     (``ProbeConfig.context_kv_mb``), they are the first context record, so of the ``refreshes``
+                     records only the later ones are dense refresh calls (same spacing: one dense call fewer per
+                     hit). Not used on a split schedule's second stage (another model).
     max_active:      largest active region (fraction of the tokens) worth reusing: above it the sampler
                      continues densely (bit-identical to KSampler, reported as a miss with the reason), because a
                      region that covers nearly the clip costs about a dense run plus the reuse's own overheads
@@ -90,6 +94,7 @@ class ReuseConfig:
     context_margin_blocks: int = 1
     kv_context: bool = True
     refreshes: int = 3
+    probe_context: bool = False
     mask_iou_same: float = 0.75
     x0_object_fraction: float = 0.1
     context_delta: float = 8.0
@@ -283,14 +288,16 @@ def record_plan_steps(steps: int, probe_steps: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({int(round(x)) for x in np.linspace(probe_steps, steps - 1, n)}))
 
 
-def refresh_plan_calls(steps: int, probe_steps: int, refreshes: int) -> frozenset:
-    """Model-call indices computed densely to refresh the recorded keys/values: ``refreshes`` calls spread
-    evenly over the calls after the probe, the first of them always (it records what the others reuse)."""
+def refresh_plan_calls(steps: int, probe_steps: int, refreshes: int, probe_record: bool = False) -> frozenset:
+    """Model-call indices computed densely to refresh the recorded keys/values: ``refreshes`` records spread
+    evenly over the calls after the probe, the first of them always (it records what the others reuse) — unless
+    ``probe_record``: the probe's last call already recorded it, and the first is not a dense call."""
     n = steps - probe_steps
     if n <= 0:
         return frozenset()
     k = max(1, min(int(refreshes), n))
-    return frozenset(probe_steps + (j * n) // k for j in range(k))
+    calls = frozenset(probe_steps + (j * n) // k for j in range(k))
+    return calls - {probe_steps} if probe_record else calls
 
 
 def stage_role(gen: GenConfig, stage: Stage | None) -> str:
@@ -418,6 +425,10 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             if config.context_margin_blocks > 0 and A3.any():
                 A3 = binary_dilation(A3, iterations=config.context_margin_blocks)
             context = torch.from_numpy(np.flatnonzero(A3.reshape(-1))).long()
+        # The probe's last-call keys/values stand for the first refresh: same model and batch (not in a split
+        # schedule's second stage, which runs another model).
+        initial_kv = probe.context_kv if (config.kv_context and config.probe_context and role != "second"
+                                          and probe.context_kv) else None
         final = cached.final_latent if cached.final_latent.ndim == 5 else cached.final_latent.unsqueeze(0)
         cached_x0 = cp.process_latent_in(model, final[:1].float())[0]
         plan = cp.ReusePlan(active_tokens=active, token_mask=token_mask, cached_x0=cached_x0, noise=None,
@@ -426,7 +437,9 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
                             context_margin_blocks=config.context_margin_blocks,
                             block_size=config.block_size or auto_block_size(int(np.prod(probe.grid))),
                             context_tokens=context, kv_context=config.kv_context,
-                            refresh_calls=refresh_plan_calls(n_calls, k_replay, config.refreshes))
+                            refresh_calls=refresh_plan_calls(n_calls, k_replay, config.refreshes,
+                                                             probe_record=initial_kv is not None),
+                            initial_kv=initial_kv)
     if not use and record:
         n_tokens = int(np.prod(probe.grid))
         recorder = BlockRecorder(block_size=config.block_size or auto_block_size(n_tokens), layers=mids,

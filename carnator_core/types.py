@@ -407,6 +407,9 @@ class Probe:
     embedding: np.ndarray | None  # float32 [D] L2-normalised retrieval embedding; None: prompt not embeddable
     replay: tuple[Any, ...] = ()  # torch.Tensor per probe call: denoised (after CFG), full batch
     sigmas: tuple[float, ...] = ()  # the full schedule
+    # Self-attention keys/values of every token at the last probe call, per (block, batch composition), on the CPU
+    # (``ProbeConfig.context_kv_mb``); empty when over that budget. Read only: a hit's context, never mutated.
+    context_kv: Mapping[tuple, tuple[Any, Any]] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)  # ms per stage
     note: str = ""
     request_key: str = ""  # keys.request_key of the request ("" when it could not be digested)

@@ -325,3 +325,84 @@ def test_region_above_max_active_continues_dense_and_says_why(env):
     assert r2.decision == "hit"
     with pytest.raises(ValueError, match="max_active"):
         reuse.ReuseConfig(max_active=1.5).validate()
+
+
+def _moved_target(probe, final, rep):
+    """A cached entry whose object sat in the first frame's left half and a target where it moved one token."""
+    from carnator.carnator_core.types import ObjectSignature, Signature
+
+    T, H, W = probe.grid
+    mask = np.zeros((T, H, W), np.float32)
+    mask[0, :, : W // 2] = 1.0
+    moved = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
+                      np.zeros((4, 4, 3), np.float32), probe.grid)
+    cached = _cached(probe, {"samples": final}, rep)
+    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe, moved, cached.structure)
+    target = Signature((ObjectSignature("ball", np.roll(mask, 1, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
+                       np.zeros((4, 4, 3), np.float32), probe.grid)
+    return cached, target
+
+
+def test_probe_context_replaces_the_first_dense_refresh(env):
+    """The probe keeps every block's keys/values of its last call; a hit with ``probe_context`` attends to them on
+    its first reuse call instead of computing that call densely: exactly one dense call fewer, the same number of
+    model calls, the probe's record untouched, and the tokens outside the region still the cached ones."""
+    from carnator.carnator_core import reuse
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
+    n_layers = m.model.diffusion_model.num_layers if hasattr(m.model.diffusion_model, "num_layers") \
+        else len(m.model.diffusion_model.blocks)
+    n_tokens = int(np.prod(probe.grid))
+    assert sorted({layer for layer, _ in probe.context_kv}) == list(range(n_layers))
+    for k, v in probe.context_kv.values():
+        assert k.device.type == "cpu" and k.shape[1] == n_tokens and k.shape == v.shape
+    before = {key: (k.clone(), v.clone()) for key, (k, v) in probe.context_kv.items()}
+    final, rep = _run(m, pos, neg, lat, probe)
+    cached, target = _moved_target(probe, final, rep)
+    runs = {}
+    for flag in (False, True):
+        cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
+                                refreshes=3, probe_context=flag)
+        runs[flag] = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+    (out0, r0), (out1, r1) = runs[False], runs[True]
+    assert r0.decision == r1.decision == "hit" and 0 < r1.active_fraction < 1
+    assert r0.model_calls == r1.model_calls == 10 - 2
+    # token_fraction = (dense calls + restricted calls x a) / calls: one dense call became a restricted one
+    a = r1.active_fraction
+    assert (r0.token_fraction - r1.token_fraction) * r1.model_calls == pytest.approx(1 - a, abs=1e-6)
+    assert r1.compute_fraction < r0.compute_fraction
+    assert not r1.fallbacks, r1.fallbacks
+    for key, (k, v) in probe.context_kv.items():
+        assert torch.equal(k, before[key][0]) and torch.equal(v, before[key][1])
+    A = reuse.active_region(target, cached.signature, probe.x0_probe.numpy(), cached.x0_probe.numpy(), (1, 2, 2),
+                            reuse.ReuseConfig(dilation=0, x0_threshold=1e9))
+    inactive = ~np.repeat(np.repeat(A, 2, 1), 2, 2)
+    assert (out1[0] - final[0]).abs().numpy()[:, inactive].max() < 1e-4
+
+
+def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(env):
+    from carnator.carnator_core import reuse
+    from carnator.carnator_core.probe import ProbeConfig, run_probe
+
+    tm, models = env
+    m = models["wan21"]
+    node_probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
+    kw = dict(seed=5, steps=10, cfg=5.0, sampler_name="euler", scheduler="simple", prompt="a red ball",
+              objects=node_probe.objects, object_source="user")
+    full = sum(k.numel() * k.element_size() * 2 for k, _ in node_probe.context_kv.values())
+    for mb in (0.0, full / 2 ** 20 * 0.9):  # off, and a budget one block short of the whole record
+        p = run_probe(m, pos, neg, lat, config=ProbeConfig(probe_steps=2, context_kv_mb=mb), **kw)
+        assert dict(p.context_kv) == {}
+        assert [torch.equal(a, b) for a, b in zip(p.replay, node_probe.replay)] == [True, True]
+    final, rep = _run(m, pos, neg, lat, p)
+    cached, target = _moved_target(p, final, rep)
+    cfg = dict(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0, refreshes=3)
+    _, r_on = reuse.sample(m, pos, neg, lat, p, _accept(target), cached, reuse.ReuseConfig(**cfg, probe_context=True),
+                           target_signature=target)
+    _, r_off = reuse.sample(m, pos, neg, lat, p, _accept(target), cached,
+                            reuse.ReuseConfig(**cfg, probe_context=False), target_signature=target)
+    assert r_on.token_fraction == r_off.token_fraction  # nothing kept: the first reuse call is a dense refresh
+    with pytest.raises(ValueError, match="context_kv_mb"):
+        ProbeConfig(probe_steps=2, context_kv_mb=-1).resolve_steps(10)
