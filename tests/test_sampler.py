@@ -366,7 +366,7 @@ def test_probe_context_replaces_the_first_dense_refresh(env):
         cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
                                 refreshes=3, probe_context=flag)
         runs[flag] = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
-    (out0, r0), (out1, r1) = runs[False], runs[True]
+    (_, r0), (out1, r1) = runs[False], runs[True]
     assert r0.decision == r1.decision == "hit" and 0 < r1.active_fraction < 1
     assert r0.model_calls == r1.model_calls == 10 - 2
     # token_fraction = (dense calls + restricted calls x a) / calls: one dense call became a restricted one
