@@ -19,7 +19,7 @@ Rejected decision -> plain dense resume (identical to KSampler).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -99,6 +99,25 @@ class ReuseConfig:
     x0_object_fraction: float = 0.1
     context_delta: float = 8.0
     max_active: float = 0.6
+
+    def to_meta(self) -> dict[str, Any]:
+        """Every field, JSON-ready: what a pairs file and a risk rule record as the settings reuse ran with."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def differences(self, certified: Mapping[str, Any]) -> list[str]:
+        """The fields in which this config differs from ``certified`` (a recorded :meth:`to_meta`; a field it
+        does not record was added later and is compared with its default; one it records that this version does
+        not have is a difference too), as "name value (certified: value)"."""
+        names = {f.name for f in fields(self)}
+        out = [f"{k} (certified: {certified[k]!r}) is not a setting of this version" for k in sorted(certified)
+               if k not in names]
+        for f in fields(self):
+            want = certified.get(f.name, f.default)
+            have = getattr(self, f.name)
+            if have != want and not (isinstance(have, float) and isinstance(want, (int, float))
+                                     and abs(have - float(want)) <= 1e-12):
+                out.append(f"{f.name} {have!r} (certified: {want!r})")
+        return out
 
     def validate(self) -> "ReuseConfig":
         if self.mode not in MODES:
@@ -387,6 +406,13 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
     recorder = None
     active_fraction = 1.0
     reason = ""
+    if use and decision.reuse_config is not None:
+        # The certificate bounds the risk of reuse as it ran in the labelling: other settings are not certified.
+        diffs = config.differences(decision.reuse_config)
+        if diffs:
+            use = False
+            reason = ("the sampler's reuse settings differ from those the risk rule was certified with ("
+                      + "; ".join(diffs) + "): continued dense. Use the rule's settings or calibrate a rule for these")
     if use:
         if decision.candidate is not None and decision.candidate.entry_id != cached.entry_id:
             raise ValueError(f"the loaded entry {cached.entry_id} is not the accepted candidate "

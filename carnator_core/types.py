@@ -328,6 +328,9 @@ class Decision:
     rule_id: str = ""
     filter_ms: float = 0.0
     summary: str = ""
+    # The reuse settings (``ReuseConfig`` fields) the rule was certified with; the sampler reuses only with
+    # exactly those. None: not recorded (rules made before they were; prompt-only and forced decisions).
+    reuse_config: Mapping[str, Any] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -335,6 +338,7 @@ class Decision:
             "entry_id": self.candidate.entry_id if self.candidate else None,
             "mode": self.mode,
             "rule_id": self.rule_id,
+            "reuse_config": dict(self.reuse_config) if self.reuse_config is not None else None,
             "filter_ms": self.filter_ms,
             "summary": self.summary,
             "verdicts": [

@@ -165,6 +165,12 @@ def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, wri
 
     mode = {"latent_only": "latent", "attention_only": "attention"}.get(method, "joint")
     filt = "prompt_only" if method == "prompt_only" else ("dense" if method == "dense" else "carnator")
+    if mode != "joint" and rule is not None and rule.reuse_config is not None:
+        # The ablations reuse on the joint rule's decisions with another mode, which that rule does not certify
+        # (the sampler would refuse it): their rows are measurements of the mode, not certified configurations.
+        import dataclasses
+
+        rule = dataclasses.replace(rule, reuse_config={**rule.reuse_config, "mode": mode})
     return ServeOptions(method=filt, reuse_mode=mode, rule=rule if filt == "carnator" else None,
                         allow_uncertified=bool(rule is not None and not rule.certificate.passed),
                         prompt_threshold=prompt_threshold, top_k=env.top_k, write=write,

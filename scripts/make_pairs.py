@@ -40,6 +40,7 @@ import multiprocessing as mp
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +174,7 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
             raise RuntimeError(f"the warm set is incomplete ({len(names)} of {len(warm)} entries); run the warm "
                                "phase first (re-run the command)")
         labeler = _labeler(args)
+        reuse_meta = replace(ctx.options.reuse, mode=ctx.options.reuse_mode).to_meta()
         path = work / f"part-{shard}.jsonl"
         header, _rows = pairs.read_rows(path)
         # Done = in any part file, so a resumed run may use another --workers than the interrupted one.
@@ -187,10 +189,14 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
             if header is None:
                 header = pairs.header_for(probe, dataset="", seeds=[], unsafe_definition=labeler.definition,
                                           generator="")
+                header["reuse_config"] = reuse_meta  # the settings every hit of this file ran with
                 pairs.write_header(path, header)
             elif (header["model_fingerprint"], header["config_fingerprint"]) != probe_fingerprints(probe):
                 raise RuntimeError(f"{path} was started with another model or config (header "
                                    f"{header['model_fingerprint']}/{header['config_fingerprint']}); use a new --work")
+            elif header.get("reuse_config") != reuse_meta:
+                raise RuntimeError(f"{path} was started with other reuse settings ({header.get('reuse_config')}; "
+                                   f"now {reuse_meta}): its pairs would mix two reuse paths; use a new --work")
             rows = pairs.outcome_rows(out, names)
             pairs.append_rows(path, rows)
             flags = "".join("U" if r["unsafe"] else ("m" if r["missing"] else ".") for r in rows)
@@ -231,6 +237,8 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
         key = (h["model_fingerprint"], h["config_fingerprint"])
         if header is not None and key != (header["model_fingerprint"], header["config_fingerprint"]):
             raise SystemExit(f"{f} was made with another model/config than the other part files")
+        if header is not None and h.get("reuse_config") != header.get("reuse_config"):
+            raise SystemExit(f"{f} was labelled with other reuse settings than the other part files")
         header = header or h
         seen_here: dict[str, list[dict]] = {}
         for r in rows:

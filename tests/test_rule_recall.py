@@ -48,3 +48,53 @@ def test_recall_comes_from_the_pairs_header_and_drives_serve():
     assert _recall_from({}) == {}
     assert recall_limits(K2, 5, 0.0) == (2, 0.5)
     assert recall_limits(RULE, 5, 0.0) == (5, 0.0) and recall_limits(None, 4, -1.0) == (4, -1.0)
+
+
+def test_reuse_settings_are_recorded_checked_and_passed_to_the_decision():
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    meta = ReuseConfig().to_meta()
+    ruled = dataclasses.replace(K2, reuse_config=meta)
+    data = ruled.to_json()
+    assert data["reuse"] == meta and "reuse" not in K2.to_json()  # older rules keep their content and id
+    back = RiskRule.from_json(data)
+    assert back.reuse_config == meta and back.rule_id == ruled.rule_id
+    for bad, words in (({**meta, "refreshes": [3]}, "scalar values; not so: \\['refreshes'\\]"), ({}, "non-empty"),
+                       ("joint", "reuse must be a non-empty object")):
+        with pytest.raises(RuleFormatError, match=words):
+            RiskRule.from_json({**data, "reuse": bad})
+    items = cands(cand("c", 0.9, SAME))
+    assert decide(TARGET, items, ruled).reuse_config == meta
+    assert decide(TARGET, items, K2).reuse_config is None  # not recorded: not enforced
+    assert decide(TARGET, items, None, mode="prompt_only", prompt_threshold=0.5).reuse_config is None
+    assert _recall_from({"top_k": 3, "min_similarity": 0.0, "reuse_config": meta})["reuse_config"] == meta
+    assert _recall_from({"reuse_config": meta}) == {"reuse_config": meta}
+    # differences: exact field-by-field; a field the record lacks (added later) is compared with its default
+    assert ReuseConfig().differences(meta) == []
+    assert ReuseConfig(refreshes=2).differences(meta) == ["refreshes 2 (certified: 3)"]
+    older = {k: v for k, v in meta.items() if k != "probe_context"}
+    assert ReuseConfig().differences(older) == []
+    assert ReuseConfig(probe_context=True).differences(older) == ["probe_context True (certified: False)"]
+    assert ReuseConfig().differences({**meta, "refreshs": 2}) == [
+        "refreshs (certified: 2) is not a setting of this version"]
+
+
+def test_combined_pairs_keep_the_recall_and_reuse_settings_they_were_made_with(tmp_path):
+    from carnator.carnator_core.lab import pairs
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    head = {"model_fingerprint": "m", "config_fingerprint": "c", "unsafe_definition": "u", "dataset": "d",
+            "top_k": 3, "min_similarity": 0.0, "reuse_config": ReuseConfig().to_meta()}
+    row = {"request_id": "q0", "entry_id": "w0", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
+           "appearance": 3.0, "missing": False, "unsafe": False}
+    for name, extra in (("a", {}), ("b", {}), ("k5", {"top_k": 5}), ("r2", {"reuse_config": ReuseConfig(
+            refreshes=2).to_meta()})):
+        pairs.write_header(tmp_path / f"{name}.jsonl", {**head, **extra})
+        pairs.append_rows(tmp_path / f"{name}.jsonl", [row])
+    h = pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "b.jsonl", "s1")], tmp_path / "ab.jsonl")
+    assert (h["top_k"], h["min_similarity"], h["reuse_config"]) == (3, 0.0, ReuseConfig().to_meta())
+    assert _recall_from(h)["recall_k"] == 3 and _recall_from(h)["reuse_config"]["refreshes"] == 3
+    for other, key in (("k5", "top_k"), ("r2", "reuse_config")):
+        with pytest.raises(ValueError, match=key):
+            pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / f"{other}.jsonl", "s1")],
+                                      tmp_path / "x.jsonl")

@@ -406,3 +406,28 @@ def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(e
     assert r_on.token_fraction == r_off.token_fraction  # nothing kept: the first reuse call is a dense refresh
     with pytest.raises(ValueError, match="context_kv_mb"):
         ProbeConfig(probe_steps=2, context_kv_mb=-1).resolve_steps(10)
+
+
+def test_reuse_settings_other_than_the_certified_ones_continue_dense_and_say_why(env):
+    """A decision made under a rule that records its reuse settings is reused only with exactly those: other
+    settings are not what the certificate covers, so the sampler continues dense (bit-identical to KSampler)."""
+    import nodes as comfy_nodes
+    from carnator.carnator_core import reuse
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5)
+    final, rep = _run(m, pos, neg, lat, probe)
+    sig = _signature(probe)
+    cached = _cached(probe, {"samples": final}, rep)
+    certified = reuse.ReuseConfig(mode="joint", block_size=8).to_meta()
+    decision = dataclasses.replace(_accept(sig), reuse_config=certified)
+    same = reuse.ReuseConfig(mode="joint", block_size=8)
+    _, r_same = reuse.sample(m, pos, neg, lat, probe, decision, cached, same, target_signature=sig)
+    assert r_same.decision == "hit"
+    other = reuse.ReuseConfig(mode="joint", block_size=8, refreshes=2)
+    out, r = reuse.sample(m, pos, neg, lat, probe, decision, cached, other, target_signature=sig)
+    assert r.decision == "miss" and r.mode == "dense"
+    assert "refreshes 2 (certified: 3)" in r.reason and "certified" in r.reason
+    ref = comfy_nodes.common_ksampler(m, 5, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    assert torch.equal(out, ref)

@@ -812,6 +812,7 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
         raise ValueError(f"prefixes must be distinct, non-empty and without ':', got {prefixes}")
     header: dict[str, Any] | None = None
     listed = []
+    heads: list[dict[str, Any]] = []
     all_rows: list[dict[str, Any]] = []
     keys = ("model_fingerprint", "config_fingerprint", "unsafe_definition")
     for path, prefix, split in sources:
@@ -819,6 +820,7 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
         if h is None:
             raise ValueError(f"{path} has no header row: cannot check it was made with the same model and config")
         h = {k: v for k, v in h.items() if k != "type"}
+        heads.append(h)
         if header is None:
             header = {k: h[k] for k in ("model_fingerprint", "config_fingerprint", "arch", "config",
                                         "unsafe_definition") if k in h}
@@ -838,6 +840,15 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
                 r["split"] = split
             all_rows.append(r)
     assert header is not None
+    # The recall (and reuse settings) the pairs were made with travel with them: the rule records the recall and
+    # the filter considers only those candidates. Runs made with different ones are not one experiment.
+    for key in ("top_k", "min_similarity", "reuse_mode", "reuse_config"):
+        values = [heads[i].get(key) for i in range(len(heads))]
+        if any(json.dumps(v, sort_keys=True) != json.dumps(values[0], sort_keys=True) for v in values):
+            raise ValueError(f"the pairs files differ in {key!r} ({values}): combine only runs made with the same "
+                             "recall and reuse settings")
+        if values[0] is not None:
+            header[key] = values[0]
     header.update({
         "dataset": (f"{len(listed)} runs combined (request ids prefixed {[x['prefix'] for x in listed]}), each: "
                     + listed[0]["dataset"] if len({x["dataset"] for x in listed}) == 1 else

@@ -182,6 +182,7 @@ def decide(
         rule_id=rule_id,
         filter_ms=ms,
         summary=summary,
+        reuse_config=rule.reuse_config if mode == "signature" and rule is not None else None,
     )
 
 

@@ -227,12 +227,17 @@ def calibrate_rule(
 
 def _recall_from(header: Mapping[str, Any]) -> dict[str, Any]:
     """The recall the pairs were made with, from the header (``top_k``; ``min_similarity``, which files written
-    before it was recorded did not carry: their recall had no floor, -1). Nothing when ``top_k`` is absent."""
+    before it was recorded did not carry: their recall had no floor, -1; no recall when ``top_k`` is absent), and
+    the reuse settings the labelled hits ran with (``reuse_config``, when recorded)."""
+    out: dict[str, Any] = {}
+    if isinstance(header.get("reuse_config"), dict):  # the reuse settings the labelled hits ran with
+        out["reuse_config"] = dict(header["reuse_config"])
     k = header.get("top_k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        return {}
+        return out
     floor = header.get("min_similarity", -1.0)
-    return {"recall_k": k, "recall_min_similarity": None if floor is None else float(floor)}
+    out.update(recall_k=k, recall_min_similarity=None if floor is None else float(floor))
+    return out
 
 
 def _file_digest(path: Path) -> str:

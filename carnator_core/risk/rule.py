@@ -61,6 +61,9 @@ class RiskRule:
                         prompt similarity). The certificate holds for decisions among those candidates, so the
                         filter only considers them and ``request.serve`` recalls exactly them; None = not recorded
                         (rules made before recall was recorded).
+    reuse_config:       the ``ReuseConfig`` fields the labelled hits ran with; the Joint Reuse Sampler reuses under
+                        this rule only with exactly those settings (else it continues dense and says why). None =
+                        not recorded (rules made before it was).
     """
 
     thresholds: Thresholds
@@ -74,6 +77,7 @@ class RiskRule:
     comparison: Mapping[str, Any] = field(default_factory=dict)
     recall_k: int | None = None
     recall_min_similarity: float | None = None
+    reuse_config: Mapping[str, Any] | None = None
     source: str = field(default="", compare=False)  # the file it was loaded from (not serialised)
 
     # ------------------------------------------------------------------ identity and applicability
@@ -154,6 +158,8 @@ class RiskRule:
         }
         if self.recall_k is not None:  # absent in older rules: their content (and rule_id) stays the same
             out["recall"] = {"k": int(self.recall_k), "min_similarity": self.recall_min_similarity}
+        if self.reuse_config is not None:  # absent in older rules, as recall
+            out["reuse"] = dict(self.reuse_config)
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -213,6 +219,16 @@ class RiskRule:
             if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
                 raise bad(f"recall.min_similarity must be a number or null, got {m!r}")
             recall_k, recall_min = k, (None if m is None else float(m))
+        reuse = data.get("reuse")
+        if reuse is not None:
+            # Shape only: the sampler compares it field by field with its ReuseConfig (reuse.ReuseConfig.differences;
+            # the risk layer does not import the reuse layer) and refuses reuse on any difference or unknown field.
+            if not isinstance(reuse, dict) or not reuse:
+                raise bad("reuse must be a non-empty object of ReuseConfig fields")
+            odd = sorted(k for k, v in reuse.items()
+                         if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))))
+            if odd:
+                raise bad(f"reuse fields must have scalar values; not so: {odd}")
         rule = cls(
             thresholds=thresholds,
             certificate=cert,
@@ -225,6 +241,7 @@ class RiskRule:
             comparison=data.get("comparison", {}),
             recall_k=recall_k,
             recall_min_similarity=recall_min,
+            reuse_config=dict(reuse) if reuse is not None else None,
             source=source,
         )
         if not allow_uncertified:
