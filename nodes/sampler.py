@@ -66,6 +66,11 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 advanced(io.Float.Input("record_mass", default=0.9, min=0.5, max=1.0, step=0.01,
                                         tooltip="Attention mass the recorded key blocks must cover.")),
                 *stage_inputs("the second expert's sampler"),
+                advanced(io.Boolean.Input("probe_context", default=False,
+                                          tooltip="On a hit, attend to the keys/values the Early Probe kept at its "
+                                                  "last step instead of computing the first step after the probe "
+                                                  "densely (one dense step fewer, same quality on the embedded "
+                                                  "model). Off: what the shipped rule was certified with.")),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],
@@ -86,10 +91,11 @@ class CarnatorJointReuseSampler(io.ComfyNode):
     def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
                 dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
-                end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable") -> io.NodeOutput:
+                end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", probe_context=False) -> io.NodeOutput:
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
-                             max_active=max_active, block_size=block_size, record_mass=record_mass).validate()
+                             max_active=max_active, block_size=block_size, record_mass=record_mass,
+                             probe_context=bool(probe_context)).validate()
         total = probe.config.steps
         pbar = comfy.utils.ProgressBar(total)
         samples, report = reuse_stage(model, positive, negative, latent_image, probe, decision,
