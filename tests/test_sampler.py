@@ -406,6 +406,11 @@ def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(e
     assert r_on.token_fraction == r_off.token_fraction  # nothing kept: the first reuse call is a dense refresh
     with pytest.raises(ValueError, match="context_kv_mb"):
         ProbeConfig(probe_steps=2, context_kv_mb=-1).resolve_steps(10)
+    from carnator.nodes.probe import CarnatorEarlyProbe
+
+    off = CarnatorEarlyProbe.execute(m, pos, neg, lat, 5, 10, 5.0, "euler", "simple", 2, "a red ball", None,
+                                     tm.WordTokens(), "ball", context_kv_mb=0.0).args[0]
+    assert dict(off.context_kv) == {} and torch.equal(off.replay[-1], node_probe.replay[-1])
 
 
 def test_reuse_settings_other_than_the_certified_ones_continue_dense_and_say_why(env):
