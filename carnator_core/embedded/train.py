@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ema", type=float, default=0.998)
     p.add_argument("--object-weight", type=float, default=4.0, help="v2: extra loss weight on object pixels")
     p.add_argument("--object-share", type=float, default=None,
-                   help="per-object loss share (default: 0.3 for v3, v2's --object-weight otherwise)")
+                   help="per-object loss share (default: 0.3 for v3, v2's --object-weight otherwise; <= 0: v2's "
+                        "--object-weight on the union of the objects, for ablations)")
     p.add_argument("--p-drop", type=float, default=0.1, help="caption dropout (for classifier-free guidance)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (keep it fixed across chunks: "
                    "a different count changes float summation order, so resumption is then only approximate)")
@@ -397,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe = Recipe(version=args.version, seed=args.seed, steps=args.steps, minutes=args.minutes,
                     batch=args.batch, lr=args.lr, warmup=args.warmup, ema=args.ema,
                     object_weight=args.object_weight,
-                    object_share=args.object_share if args.object_share is not None else (0.3 if v3_like else None),
+                    object_share=(None if args.object_share is not None and args.object_share <= 0 else
+                                  args.object_share if args.object_share is not None else (0.3 if v3_like else None)),
                     p_drop=args.p_drop, freeze_text_embedding=args.freeze_text_embedding or v3_like)
     out = args.out or config.version(args.version).weights_path
     snapshot = args.snapshot or (Path(f"runs/{args.version}_latest.safetensors") if args.state else None)
