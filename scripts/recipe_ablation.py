@@ -10,9 +10,9 @@ recipe back (a lab tool: nothing here is shipped or loaded by the runtime).
         --measure /tmp/abl/latest.safetensors
 
 Training is ``carnator_core.embedded.train`` unchanged (``--steps`` schedule, ``--state`` resumable, EMA snapshot
-at every checkpoint to ``<state>/latest.safetensors``), with the base version's ``text_context`` and ``p_two``
-replaced in this process only (``config.VERSIONS``). ``--measure`` prints ``scripts/word_effects.py``'s numbers for
-a snapshot under the same overrides.
+at every checkpoint to ``<state>/latest.safetensors``), with the base version's ``text_context``, ``p_two`` and
+any ``--set`` field (frame, width, depth, heads) replaced in this process only (``config.VERSIONS``).
+``--measure`` prints ``scripts/word_effects.py``'s numbers for a snapshot under the same overrides.
 """
 from __future__ import annotations
 
@@ -42,11 +42,21 @@ def main() -> None:
     ap.add_argument("--chunk-minutes", type=float, default=30.0)
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override any other field of the base version (config.ModelVersion), e.g. height=32, "
+                         "dim=192, num_layers=4")
     ap.add_argument("--measure", default=None, help="a snapshot to measure instead of training")
     ns = ap.parse_args()
     from carnator.carnator_core.embedded import config, train
 
     over = {k: v for k, v in (("text_context", ns.text_context), ("p_two", ns.p_two)) if v is not None}
+    base = config.VERSIONS[ns.base]
+    for item in ns.set:
+        key, _, value = item.partition("=")
+        if not hasattr(base, key) or key == "name":
+            raise SystemExit(f"--set {item!r}: ModelVersion has no field {key!r}")
+        cur = getattr(base, key)
+        over[key] = tuple(int(x) for x in value.split(",")) if isinstance(cur, tuple) else type(cur)(value)
     config.VERSIONS[ns.base] = dataclasses.replace(config.VERSIONS[ns.base], **over)
     if ns.measure:
         import torch
