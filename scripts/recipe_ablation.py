@@ -4,10 +4,10 @@ recipe back (a lab tool: nothing here is shipped or loaded by the runtime).
 
     # v2's geometry and depth (32 px, 4 blocks x 192) with v3's text context, two-object share and loss weighting:
     OMP_NUM_THREADS=1 .host/venv/bin/python scripts/recipe_ablation.py --base v2 --text-context 0.6 --p-two 0.6 \\
-        --object-share 0.3 --state /tmp/abl --chunk-minutes 30
+        --object-share 0.3 --state runs/abl --chunk-minutes 30
     # how much each kind of word moves that run's denoiser (same overrides: the text encoder depends on them):
     .host/venv/bin/python scripts/recipe_ablation.py --base v2 --text-context 0.6 --p-two 0.6 \\
-        --measure /tmp/abl/latest.safetensors
+        --measure runs/abl/latest.safetensors
 
 Training is ``carnator_core.embedded.train`` unchanged (``--steps`` schedule, ``--state`` resumable, EMA snapshot
 at every checkpoint to ``<state>/latest.safetensors``), with the base version's ``text_context``, ``p_two`` and
