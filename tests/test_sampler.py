@@ -103,24 +103,14 @@ def test_identical_request_reuse_reproduces_cached_output(env, mode):
 
 
 def test_partial_reuse_computes_fewer_tokens_and_keeps_inactive_tokens_cached(env):
-    from carnator.carnator_core.types import ObjectSignature, Signature
-
     tm, models = env
     m = models["wan21"]
     probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5)
     final, rep = _run(m, pos, neg, lat, probe)
-    # A target whose object moved: its mask covers only the first frame's left half.
-    T, H, W = probe.grid
-    mask = np.zeros((T, H, W), np.float32)
-    mask[0, :, : W // 2] = 1.0
-    moved = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
-                      np.zeros((4, 4, 3), np.float32), probe.grid)
-    cached = _cached(probe, {"samples": final}, rep)
-    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe, moved, None)
+    # A target whose object moved: its mask covers only the first frame's left half (no recorded structure).
+    cached, target_sig = _moved_target(probe, final, rep, structure=False)
     from carnator.carnator_core import reuse
 
-    target_sig = Signature((ObjectSignature("ball", np.roll(mask, 1, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
-                           np.zeros((4, 4, 3), np.float32), probe.grid)
     out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target_sig), cached,
                           reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9,
                                             context_margin_blocks=0),
@@ -327,8 +317,9 @@ def test_region_above_max_active_continues_dense_and_says_why(env):
         reuse.ReuseConfig(max_active=1.5).validate()
 
 
-def _moved_target(probe, final, rep):
-    """A cached entry whose object sat in the first frame's left half and a target where it moved one token."""
+def _moved_target(probe, final, rep, structure: bool = True):
+    """A cached entry whose object sat in the first frame's left half and a target where it moved one token
+    (``structure``: keep the dense run's recorded block structure in the entry)."""
     from carnator.carnator_core.types import ObjectSignature, Signature
 
     T, H, W = probe.grid
@@ -337,7 +328,8 @@ def _moved_target(probe, final, rep):
     moved = Signature((ObjectSignature("ball", mask, float(mask.mean()), (50.0, 10.0, 10.0)),),
                       np.zeros((4, 4, 3), np.float32), probe.grid)
     cached = _cached(probe, {"samples": final}, rep)
-    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe, moved, cached.structure)
+    cached = type(cached)(cached.entry_id, cached.final_latent, cached.x0_probe, moved,
+                          cached.structure if structure else None)
     target = Signature((ObjectSignature("ball", np.roll(mask, 1, axis=2), float(mask.mean()), (50.0, 10.0, 10.0)),),
                        np.zeros((4, 4, 3), np.float32), probe.grid)
     return cached, target
