@@ -562,8 +562,8 @@ def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: i
     if rec[0].device != k.device:  # the probe's record lives on the CPU: move it once per run (a new tensor)
         rec = run.kv[comp] = (rec[0].to(k.device), rec[1].to(k.device))
     idx = subset.to(k.device)
-    keys = rec[0].to(device=k.device, dtype=k.dtype).index_copy(1, idx, k)
-    values = rec[1].to(device=v.device, dtype=v.dtype).index_copy(1, idx, v)
+    keys = rec[0].to(dtype=k.dtype).index_copy(1, idx, k)
+    values = rec[1].to(dtype=v.dtype).index_copy(1, idx, v)
     n, s = keys.shape[1], q.shape[1]
     structure = plan.structure
     if structure is not None and layer in structure.layers:

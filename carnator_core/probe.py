@@ -38,10 +38,11 @@ class ProbeConfig:
                     (all but ``first_dense`` first and ``last_dense`` last blocks).
     first_dense, last_dense: how many first/last blocks count as "outer" (not middle).
     context_kv_mb:  at the probe's last model call, keep every token's self-attention keys/values of every block
-                    (on the CPU) when they fit in this many MiB; 0 = never. A cache hit then attends to them as its
-                    first context record (``ReuseConfig.probe_context``) instead of paying a dense refresh call.
-                    The embedded model needs 2-9 MiB; Wan 2.1-1.3B at 480p x 81 frames about 12 GiB (over the
-                    default: its hits refresh densely, as without it). Misses only pay the copy.
+                    (on the CPU) when they fit in this many MiB; 0 (the default, as ``ReuseConfig.probe_context``
+                    is off) = never, so no request pays the copy for nothing. A cache hit with ``probe_context``
+                    then attends to them as its first context record instead of paying a dense refresh call. The
+                    embedded model needs 2-9 MiB; Wan 2.1-1.3B at 480p x 81 frames about 12 GiB (over any sensible
+                    budget: its hits refresh densely, as without it).
     """
 
     probe_steps: int = 0
@@ -50,7 +51,7 @@ class ProbeConfig:
     layers: tuple[int, ...] = ()
     first_dense: int = 1
     last_dense: int = 1
-    context_kv_mb: float = 256.0
+    context_kv_mb: float = 0.0
 
     def resolve_steps(self, steps: int, sigmas: Sequence[float] | None = None, of: str = "the total steps") -> int:
         """The probe length k for a schedule (or a split schedule's stage: ``of`` names it in messages) of ``steps``

@@ -70,7 +70,8 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                           tooltip="On a hit, attend to the keys/values the Early Probe kept at its "
                                                   "last step instead of computing the first step after the probe "
                                                   "densely (one dense step fewer, same quality on the embedded "
-                                                  "model). Off: what the shipped rule was certified with.")),
+                                                  "model). Needs the Early Probe's context_kv_mb > 0. Off: what the shipped rule was "
+                                                  "certified with.")),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],

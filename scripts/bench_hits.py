@@ -95,10 +95,12 @@ def main() -> int:
                                      p_same_seed=args.p_same_seed)
     verdicts = lambda clip, prompt: pairs._verdicts(checker.check(clip, prompt))  # noqa: E731
     rows = []
+    serve_opts = dataclasses.replace(ctx.options, method="never", write=False)
+    if any(cfg.probe_context for _, cfg in variants):  # the probe keeps its keys/values for those variants
+        serve_opts = dataclasses.replace(serve_opts, probe=dataclasses.replace(serve_opts.probe, context_kv_mb=256.0))
     for q in queries:
         pos, neg = ctx.encode(q.prompt), ctx.negative()
-        res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(q), ctx.store,
-                    dataclasses.replace(ctx.options, method="never", write=False))
+        res = serve(ctx.model, ctx.text_encoder, pos, neg, ctx.latent, ctx.spec(q), ctx.store, serve_opts)
         dense = ctx.decode(res.latent["samples"])
         bg = M.background_mask(dense, q.prompt)
         ref_scores = [M.artifact_score(dense, bg)]

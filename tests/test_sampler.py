@@ -23,7 +23,7 @@ def env(comfy_env, tmp_path_factory):
     return tm, {name: tm.load_tiny_model(name, d) for name in ("wan21", "wan22", "ltxv")}
 
 
-def _probe(m, tm, name, seed, steps=8, k=2):
+def _probe(m, tm, name, seed, steps=8, k=2, context_kv_mb=0.0):
     """Early Probe node on "a red ball" with a text encoder that puts word i at conditioning position i, so
     the object's cross-attention is really captured (its map is not empty)."""
     from carnator.nodes.probe import CarnatorEarlyProbe
@@ -31,7 +31,7 @@ def _probe(m, tm, name, seed, steps=8, k=2):
     pos, neg = tm.conditioning(name)
     lat = tm.empty_latent(name)
     out = CarnatorEarlyProbe.execute(m, pos, neg, lat, seed, steps, 5.0, "euler", "simple", k, "a red ball",
-                                     None, tm.WordTokens(), "ball")
+                                     None, tm.WordTokens(), "ball", context_kv_mb=context_kv_mb)
     probe = out.args[0]
     assert [o.positions for o in probe.objects] == [(2,)], probe.objects  # "ball": word 3 at position 2
     assert probe.object_maps["ball"].sum() > 0
@@ -343,7 +343,7 @@ def test_probe_context_replaces_the_first_dense_refresh(env):
 
     tm, models = env
     m = models["wan21"]
-    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2, context_kv_mb=64.0)
     n_layers = m.model.diffusion_model.num_layers if hasattr(m.model.diffusion_model, "num_layers") \
         else len(m.model.diffusion_model.blocks)
     n_tokens = int(np.prod(probe.grid))
@@ -380,7 +380,7 @@ def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(e
 
     tm, models = env
     m = models["wan21"]
-    node_probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
+    node_probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2, context_kv_mb=64.0)
     kw = dict(seed=5, steps=10, cfg=5.0, sampler_name="euler", scheduler="simple", prompt="a red ball",
               objects=node_probe.objects, object_source="user")
     full = sum(k.numel() * k.element_size() * 2 for k, _ in node_probe.context_kv.values())
@@ -401,7 +401,7 @@ def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(e
     from carnator.nodes.probe import CarnatorEarlyProbe
 
     off = CarnatorEarlyProbe.execute(m, pos, neg, lat, 5, 10, 5.0, "euler", "simple", 2, "a red ball", None,
-                                     tm.WordTokens(), "ball", context_kv_mb=0.0).args[0]
+                                     tm.WordTokens(), "ball").args[0]  # the node's default keeps nothing
     assert dict(off.context_kv) == {} and torch.equal(off.replay[-1], node_probe.replay[-1])
 
 
