@@ -91,6 +91,11 @@ class ServeOptions:
     signature: SignatureConfig = field(default_factory=SignatureConfig)
     reuse: ReuseConfig = ReuseConfig()
 
+    @property
+    def hit_reuse(self) -> ReuseConfig:
+        """The reuse settings a hit runs with (``reuse`` in ``reuse_mode``): what pair labelling runs and records."""
+        return replace(self.reuse, mode=self.reuse_mode)
+
 
 @dataclass(frozen=True)
 class RequestResult:

@@ -40,7 +40,6 @@ import multiprocessing as mp
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +173,7 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
             raise RuntimeError(f"the warm set is incomplete ({len(names)} of {len(warm)} entries); run the warm "
                                "phase first (re-run the command)")
         labeler = _labeler(args)
-        reuse_meta = replace(ctx.options.reuse, mode=ctx.options.reuse_mode).to_meta()
+        reuse_meta = ctx.options.hit_reuse.to_meta()  # exactly what pairs.label_request runs
         path = work / f"part-{shard}.jsonl"
         header, _rows = pairs.read_rows(path)
         # Done = in any part file, so a resumed run may use another --workers than the interrupted one.

@@ -538,7 +538,7 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     ref = labeler.reference(dense_clip, req.prompt)
     background = ctx.background(dense_clip, req.prompt) if ctx.background is not None else None
     want = None if only is None else set(only(res) if callable(only) else only)
-    cfg = replace(ctx.options.reuse, mode=ctx.options.reuse_mode)
+    cfg = ctx.options.hit_reuse
     outs = []
     artifact_dense: float | None = None
     items = res.candidates.items if res.candidates is not None else ()
