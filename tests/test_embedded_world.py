@@ -77,6 +77,25 @@ def test_codec_round_trip_and_coords() -> None:
     assert tuple(coords.shape) == (config.COORD_CHANNELS,) + config.LATENT_SHAPE[1:]
 
 
+
+def test_coordinate_channels_scale_and_octaves() -> None:
+    """A version's coordinate channels: v2's 3 ramps unchanged (its weights' in_dim stays 19); scale multiplies
+    every channel; each octave adds sin/cos of x and y, which vary along their own axis only."""
+    t, h, w = 4, 6, 8
+    ramps = codec.coord_channels(t, h, w)
+    assert config.version("v2").coord_channels == config.COORD_CHANNELS == 3
+    assert config.version("v2").model_config()["in_dim"] == config.LATENT_CHANNELS + 3
+    assert float(ramps[0, 0, 0, 0]) == -1.0 and float(ramps[0, 0, 0, -1]) == 1.0  # x left to right
+    assert float(ramps[1, 0, 0, 0]) == -1.0 and float(ramps[1, 0, -1, 0]) == 1.0  # y top to bottom
+    rich = codec.coord_channels(t, h, w, scale=2.5, octaves=2)
+    assert tuple(rich.shape) == (3 + 4 * 2, t, h, w)
+    assert torch.allclose(rich[:3], 2.5 * ramps)
+    assert float(rich.abs().max()) <= 2.5 + 1e-6
+    x = ramps[0]
+    assert torch.allclose(rich[3], 2.5 * torch.sin(torch.pi * x), atol=1e-6)
+    assert torch.allclose(rich[8], 2.5 * torch.cos(2 * torch.pi * x), atol=1e-6)
+    assert torch.all(rich[3].std(dim=(0, 1)) < 1e-6) and torch.all(rich[5].std(dim=(0, 2)) < 1e-6)
+
 def test_text_encoder_word_spans_and_synonyms() -> None:
     enc = text.encode("a small red ball rolls to the right across green grass")
     assert enc.cond.shape == (config.TEXT_LEN, config.TEXT_DIM)

@@ -10,6 +10,7 @@ Contract: ``latent_to_rgb(rgb_to_latent(x)) == x`` up to float rounding for x in
 """
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import numpy as np
@@ -70,10 +71,16 @@ def mask_to_latent(mask: ArrayLike) -> torch.Tensor:
     return out if batched else out[0]
 
 
-def coord_channels(frames: int, height: int, width: int) -> torch.Tensor:
-    """[COORD_CHANNELS=3, T, h, w] fixed x, y, t ramps in [-1, 1] (latent grid), fed to the denoiser as
-    concat conditioning so it knows where each token sits (see config.COORD_CHANNELS)."""
+def coord_channels(frames: int, height: int, width: int, *, scale: float = 1.0, octaves: int = 0) -> torch.Tensor:
+    """[3 + 4 * octaves, T, h, w] fixed coordinate channels (latent grid), fed to the denoiser as concat
+    conditioning so it knows where each token sits (see config.COORD_CHANNELS): x, y, t ramps in
+    [-scale, scale], then per octave k sin/cos(pi 2^k x) and sin/cos(pi 2^k y) in [-scale, scale]
+    (``ModelVersion.coord_scale`` / ``coord_octaves``; v2: 1.0 and 0)."""
     t = torch.linspace(-1.0, 1.0, frames).view(frames, 1, 1).expand(frames, height, width)
     y = torch.linspace(-1.0, 1.0, height).view(1, height, 1).expand(frames, height, width)
     x = torch.linspace(-1.0, 1.0, width).view(1, 1, width).expand(frames, height, width)
-    return torch.stack([x, y, t]).contiguous()
+    chans = [x, y, t]
+    for k in range(octaves):
+        f = math.pi * 2.0 ** k
+        chans += [torch.sin(f * x), torch.cos(f * x), torch.sin(f * y), torch.cos(f * y)]
+    return (torch.stack(chans) * scale).contiguous()

@@ -67,6 +67,7 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
         unet = {"image_model": "wan2.1", **config.model_config(version), "dtype": torch.float32}
         super().__init__(unet)
         self.memory_usage_factor = 0.05
+        self.carnator_version = version  # which coordinate channels EmbeddedWan.concat_cond supplies
 
     def get_model(self, state_dict: dict, prefix: str = "", device: Any = None) -> "EmbeddedWan":
         return EmbeddedWan(self, device=device)
@@ -80,7 +81,9 @@ class EmbeddedWan(comfy.model_base.WAN21):
         if noise is None:
             return None
         b, _, t, h, w = noise.shape
-        coords = codec.coord_channels(t, h, w).to(device=noise.device, dtype=noise.dtype)
+        v = config.version(getattr(self.model_config, "carnator_version", config.DEFAULT_VERSION))
+        coords = codec.coord_channels(t, h, w, scale=v.coord_scale, octaves=v.coord_octaves).to(
+            device=noise.device, dtype=noise.dtype)
         return coords[None].expand(b, -1, -1, -1, -1).contiguous()
 
 
@@ -386,7 +389,7 @@ def clip_flops(version: config.ModelVersion, steps: int = config.DEFAULT_STEPS) 
              + 2 * d * d * n + 2 * d * d * l_txt  # cross-attention q, o (frame tokens) and k, v (text tokens)
              + 2 * n * l_txt * d  # cross-attention scores and weighted sum
              + 2 * d * f * n)  # FFN
-    macs = version.num_layers * block + n * (config.LATENT_CHANNELS + config.COORD_CHANNELS) * patch * d \
+    macs = version.num_layers * block + n * (config.LATENT_CHANNELS + version.coord_channels) * patch * d \
         + n * d * config.LATENT_CHANNELS * patch
     return float(2 * macs * 2 * steps)
 

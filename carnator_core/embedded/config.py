@@ -100,6 +100,16 @@ class ModelVersion:
     weights_file: str
     # Two-object gate: fraction of two-object held-out captions with every attribute right (None = not gated).
     two_object_all_ok_gate: Optional[float]
+    # Coordinate channels (``codec.coord_channels``): the x, y, t ramps are multiplied by ``coord_scale``, and
+    # ``coord_octaves`` > 0 adds sin/cos(pi 2^k x) and sin/cos(pi 2^k y) for k < coord_octaves, so a token can
+    # respond to a bounded region of the frame with one linear read instead of a learned bump. v2: 1.0 and 0.
+    coord_scale: float = 1.0
+    coord_octaves: int = 0
+
+    @property
+    def coord_channels(self) -> int:
+        """How many fixed coordinate channels the denoiser receives besides the latent."""
+        return COORD_CHANNELS + 4 * self.coord_octaves
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
@@ -125,7 +135,7 @@ class ModelVersion:
             "model_type": "t2v",
             "patch_size": tuple(self.patch_size),
             "text_len": TEXT_LEN,
-            "in_dim": LATENT_CHANNELS + COORD_CHANNELS,
+            "in_dim": LATENT_CHANNELS + self.coord_channels,
             "dim": self.dim,
             "ffn_dim": self.ffn_dim,
             "freq_dim": FREQ_DIM,

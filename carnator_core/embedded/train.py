@@ -163,7 +163,8 @@ class Trainer:
         self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.frozen = {n: p.detach().clone() for n, p in self.model.named_parameters() if not p.requires_grad}
         self.frozen_digest = _digest(self.frozen)
-        self.coords = codec.coord_channels(*self.version.latent_shape[1:])[None]
+        self.coords = codec.coord_channels(*self.version.latent_shape[1:], scale=self.version.coord_scale,
+                                           octaves=self.version.coord_octaves)[None]
         self.step = 0
         self.elapsed_s = 0.0  # training time over all chunks
         self.chunks: list[dict[str, Any]] = []
