@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--p-two", type=float, default=None)
     ap.add_argument("--object-share", type=float, default=None)
     ap.add_argument("--steps", type=int, default=15048)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (train.py's default otherwise)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (train.py's default otherwise)")
+    ap.add_argument("--batch", type=int, default=None, help="clips per step (train.py's default otherwise)")
     ap.add_argument("--state", type=Path, default=None)
     ap.add_argument("--chunk-minutes", type=float, default=30.0)
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
@@ -73,6 +76,9 @@ def main() -> None:
             "--log", str(ns.state / "log.jsonl"), "--out", str(ns.state / "final.safetensors")]
     if ns.object_share is not None:
         argv += ["--object-share", str(ns.object_share)]
+    for flag, value in (("--lr", ns.lr), ("--warmup", ns.warmup), ("--batch", ns.batch)):
+        if value is not None:
+            argv += [flag, str(value)]
     print(f"overrides {over}; train {' '.join(argv)}", flush=True)
     train.main(argv)
 
