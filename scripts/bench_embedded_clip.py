@@ -95,7 +95,8 @@ def main() -> int:
                         "params_M": round(n_params / 1e6, 3), "clip_GFLOP": round(comfy_glue.clip_flops(v) / 1e9, 1),
                         "object_share": object_share(v, args.scenes), "weights": str(weights[name] or "initialised")}
         if not args.no_train_step:
-            trainers[name] = train.Trainer(train.Recipe(version=name, object_share=0.3 if name != "v2" else None,
+            trainers[name] = train.Trainer(train.Recipe(version=name,
+                                                        object_share=train.V3_OBJECT_SHARE if name != "v2" else None,
                                                         freeze_text_embedding=True), None, threads=args.threads)
     clip_s: dict[str, list[float]] = {"v2": [], "v3": []}
     step_s: dict[str, list[float]] = {"v2": [], "v3": []}

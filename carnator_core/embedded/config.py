@@ -159,11 +159,13 @@ VERSIONS: dict[str, ModelVersion] = {
     # 3-9 % of the pixels (v2: 6-19 %) and 576 tokens (4 x 12 x 12) of 2 frames x 4x4 px each; 8 blocks, so
     # the always-dense first and last block are 25 % of a step; dim 128 (2 heads x 64) keeps the resumable
     # training state (weights + EMA + AdamW moments, 16-bit) under 20 MB and a training step at ~1.5 s on
-    # one core; the contextual text encoder and 60 % two-object clips target two-object binding.
+    # one core; the contextual text encoder and 60 % two-object clips target two-object binding. Two octaves of
+    # sin/cos coordinate channels (in_dim 27) since the restart of 2026-12-02 (docs/MODEL_CARD.md, "v3's recipe
+    # fix"): the first run (3 ramps, object share 0.3) never read position words.
     "v3": ModelVersion(
         name="v3", frames=8, height=48, width=48, patch_size=(2, 2, 2), dim=128, ffn_dim=512, num_heads=2,
         num_layers=8, probe_layers=(3, 4), text_context=0.6, p_two=0.6,
-        weights_file="carnator_embedded_v3.safetensors", two_object_all_ok_gate=0.5),
+        weights_file="carnator_embedded_v3.safetensors", two_object_all_ok_gate=0.5, coord_octaves=2),
 }
 DEFAULT_VERSION = "v2"
 

@@ -51,6 +51,10 @@ from . import codec, config, text, world
 from .model import build_wan
 
 STATE_FORMAT = "carnator-embedded-train-state-1"
+# v3's per-object loss share. 1.0 (each object weighs as much as the rest of the clip): at 0.3 a v3-sized model
+# routed its cross-attention to the padding slots and never read position words (docs/MODEL_CARD.md, "v3's
+# recipe fix"); at 1.0 the same model reads them within ~700 steps.
+V3_OBJECT_SHARE = 1.0
 _W_DTYPE = torch.float16  # stored weights and EMA
 _M_DTYPE = torch.bfloat16  # stored AdamW moments (bf16: squared gradients underflow in fp16)
 
@@ -379,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ema", type=float, default=0.998)
     p.add_argument("--object-weight", type=float, default=4.0, help="v2: extra loss weight on object pixels")
     p.add_argument("--object-share", type=float, default=None,
-                   help="per-object loss share (default: 0.3 for v3, v2's --object-weight otherwise; <= 0: v2's "
+                   help="per-object loss share (default: V3_OBJECT_SHARE = 1.0 for v3, v2's --object-weight "
+                        "otherwise; <= 0: v2's "
                         "--object-weight on the union of the objects, for ablations)")
     p.add_argument("--p-drop", type=float, default=0.1, help="caption dropout (for classifier-free guidance)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (keep it fixed across chunks: "
@@ -400,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                     batch=args.batch, lr=args.lr, warmup=args.warmup, ema=args.ema,
                     object_weight=args.object_weight,
                     object_share=(None if args.object_share is not None and args.object_share <= 0 else
-                                  args.object_share if args.object_share is not None else (0.3 if v3_like else None)),
+                                  args.object_share if args.object_share is not None else
+                                  (V3_OBJECT_SHARE if v3_like else None)),
                     p_drop=args.p_drop, freeze_text_embedding=args.freeze_text_embedding or v3_like)
     out = args.out or config.version(args.version).weights_path
     snapshot = args.snapshot or (Path(f"runs/{args.version}_latest.safetensors") if args.state else None)
