@@ -17,6 +17,7 @@ Usage (from the repo root, host python):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -76,8 +77,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="dense,latent,attention,joint")
     ap.add_argument("--json", default="")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 when another job uses a core)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="name:field=value;... an extra hit row: joint mode with these ReuseConfig fields (as "
+                         "scripts/bench_hits.py), e.g. 'pkv1:probe_context=1;refreshes=1'; with probe_context the "
+                         "probe keeps its keys/values (ProbeConfig.context_kv_mb), and its copy is timed in the probe")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_hits import parse_variant
+
+    variants = [parse_variant(v) for v in args.variant]
     import tiny_models as tm
 
     from carnator.carnator_core import reuse
@@ -111,6 +121,11 @@ def main() -> int:
               object_source="none", config=ProbeConfig(probe_steps=args.probe))
     cfg = reuse.ReuseConfig(mode="dense", block_size=args.block_size, x0_threshold=1e9, dilation=0,
                             context_margin_blocks=1)
+    extra = {name: dataclasses.replace(cfg, **{f.name: getattr(v, f.name) for f in dataclasses.fields(v)
+                                               if getattr(v, f.name) != getattr(reuse.ReuseConfig(), f.name)},
+                                       mode="joint")
+             for name, v in variants}
+    kv_kw = dict(kw, config=ProbeConfig(probe_steps=args.probe, context_kv_mb=4096.0))
     t0 = time.perf_counter()
     probe_a = run_probe(model, pos, neg, lat, seed=1, **kw)
     final_a, rep_a = reuse.sample(model, pos, neg, lat, probe_a, None, None, cfg)
@@ -122,13 +137,20 @@ def main() -> int:
     cached = reuse.CachedRun("bench", final_a[0], probe_a.x0_probe, sig_cached, rep_a.block_structure)
     decision = Decision(True, Candidate("bench", 0.99, "a ball", sig_cached), (), "signature")
     probe_b = run_probe(model, pos, neg, lat, seed=2, **kw)
+    probe_kv = run_probe(model, pos, neg, lat, seed=2, **kv_kw) if any(
+        c.probe_context for c in extra.values()) else None
+    if probe_kv is not None and probe_kv.context_kv is None:
+        raise SystemExit("the probe's keys/values did not fit in 4096 MiB")
     results: dict[str, dict] = {}
-    modes = args.modes.split(",")
+    modes = args.modes.split(",") + list(extra)
     for r in range(args.repeats):
         for mode in modes:
-            c = reuse.ReuseConfig(**{**cfg.__dict__, "mode": mode})
+            c = extra.get(mode) or reuse.ReuseConfig(**{**cfg.__dict__, "mode": mode})
             t = time.perf_counter()
-            if mode == "dense":
+            if mode in extra:
+                out, rep = reuse.sample(model, pos, neg, lat, probe_kv if c.probe_context else probe_b, decision,
+                                        cached, c, target_signature=sig_target)
+            elif mode == "dense":
                 out, rep = reuse.sample(model, pos, neg, lat, probe_b, None, None, c, record=False)
             else:
                 out, rep = reuse.sample(model, pos, neg, lat, probe_b, decision, cached, c, target_signature=sig_target)
@@ -137,13 +159,16 @@ def main() -> int:
             res["resume_s"].append(dt)
             res["report"] = rep.to_meta()
     probe_ms = probe_b.timings["probe_ms"]
+    probe_kv_ms = probe_kv.timings["probe_ms"] if probe_kv is not None else None
     dense_resume = statistics.median(results["dense"]["resume_s"]) if "dense" in results else None
     rows = []
     for mode in modes:
         med = statistics.median(results[mode]["resume_s"])
         rep = results[mode]["report"]
         per_call = med / max(rep["model_calls"], 1)
-        request_s = probe_ms / 1000 + med
+        # a variant that keeps the probe's keys/values pays for that probe (its copy included)
+        p_ms = probe_kv_ms if mode in extra and extra[mode].probe_context else probe_ms
+        request_s = p_ms / 1000 + med
         rows.append({
             "mode": mode, "resume_s_median": round(med, 3), "request_s": round(request_s, 3),
             "per_model_call_s": round(per_call, 3),
@@ -162,7 +187,10 @@ def main() -> int:
            "layers": args.layers, "steps": args.steps, "probe_steps": args.probe, "block_size": args.block_size,
            "recorded_density": rep_a.block_structure.density if rep_a.block_structure is not None else None,
            "record_ms": rep_a.timings_ms.get("record"), "dense_resume_ms_with_record": rep_a.timings_ms.get("resume"),
-           "probe_ms": round(probe_ms, 1), "warm_s": round(warm_s, 1), "repeats": args.repeats, "rows": rows}
+           "probe_ms": round(probe_ms, 1),
+           "probe_with_kv_ms": round(probe_kv_ms, 1) if probe_kv_ms is not None else None,
+           "variants": {n: dataclasses.asdict(c) for n, c in extra.items()},
+           "warm_s": round(warm_s, 1), "repeats": args.repeats, "rows": rows}
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
