@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tolerance of --labeler psnr (dB, default 25) or ssim (default 0.9)")
     p.add_argument("--reuse-mode", choices=("joint", "latent", "attention"), default="joint",
                    help="sampler mode the rule is for (joint)")
+    p.add_argument("--reuse-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a ReuseConfig field every labelled hit runs with (repeatable), e.g. probe_context=1 (the "
+                        "probe then keeps its keys/values); recorded in the part headers and the rule")
     p.add_argument("--label-missing", choices=("top", "all"), default="top",
                    help="reuse-label candidates with a named object on one side only: 'top' = only when most "
                    "similar (all that calibration and the prompt-only baseline use; default), 'all' = always")
@@ -121,6 +124,31 @@ def _requests(args: dict):
     return warm, queries
 
 
+def reuse_config(items: list[str]):
+    """``--reuse-set FIELD=VALUE`` items -> a validated ``ReuseConfig`` (a clear error for an unknown field or
+    value)."""
+    import dataclasses
+
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    fields = {f.name for f in dataclasses.fields(ReuseConfig)}
+    kw: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or key == "mode":
+            raise SystemExit(f"--reuse-set {item!r}: expected FIELD=VALUE with a ReuseConfig field other than mode "
+                             f"(--reuse-mode sets it): {sorted(fields - {'mode'})}")
+        cur = getattr(ReuseConfig(), key)
+        try:
+            kw[key] = (value.lower() in ("1", "true", "yes")) if isinstance(cur, bool) else type(cur)(value)
+        except ValueError as exc:
+            raise SystemExit(f"--reuse-set {item!r}: {exc}") from None
+    try:
+        return dataclasses.replace(ReuseConfig(), **kw).validate()
+    except ValueError as exc:
+        raise SystemExit(f"--reuse-set: {exc}") from None
+
+
 def _open(args: dict, threads: int):
     conftest.ensure_comfy_importable()
     import torch
@@ -131,7 +159,8 @@ def _open(args: dict, threads: int):
 
     work = Path(args["work"])
     store = Store.open(work / "store", key_path=work / "index.key", durable=False)
-    ctx = pairs.embedded_context(store, args["weights"] or None, top_k=args["top_k"], reuse_mode=args["reuse_mode"])
+    ctx = pairs.embedded_context(store, args["weights"] or None, top_k=args["top_k"], reuse_mode=args["reuse_mode"],
+                                 reuse=reuse_config(args.get("reuse_set") or []))
     return store, ctx
 
 
@@ -341,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--work is required (unless --combine)")
     if args["weights"]:
         args["weights"] = str(Path(args["weights"]).resolve())
+    reuse_config(args["reuse_set"])  # a bad --reuse-set fails here, before any work (the part headers record it)
     work = Path(args["work"])
     work.mkdir(parents=True, exist_ok=True)
     run_file = work / "run.json"

@@ -122,6 +122,18 @@ def test_v3_weights_load_as_v3_and_sample(glue, tmp_path) -> None:
                         seed=1, model=model, steps=3, probe_step=1)
     assert gen.latents.shape == (1,) + v3.latent_shape and gen.clips.shape == (1, 8, 48, 48, 3)
     assert gen.cross_attn.shape == (1, v3.num_layers, config.TEXT_LEN) + v3.token_grid
+    # pair labelling on v3 weights runs at v3's geometry, with the reuse settings it is given
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.lab import pairs
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    store = Store.open(tmp_path / "store", key_path=tmp_path / "index.key", durable=False)
+    ctx = pairs.embedded_context(store, path, reuse=ReuseConfig(probe_context=True, refreshes=4))
+    assert tuple(ctx.latent["samples"].shape) == (1,) + v3.latent_shape
+    assert ctx.options.hit_reuse.probe_context and ctx.options.hit_reuse.refreshes == 4
+    assert ctx.options.probe.context_kv_mb > 0  # the probe keeps the keys/values those hits use
+    plain = pairs.embedded_context(store, path)
+    assert plain.options.hit_reuse == ReuseConfig() and plain.options.probe.context_kv_mb == 0
     # a file whose config is none of the versions is refused with the versions it could have been
     bad = tmp_path / "bad.safetensors"
     train.save_weights(build_wan(init=True, **{**v3.model_config(), "num_layers": 3}).state_dict(), bad,

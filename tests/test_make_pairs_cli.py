@@ -37,3 +37,17 @@ def test_merge_only_writes_the_labelled_prefix_and_says_so(tmp_path):
     assert "wrote" in r.stdout and "2 requests, 2 pairs, 1 unsafe" in r.stdout
     r = _run(*[a if a != "9" else "10" for a in common], "--merge-only")  # other settings: refused, as before
     assert r.returncode != 0 and "other settings" in r.stderr
+
+
+def test_reuse_set_is_checked_before_any_work(tmp_path):
+    """``--reuse-set`` names a ReuseConfig field; a typo or a bad value fails at once, with the fields it could
+    be, before a work directory is created."""
+    work, out = tmp_path / "w", tmp_path / "pairs.jsonl"
+    common = ["--work", str(work), "--out", str(out), "--seed", "5", "--warm", "4", "--queries", "9"]
+    r = _run(*common, "--reuse-set", "probe_contxt=1")
+    assert r.returncode != 0 and "probe_contxt" in r.stderr and "probe_context" in r.stderr
+    r = _run(*common, "--reuse-set", "refreshes=many")
+    assert r.returncode != 0 and "refreshes=many" in r.stderr
+    r = _run(*common, "--reuse-set", "mode=latent")
+    assert r.returncode != 0 and "--reuse-mode" in r.stderr
+    assert not work.exists()

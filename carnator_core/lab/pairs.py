@@ -446,23 +446,34 @@ class PairContext:
         return self._neg
 
 
+# The probe's keys/values budget when the labelled reuse uses them (ReuseConfig.probe_context): ample for every
+# embedded version (v3: 576 tokens x 8 blocks x 128 wide, cond + uncond = 9.4 MB).
+PROBE_CONTEXT_KV_MB = 64.0
+
+
 def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, top_k: int = 3,
-                     reuse_mode: str = "joint") -> PairContext:
+                     reuse_mode: str = "joint", reuse: Any = None) -> PairContext:
     """A :class:`PairContext` for the embedded model with its default config (20 euler steps, simple, CFG 5,
-    probe after 4 steps). Imports ComfyUI (through the embedded glue)."""
+    probe after 4 steps) and the latent geometry of the weights' version. ``reuse`` (a ``ReuseConfig``; default:
+    the default settings) is what every labelled hit runs with; when it uses the probe's keys/values the probe
+    keeps them. Imports ComfyUI (through the embedded glue)."""
     from ..embedded import codec, comfy_glue, config as ecfg
     from ..probe import ProbeConfig
     from ..request import ServeOptions
+    from ..reuse import ReuseConfig
 
     model, enc, _dec = comfy_glue.load_embedded(weights)
-    options = ServeOptions(method="never", reuse_mode=reuse_mode, top_k=int(top_k), write=False,
-                           probe=ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP))
+    reuse = reuse if reuse is not None else ReuseConfig()
+    probe = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP,
+                        context_kv_mb=PROBE_CONTEXT_KV_MB if reuse.probe_context else 0.0)
+    options = ServeOptions(method="never", reuse_mode=reuse_mode, top_k=int(top_k), write=False, probe=probe,
+                           reuse=reuse)
     return PairContext(
         model=model, text_encoder=enc, encode=enc.encode,
         decode=lambda s: codec.latent_to_rgb(s[:1].float().cpu())[0].numpy(),
-        latent=comfy_glue.empty_latent(1), steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG,
-        sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store, options=options,
-        background=_embedded_background,
+        latent=comfy_glue.empty_latent(1, comfy_glue.model_version(model).name), steps=ecfg.DEFAULT_STEPS,
+        cfg=ecfg.DEFAULT_CFG, sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store,
+        options=options, background=_embedded_background,
     )
 
 
