@@ -108,6 +108,11 @@ class Env:
     cfg: float
     probe_steps: int
     top_k: int
+    version: str = ""  # the weights' embedded model version (its latent geometry); "" = the default
+
+    def latent(self) -> dict:
+        """An empty latent of the weights' version (v2 and v3 differ in frame size)."""
+        return self.glue.empty_latent(1, self.version or None)
 
 
 def load_env(args: argparse.Namespace, tmp: Path) -> Env:
@@ -128,7 +133,8 @@ def load_env(args: argparse.Namespace, tmp: Path) -> Env:
 
         easy = EasyCacheNode.execute(model, args.easycache_threshold, args.easycache_start, args.easycache_end,
                                      False).args[0]
-    return Env(model, easy, enc, dec, comfy_glue, args.steps, args.cfg, args.probe_steps, args.top_k)
+    return Env(model, easy, enc, dec, comfy_glue, args.steps, args.cfg, args.probe_steps, args.top_k,
+               comfy_glue.model_version(model).name)
 
 
 def dev_rule(thresholds: str, probe: Any) -> Any:
@@ -152,7 +158,7 @@ def dense_run(env: Env, model: Any, positive, negative, req: Request) -> Any:
     """What ComfyUI's KSampler does (nodes.common_ksampler), without the preview callback."""
     import comfy.sample
 
-    latent = env.glue.empty_latent(1)["samples"]
+    latent = env.latent()["samples"]
     latent = comfy.sample.fix_empty_latent_channels(model, latent)
     noise = comfy.sample.prepare_noise(latent, req.seed)
     return comfy.sample.sample(model, noise, env.steps, env.cfg, "euler", "simple", positive, negative, latent,
@@ -189,7 +195,7 @@ def run_request(env: Env, method: str, req: Request, store: Any, options: Any) -
         samples = dense_run(env, model, positive, negative, req)
         return samples, time.perf_counter() - t0, None
     spec = RequestSpec(prompt=req.prompt, seed=req.seed, steps=env.steps, cfg=env.cfg)
-    res = serve(model, env.enc, positive, negative, env.glue.empty_latent(1), spec, store, options)
+    res = serve(model, env.enc, positive, negative, env.latent(), spec, store, options)
     return res.latent["samples"], time.perf_counter() - t0, res
 
 
@@ -242,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         scratch = Store.open(tmp / "scratch", key_path=key)
         wprompt = "a big red ball moves to the right in the top left, on green grass"
         t0 = time.perf_counter()
-        first = serve(env.model, env.enc, env.enc.encode(wprompt), env.enc.encode(""), env.glue.empty_latent(1),
+        first = serve(env.model, env.enc, env.enc.encode(wprompt), env.enc.encode(""), env.latent(),
                       RequestSpec(wprompt, 123456789, env.steps, env.cfg), scratch,
                       serve_options("dense", None, 0.0, env, True))
         scratch.close()
@@ -272,7 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         t0 = time.perf_counter()
         for i, req in enumerate(wl.warm):
-            res = serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.glue.empty_latent(1),
+            res = serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.latent(),
                         RequestSpec(req.prompt, req.seed, env.steps, env.cfg), warm,
                         serve_options("dense", None, 0.0, env, True))
             print(f"warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s {req.prompt}",
