@@ -40,18 +40,13 @@ import torch  # noqa: E402
 
 
 def parse_variant(text: str):
-    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.lab.pairs import reuse_config_from
 
     name, _, body = text.partition(":")
-    fields = {f.name: f for f in dataclasses.fields(ReuseConfig)}
-    kw = {}
-    for item in filter(None, body.split(";")):
-        k, _, v = item.partition("=")
-        if k not in fields:
-            raise SystemExit(f"--variant {text!r}: ReuseConfig has no field {k!r}")
-        cur = getattr(ReuseConfig(), k)
-        kw[k] = (v.lower() in ("1", "true", "yes")) if isinstance(cur, bool) else type(cur)(v)
-    return name, dataclasses.replace(ReuseConfig(), **kw).validate()
+    try:
+        return name, reuse_config_from([item for item in body.split(";") if item])
+    except ValueError as exc:
+        raise SystemExit(f"--variant {text!r}: {exc}") from None
 
 
 def med(xs):

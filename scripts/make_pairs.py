@@ -125,28 +125,13 @@ def _requests(args: dict):
 
 
 def reuse_config(items: list[str]):
-    """``--reuse-set FIELD=VALUE`` items -> a validated ``ReuseConfig`` (a clear error for an unknown field or
-    value)."""
-    import dataclasses
+    """``--reuse-set FIELD=VALUE`` items -> a validated ``ReuseConfig`` (exits with a clear error otherwise)."""
+    from carnator.carnator_core.lab.pairs import reuse_config_from
 
-    from carnator.carnator_core.reuse import ReuseConfig
-
-    fields = {f.name for f in dataclasses.fields(ReuseConfig)}
-    kw: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields or key == "mode":
-            raise SystemExit(f"--reuse-set {item!r}: expected FIELD=VALUE with a ReuseConfig field other than mode "
-                             f"(--reuse-mode sets it): {sorted(fields - {'mode'})}")
-        cur = getattr(ReuseConfig(), key)
-        try:
-            kw[key] = (value.lower() in ("1", "true", "yes")) if isinstance(cur, bool) else type(cur)(value)
-        except ValueError as exc:
-            raise SystemExit(f"--reuse-set {item!r}: {exc}") from None
     try:
-        return dataclasses.replace(ReuseConfig(), **kw).validate()
+        return reuse_config_from(items)
     except ValueError as exc:
-        raise SystemExit(f"--reuse-set: {exc}") from None
+        raise SystemExit(f"--reuse-set {exc}") from None
 
 
 def _open(args: dict, threads: int):

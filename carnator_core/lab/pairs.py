@@ -446,6 +446,30 @@ class PairContext:
         return self._neg
 
 
+def reuse_config_from(items: list[str]) -> Any:
+    """``FIELD=VALUE`` strings -> a validated ``ReuseConfig`` of those fields over the defaults (booleans:
+    1/true/yes). ``mode`` is not settable here (labelling and benches take it separately). Raises ValueError
+    naming the bad item and the fields there are."""
+    import dataclasses
+
+    from ..reuse import ReuseConfig
+
+    fields = {f.name for f in dataclasses.fields(ReuseConfig)} - {"mode"}
+    kw: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key == "mode":
+            raise ValueError(f"{item!r}: the mode is set on its own (--reuse-mode), not as a field")
+        if not sep or key not in fields:
+            raise ValueError(f"{item!r}: expected FIELD=VALUE with a ReuseConfig field: {sorted(fields)}")
+        cur = getattr(ReuseConfig(), key)
+        try:
+            kw[key] = (value.lower() in ("1", "true", "yes")) if isinstance(cur, bool) else type(cur)(value)
+        except ValueError as exc:
+            raise ValueError(f"{item!r}: {exc}") from None
+    return dataclasses.replace(ReuseConfig(), **kw).validate()
+
+
 # The probe's keys/values budget when the labelled reuse uses them (ReuseConfig.probe_context): ample for every
 # embedded version (v3: 576 tokens x 8 blocks x 128 wide, cond + uncond = 9.4 MB).
 PROBE_CONTEXT_KV_MB = 64.0
