@@ -15,6 +15,7 @@ seconds per file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -34,23 +35,38 @@ SWAPS = {"colour": ("red", "blue"), "size": ("big", "small"), "position": ("top 
          "background": ("green grass", "blue sky")}
 
 
-def word_effects(weights: str, sigmas=(0.9, 0.6, 0.3), seed: int = 0) -> dict:
+@functools.lru_cache(maxsize=2)
+def _load(weights: str):
+    """(ModelPatcher, ModelVersion) of a weights file, loaded once per process (both diagnostics use it)."""
     from carnator.carnator_core.embedded import comfy_glue as g
 
     m, _, _ = g.load_embedded(weights)
-    ver = g.model_version(m)
+    return m, g.model_version(m)
+
+
+def _noisy(mm, ver, sigma: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, sigma tensor): an empty latent of ``ver`` noised to ``sigma`` with ``gen``'s next normal draw."""
+    from carnator.carnator_core.embedded import comfy_glue as g
+
+    lat = g.empty_latent(1, ver.name)["samples"]
+    s = torch.tensor([float(sigma)])
+    x = mm.model_sampling.noise_scaling(s.reshape(-1, 1, 1, 1, 1), torch.randn(lat.shape, generator=gen),
+                                        torch.zeros_like(lat))
+    return x, s
+
+
+def word_effects(weights: str, sigmas=(0.9, 0.6, 0.3), seed: int = 0) -> dict:
+    from carnator.carnator_core.embedded import comfy_glue as g
+
+    m, ver = _load(weights)
     enc = g.EmbeddedTextEncoder(ver.name)
     mm = m.model
-    lat = g.empty_latent(1, ver.name)["samples"]
     gen = torch.Generator().manual_seed(seed)
     out = {"weights": weights, "version": ver.name, "step": m.model.carnator_embedded_meta.get("step"),
            "base": BASE, "effects": {}}
     with torch.no_grad():
         for sigma in sigmas:
-            s = torch.tensor([float(sigma)])
-            x = mm.model_sampling.noise_scaling(s.reshape(-1, 1, 1, 1, 1), torch.randn(lat.shape, generator=gen),
-                                                torch.zeros_like(lat))
-
+            x, s = _noisy(mm, ver, sigma, gen)
             coords = mm.concat_cond(noise=x)
 
             def denoise(prompt: str, concat: torch.Tensor = coords) -> torch.Tensor:
@@ -71,10 +87,9 @@ def cross_attention_use(weights: str, sigma: float = 0.9, seed: int = 0) -> dict
     object's words and on the background words; and, for the position words ("top", "left"), the best head's
     correlation of its attention map with the token's distance from the right / bottom edge (near 1: queries read
     where a token sits and match it to the position words, as v2's first block does; near 0: they do not)."""
-    from carnator.carnator_core.embedded import comfy_glue as g, text as text_mod
+    from carnator.carnator_core.embedded import text as text_mod
 
-    m, _, _ = g.load_embedded(weights)
-    ver = g.model_version(m)
+    m, ver = _load(weights)
     mm = m.model
     dm = mm.diffusion_model
     enc = text_mod.encode(BASE, warn=False, version=ver.name)
@@ -84,12 +99,8 @@ def cross_attention_use(weights: str, sigma: float = 0.9, seed: int = 0) -> dict
         lambda mod, args, i=i: captured.__setitem__(i, (args[0].detach(), args[1].detach())))
         for i, b in enumerate(dm.blocks)]
     try:
-        lat = g.empty_latent(1, ver.name)["samples"]
-        gen = torch.Generator().manual_seed(seed)
-        s = torch.tensor([float(sigma)])
         with torch.no_grad():
-            x = mm.model_sampling.noise_scaling(s.reshape(-1, 1, 1, 1, 1), torch.randn(lat.shape, generator=gen),
-                                                torch.zeros_like(lat))
+            x, s = _noisy(mm, ver, sigma, torch.Generator().manual_seed(seed))
             mm.apply_model(x, s, c_crossattn=torch.from_numpy(enc.cond)[None], c_concat=mm.concat_cond(noise=x))
     finally:
         for h in hooks:
