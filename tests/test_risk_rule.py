@@ -1,6 +1,7 @@
 """Rule files: JSON round trip, validation, refusal of uncertified and mismatched rules."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -136,3 +137,33 @@ def test_hostile_rule_files_give_rule_errors(tmp_path):
         RiskRule.load(path)
     with pytest.raises(RuleFormatError, match="not found|cannot be read"):
         RiskRule.load(tmp_path / ("r" * 5000 + ".json"))
+
+
+def test_loading_a_rule_again_does_not_recompute_its_exact_bound_but_still_checks_it(tmp_path, monkeypatch):
+    """The Risk Filter node loads its rule file for every request: the exact excess bound (~0.1 s at n ≈ 150,
+    once more per stratum) is computed once per (label, n, k, c, δ), yet every load still compares the file's
+    upper_bound with it, so a file edited after the first load is refused."""
+    from carnator.carnator_core.risk import certify
+
+    calls = []
+    real = certify.excess_upper_bound
+
+    def counting(*a, **kw):
+        calls.append(a)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(certify, "excess_upper_bound", counting)
+    certify.certificate_bound.cache_clear()
+    n, k, c = 60, 2, 1
+    cert = Certificate(n=n, k=k, c=c, label="excess", upper_bound=certify.certificate_bound("excess", n, k, c, 0.1),
+                       alpha=0.2, delta=0.1, n_requests=80)
+    rule = dataclasses.replace(make_rule(), certificate=cert)
+    path = rule.save(tmp_path / "excess.json")
+    for _ in range(3):
+        assert RiskRule.load(path).certificate.upper_bound == cert.upper_bound
+    assert len(calls) == 1, f"the exact bound was computed {len(calls)} times for one certificate loaded 3 times"
+    doc = json.loads(path.read_text())
+    doc["certificate"]["upper_bound"] = cert.upper_bound / 2
+    path.write_text(json.dumps(doc))
+    with pytest.raises(RuleFormatError, match="does not match"):
+        RiskRule.load(path)
