@@ -76,6 +76,9 @@ LABELS = {
     "carnator_easycache": "Carnator + EasyCache",
 }
 DEFAULT_RULE = ROOT / "rules" / "embedded.json"
+# The Carnator + EasyCache row needs a rule certified on the EasyCache-patched model (its fingerprint covers the
+# patch): pairs labelled with `make_pairs.py --easycache ...`, calibrated as usual.
+DEFAULT_EASYCACHE_RULE = ROOT / "rules" / "embedded_easycache.json"
 
 
 # ----------------------------------------------------------------------------------------------------- setup
@@ -254,9 +257,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         scratch.close()
         print(f"warm-up request (not counted): {time.perf_counter() - t0:.1f}s", flush=True)
 
-        rule, rule_status = resolve_rule(args, first.probe)
+        needs = [m for m in ("carnator", "latent_only", "attention_only") if m in args.methods]
+        rule, rule_status = resolve_rule(args.rule, args, first.probe, bool(needs))
         info["rule"] = rule_status
         print(f"rule: {rule_status['summary']}", flush=True)
+        easy_rule = None
+        if "carnator_easycache" in args.methods:
+            scratch = Store.open(tmp / "scratch-easy", key_path=key)
+            easy_first = serve(env.easy_model, env.enc, env.enc.encode(wprompt), env.enc.encode(""), env.latent(),
+                               RequestSpec(wprompt, 123456789, env.steps, env.cfg), scratch,
+                               serve_options("dense", None, 0.0, env, True))
+            scratch.close()
+            easy_rule, easy_status = resolve_rule(args.easycache_rule, args, easy_first.probe, True)
+            info["easycache_rule"] = easy_status
+            print(f"Carnator + EasyCache rule: {easy_status['summary']}", flush=True)
         prompt_threshold = args.prompt_threshold
         if prompt_threshold is None:
             # The rule's own prompt-only comparison threshold (calibrated under the same risk constraint) if it
@@ -277,21 +291,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"prompt-only threshold: {prompt_threshold:.4f} ({info['prompt_threshold_source']})", flush=True)
 
         t0 = time.perf_counter()
-        for i, req in enumerate(wl.warm):
-            res = serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.latent(),
-                        RequestSpec(req.prompt, req.seed, env.steps, env.cfg), warm,
-                        serve_options("dense", None, 0.0, env, True))
-            print(f"warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s {req.prompt}",
-                  flush=True)
+        # The EasyCache-patched model is another namespace (the fingerprint covers patches): its cache is warmed
+        # by the same requests served on it, as a farm running Carnator + EasyCache would have filled it.
+        warm_models = [("", env.model, warm)]
+        if "carnator_easycache" in args.methods:
+            warm_models.append(("easy ", env.easy_model, Store.open(tmp / "warm-easy", key_path=key)))
+        for tag, model, store in warm_models:
+            for i, req in enumerate(wl.warm):
+                res = serve(model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.latent(),
+                            RequestSpec(req.prompt, req.seed, env.steps, env.cfg), store,
+                            serve_options("dense", None, 0.0, env, True))
+                print(f"{tag}warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s "
+                      f"{req.prompt}", flush=True)
         info["warm_seconds"] = time.perf_counter() - t0
         info["warm_entries"] = warm.stats().entries
-        warm.close()
+        for _tag, _model, store in warm_models:
+            store.close()
 
         methods = [m for m in ALL_METHODS if m in args.methods]
         stores: dict[str, Any] = {}
         for m in methods:
             if m not in NO_CACHE:
-                shutil.copytree(warm_dir, tmp / m)
+                shutil.copytree(tmp / "warm-easy" if m == "carnator_easycache" else warm_dir, tmp / m)
                 stores[m] = Store.open(tmp / m, key_path=key)
         records: dict[str, list[M.RequestRecord]] = {m: [] for m in methods}
         ref_cache: dict[tuple, list[float]] = {}
@@ -300,7 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = methods[i % len(methods):] + methods[:i % len(methods)]
             outs: dict[str, tuple[M.RequestRecord, Any, Any]] = {}
             for m in order:
-                opts = serve_options(m, rule, prompt_threshold, env, not args.frozen_cache)
+                opts = serve_options(m, easy_rule if m == "carnator_easycache" else rule, prompt_threshold, env,
+                                     not args.frozen_cache)
                 samples, sec, res = run_request(env, m, req, stores.get(m), opts)
                 rec, clip = record_of(env, m, req, samples, sec, res)
                 outs[m] = (rec, clip, samples)
@@ -385,14 +407,15 @@ def hits_markdown(info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve_rule(args: argparse.Namespace, probe: Any) -> tuple[Any, dict[str, Any]]:
-    """The risk rule for the Carnator rows, and a status dict saying exactly what it is."""
+def resolve_rule(rule_path: str, args: argparse.Namespace, probe: Any, needed: bool
+                 ) -> tuple[Any, dict[str, Any]]:
+    """The risk rule at ``rule_path`` for rows served on the model ``probe`` ran on (it must apply to that model
+    and config), and a status dict saying exactly what it is."""
     from carnator.carnator_core.risk.rule import RiskRule, RuleError
 
-    needs_rule = any(m in args.methods for m in ("carnator", "latent_only", "attention_only", "carnator_easycache"))
-    if not needs_rule:
+    if not needed:
         return None, {"summary": "no Carnator method selected", "certified": None}
-    path = Path(args.rule)
+    path = Path(rule_path)
     fp, cfp = probe.model_fingerprint, probe.config.fingerprint()
     if path.exists():
         try:
@@ -407,8 +430,9 @@ def resolve_rule(args: argparse.Namespace, probe: Any) -> tuple[Any, dict[str, A
                       "certificate": c.to_dict(), "thresholds": rule.thresholds.to_dict()}
     if not args.allow_uncertified:
         raise SystemExit(f"risk rule {path} not found. The Carnator rows need the certified rule for the embedded "
-                         "model (rules/embedded.json, see rules/README.md). For a development run only, pass "
-                         "--allow-uncertified (with --dev-thresholds) — such numbers must not be published.")
+                         "model (rules/embedded.json; for Carnator + EasyCache rules/embedded_easycache.json, "
+                         "see rules/README.md). For a development run only, pass --allow-uncertified (with "
+                         "--dev-thresholds) — such numbers must not be published.")
     rule = dev_rule(args.dev_thresholds, probe)
     return rule, {"summary": f"UNCERTIFIED development rule, thresholds {rule.thresholds.to_dict()} "
                              f"({path} not found)", "certified": False, "thresholds": rule.thresholds.to_dict(),
@@ -434,7 +458,9 @@ def markdown(info: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in s.items():
         label = LABELS[m]
-        if m in ("carnator", "latent_only", "attention_only", "carnator_easycache") and cert is False:
+        easy_cert = info.get("easycache_rule", {}).get("certified")
+        if (m in ("carnator", "latent_only", "attention_only") and cert is False) or (
+                m == "carnator_easycache" and easy_cert is False):
             label += " — UNCERTIFIED rule"
         if m == "dense":
             hit_lat = f"{_f(s.get('carnator', {}).get('dense_latency_on_hits_s'), '.2f')} (on Carnator's hits)" \
@@ -472,6 +498,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--probe-steps", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=5, help="candidates recalled per request (the workflows use 5)")
     ap.add_argument("--rule", default=str(DEFAULT_RULE), help="risk rule file for the Carnator rows")
+    ap.add_argument("--easycache-rule", default=str(DEFAULT_EASYCACHE_RULE),
+                    help="risk rule for the Carnator + EasyCache row: certified on the EasyCache-patched model "
+                         "(make_pairs.py --easycache); the unpatched model's rule does not apply to it")
     ap.add_argument("--allow-uncertified", action="store_true",
                     help="development only: accept an uncertified rule / build one from --dev-thresholds")
     ap.add_argument("--dev-thresholds", default="8,0.5,1.0,10",

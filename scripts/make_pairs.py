@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
 RUN_KEYS = ("weights", "seed", "warm", "queries", "top_k", "kinds", "labeler", "tolerance", "reuse_mode",
-            "p_same_seed", "label_missing", "label", "artifact_ratio")
+            "p_same_seed", "label_missing", "label", "artifact_ratio", "easycache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a ReuseConfig field every labelled hit runs with (repeatable), e.g. probe_context=1 (the "
                         "probe then keeps its keys/values); recorded in the part headers and the rule")
+    p.add_argument("--easycache", default="", metavar="THRESHOLD,START,END",
+                   help="label on the model patched by ComfyUI's EasyCache node with these settings (e.g. "
+                        "0.2,0.15,0.95, its defaults): warm entries, dense references and reuses all run under "
+                        "EasyCache, so the rule made from the pairs certifies Carnator + EasyCache against "
+                        "EasyCache alone (its model fingerprint covers the patch); default: no EasyCache")
     p.add_argument("--label-missing", choices=("top", "all"), default="top",
                    help="reuse-label candidates with a named object on one side only: 'top' = only when most "
                    "similar (all that calibration and the prompt-only baseline use; default), 'all' = always")
@@ -134,6 +139,16 @@ def reuse_config(items: list[str]):
         raise SystemExit(f"--reuse-set {exc}") from None
 
 
+def easycache_settings(text: str):
+    """``--easycache THRESHOLD,START,END`` -> checked settings or None (exits with a clear error otherwise)."""
+    from carnator.carnator_core.lab.pairs import parse_easycache
+
+    try:
+        return parse_easycache(text)
+    except ValueError as exc:
+        raise SystemExit(f"--easycache: {exc}") from None
+
+
 def _open(args: dict, threads: int):
     conftest.ensure_comfy_importable()
     import torch
@@ -145,7 +160,8 @@ def _open(args: dict, threads: int):
     work = Path(args["work"])
     store = Store.open(work / "store", key_path=work / "index.key", durable=False)
     ctx = pairs.embedded_context(store, args["weights"] or None, top_k=args["top_k"], reuse_mode=args["reuse_mode"],
-                                 reuse=reuse_config(args.get("reuse_set") or []))
+                                 reuse=reuse_config(args.get("reuse_set") or []),
+                                 easycache=easycache_settings(args.get("easycache") or ""))
     return store, ctx
 
 
@@ -276,6 +292,9 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
         "min_similarity": DEFAULT_MIN_SIMILARITY,  # pairs.embedded_context recalls with ServeOptions' default
         "label_missing": args["label_missing"],
         "reuse_mode": args["reuse_mode"],
+        # Descriptive only: the model fingerprint already covers the patch and its settings.
+        "model_patch": (f"ComfyUI EasyCache (threshold, start, end) = ({args['easycache']})"
+                        if args.get("easycache") else "none"),
         "requests_labelled": len(by_req),
         "requests_planned": len(queries),
     })
@@ -356,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if args["weights"]:
         args["weights"] = str(Path(args["weights"]).resolve())
     reuse_config(args["reuse_set"])  # a bad --reuse-set fails here, before any work (the part headers record it)
+    easycache_settings(args["easycache"])  # likewise a bad --easycache
     work = Path(args["work"])
     work.mkdir(parents=True, exist_ok=True)
     run_file = work / "run.json"

@@ -134,6 +134,13 @@ def test_v3_weights_load_as_v3_and_sample(glue, tmp_path) -> None:
     assert ctx.options.probe.context_kv_mb > 0  # the probe keeps the keys/values those hits use
     plain = pairs.embedded_context(store, path)
     assert plain.options.hit_reuse == ReuseConfig() and plain.options.probe.context_kv_mb == 0
+    # labelling for Carnator + EasyCache runs on the EasyCache-patched clone: another model fingerprint (so the
+    # rule it makes applies to that composition only)
+    from carnator.carnator_core.comfy_patch import model_fingerprint
+
+    easy = pairs.embedded_context(store, path, easycache=(0.2, 0.15, 0.95))
+    assert tuple(easy.latent["samples"].shape) == (1,) + v3.latent_shape
+    assert model_fingerprint(easy.model, "embedded") != model_fingerprint(plain.model, "embedded")
     # a file whose config is none of the versions is refused with the versions it could have been
     bad = tmp_path / "bad.safetensors"
     train.save_weights(build_wan(init=True, **{**v3.model_config(), "num_layers": 3}).state_dict(), bad,

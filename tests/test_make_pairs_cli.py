@@ -51,3 +51,17 @@ def test_reuse_set_is_checked_before_any_work(tmp_path):
     r = _run(*common, "--reuse-set", "mode=latent")
     assert r.returncode != 0 and "--reuse-mode" in r.stderr
     assert not work.exists()
+
+
+def test_easycache_settings_are_checked_before_any_work(tmp_path):
+    """``--easycache THRESHOLD,START,END`` labels on the EasyCache-patched model; malformed or impossible settings
+    fail at once with what is wrong, before a work directory is created."""
+    work, out = tmp_path / "w", tmp_path / "pairs.jsonl"
+    common = ["--work", str(work), "--out", str(out), "--seed", "5", "--warm", "4", "--queries", "9"]
+    r = _run(*common, "--easycache", "0.2,0.15")
+    assert r.returncode != 0 and "THRESHOLD,START,END" in r.stderr
+    r = _run(*common, "--easycache", "0.2,0.9,0.5")
+    assert r.returncode != 0 and "start < end" in r.stderr
+    r = _run(*common, "--easycache", "0,0.15,0.95")
+    assert r.returncode != 0 and "positive" in r.stderr
+    assert not work.exists()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -475,18 +476,52 @@ def reuse_config_from(items: list[str]) -> Any:
 PROBE_CONTEXT_KV_MB = 64.0
 
 
+def parse_easycache(text: str) -> tuple[float, float, float] | None:
+    """``"THRESHOLD,START,END"`` (the settings of ComfyUI's EasyCache node: reuse threshold, start and end
+    percent of the schedule) -> a checked tuple; ``""`` -> None (no EasyCache). Raises ValueError saying what is
+    wrong."""
+    if not text.strip():
+        return None
+    try:
+        threshold, start, end = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"EasyCache settings are THRESHOLD,START,END numbers (e.g. 0.2,0.15,0.95, the node's "
+                         f"defaults), got {text!r}") from None
+    if not (math.isfinite(threshold) and threshold > 0):
+        raise ValueError(f"the EasyCache reuse threshold must be a positive number, got {threshold}")
+    if not (0.0 <= start < end <= 1.0):
+        raise ValueError(f"EasyCache start and end percent need 0 <= start < end <= 1, got {start}, {end}")
+    return threshold, start, end
+
+
+def easycache_model(model: Any, settings: tuple[float, float, float]) -> Any:
+    """``model`` patched by ComfyUI core's EasyCache node with ``settings`` (threshold, start, end; verbose off):
+    the patched clone a user wires in front of Carnator. Its model fingerprint covers the patch and the settings,
+    so pairs labelled on it make a rule that applies to exactly this composition."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    threshold, start, end = settings
+    return EasyCacheNode.execute(model, threshold, start, end, False).args[0]
+
+
 def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, top_k: int = 3,
-                     reuse_mode: str = "joint", reuse: Any = None) -> PairContext:
+                     reuse_mode: str = "joint", reuse: Any = None,
+                     easycache: tuple[float, float, float] | None = None) -> PairContext:
     """A :class:`PairContext` for the embedded model with its default config (20 euler steps, simple, CFG 5,
     probe after 4 steps) and the latent geometry of the weights' version. ``reuse`` (a ``ReuseConfig``; default:
     the default settings) is what every labelled hit runs with; when it uses the probe's keys/values the probe
-    keeps them. Imports ComfyUI (through the embedded glue)."""
+    keeps them. ``easycache`` (threshold, start, end): every generation — warm entries, probes, dense references
+    and reuses — runs on the EasyCache-patched model (:func:`easycache_model`), so the labels compare Carnator +
+    EasyCache with EasyCache alone. Imports ComfyUI (through the embedded glue)."""
     from ..embedded import codec, comfy_glue, config as ecfg
     from ..probe import ProbeConfig
     from ..request import ServeOptions
     from ..reuse import ReuseConfig
 
     model, enc, _dec = comfy_glue.load_embedded(weights)
+    version = comfy_glue.model_version(model).name
+    if easycache is not None:
+        model = easycache_model(model, easycache)
     reuse = reuse if reuse is not None else ReuseConfig()
     probe = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP,
                         context_kv_mb=PROBE_CONTEXT_KV_MB if reuse.probe_context else 0.0)
@@ -495,7 +530,7 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
     return PairContext(
         model=model, text_encoder=enc, encode=enc.encode,
         decode=lambda s: codec.latent_to_rgb(s[:1].float().cpu())[0].numpy(),
-        latent=comfy_glue.empty_latent(1, comfy_glue.model_version(model).name), steps=ecfg.DEFAULT_STEPS,
+        latent=comfy_glue.empty_latent(1, version), steps=ecfg.DEFAULT_STEPS,
         cfg=ecfg.DEFAULT_CFG, sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store,
         options=options, background=_embedded_background,
     )
@@ -904,9 +939,9 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
 
 __all__ = [
     "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler",
-    "PairContext", "PairRequest",
-    "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult", "ToleranceLabeler", "append_rows",
-    "done_requests", "embedded_checker_labeler", "embedded_context", "embedded_queries", "embedded_warm_set",
-    "header_for", "judge_against_dense", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db",
-    "read_rows", "summarize_by_kind", "warm_entry", "write_header",
+    "PairContext", "PairRequest", "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult",
+    "ToleranceLabeler", "append_rows", "done_requests", "easycache_model", "embedded_checker_labeler",
+    "embedded_context", "embedded_queries", "embedded_warm_set", "header_for", "parse_easycache",
+    "judge_against_dense", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
+    "summarize_by_kind", "warm_entry", "write_header",
 ]
