@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--ref-seeds", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[], help="name:field=value;... (ReuseConfig)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weights", type=Path, default=None, help="embedded weights (default: the shipped ones)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None, help="write dense | hit | |diff| frames of each hit here")
     args = ap.parse_args()
@@ -78,7 +79,7 @@ def main() -> int:
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
     tmp = Path(tempfile.mkdtemp(prefix="carnator-hits-"))
     store = Store.open(tmp / "cache", key_path=tmp / "key")
-    ctx = pairs.embedded_context(store)
+    ctx = pairs.embedded_context(store, args.weights)
     warm, scenes = pairs.embedded_warm_set(args.seed, args.warm)
     entry = {}
     dense_clip_of = {}

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Why a reuse region is as large as it is: the evidence behind ``reuse.active_region``, term by term.
+
+    .host/venv/bin/python scripts/region_evidence.py [--weights W] [--pairs N] [--seed S] [--reuse-set F=V ...]
+
+Draws same-seed request pairs from the embedded world the way the pairs labelling does (a warm request and a
+query derived from it by one change of each kind), runs the Early Probe on both (default config), and reports per
+kind the median share of the tokens each term of the region activates on its own:
+
+* ``x0``        tokens where the x0 predictions at step k disagree (``x0_threshold`` × median magnitude);
+* ``masks``     objects whose masks moved (IoU < ``mask_iou_same``) — their symmetric difference, or the whole
+                support with ``whole_objects``;
+* ``x0_obj``    objects activated whole because x0 disagrees over ≥ ``x0_object_fraction`` of them;
+* ``recolour``  objects activated whole because their colour moved > ΔE 8;
+* ``no_x0_undilated`` the region without the x0 terms, before dilation (masks, colours, changed-background
+                cells: median object-free cell ΔE > ``context_delta``);
+* ``region``    the region itself (``active_region``, after dilation) — what the sampler recomputes.
+
+Also the median x0 disagreement ratio (per-token |Δx0| / median |x0|) on the background, which says whether the
+x0 threshold sits above the model's wording-to-wording jitter. Offline tooling: imports ComfyUI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
+
+
+def terms(target, cached, tx0: np.ndarray, cx0: np.ndarray, patch, config) -> dict[str, float]:
+    """Token share of each evidence term alone (same definitions as ``reuse.active_region``)."""
+    from carnator.carnator_core import reuse as R
+
+    grid = tuple(target.grid)
+    n = float(np.prod(grid))
+    t = config.mask_threshold
+    diff = R._token_pool(tx0 - cx0, patch, grid)
+    mag = R._token_pool(tx0, patch, grid)
+    scale = float(np.median(mag)) + 1e-6
+    x0_differs = diff > config.x0_threshold * scale
+    masks = np.zeros(grid, bool)
+    x0_obj = np.zeros(grid, bool)
+    recol = np.zeros(grid, bool)
+    union = np.zeros(grid, bool)
+    for obj in target.objects:
+        other = cached.get(obj.name)
+        mt = obj.mask >= t * max(float(obj.mask.max()), 1e-8)
+        if other is None:
+            masks |= mt
+            continue
+        mc = other.mask >= t * max(float(other.mask.max()), 1e-8)
+        both = mt | mc
+        union |= both
+        if R.mask_iou(mt, mc) < config.mask_iou_same:
+            masks |= both if config.whole_objects else (mt ^ mc)
+        if float((x0_differs & both).sum()) >= max(1.0, config.x0_object_fraction * float(both.sum())):
+            x0_obj |= both
+        if float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > 8.0:
+            recol |= both
+    region = R.active_region(target, cached, tx0, cx0, patch, config)
+    # the region without the x0 terms and before dilation: masks, colours and the changed-background cells
+    no_x0 = R.active_region(target, cached, cx0, cx0, patch, R.ReuseConfig(**{**config.to_meta(), "dilation": 0}))
+    ratio = diff / scale
+    bg = ~union
+    return {"x0": x0_differs.sum() / n, "masks": masks.sum() / n, "x0_obj": x0_obj.sum() / n,
+            "recolour": recol.sum() / n, "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
+            "x0_ratio_bg_median": float(np.median(ratio[bg])) if bg.any() else float("nan"),
+            "x0_ratio_bg_p90": float(np.quantile(ratio[bg], 0.9)) if bg.any() else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", type=Path, default=None)
+    ap.add_argument("--pairs", type=int, default=6, help="pairs per kind")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default="paraphrase,colour,size,position,motion,object")
+    ap.add_argument("--reuse-set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    conftest.ensure_comfy_importable()
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    from carnator.carnator_core.embedded import comfy_glue, config as ecfg
+    from carnator.carnator_core.lab import pairs
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, probe_request, signature_stage
+
+    reuse = pairs.reuse_config_from(args.reuse_set)
+    model, enc, _ = comfy_glue.load_embedded(args.weights)
+    version = comfy_glue.model_version(model).name
+    latent = comfy_glue.empty_latent(1, version)
+    patch = tuple(model.model.diffusion_model.patch_size)
+    kinds = [k for k in args.kinds.split(",") if k]
+    warm, scenes = pairs.embedded_warm_set(args.seed, 4 * args.pairs)
+    queries = pairs.embedded_queries(args.seed, 12 * args.pairs * len(kinds), warm, scenes, kinds=tuple(kinds),
+                                     p_same_seed=1.0)
+    by_id = {w.request_id: w for w in warm}
+    cfg = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP)
+    cache: dict[tuple[str, int], tuple] = {}
+
+    def probe_of(prompt: str, seed: int):
+        if (prompt, seed) not in cache:
+            spec = RequestSpec(prompt=prompt, seed=seed, steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG)
+            p = probe_request(model, enc.encode(prompt), enc.encode(""), latent, spec, cfg, enc)
+            sig, _ = signature_stage(p)
+            cache[(prompt, seed)] = (sig, p.x0_probe.float().numpy())
+        return cache[(prompt, seed)]
+
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for q in queries:
+        if len(rows[q.kind]) >= args.pairs or q.source not in by_id:
+            continue
+        src = by_id[q.source]
+        if q.seed != src.seed:
+            continue
+        ts, tx = probe_of(q.prompt, q.seed)
+        cs, cx = probe_of(src.prompt, src.seed)
+        t = terms(ts, cs, tx, cx, patch, reuse)
+        rows[q.kind].append(t)
+        print(f"{q.kind:>10} " + " ".join(f"{k}={v:.2f}" for k, v in t.items()) + f"  | {q.prompt}", flush=True)
+    summary = {k: {name: round(statistics.median(r[name] for r in rs), 3) for name in rs[0]}
+               for k, rs in rows.items() if rs}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
