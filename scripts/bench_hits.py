@@ -80,7 +80,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="carnator-hits-"))
     store = Store.open(tmp / "cache", key_path=tmp / "key")
     ctx = pairs.embedded_context(store, args.weights)
-    warm, scenes = pairs.embedded_warm_set(args.seed, args.warm)
+    frame = pairs.embedded_frame(comfy_glue.model_version(ctx.model).name)  # scenes in the weights' geometry
+    warm, scenes = pairs.embedded_warm_set(args.seed, args.warm, frame)
     entry = {}
     dense_clip_of = {}
     for w in warm:
@@ -88,7 +89,7 @@ def main() -> int:
         entry[w.request_id] = eid
         dense_clip_of[w.request_id] = ctx.decode(res.latent["samples"])
     queries = pairs.embedded_queries(args.seed, args.queries, warm, scenes, kinds=args.kinds.split(","),
-                                     p_same_seed=args.p_same_seed)
+                                     p_same_seed=args.p_same_seed, frame=frame)
     verdicts = lambda clip, prompt: pairs._verdicts(checker.check(clip, prompt))  # noqa: E731
     rows = []
     serve_opts = dataclasses.replace(ctx.options, method="never", write=False)

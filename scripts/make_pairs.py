@@ -120,12 +120,17 @@ def _labeler(args: dict):
 
 
 def _requests(args: dict):
+    """The warm set and queries of this run, drawn in the clip geometry of the weights' version."""
     from carnator.carnator_core.lab import pairs
 
-    warm, scenes = pairs.embedded_warm_set(args["seed"], args["warm"])
+    try:
+        frame = pairs.embedded_frame(pairs.weights_version(args["weights"]))
+    except ValueError as exc:
+        raise SystemExit(f"--weights: {exc}") from None
+    warm, scenes = pairs.embedded_warm_set(args["seed"], args["warm"], frame)
     queries = pairs.embedded_queries(args["seed"], args["queries"], warm, scenes,
                                      kinds=tuple(k for k in args["kinds"].split(",") if k),
-                                     p_same_seed=args["p_same_seed"])
+                                     p_same_seed=args["p_same_seed"], frame=frame)
     return warm, queries
 
 

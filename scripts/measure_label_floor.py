@@ -65,11 +65,15 @@ def requests(args: argparse.Namespace):
     from carnator.carnator_core.embedded import world
     from carnator.carnator_core.lab import pairs
 
-    warm, scenes = pairs.embedded_warm_set(args.seed, args.warm)
+    try:  # scenes in the clip geometry of the weights' version, as make_pairs.py draws them
+        frame = pairs.embedded_frame(pairs.weights_version(args.weights or None))
+    except ValueError as exc:
+        raise SystemExit(f"--weights: {exc}") from None
+    warm, scenes = pairs.embedded_warm_set(args.seed, args.warm, frame)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not args.objects:
         return pairs.embedded_queries(args.seed, args.queries, warm, scenes, kinds=kinds,
-                                      p_same_seed=args.p_same_seed)
+                                      p_same_seed=args.p_same_seed, frame=frame)
     if not any(len(sc.objects) == args.objects for sc, _ in scenes.values()):
         raise SystemExit(f"no warm scene of --seed {args.seed} --warm {args.warm} has {args.objects} objects: "
                          "raise --warm")
@@ -78,7 +82,8 @@ def requests(args: argparse.Namespace):
     m = args.queries
     while True:
         m *= 2
-        qs = [q for q in pairs.embedded_queries(args.seed, m, warm, scenes, kinds=kinds, p_same_seed=args.p_same_seed)
+        qs = [q for q in pairs.embedded_queries(args.seed, m, warm, scenes, kinds=kinds, p_same_seed=args.p_same_seed,
+                                                frame=frame)
               if len(world.parse_caption(q.prompt).objects) == args.objects]
         if len(qs) >= args.queries:
             return qs[:args.queries]

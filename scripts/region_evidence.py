@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     latent = comfy_glue.empty_latent(1, version)
     patch = tuple(model.model.diffusion_model.patch_size)
     kinds = [k for k in args.kinds.split(",") if k]
-    warm, scenes = pairs.embedded_warm_set(args.seed, 4 * args.pairs)
+    frame = pairs.embedded_frame(version)
+    warm, scenes = pairs.embedded_warm_set(args.seed, 4 * args.pairs, frame)
     queries = pairs.embedded_queries(args.seed, 12 * args.pairs * len(kinds), warm, scenes, kinds=tuple(kinds),
-                                     p_same_seed=1.0)
+                                     p_same_seed=1.0, frame=frame)
     by_id = {w.request_id: w for w in warm}
     cfg = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP)
     cache: dict[tuple[str, int], tuple] = {}

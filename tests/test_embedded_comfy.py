@@ -127,6 +127,7 @@ def test_v3_weights_load_as_v3_and_sample(glue, tmp_path) -> None:
     from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.reuse import ReuseConfig
 
+    assert pairs.weights_version(path) == "v3"  # without loading: what make_pairs draws its scenes for
     store = Store.open(tmp_path / "store", key_path=tmp_path / "index.key", durable=False)
     ctx = pairs.embedded_context(store, path, reuse=ReuseConfig(probe_context=True, refreshes=4))
     assert tuple(ctx.latent["samples"].shape) == (1,) + v3.latent_shape

@@ -38,6 +38,34 @@ TOP_K = 3
 # ----------------------------------------------------------------------------------------- fast (no model)
 
 
+def test_requests_are_drawn_in_the_weights_versions_frame(tmp_path):
+    """Scenes for a version's model are drawn in its clip geometry: the default (v2) frame reproduces the
+    requests every earlier run drew; v3's 48-px frame lets more two-object scenes through the no-overlap rule,
+    and no two objects of any v3 request overlap in v3's frame."""
+    from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.lab import pairs
+
+    assert pairs.embedded_warm_set(30, 60) == pairs.embedded_warm_set(30, 60, pairs.embedded_frame("v2"))
+    assert pairs.weights_version(None) == "v2"
+    v3 = pairs.embedded_frame("v3")
+    assert (v3.height, v3.width) == (48, 48)
+    two = {}
+    for name, frame in (("v2", pairs.embedded_frame("v2")), ("v3", v3)):
+        warm, scenes = pairs.embedded_warm_set(30, 60, frame)
+        qs = pairs.embedded_queries(30, 90, warm, scenes, frame=frame)
+        two[name] = sum(len(world.parse_caption(q.prompt).objects) == 2 for q in qs)
+        if name == "v3":
+            assert not any(world._overlaps(world.parse_caption(q.prompt), v3) for q in qs)
+    assert two["v3"] > 2 * two["v2"], two
+    bad = tmp_path / "not_weights.safetensors"
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(bad), metadata={"config": "{}"})
+    with pytest.raises(ValueError, match="not embedded weights of a known version"):
+        pairs.weights_version(bad)
+
+
 def test_embedded_requests_are_deterministic_and_controlled():
     from carnator.carnator_core.embedded import world
     from carnator.carnator_core.lab import pairs

@@ -86,19 +86,50 @@ def _caption(scene: Any, caption_seed: int) -> str:
     return world.caption(scene, np.random.default_rng(caption_seed))
 
 
-def embedded_warm_set(seed: int, n: int) -> tuple[list[PairRequest], dict[str, tuple[Any, int]]]:
-    """``n`` warm requests from the embedded world (held-in combinations only, 1–2 objects).
+def embedded_frame(version: str | None = None) -> Any:
+    """The clip geometry (``world.Frame``) of an embedded model version (default: the default version): scenes
+    for that version's model are drawn in it, so two objects overlap (and are redrawn) as often as its own
+    clips make them."""
+    from ..embedded import config as ecfg, world
+
+    v = ecfg.version(version)
+    return world.Frame(v.frames, v.height, v.width)
+
+
+def weights_version(weights: str | os.PathLike | None) -> str:
+    """The embedded version a weights file was trained as, from its stored config (safetensors metadata; no
+    ComfyUI import), or the default version's name for ``None`` (the shipped weights). ValueError for a file
+    that is not embedded weights of a known version."""
+    from ..embedded import config as ecfg
+
+    if not weights:
+        return ecfg.DEFAULT_VERSION
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        stored = json.loads((f.metadata() or {}).get("config", "null"))
+    found = ecfg.version_of_config(stored) if isinstance(stored, dict) else None
+    if found is None:
+        raise ValueError(f"{weights} is not embedded weights of a known version (stored config {stored})")
+    return found.name
+
+
+def embedded_warm_set(seed: int, n: int, frame: Any = None) -> tuple[list[PairRequest], dict[str, tuple[Any, int]]]:
+    """``n`` warm requests from the embedded world (held-in combinations only, 1–2 objects), drawn in ``frame``
+    (default: the default version's; pass :func:`embedded_frame` of the weights' version — a 48-px v3 frame lets
+    more two-object scenes through the no-overlap rule than v2's 32 px).
 
     Returns (requests, {request_id: (scene, caption_seed)}) — the scene and caption seed let queries be
     derived by a controlled edit with the same caption template.
     """
     from ..embedded import world
 
+    frame = frame if frame is not None else world.DEFAULT_FRAME
     rng = np.random.default_rng([seed, 0])
     out: list[PairRequest] = []
     scenes: dict[str, tuple[Any, int]] = {}
     for i in range(n):
-        scene = world.sample_scene(rng, held_out=False)
+        scene = world.sample_scene(rng, held_out=False, frame=frame)
         cap_seed = int(rng.integers(2**31))
         rid = f"w{i:04d}"
         out.append(PairRequest(rid, _caption(scene, cap_seed), int(rng.integers(2**31)), "warm", ""))
@@ -106,9 +137,12 @@ def embedded_warm_set(seed: int, n: int) -> tuple[list[PairRequest], dict[str, t
     return out, scenes
 
 
-def _edit(kind: str, scene: Any, rng: np.random.Generator) -> Any | None:
-    """The scene with one attribute of its first object (or the background) changed; None if impossible."""
+def _edit(kind: str, scene: Any, rng: np.random.Generator, frame: Any = None) -> Any | None:
+    """The scene with one attribute of its first object (or the background) changed; None if impossible (or if
+    the edited objects would overlap in ``frame``, default: the default version's)."""
     from ..embedded import world
+
+    frame = frame if frame is not None else world.DEFAULT_FRAME
 
     objs = list(scene.objects)
     first = objs[0]
@@ -145,14 +179,16 @@ def _edit(kind: str, scene: Any, rng: np.random.Generator) -> Any | None:
         return None
     edited = replace(scene, objects=(new, *others))
     # The world never shows held-out combinations or overlapping objects at calibration time.
-    if world.is_held_out(new) or world._overlaps(edited):
+    if world.is_held_out(new) or world._overlaps(edited, frame):
         return None
     return edited
 
 
 def embedded_queries(seed: int, n: int, warm: Sequence[PairRequest], scenes: Mapping[str, tuple[Any, int]],
-                     kinds: Sequence[str] = QUERY_KINDS, p_same_seed: float = 0.5) -> list[PairRequest]:
-    """``n`` query requests, each derived from a uniformly drawn warm request by one kind of change.
+                     kinds: Sequence[str] = QUERY_KINDS, p_same_seed: float = 0.5,
+                     frame: Any = None) -> list[PairRequest]:
+    """``n`` query requests, each derived from a uniformly drawn warm request by one kind of change (edits are
+    checked for overlapping objects in ``frame``, the warm set's).
 
     Kinds cycle through ``kinds`` in a seeded random order (each kind gets n / len(kinds) queries ± 1); the
     first m queries of a run of n > m are the queries of a run of m (prefix-stable). Edits
@@ -187,7 +223,7 @@ def embedded_queries(seed: int, n: int, warm: Sequence[PairRequest], scenes: Map
                 prompt = world.caption(scene, rng)
                 s = src.seed if keep_seed else new_seed
             else:
-                edited = _edit(kind, scene, rng)
+                edited = _edit(kind, scene, rng, frame)
                 if edited is None:
                     continue
                 prompt = _caption(edited, cap_seed)
@@ -940,8 +976,8 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
 __all__ = [
     "CandidateOutcome", "CheckerLabeler", "combine_pairs_files", "EMBEDDED_UNSAFE_DEFINITION", "Labeler",
     "PairContext", "PairRequest", "QUERY_KINDS", "RequestOutcome", "StreamRecord", "StreamResult",
-    "ToleranceLabeler", "append_rows", "done_requests", "easycache_model", "embedded_checker_labeler",
-    "embedded_context", "embedded_queries", "embedded_warm_set", "header_for", "parse_easycache",
+    "ToleranceLabeler", "append_rows", "done_requests", "easycache_model", "embedded_checker_labeler", "embedded_frame",
+    "embedded_context", "embedded_queries", "embedded_warm_set", "header_for", "parse_easycache", "weights_version",
     "judge_against_dense", "label_request", "mean_ssim", "measure_stream", "outcome_rows", "psnr_db", "read_rows",
     "summarize_by_kind", "warm_entry", "write_header",
 ]
