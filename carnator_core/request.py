@@ -62,6 +62,11 @@ class RequestSpec:
     stage: Stage = Stage()
 
 
+# The probe's keys/values budget when a rule's reuse settings read them (``ServeOptions.following_rule``): every
+# embedded version fits (v3: 9.4 MiB); Wan at 480p x 81 frames does not (~12 GiB) and keeps nothing.
+RULE_CONTEXT_KV_MB = 64.0
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """How the request is served.
@@ -95,6 +100,24 @@ class ServeOptions:
     def hit_reuse(self) -> ReuseConfig:
         """The reuse settings a hit runs with (``reuse`` in ``reuse_mode``): what pair labelling runs and records."""
         return replace(self.reuse, mode=self.reuse_mode)
+
+    def following_rule(self) -> "ServeOptions":
+        """These options with the reuse settings ``rule`` was certified with (its ``"reuse"`` record), for method
+        "carnator": the hit then runs exactly the certified path, and when that path reads the probe's
+        keys/values (``probe_context``) the probe keeps them (at least ``RULE_CONTEXT_KV_MB``; all or nothing, so
+        a model too large for it refreshes densely, as certified runs on it would). Unchanged when there is no
+        rule, it records no settings, or it records settings this version does not have (then the sampler
+        continues dense and names them, as it must)."""
+        meta = getattr(self.rule, "reuse_config", None) if self.method == "carnator" else None
+        if not meta:
+            return self
+        reuse = ReuseConfig.from_meta(meta)
+        if reuse is None:
+            return self
+        probe = self.probe
+        if reuse.probe_context and reuse.kv_context and probe.context_kv_mb < RULE_CONTEXT_KV_MB:
+            probe = replace(probe, context_kv_mb=RULE_CONTEXT_KV_MB)
+        return replace(self, reuse=reuse, reuse_mode=reuse.mode, probe=probe)
 
 
 @dataclass(frozen=True)
@@ -536,6 +559,7 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
     """Serve one request end to end through the stages above. ``store`` is a ``cache.Store`` (or None for method
     "dense"). A split schedule (``spec.stage`` returning leftover noise) runs its second stage on
     ``second_model``, as the two-sampler graph does; the result's report is the second stage's."""
+    options = options.following_rule()  # a hit runs the reuse path the rule certified, nothing else
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     use_cache = options.method != "dense" and store is not None

@@ -104,6 +104,19 @@ class ReuseConfig:
         """Every field, JSON-ready: what a pairs file and a risk rule record as the settings reuse ran with."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @classmethod
+    def from_meta(cls, certified: Mapping[str, Any]) -> "ReuseConfig | None":
+        """The config a recorded :meth:`to_meta` describes (fields it does not record take their defaults, as in
+        :meth:`differences`), or None when it records a field this version does not have or an invalid value —
+        then no config of this version is the certified one."""
+        names = {f.name for f in fields(cls)}
+        if any(k not in names for k in certified):
+            return None
+        try:
+            return cls(**dict(certified)).validate()
+        except (TypeError, ValueError):
+            return None
+
     def differences(self, certified: Mapping[str, Any]) -> list[str]:
         """The fields in which this config differs from ``certified`` (a recorded :meth:`to_meta`; a field it
         does not record was added later and is compared with its default; one it records that this version does
@@ -286,6 +299,15 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     if config.dilation > 0 and A.any():
         A = binary_dilation(A, iterations=config.dilation)
     return A
+
+
+def certified_settings(config: ReuseConfig, decision: Decision | None) -> ReuseConfig:
+    """The settings a sampler set to follow its rule runs with: the reuse settings the accepted decision's rule
+    was certified with (``Decision.reuse_config``) when it records them and this version can build them, else
+    ``config``. ``config.mode`` "dense" (never reuse) is kept whatever the rule says."""
+    if config.mode == "dense" or decision is None or not decision.accepted or not decision.reuse_config:
+        return config
+    return ReuseConfig.from_meta(decision.reuse_config) or config
 
 
 def mask_iou(a: np.ndarray, b: np.ndarray) -> float:

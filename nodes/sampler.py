@@ -7,12 +7,14 @@ import comfy.utils
 
 from ..carnator_core.cache.handle import open_store
 from ..carnator_core.request import reuse_stage
-from ..carnator_core.reuse import MODES, ReuseConfig
+from ..carnator_core.reuse import MODES, ReuseConfig, certified_settings
 from ..carnator_core.types import STAGE_END_MAX, Stage
 from ._api import CACHE, DECISION, PROBE, REPORT, SIGNATURE, io
 from ._common import advanced, stage_from, stage_inputs
 
 log = logging.getLogger("carnator")
+
+SETTINGS = ("certified", "custom")
 
 
 class CarnatorJointReuseSampler(io.ComfyNode):
@@ -72,6 +74,12 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                   "densely (one dense step fewer, same quality on the embedded "
                                                   "model). Needs the Early Probe's context_kv_mb > 0. Off: what the shipped rule was "
                                                   "certified with.")),
+                advanced(io.Combo.Input("settings", options=list(SETTINGS), default="certified",
+                                        tooltip="certified: on a hit, reuse with exactly the settings the risk "
+                                                "rule was certified with (the decision carries them; the tuning "
+                                                "inputs above then apply only where the rule records none). "
+                                                "custom: the inputs above, always — a hit whose rule certified "
+                                                "other settings then continues dense and names them.")),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],
@@ -92,11 +100,16 @@ class CarnatorJointReuseSampler(io.ComfyNode):
     def execute(cls, model, positive, negative, latent_image, probe, decision=None, signature=None, cache=None,
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
                 dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
-                end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", probe_context=False) -> io.NodeOutput:
+                end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", probe_context=False,
+                settings="certified") -> io.NodeOutput:
+        if settings not in SETTINGS:
+            raise ValueError(f"settings must be one of {list(SETTINGS)}, got {settings!r}")
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
                              max_active=max_active, block_size=block_size, record_mass=record_mass,
                              probe_context=bool(probe_context)).validate()
+        if settings == "certified":
+            config = certified_settings(config, decision)
         total = probe.config.steps
         pbar = comfy.utils.ProgressBar(total)
         samples, report = reuse_stage(model, positive, negative, latent_image, probe, decision,

@@ -97,3 +97,30 @@ def test_shipped_rule_reuse_passes_checker_as_often_as_dense(emb):
     print(f"accepted {accepted} of {len(related)}; checker passes: reuse {reuse_ok}, dense {dense_ok}")
     assert accepted >= 3, f"only {accepted} of {len(related)} related requests were accepted by the shipped rule"
     assert np.mean(reuse_ok) >= np.mean(dense_ok) - 0.02 - 1e-9, (reuse_ok, dense_ok)
+
+
+def test_serve_runs_hits_with_the_rules_reuse_settings(emb):
+    """A rule that records other reuse settings than ``ServeOptions``' defaults (here: the probe's keys/values as
+    the first context record, no context margin) is served with them: its accepted requests are hits, not dense
+    continuations for "other settings than the certified ones", and the probe kept the keys/values they read."""
+    import dataclasses
+
+    from carnator.carnator_core.embedded import world
+    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    shipped = RiskRule.load(ROOT / "rules" / "embedded.json")
+    meta = ReuseConfig(probe_context=True, context_margin_blocks=0).to_meta()
+    rule = dataclasses.replace(shipped, reuse_config=meta)
+    rng = np.random.default_rng(20261202)
+    scenes = [world.sample_scene(rng, n_objects=1) for _ in range(4)]
+    for i, sc in enumerate(scenes):
+        _serve(emb, world.caption(sc, rng), 300 + i, "dense", write=True)
+    hits = []
+    for i, sc in enumerate(scenes):  # re-captioned with the cached seed: what the rule accepts
+        res = _serve(emb, world.caption(sc, rng), 300 + i, "carnator", rule=rule, write=False)
+        assert "certified:" not in res.report.reason, res.report.reason
+        if res.report.decision == "hit":
+            hits.append(res)
+    assert hits, "the rule accepted none of the re-captioned requests"
+    assert all(h.probe.context_kv for h in hits)  # the probe kept what probe_context reads

@@ -98,3 +98,30 @@ def test_combined_pairs_keep_the_recall_and_reuse_settings_they_were_made_with(t
         with pytest.raises(ValueError, match=key):
             pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / f"{other}.jsonl", "s1")],
                                       tmp_path / "x.jsonl")
+
+
+def test_serve_follows_the_reuse_settings_the_rule_was_certified_with():
+    """``request.serve`` (Table 1, calibration streams, API users) runs a hit with the rule's recorded reuse
+    settings, not its own defaults — otherwise a rule certified with, e.g., the probe's keys/values would see
+    every hit continue dense for "other settings" — and the probe keeps the keys/values those settings read.
+    Rules that record nothing, records this version cannot build, and other methods leave the options alone."""
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RULE_CONTEXT_KV_MB, ServeOptions
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    meta = ReuseConfig(probe_context=True, refreshes=3, context_margin_blocks=0).to_meta()
+    ruled = dataclasses.replace(K2, reuse_config=meta)
+    base = ServeOptions(method="carnator", rule=ruled, probe=ProbeConfig(probe_steps=4))
+    got = base.following_rule()
+    assert got.hit_reuse.to_meta() == meta and got.reuse_mode == "joint"
+    assert got.probe.context_kv_mb == RULE_CONTEXT_KV_MB and got.probe.probe_steps == 4
+    assert base.reuse == ReuseConfig() and base.probe.context_kv_mb == 0  # the caller's options untouched
+    big = dataclasses.replace(base, probe=ProbeConfig(probe_steps=4, context_kv_mb=4096.0))
+    assert big.following_rule().probe.context_kv_mb == 4096.0  # a larger budget is kept
+    latent = dataclasses.replace(K2, reuse_config={**ReuseConfig().to_meta(), "mode": "latent"})
+    assert dataclasses.replace(base, rule=latent).following_rule().hit_reuse.mode == "latent"
+    assert dataclasses.replace(base, rule=K2).following_rule() == dataclasses.replace(base, rule=K2)
+    unknown = dataclasses.replace(K2, reuse_config={**meta, "refreshs": 2})
+    assert dataclasses.replace(base, rule=unknown).following_rule().reuse == ReuseConfig()
+    prompt_only = dataclasses.replace(base, method="prompt_only")
+    assert prompt_only.following_rule() == prompt_only

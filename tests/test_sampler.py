@@ -428,3 +428,35 @@ def test_reuse_settings_other_than_the_certified_ones_continue_dense_and_say_why
     assert "refreshes 2 (certified: 3)" in r.reason and "certified" in r.reason
     ref = comfy_nodes.common_ksampler(m, 5, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
     assert torch.equal(out, ref)
+
+
+def test_node_follows_the_rules_settings_unless_told_custom(env, comfy_dirs):
+    """The Joint Reuse Sampler node's ``settings`` input: "certified" (default) reuses with the settings the
+    decision's rule was certified with, whatever the tuning inputs say; "custom" uses the inputs, so a rule that
+    certified other settings makes the hit continue dense (bit-identical to KSampler) with the reason."""
+    import nodes as comfy_nodes
+    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.types import Candidate, Decision
+    from carnator.nodes.cache import CarnatorCacheLoader, CarnatorCacheWriter
+    from carnator.nodes.sampler import CarnatorJointReuseSampler
+
+    tm, models = env
+    m = models["wan21"]
+    handle = CarnatorCacheLoader.execute(directory="certified").result[0]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, context_kv_mb=64.0)
+    sig = _signature(probe)
+    first, report, _ = CarnatorJointReuseSampler.execute(m, pos, neg, lat, probe, None, None, handle, "joint").result
+    entry = CarnatorCacheWriter.execute(cache=handle, probe=probe, signature=sig, latent=first,
+                                        report=report).result[0]
+    certified = ReuseConfig(refreshes=2, probe_context=True, block_size=8).to_meta()
+    decision = Decision(True, Candidate(entry, 0.99, "a red ball", sig), (), "signature", summary="test accept",
+                        reuse_config=certified)
+    _, hit, _ = CarnatorJointReuseSampler.execute(m, pos, neg, lat, probe, decision, sig, handle, "joint").result
+    assert hit.decision == "hit" and "certified:" not in hit.reason
+    out, custom, _ = CarnatorJointReuseSampler.execute(m, pos, neg, lat, probe, decision, sig, handle, "joint",
+                                                       settings="custom").result
+    assert custom.decision == "miss" and "refreshes 3 (certified: 2)" in custom.reason
+    ref = comfy_nodes.common_ksampler(m, 5, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    assert torch.equal(out["samples"], ref)
+    with pytest.raises(ValueError, match="settings must be one of"):
+        CarnatorJointReuseSampler.execute(m, pos, neg, lat, probe, decision, sig, handle, "joint", settings="auto")
