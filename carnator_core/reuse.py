@@ -301,6 +301,18 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
     return A
 
 
+def region_of(model: Any, probe: Probe, target_signature: Signature, cached: CachedRun,
+              config: ReuseConfig) -> np.ndarray:
+    """The active region ``sample`` derives for reusing ``cached`` under ``probe`` (bool [T, H, W] on the token
+    grid; see ``active_region``). A region covering more than ``config.max_active`` of the tokens is not reused
+    (the sampler continues dense): pair labelling asks here first and skips that dense continuation, whose output
+    is the dense result it already has."""
+    from .adapters import adapter_for
+
+    return active_region(target_signature, cached.signature, probe.x0_probe.float().numpy(),
+                         cached.x0_probe.float().numpy(), adapter_for(model).patch_of(model), config)
+
+
 def certified_settings(config: ReuseConfig, decision: Decision | None) -> ReuseConfig:
     """The settings a sampler set to follow its rule runs with: the reuse settings the accepted decision's rule
     was certified with (``Decision.reuse_config``) when it records them and this version can build them, else
@@ -455,8 +467,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             token_mask = None
             active = torch.arange(int(np.prod(probe.grid)))
         else:
-            A = active_region(tsig, cached.signature, probe.x0_probe.float().numpy(),
-                              cached.x0_probe.float().numpy(), adapter.patch_of(model), config)
+            A = region_of(model, probe, tsig, cached, config)
             active_fraction = float(A.mean())
             token_mask = torch.from_numpy(A.astype(np.float32))
             active = torch.from_numpy(np.flatnonzero(A.reshape(-1))).long()

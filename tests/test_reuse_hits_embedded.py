@@ -80,3 +80,30 @@ def test_edit_hit_has_no_reuse_artifacts(ctx) -> None:
     print(f"hit {q} refs {refs} {rep.summary()}")
     assert q["artifact"] <= 1.1 * max(refs), (q, refs)
     assert q["off_frac"] < 0.02 and q["psnr_bg"] >= 30.0, q
+
+
+def test_labelling_skips_the_dense_continuation_of_a_region_over_max_active(ctx) -> None:
+    """A candidate whose region covers more than ``max_active`` is not reused by the sampler (it continues dense,
+    bit-identical to the request's dense result): pair labelling labels that without computing it again — no
+    model call beyond the request's own probe and dense resume — and records it as not reusable."""
+    import dataclasses
+
+    from carnator.carnator_core.lab import pairs
+    from carnator.carnator_core.lab.pairs import PairRequest, label_request, warm_entry
+    from carnator.carnator_core.reuse import ReuseConfig
+    from tiny_models import count_calls
+
+    warm_entry(ctx, PairRequest("w-big", "a big red ball rests in the top left, on green grass", 41))
+    labeler = pairs.embedded_checker_labeler("request", 1.25)
+    req = PairRequest("q-far", "a small blue cube moves down in the bottom right, in a pink room", 42)
+    strict = dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, reuse=ReuseConfig(max_active=0.0)))
+    with count_calls(ctx.model) as calls:
+        out = label_request(strict, req, labeler)
+    assert len(calls) == strict.steps, f"{len(calls)} model calls for a {strict.steps}-step request"
+    labelled = [c for c in out.candidates if c.labelled]
+    assert labelled and all(not c.diag["reused"] and c.diag["compute_fraction"] == 1.0 for c in labelled)
+    assert all(c.diag["active_fraction"] > 0.0 and c.unsafe is False for c in labelled)  # the dense clip itself
+    with count_calls(ctx.model) as calls:  # reused for real (any region): the reuse calls come on top
+        label_request(dataclasses.replace(ctx, options=dataclasses.replace(
+            ctx.options, reuse=ReuseConfig(max_active=1.0))), dataclasses.replace(req, request_id="q-far2"), labeler)
+    assert len(calls) > strict.steps

@@ -614,6 +614,18 @@ class RequestOutcome:
     seconds: float
 
 
+def _region_over_max_active(ctx: PairContext, res: Any, cached: Any, cfg: Any) -> float | None:
+    """The active fraction when the sampler would not reuse ``cached`` because its region covers more than
+    ``cfg.max_active`` of the tokens (it continues dense), else None. Only for a single-stage schedule in a mode
+    with a region, where that dense continuation equals the request's dense result bit for bit."""
+    from ..reuse import region_of
+
+    if cfg.mode not in ("joint", "latent") or res.probe.config.leftover_noise or res.probe.answered is not None:
+        return None
+    fraction = float(region_of(ctx.model, res.probe, res.signature, cached, cfg).mean())
+    return fraction if fraction > cfg.max_active else None
+
+
 def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
                   only: Iterable[str] | Callable[[Any], Iterable[str]] | None = None,
                   missing: str = "all") -> RequestOutcome:
@@ -659,19 +671,27 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
         decision = Decision(accepted=True, candidate=cand, verdicts=(), mode="signature",
                             summary="pair labelling: candidate forced as accepted")
         t1 = time.perf_counter()
-        # Both stages of a split schedule, as serving runs them; ``rep`` is the last stage's report.
-        samples, rep, _ = finish_stages(ctx.model, pos, neg, ctx.latent, res.probe, decision, ctx.store, cfg,
-                                        second_model=ctx.second_model, signature=res.signature, record=False,
-                                        cached=cached)
+        over = _region_over_max_active(ctx, res, cached, cfg)
+        if over is not None:
+            # The sampler would continue dense (region > max_active), bit-identical to the dense result this
+            # request already has: label that instead of computing it again (serving counts it as a miss).
+            reuse_clip, active, compute, skipped, reused = dense_clip, over, 1.0, 0, False
+        else:
+            # Both stages of a split schedule, as serving runs them; ``rep`` is the last stage's report.
+            samples, rep, _ = finish_stages(ctx.model, pos, neg, ctx.latent, res.probe, decision, ctx.store, cfg,
+                                            second_model=ctx.second_model, signature=res.signature, record=False,
+                                            cached=cached)
+            reuse_clip = ctx.decode(samples)
+            active, compute, skipped = rep.active_fraction, rep.compute_fraction, rep.skipped_calls
+            reused = rep.decision == "hit"
         reuse_s = time.perf_counter() - t1
-        reuse_clip = ctx.decode(samples)
         unsafe, diag, artifact_dense = judge_against_dense(labeler, ref, reuse_clip, dense_clip, req.prompt,
                                                            background, artifact_dense)
         diag = {**diag, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
-                "active_fraction": round(rep.active_fraction, 4), "compute_fraction": round(rep.compute_fraction, 4),
-                "skipped_calls": rep.skipped_calls, "reuse_s": round(reuse_s, 3),
+                "active_fraction": round(active, 4), "compute_fraction": round(compute, 4),
+                "skipped_calls": skipped, "reuse_s": round(reuse_s, 3),
                 # the sampler continued dense (region > max_active): serving counts this candidate as a miss
-                "reused": rep.decision == "hit"}
+                "reused": reused}
         outs.append(CandidateOutcome(cand.entry_id, float(cand.similarity), d, True, bool(unsafe), diag))
     if artifact_dense is None:
         artifact_dense = artifact_score(dense_clip, background)
