@@ -88,10 +88,11 @@ def test_labelling_skips_the_dense_continuation_of_a_region_over_max_active(ctx)
     model call beyond the request's own probe and dense resume — and records it as not reusable."""
     import dataclasses
 
+    from tiny_models import count_calls
+
     from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.lab.pairs import PairRequest, label_request, warm_entry
     from carnator.carnator_core.reuse import ReuseConfig
-    from tiny_models import count_calls
 
     warm_entry(ctx, PairRequest("w-big", "a big red ball rests in the top left, on green grass", 41))
     labeler = pairs.embedded_checker_labeler("request", 1.25)
