@@ -7,7 +7,8 @@
 One row per caption (default: four captions that exercise colour, size, position, motion and a two-object
 scene), the chosen frames left to right, each enlarged ``--scale`` times with nearest-neighbour so the model's
 token grid stays visible. Clips come from ``comfy_glue.generate`` (ComfyUI's stock sampling path, default
-config). Prints the captions in row order.
+config). Prints the captions in row order and the clips' token grid ratio (``lab.metrics.token_grid_ratio``:
+how much the pictures step at token boundaries).
 """
 from __future__ import annotations
 
@@ -70,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             sheet[i * (h + gap):i * (h + gap) + h, j * (w + gap):j * (w + gap) + w] = img
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray((np.clip(sheet, 0, 1) * 255).astype(np.uint8)).save(args.out)
-    print(f"wrote {args.out}: rows = captions, columns = frames {frames} (seed {args.seed})")
+    from carnator.carnator_core.lab.metrics import token_grid_ratio
+
+    print(f"wrote {args.out}: rows = captions, columns = frames {frames} (seed {args.seed}); token grid ratio of "
+          f"these clips {token_grid_ratio(clips):.3f} (1 = no per-token block pattern; v2 shipped ~1.2)")
     for i, c in enumerate(captions):
         print(f"  row {i}: {c}")
     return 0

@@ -46,3 +46,18 @@ def test_an_artifact_makes_the_reuse_clip_fail():
 def test_unknown_level_is_refused():
     with pytest.raises(ValueError, match="level must be"):
         CheckerLabeler(lambda c, p: {}, "x", "pixels")
+
+
+def test_token_grid_ratio_sees_block_noise_and_not_a_smooth_picture():
+    from carnator.carnator_core.lab.metrics import token_grid_ratio
+
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:48, 0:48] / 48.0
+    smooth = np.repeat(np.stack([yy, xx, 0.5 * (yy + xx)], -1)[None], 8, 0)  # [T, H, W, 3] gradients
+    assert abs(token_grid_ratio(smooth) - 1.0) < 0.05
+    blocks = np.kron(rng.random((8, 12, 12, 3)), np.ones((1, 4, 4, 1)))  # one random colour per 4x4 token
+    noisy = np.clip(smooth + 0.3 * blocks + 0.01 * rng.standard_normal(smooth.shape), 0, 1)
+    assert token_grid_ratio(noisy) > 3.0
+    assert token_grid_ratio(noisy[None].repeat(2, 0)) == pytest.approx(token_grid_ratio(noisy))
+    with pytest.raises(ValueError, match="larger than one 4-pixel cell"):
+        token_grid_ratio(np.zeros((8, 4, 4, 3)))
