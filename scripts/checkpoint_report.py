@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Everything the model card records about one embedded checkpoint, in one run (gate reviews between chunks).
+
+    .host/venv/bin/python scripts/checkpoint_report.py --weights runs/v3r_s5016.safetensors --out runs/report_s5016 \
+        [--threads 1] [--no-gate]
+
+Writes ``<out>/report.json`` and ``<out>/frames.png`` and prints a summary:
+
+* the quality gate (``comfy_glue.evaluate`` on the 64 one-object and 64 two-object held-out captions, the verdict
+  of ``comfy_glue.gate_verdict``) — what ``python -m carnator_core.embedded.comfy_glue --two`` prints;
+* word effects at σ 0.9 (``scripts/word_effects.py``: how much swapping one attribute word moves the output);
+* background quality of the first 16 one-object gate captions (seed 0): the median background artifact score
+  (``lab.metrics.artifact_score`` over ``background_mask``; the world's backgrounds are flat, so it is model
+  error) and the token grid ratio (``lab.metrics.token_grid_ratio``; 1 = no per-token block pattern);
+* a contact sheet of the four captions of ``scripts/look_embedded.py`` (seed 3, frames 0 / 3 / 7).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
+
+
+def background_quality(model, version: str, n: int = 16) -> dict[str, float]:
+    from carnator.carnator_core.embedded import comfy_glue
+    from carnator.carnator_core.lab import metrics as M
+
+    caps = comfy_glue.gate_captions(n, version=version)
+    clips = comfy_glue.generate(caps, 0, model=model).clips.numpy()
+    arts = [M.artifact_score(clips[i], M.background_mask(clips[i], c)) for i, c in enumerate(caps)]
+    return {"artifact_median": round(float(np.nanmedian(arts)), 3),
+            "token_grid_ratio": round(M.token_grid_ratio(clips), 4), "captions": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="folder for report.json and frames.png")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-gate", action="store_true", help="skip the 128-clip gate (minutes); the rest takes ~1 min")
+    args = ap.parse_args(argv)
+    conftest.ensure_comfy_importable()
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    import look_embedded
+    from word_effects import word_effects
+
+    from carnator.carnator_core.embedded import comfy_glue
+
+    t0 = time.perf_counter()
+    model, _, _ = comfy_glue.load_embedded(args.weights)
+    ver = comfy_glue.model_version(model)
+    meta = {k: v for k, v in model.model.carnator_embedded_meta.items() if k != "config"}
+    report: dict = {"weights": str(args.weights), "version": ver.name, "steps": meta.get("steps"), "meta": meta}
+    if not args.no_gate:
+        report["one_object"] = comfy_glue.evaluate(comfy_glue.gate_captions(version=ver.name), model=model)
+        report["two_objects"] = comfy_glue.evaluate(comfy_glue.gate_captions(n_objects=2, version=ver.name),
+                                                    model=model)
+        report["gate"] = comfy_glue.gate_verdict(report, ver)
+    report["word_effects_0.9"] = word_effects(str(args.weights), sigmas=(0.9,))["effects"]["0.9"]
+    report["background"] = background_quality(model, ver.name)
+    args.out.mkdir(parents=True, exist_ok=True)
+    look_embedded.main(["--weights", str(args.weights), "--out", str(args.out / "frames.png"),
+                        "--threads", str(args.threads)])
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    keys = ("colour", "size", "position", "motion", "shape", "attn_peak_on_object", "x0_colour_match", "all_ok")
+    for part in ("one_object", "two_objects"):
+        if part in report:
+            print(f"{part:12s} " + " ".join(f"{k}={report[part][k]:.2f}" for k in keys))
+    if "gate" in report:
+        print(f"gate: {'PASSES' if report['gate']['passes'] else 'fails'} "
+              f"{ {k: v for k, v in report['gate']['checks'].items() if not v} }")
+    print("word effects σ 0.9: " + " ".join(f"{k}={v:.3f}" for k, v in report["word_effects_0.9"].items()))
+    print(f"background: artifact median {report['background']['artifact_median']:.2f}, token grid ratio "
+          f"{report['background']['token_grid_ratio']:.3f}")
+    print(f"wrote {args.out / 'report.json'} and {args.out / 'frames.png'} ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
