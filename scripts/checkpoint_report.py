@@ -12,6 +12,8 @@ Writes ``<out>/report.json`` and ``<out>/frames.png`` and prints a summary:
 * background quality of the first 16 one-object gate captions (seed 0): the median background artifact score
   (``lab.metrics.artifact_score`` over ``background_mask``; the world's backgrounds are flat, so it is model
   error) and the token grid ratio (``lab.metrics.token_grid_ratio``; 1 = no per-token block pattern);
+* how cleanly the model denoises a flat background (``denoise_error``: RMS x0 error on object-free latent
+  cells at σ 0.95 / 0.6 / 0.2, and its part inside a token — per-pixel speckle);
 * a contact sheet of the four captions of ``scripts/look_embedded.py`` (seed 3, frames 0 / 3 / 7).
 """
 from __future__ import annotations
@@ -42,6 +44,40 @@ def background_quality(model, version: str, n: int = 16) -> dict[str, float]:
             "token_grid_ratio": round(M.token_grid_ratio(clips), 4), "captions": n}
 
 
+def denoise_error(model, version: str, n: int = 16, sigmas=(0.95, 0.6, 0.2)) -> dict[str, dict[str, float]]:
+    """How cleanly the model removes noise from a flat background: on ``n`` training-like scenes (captioned,
+    fixed seeds), the RMS error of the denoised prediction (x0, what every sampler uses) over latent cells with no
+    object, split into its per-token mean (a wrong background colour) and the part inside a token (per-pixel
+    speckle, noise passed through). v-prediction models must carry all 128 noise values of a token through their
+    residual stream to cancel them; at width 128 v3 could not (docs/MODEL_CARD.md, "v3's background noise")."""
+    import torch
+
+    from carnator.carnator_core.embedded import config, train, world
+
+    ver = config.version(version)
+    mm = model.model
+    rng = np.random.default_rng(7)
+    b = train.make_batch(rng, n, 0.0, frame=world.Frame(ver.frames, ver.height, ver.width), p_two=0.5,
+                         text_version=version)
+    x0 = b["x0"]
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    background = (b["mask"] < 0.01)[:, None].expand(-1, 12, -1, -1, -1)
+    pt, ph, pw = ver.patch_size
+    out = {}
+    with torch.no_grad():
+        for s in sigmas:
+            xt = (1 - s) * x0 + s * eps
+            den = mm.apply_model(xt, torch.full((n,), float(s)), c_crossattn=b["context"],
+                                 c_concat=mm.concat_cond(noise=xt))
+            err = (den - x0)[:, :12]  # the 4 zero-padding channels are not decoded
+            mean = torch.nn.functional.avg_pool3d(err, (pt, ph, pw))
+            mean = mean.repeat_interleave(pt, 2).repeat_interleave(ph, 3).repeat_interleave(pw, 4)
+            out[str(s)] = {"rms": round(float(err[background].pow(2).mean().sqrt()), 4),
+                           "token_mean_rms": round(float(mean[background].pow(2).mean().sqrt()), 4),
+                           "within_token_rms": round(float((err - mean)[background].pow(2).mean().sqrt()), 4)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--weights", type=Path, required=True)
@@ -70,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         report["gate"] = comfy_glue.gate_verdict(report, ver)
     report["word_effects_0.9"] = word_effects(str(args.weights), sigmas=(0.9,))["effects"]["0.9"]
     report["background"] = background_quality(model, ver.name)
+    report["background_denoise_error"] = denoise_error(model, ver.name)
     args.out.mkdir(parents=True, exist_ok=True)
     look_embedded.main(["--weights", str(args.weights), "--out", str(args.out / "frames.png"),
                         "--threads", str(args.threads)])
@@ -85,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print("word effects σ 0.9: " + " ".join(f"{k}={v:.3f}" for k, v in report["word_effects_0.9"].items()))
     print(f"background: artifact median {report['background']['artifact_median']:.2f}, token grid ratio "
           f"{report['background']['token_grid_ratio']:.3f}")
+    print("background x0 error (rms; within a token): " + ", ".join(
+        f"σ {k}: {v['rms']:.3f} ({v['within_token_rms']:.3f})" for k, v in report["background_denoise_error"].items()))
     print(f"wrote {args.out / 'report.json'} and {args.out / 'frames.png'} ({report['seconds']:.0f} s)")
     return 0
 

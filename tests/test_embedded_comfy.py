@@ -148,3 +148,43 @@ def test_v3_weights_load_as_v3_and_sample(glue, tmp_path) -> None:
                        {"config": {**v3.model_config(), "num_layers": 3}})
     with pytest.raises(ValueError, match="none of this code's versions"):
         glue.load_embedded(bad)
+
+
+def test_the_weights_file_says_what_the_denoiser_predicts(glue, tmp_path) -> None:
+    """A file trained with ``prediction: x0`` samples through ModelSamplingFlowX0 (still a flow model to ComfyUI;
+    denoised = the WanModel's output); a file without the key is a velocity model (denoised = x - sigma * out);
+    an unknown prediction is refused with what it could be."""
+    import comfy.model_sampling
+
+    from carnator.carnator_core.embedded import config, train
+    from carnator.carnator_core.embedded.model import build_wan
+
+    v2 = config.version("v2")
+    torch.manual_seed(0)
+    sd = build_wan(init=True, **v2.model_config()).state_dict()
+    x = torch.randn((1,) + v2.latent_shape, generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.7])
+    denoised = {}
+    for prediction in ("v", "x0"):
+        path = tmp_path / f"{prediction}.safetensors"
+        meta = {"config": v2.model_config(), "seed": 0, "version": "v2"}
+        train.save_weights(sd, path, meta if prediction == "v" else {**meta, "prediction": "x0"})
+        model, te, _ = glue.load_embedded(path)
+        ms = model.get_model_object("model_sampling")
+        assert isinstance(ms, comfy.model_sampling.CONST)
+        assert isinstance(ms, comfy.model_sampling.ModelSamplingDiscreteFlow)
+        assert isinstance(ms, glue.ModelSamplingFlowX0) == (prediction == "x0")
+        assert ms.shift == pytest.approx(config.SHIFT)
+        ctx = te.encode("a big red ball sits still in the middle, on the grass")[0][0]
+        mm = model.model
+        with torch.no_grad():
+            den = mm.apply_model(x, sigma, c_crossattn=ctx, c_concat=mm.concat_cond(noise=x))
+            raw = mm.diffusion_model(torch.cat([x, mm.concat_cond(noise=x)], 1), sigma * 1000.0, ctx)
+        denoised[prediction] = den
+        expected = raw if prediction == "x0" else x - 0.7 * raw
+        assert torch.allclose(den, expected, atol=1e-4)
+    assert not torch.allclose(denoised["v"], denoised["x0"], atol=1e-2)
+    bad = tmp_path / "bad.safetensors"
+    train.save_weights(sd, bad, {"config": v2.model_config(), "seed": 0, "version": "v2", "prediction": "eps"})
+    with pytest.raises(ValueError, match="expected 'v' or 'x0'"):
+        glue.load_embedded(bad)

@@ -89,3 +89,70 @@ def test_v3_training_state_fits_the_commit_bound(train_mod, tmp_path) -> None:
         keys = list(f.keys())
     assert any(k.startswith("m.") for k in keys) and any(k.startswith("ema.") for k in keys)
     assert not any(k.startswith("w.text_embedding") for k in keys)  # frozen: rebuilt from the seed
+
+
+def test_x0_prediction_trains_on_the_velocity_loss(train_mod) -> None:
+    """An x0-predicting run minimises the same velocity loss: for the same batch, noise and output, its loss
+    equals the v-loss of the velocity its x0 output implies, v = (x_t - x0_hat) / sigma."""
+    torch.set_num_threads(1)
+    t = train_mod.Trainer(_recipe(train_mod, version="v2", prediction="x0"), None)
+    captured = {}
+    real_forward = t.model.forward
+
+    def spy(x, timestep, context, *a, **kw):
+        out = real_forward(x, timestep, context, *a, **kw)
+        captured.update(x=x.detach().clone(), s=(timestep / 1000.0).detach().clone(), out=out.detach().clone())
+        return out
+
+    t.model.forward = spy
+    rng_state, gen_state = t.rng.bit_generator.state, t.gen.get_state()
+    loss = t.train_step()
+    # Rebuild the step's batch and noise from the same generator states.
+    t.rng.bit_generator.state, _ = rng_state, t.gen.set_state(gen_state)
+    b = train_mod.make_batch(t.rng, t.recipe.batch, t.recipe.p_drop, frame=t.frame, p_two=t.p_two,
+                             text_version=t.version.name)
+    sigma = train_mod.sample_sigmas(t.gen, t.recipe.batch, 3.0)
+    eps = torch.randn(b["x0"].shape, generator=t.gen)
+    assert torch.allclose(sigma, captured["s"], atol=1e-6)
+    s = sigma.view(-1, 1, 1, 1, 1)
+    xt = captured["x"][:, : b["x0"].shape[1]]
+    v_hat = (xt - captured["out"]) / s
+    w = train_mod.loss_weights(b, t.recipe)
+    expected = float((w * (v_hat - (eps - b["x0"])) ** 2).mean() / w.mean())
+    assert loss == pytest.approx(expected, rel=1e-4)
+
+
+def test_warm_start_loads_the_trained_tensors_and_guards_its_file(train_mod, tmp_path) -> None:
+    """--init: a new run starts from an exported file's trainable tensors (the output projection zeroed when the
+    prediction changes); a resume needs no file but refuses a different one; a file whose frozen text projection
+    another seed built is refused."""
+    torch.set_num_threads(1)
+    src = train_mod.Trainer(_recipe(train_mod, version="v2"), tmp_path / "v")
+    src.run(chunk_minutes=None, ckpt_minutes=1e9, ckpt_steps=2, max_steps=2)
+    exported = tmp_path / "v.safetensors"
+    train_mod.save_weights(src.ema, exported, src.export_meta(final=False))
+    sha = train_mod.file_sha256(exported)
+    recipe = _recipe(train_mod, version="v2", prediction="x0", init=str(exported), init_sha256=sha)
+    warm = train_mod.Trainer(recipe, tmp_path / "x0")
+    for n, p in zip(warm.names, warm.params):
+        if n.startswith("head.head."):
+            assert not p.any(), n
+        else:
+            assert torch.equal(p, src.ema[n].half().float()), n
+    warm.run(chunk_minutes=None, ckpt_minutes=1e9, ckpt_steps=2, max_steps=2)
+    after = _snapshot(warm)
+    # Resuming does not read the file (a fresh clone has the state, not the file) and continues the same run.
+    exported.rename(tmp_path / "moved.safetensors")
+    resumed = train_mod.Trainer(recipe, tmp_path / "x0")
+    resumed.load_state()
+    resumed._round_live_state()  # the writer's live state was rounded at its save (frozen EMA entries too)
+    for k, v in _snapshot(resumed).items():
+        assert torch.equal(v, after[k]), k
+    # Another file with the same name is refused (its SHA-256 differs from the recipe's).
+    other = train_mod.Trainer(_recipe(train_mod, version="v2", seed=4), None)
+    train_mod.save_weights(other.ema, exported, other.export_meta(final=False))
+    with pytest.raises(ValueError, match="SHA-256"):
+        train_mod.Trainer(recipe, tmp_path / "fresh")
+    # ... and a fresh run from a file whose frozen projection another seed built is refused.
+    with pytest.raises(ValueError, match="frozen tensors"):
+        train_mod.Trainer(dataclasses.replace(recipe, init_sha256=None), tmp_path / "fresh2")

@@ -34,6 +34,7 @@ import comfy.latent_formats  # noqa: E402
 import comfy.model_base  # noqa: E402
 import comfy.model_management  # noqa: E402
 import comfy.model_patcher  # noqa: E402
+import comfy.model_sampling  # noqa: E402
 import comfy.supported_models  # noqa: E402
 
 
@@ -56,6 +57,20 @@ class EmbeddedLatent(comfy.latent_formats.LatentFormat):
         self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
 
 
+class FlowX0(comfy.model_sampling.CONST):
+    """Model-sampling mixin for a denoiser that outputs the clean latent: flow-matching noise and inputs (ComfyUI's
+    ``CONST``, so flow-aware samplers still see a flow model), denoised = the model's output (``X0``'s rule).
+    Samplers, CFG and every ModelPatcher wrapper work on the denoised value, so they apply unchanged."""
+
+    def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
+                           model_input: torch.Tensor) -> torch.Tensor:
+        return model_output
+
+
+class ModelSamplingFlowX0(comfy.model_sampling.ModelSamplingDiscreteFlow, FlowX0):
+    """Discrete flow (shift, multiplier from the model config) with an x0 output."""
+
+
 class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
     """A WAN21_T2V model config with the embedded WanModel's shape, identity latent and shift."""
 
@@ -63,18 +78,27 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
     latent_format = EmbeddedLatent
     memory_usage_factor = 0.05
 
-    def __init__(self, version: str = config.DEFAULT_VERSION) -> None:
+    def __init__(self, version: str = config.DEFAULT_VERSION, prediction: str = "v") -> None:
         unet = {"image_model": "wan2.1", **config.model_config(version), "dtype": torch.float32}
         super().__init__(unet)
         self.memory_usage_factor = 0.05
         self.carnator_version = version  # which coordinate channels EmbeddedWan.concat_cond supplies
+        if prediction not in ("v", "x0"):
+            raise ValueError(f"unknown embedded-model prediction {prediction!r} (expected 'v' or 'x0')")
+        self.carnator_prediction = prediction  # what the denoiser outputs (train.Recipe.prediction)
 
     def get_model(self, state_dict: dict, prefix: str = "", device: Any = None) -> "EmbeddedWan":
         return EmbeddedWan(self, device=device)
 
 
 class EmbeddedWan(comfy.model_base.WAN21):
-    """ComfyUI's WAN21 BaseModel; ``concat_cond`` feeds the fixed coordinate channels."""
+    """ComfyUI's WAN21 BaseModel; ``concat_cond`` feeds the fixed coordinate channels; a model trained to output
+    x0 gets ``ModelSamplingFlowX0`` instead of the FLOW sampling."""
+
+    def __init__(self, model_config: EmbeddedModelConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model_config, *args, **kwargs)
+        if getattr(model_config, "carnator_prediction", "v") == "x0":
+            self.model_sampling = ModelSamplingFlowX0(model_config)
 
     def concat_cond(self, **kwargs: Any) -> Optional[torch.Tensor]:
         noise = kwargs.get("noise", None)
@@ -182,7 +206,7 @@ def load_embedded(weights_path: Union[str, Path, None] = None) -> tuple[comfy.mo
         if patcher is None:
             meta = read_metadata(path)
             version = version_of(meta, path)
-            model_config = EmbeddedModelConfig(version.name)
+            model_config = EmbeddedModelConfig(version.name, prediction=meta.get("prediction", "v"))
             base = model_config.get_model({}, device=torch.device("cpu"))
             sd = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
             missing, unexpected = base.diffusion_model.load_state_dict(sd, strict=False)

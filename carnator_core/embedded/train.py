@@ -78,6 +78,17 @@ class Recipe:
     p_two: Optional[float] = None  # None: the version's fraction of two-object clips
     freeze_text_embedding: bool = False
     model_overrides: dict[str, Any] = field(default_factory=dict)  # tiny configs for tests only
+    # What the denoiser outputs: "v" (the flow velocity eps - x0, ComfyUI's FLOW convention) or "x0" (the clean
+    # latent; ComfyUI samples it through ``comfy_glue.ModelSamplingFlowX0``). The loss is the same velocity loss
+    # either way (for "x0" computed from the implied velocity), so only the parameterisation differs: a "v"
+    # model must carry every noise value of a token through its residual stream to predict it, which v3's width
+    # of 128 (= the 128 latent values of a token) cannot do cleanly (docs/MODEL_CARD.md, "v3's background noise").
+    prediction: str = "v"
+    # Warm start: an exported weights file whose tensors initialise the model (its final projection is zeroed
+    # when the file was trained with another prediction), identified by its SHA-256 so a resume cannot
+    # silently mix files. None: a fresh initialisation from the seed.
+    init: Optional[str] = None
+    init_sha256: Optional[str] = None
 
 
 def make_batch(rng: np.random.Generator, batch: int, p_drop: float, *, frame: world.Frame = world.DEFAULT_FRAME,
@@ -109,6 +120,51 @@ def loss_weights(b: dict[str, Any], recipe: Recipe) -> torch.Tensor:
             w = w + recipe.object_share * m.numel() / max(float(m.sum()), 1.0) * m
         out.append(w)
     return torch.stack(out)[:, None]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_init(model: torch.nn.Module, path: Path, recipe: "Recipe", model_cfg: dict[str, Any]) -> None:
+    """Initialise ``model``'s trainable tensors from an exported weights file (warm start; see ``Recipe.init``).
+    The frozen text projection must be the one the run's seed builds (checked), so a resumed run, which rebuilds
+    it from the seed, has the same. When the file was trained with another prediction the final projection is
+    zeroed, so the new output starts at 0 instead of at the old parameterisation's values."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        raise FileNotFoundError(f"--init {path}: no such weights file (export one with --state ... --export)")
+    sha = file_sha256(path)
+    if recipe.init_sha256 is not None and sha != recipe.init_sha256:
+        raise ValueError(f"--init {path} has SHA-256 {sha[:12]}..., but the run was started from "
+                         f"{recipe.init_sha256[:12]}...: resume with the same file")
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("config") != json.loads(json.dumps(model_cfg)):
+        raise ValueError(f"--init {path}: its model config differs from the run's ({meta.get('config')})")
+    state = model.state_dict()
+    missing = sorted(set(state) - set(tensors))
+    if missing:
+        raise ValueError(f"--init {path}: missing tensors {missing[:5]}")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    # The file holds fp16 copies; the seeded fp32 tensors stay (a resumed run rebuilds them from the seed).
+    changed = [n for n in frozen if not torch.equal(tensors[n].float(), state[n].to(tensors[n].dtype).float())]
+    if changed:
+        raise ValueError(f"--init {path}: its frozen tensors ({changed[:3]}) are not the ones seed {recipe.seed} "
+                         "builds; warm-start with the seed the file was trained with")
+    with torch.no_grad():
+        for k, v in state.items():
+            if k not in frozen:
+                v.copy_(tensors[k].to(v.dtype))
+        if meta.get("prediction", "v") != recipe.prediction:
+            model.head.head.weight.zero_()
+            model.head.head.bias.zero_()
 
 
 def sample_sigmas(gen: torch.Generator, n: int, shift: float) -> torch.Tensor:
@@ -152,9 +208,15 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(recipe.seed + 1)
         self.model_cfg = {**self.version.model_config(), **recipe.model_overrides}
         self.model = build_wan(init=True, **self.model_cfg)
+        if recipe.prediction not in ("v", "x0"):
+            raise ValueError(f"prediction must be 'v' or 'x0', not {recipe.prediction!r}")
         if recipe.freeze_text_embedding:
             for p in self.model.text_embedding.parameters():
                 p.requires_grad_(False)
+        # A warm start reads its file only when the run starts: a resumed state holds every trained tensor, and
+        # the frozen ones are rebuilt from the seed (load_init checks the file agrees with them).
+        if recipe.init is not None and not (state_dir is not None and (state_dir / "state.safetensors").exists()):
+            load_init(self.model, Path(recipe.init), recipe, self.model_cfg)
         self.model.train()
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         named = dict(self.model.named_parameters())
@@ -280,7 +342,13 @@ class Trainer:
         inp = torch.cat([xt, self.coords.expand(r.batch, -1, -1, -1, -1)], dim=1)
         out = self.model(inp, sigma * 1000.0, b["context"])
         w = loss_weights(b, r)
-        loss = (w * (out - (eps - x0)) ** 2).mean() / w.mean()
+        if r.prediction == "x0":
+            # The velocity loss through the x0 output: v_hat - v = (x0 - x0_hat) / s (s floored: below 0.02 the
+            # logit-normal draws almost never land, and 1/s^2 would only amplify float noise there).
+            err = (x0 - out) / s.clamp(min=0.02)
+        else:
+            err = out - (eps - x0)
+        loss = (w * err ** 2).mean() / w.mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -296,7 +364,8 @@ class Trainer:
 
     def export_meta(self, final: bool) -> dict[str, Any]:
         r = self.recipe
-        return {"config": self.model_cfg, "version": r.version, "seed": r.seed, "init": None,
+        return {"config": self.model_cfg, "version": r.version, "seed": r.seed, "init": r.init,
+                "init_sha256": r.init_sha256, "prediction": r.prediction,
                 "freeze_text_embedding": r.freeze_text_embedding, "batch": r.batch, "lr": r.lr,
                 "shift": config.SHIFT, "object_weight": r.object_weight, "object_share": r.object_share,
                 "p_drop": r.p_drop, "p_two": self.p_two, "steps": self.step,
@@ -360,6 +429,15 @@ class Trainer:
             logf.close()
 
 
+def _init_sha(init: Path, state: Optional[Path]) -> Optional[str]:
+    """The --init file's SHA-256; when resuming a state without the file at hand (a fresh clone), the state's."""
+    if init.exists():
+        return file_sha256(init)
+    if state is not None and (state / "state.json").exists():
+        return json.loads((state / "state.json").read_text())["recipe"].get("init_sha256")
+    raise SystemExit(f"--init {init}: no such weights file (export one with --state ... --export)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", default="v2", choices=sorted(config.VERSIONS))
@@ -386,6 +464,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="per-object loss share (default: V3_OBJECT_SHARE = 1.0 for v3, v2's --object-weight "
                         "otherwise; <= 0: v2's "
                         "--object-weight on the union of the objects, for ablations)")
+    p.add_argument("--prediction", choices=("v", "x0"), default="v",
+                   help="what the denoiser outputs: the flow velocity (v, ComfyUI's FLOW) or the clean latent (x0); "
+                        "the loss is the velocity loss either way")
+    p.add_argument("--init", type=Path, default=None,
+                   help="warm start: an exported weights file (--export) whose trainable tensors initialise a new "
+                        "run (read only when the run starts; its SHA-256 is part of the recipe)")
     p.add_argument("--p-drop", type=float, default=0.1, help="caption dropout (for classifier-free guidance)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (keep it fixed across chunks: "
                    "a different count changes float summation order, so resumption is then only approximate)")
@@ -407,7 +491,9 @@ def main(argv: list[str] | None = None) -> None:
                     object_share=(None if args.object_share is not None and args.object_share <= 0 else
                                   args.object_share if args.object_share is not None else
                                   (V3_OBJECT_SHARE if v3_like else None)),
-                    p_drop=args.p_drop, freeze_text_embedding=args.freeze_text_embedding or v3_like)
+                    p_drop=args.p_drop, freeze_text_embedding=args.freeze_text_embedding or v3_like,
+                    prediction=args.prediction, init=None if args.init is None else args.init.as_posix(),
+                    init_sha256=None if args.init is None else _init_sha(args.init, args.state))
     out = args.out or config.version(args.version).weights_path
     snapshot = args.snapshot or (Path(f"runs/{args.version}_latest.safetensors") if args.state else None)
     log = args.log or Path(f"runs/embedded_train_{args.version}.jsonl")
