@@ -234,26 +234,56 @@ def _token_pool(x: np.ndarray, patch: tuple[int, int, int], grid: tuple[int, int
     return a.reshape(T, pt, H, ph, W, pw).mean((1, 3, 5))
 
 
-def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, cached_x0: np.ndarray,
-                  patch: tuple[int, int, int], config: ReuseConfig, appearance_delta: float = 8.0) -> np.ndarray:
-    """The evidence-derived active region A: bool [T, H, W] on the token grid.
+@dataclass(frozen=True)
+class RegionTerms:
+    """The evidence behind an active region, term by term (bool [T, H, W] on the token grid unless stated), as
+    ``region_terms`` derives it; ``active_region`` composes them, and diagnostics read them one at a time.
 
-    Tokens are active where an object's (thresholded) mask differs between the two signatures (unless the masks
-    overlap with IoU >= ``config.mask_iou_same``: jitter), where an object's colour differs by more than
-    ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or where the x0 predictions at step k
-    disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
-    ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
-    requests; when the median over the coarse context cells no object touches differs by more than
-    ``config.context_delta`` (a changed background), every cell that does is active in every frame; then dilated
-    by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty region, and so do two
-    wordings of one scene with the same seed.
+    new_objects:  supports of target objects the cached run does not have;
+    moved:        symmetric differences of objects whose masks moved (IoU < ``mask_iou_same``; above it the
+                  difference is wording-to-wording jitter, not evidence);
+    moved_whole:  the whole support (both requests) of those objects;
+    x0_objects:   whole supports of objects over which the x0 predictions disagree on at least
+                  ``x0_object_fraction`` of the support;
+    recoloured:   whole supports of objects whose colour moved more than ``appearance_delta`` (CIELAB ΔE76);
+    x0:           tokens where the x0 predictions at step k disagree (``x0_threshold`` × median magnitude);
+    context:      coarse cells of a changed background (the median object-free cell moved > ``context_delta``);
+    objects:      union of the supports of the objects both requests have;
+    x0_ratio:     float: per-token |Δx0| / median |x0| (what ``x0`` thresholds).
     """
-    from scipy.ndimage import binary_dilation
 
+    new_objects: np.ndarray
+    moved: np.ndarray
+    moved_whole: np.ndarray
+    x0_objects: np.ndarray
+    recoloured: np.ndarray
+    x0: np.ndarray
+    context: np.ndarray
+    objects: np.ndarray
+    x0_ratio: np.ndarray
+
+    def compose(self, config: ReuseConfig, with_x0: bool = True) -> np.ndarray:
+        """The region before dilation: new objects, recoloured objects, moved objects (whole with
+        ``whole_objects``, else their changed tokens), objects the x0 disagrees over (``whole_objects``), the
+        changed background, and (``with_x0``) the tokens where x0 disagrees."""
+        A = self.new_objects | self.recoloured | self.context
+        if config.whole_objects:
+            A = A | self.moved_whole | (self.x0_objects if with_x0 else False)
+        else:
+            A = A | self.moved
+        return A | self.x0 if with_x0 else A
+
+
+def region_terms(target: Signature, cached: Signature, target_x0: np.ndarray, cached_x0: np.ndarray,
+                 patch: tuple[int, int, int], config: ReuseConfig, appearance_delta: float = 8.0) -> RegionTerms:
+    """Each term of the evidence for the active region (see ``RegionTerms``). Raises ValueError when the token
+    grids differ (the entry is from another config)."""
     grid = tuple(target.grid)
     if tuple(cached.grid) != grid:
         raise ValueError(f"token grids differ ({grid} vs {tuple(cached.grid)}): the entry is from another config")
-    A = np.zeros(grid, dtype=bool)
+    empty = np.zeros(grid, dtype=bool)
+    new_objects, moved, moved_whole = empty.copy(), empty.copy(), empty.copy()
+    x0_objects, recoloured, objects = empty.copy(), empty.copy(), empty.copy()
     t = config.mask_threshold
     diff = _token_pool(np.asarray(target_x0, dtype=np.float32) - np.asarray(cached_x0, dtype=np.float32), patch, grid)
     scale = float(np.median(_token_pool(np.asarray(target_x0, dtype=np.float32), patch, grid))) + 1e-6
@@ -262,25 +292,26 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
         other = cached.get(obj.name)
         mt = obj.mask >= t * max(float(obj.mask.max()), 1e-8)
         if other is None:
-            A |= mt
+            new_objects |= mt
             continue
         mc = other.mask >= t * max(float(other.mask.max()), 1e-8)
         both = mt | mc
+        objects |= both
         # Two wordings of one scene give cross-attention masks that differ by a few tokens at the border
         # (jitter): masks that overlap this much are the same support, not evidence of a change.
-        moved = mt ^ mc if mask_iou(mt, mc) < config.mask_iou_same else np.zeros_like(mt)
+        if mask_iou(mt, mc) < config.mask_iou_same and (mt ^ mc).any():
+            moved |= mt ^ mc
+            moved_whole |= both
         # x0 disagreement is evidence about an object only where it covers a real part of its support: a few
         # noisy tokens must not recompute the whole object.
-        x0_on_object = float((x0_differs & both).sum()) >= max(1.0, config.x0_object_fraction * float(both.sum()))
-        recolour = float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta
-        if recolour or (config.whole_objects and (moved.any() or x0_on_object)):
-            A |= both
-        else:
-            A |= moved
-    A |= x0_differs
+        if float((x0_differs & both).sum()) >= max(1.0, config.x0_object_fraction * float(both.sum())):
+            x0_objects |= both
+        if float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta:
+            recoloured |= both
     # The context (non-object) appearance is evidence too when the background changed (the median object-free
     # cell's colour moved): then every coarse cell whose colour changed is recomputed, or the cached background
     # would be kept under the new request's objects. A few cells next to an object change with its blur alone.
+    context = empty.copy()
     ct, cc = np.asarray(target.context_lab, np.float32), np.asarray(cached.context_lab, np.float32)
     if ct.shape == cc.shape and ct.ndim == 3:
         delta = np.linalg.norm(ct - cc, axis=-1)
@@ -295,7 +326,29 @@ def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, c
                           for j in range(ct.shape[1])] for i in range(ct.shape[0])])
         if free.any() and float(np.median(delta[free])) > config.context_delta:
             for i, j in zip(*np.nonzero(changed)):
-                A[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
+                context[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
+    return RegionTerms(new_objects=new_objects, moved=moved, moved_whole=moved_whole, x0_objects=x0_objects,
+                       recoloured=recoloured, x0=x0_differs, context=context, objects=objects,
+                       x0_ratio=diff / scale)
+
+
+def active_region(target: Signature, cached: Signature, target_x0: np.ndarray, cached_x0: np.ndarray,
+                  patch: tuple[int, int, int], config: ReuseConfig, appearance_delta: float = 8.0) -> np.ndarray:
+    """The evidence-derived active region A: bool [T, H, W] on the token grid.
+
+    Tokens are active where an object's (thresholded) mask differs between the two signatures (unless the masks
+    overlap with IoU >= ``config.mask_iou_same``: jitter), where an object's colour differs by more than
+    ``appearance_delta`` (CIELAB ΔE76; the whole object is recomputed), or where the x0 predictions at step k
+    disagree; with ``config.whole_objects`` a changed mask, a changed colour, or x0 disagreement over at least
+    ``config.x0_object_fraction`` of an object's support activates that object's whole support in both
+    requests; when the median over the coarse context cells no object touches differs by more than
+    ``config.context_delta`` (a changed background), every cell that does is active in every frame; then dilated
+    by ``config.dilation`` tokens. Identical signatures and x0 predictions give an empty region, and so do two
+    wordings of one scene with the same seed. ``region_terms`` gives each term on its own.
+    """
+    from scipy.ndimage import binary_dilation
+
+    A = region_terms(target, cached, target_x0, cached_x0, patch, config, appearance_delta).compose(config)
     if config.dilation > 0 and A.any():
         A = binary_dilation(A, iterations=config.dilation)
     return A

@@ -37,44 +37,19 @@ import conftest  # noqa: E402  (registers the `carnator` package; knows where th
 
 
 def terms(target, cached, tx0: np.ndarray, cx0: np.ndarray, patch, config) -> dict[str, float]:
-    """Token share of each evidence term alone (same definitions as ``reuse.active_region``)."""
+    """Token share of each evidence term alone (``reuse.region_terms``, what ``reuse.active_region`` composes)."""
     from carnator.carnator_core import reuse as R
 
-    grid = tuple(target.grid)
-    n = float(np.prod(grid))
-    t = config.mask_threshold
-    diff = R._token_pool(tx0 - cx0, patch, grid)
-    mag = R._token_pool(tx0, patch, grid)
-    scale = float(np.median(mag)) + 1e-6
-    x0_differs = diff > config.x0_threshold * scale
-    masks = np.zeros(grid, bool)
-    x0_obj = np.zeros(grid, bool)
-    recol = np.zeros(grid, bool)
-    union = np.zeros(grid, bool)
-    for obj in target.objects:
-        other = cached.get(obj.name)
-        mt = obj.mask >= t * max(float(obj.mask.max()), 1e-8)
-        if other is None:
-            masks |= mt
-            continue
-        mc = other.mask >= t * max(float(other.mask.max()), 1e-8)
-        both = mt | mc
-        union |= both
-        if R.mask_iou(mt, mc) < config.mask_iou_same:
-            masks |= both if config.whole_objects else (mt ^ mc)
-        if float((x0_differs & both).sum()) >= max(1.0, config.x0_object_fraction * float(both.sum())):
-            x0_obj |= both
-        if float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > 8.0:
-            recol |= both
+    rt = R.region_terms(target, cached, tx0, cx0, patch, config)
+    n = float(rt.x0.size)
     region = R.active_region(target, cached, tx0, cx0, patch, config)
-    # the region without the x0 terms and before dilation: masks, colours and the changed-background cells
-    no_x0 = R.active_region(target, cached, cx0, cx0, patch, R.ReuseConfig(**{**config.to_meta(), "dilation": 0}))
-    ratio = diff / scale
-    bg = ~union
-    return {"x0": x0_differs.sum() / n, "masks": masks.sum() / n, "x0_obj": x0_obj.sum() / n,
-            "recolour": recol.sum() / n, "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
-            "x0_ratio_bg_median": float(np.median(ratio[bg])) if bg.any() else float("nan"),
-            "x0_ratio_bg_p90": float(np.quantile(ratio[bg], 0.9)) if bg.any() else float("nan")}
+    masks = (rt.moved_whole if config.whole_objects else rt.moved) | rt.new_objects
+    no_x0 = rt.compose(config, with_x0=False)  # masks, colours and the changed-background cells, undilated
+    bg = ~rt.objects
+    return {"x0": rt.x0.sum() / n, "masks": masks.sum() / n, "x0_obj": rt.x0_objects.sum() / n,
+            "recolour": rt.recoloured.sum() / n, "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
+            "x0_ratio_bg_median": float(np.median(rt.x0_ratio[bg])) if bg.any() else float("nan"),
+            "x0_ratio_bg_p90": float(np.quantile(rt.x0_ratio[bg], 0.9)) if bg.any() else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> int:

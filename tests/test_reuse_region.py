@@ -88,3 +88,24 @@ def test_changed_background_cells_are_recomputed() -> None:
     ctx[:, :2] = (60.0, 0.0, 0.0)  # the background changed: the cells that changed are recomputed
     A = _region(Signature(target.objects, ctx, GRID), cached, x0, x0, dilation=0)
     assert A[:, :, 0:4].all() and A[:, 0:2, 6:8].all() and A.sum() == 4 * (8 * 4 + 2 * 2)
+
+
+def test_region_terms_name_the_evidence_the_region_is_made_of() -> None:
+    """``region_terms`` separates the evidence (what diagnostics report) and composes to ``active_region``."""
+    a, b = _box(0, 0), _box(4, 4)
+    x0 = _x0()
+    cfg = reuse.ReuseConfig(dilation=0)
+    moved = reuse.region_terms(_sig(b), _sig(a), x0, x0, PATCH, cfg)
+    assert np.array_equal(moved.moved, a ^ b) and np.array_equal(moved.moved_whole, a | b)
+    assert not (moved.recoloured.any() or moved.x0.any() or moved.x0_objects.any() or moved.context.any())
+    recol = reuse.region_terms(_sig(a, (50.0, -40.0, 30.0)), _sig(a), x0, x0, PATCH, cfg)
+    assert np.array_equal(recol.recoloured, a) and not recol.moved.any()
+    xt = x0.copy()
+    xt[:, :2, :4, :4] += 5.0  # the first token-frame of the object's corner disagrees strongly
+    local = reuse.region_terms(_sig(a), _sig(a), xt, x0, PATCH, cfg)
+    assert local.x0.any() and float(local.x0_ratio[local.x0].min()) > cfg.x0_threshold
+    for terms, (t, c, x) in ((moved, (b, a, x0)), (recol, (a, a, x0)), (local, (a, a, xt))):
+        target = _sig(t, (50.0, -40.0, 30.0)) if terms is recol else _sig(t)
+        for whole in (True, False):
+            c2 = reuse.ReuseConfig(dilation=0, whole_objects=whole)
+            assert np.array_equal(terms.compose(c2), reuse.active_region(target, _sig(c), x, x0, PATCH, c2))

@@ -243,16 +243,18 @@ class Generation:
     latents: torch.Tensor
     x0_probe: Optional[torch.Tensor] = None
     cross_attn: Optional[torch.Tensor] = None
+    x0_steps: Optional[list[torch.Tensor]] = None  # keep_x0: the x0 prediction (latent) of every step
 
 
 def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_patcher.ModelPatcher] = None,
              steps: int = config.DEFAULT_STEPS, cfg: float = config.DEFAULT_CFG,
              sampler_name: str = config.DEFAULT_SAMPLER, scheduler: str = config.DEFAULT_SCHEDULER,
-             probe_step: Optional[int] = None) -> Generation:
+             probe_step: Optional[int] = None, keep_x0: bool = False) -> Generation:
     """Generate one clip per prompt in one batch with ComfyUI's stock sampling path (``comfy.sample.sample``,
     what KSampler calls). Noise comes from ``comfy.sample.prepare_noise(latent, seed)`` exactly as in
     KSampler, so clip i equals KSampler's batch item i for the same seed. With ``probe_step`` set, the
-    x0 prediction and the cross-attention maps of the model call at ``sample_sigmas[probe_step]`` are kept.
+    x0 prediction and the cross-attention maps of the model call at ``sample_sigmas[probe_step]`` are kept; with
+    ``keep_x0`` the x0 prediction of every step (``Generation.x0_steps``).
     """
     import comfy.sample
 
@@ -268,7 +270,16 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
     latent = empty_latent(len(prompts), ver.name)["samples"]
     noise = comfy.sample.prepare_noise(latent, seed)
     store: dict[str, Any] = {}
+    x0_steps: list[torch.Tensor] = []
     callback = None
+    if probe_step is not None or keep_x0:
+
+        def callback(step: int, x0: torch.Tensor, x: torch.Tensor, total: int) -> None:
+            if step == probe_step:
+                store["x0"] = x0.detach().cpu().clone()
+            if keep_x0:
+                x0_steps.append(x0.detach().cpu().float().clone())
+
     if probe_step is not None:
         maps: list[torch.Tensor] = []
         state = {"layer": 0}
@@ -295,15 +306,11 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
             return func(*args, **kwargs)
 
         model.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = attn_override
-
-        def callback(step: int, x0: torch.Tensor, x: torch.Tensor, total: int) -> None:
-            if step == probe_step:
-                store["x0"] = x0.detach().cpu().clone()
-
         store["maps"] = maps
     samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative, latent,
                                   callback=callback, disable_pbar=True, seed=seed)
-    out = Generation(clips=codec.latent_to_rgb(samples.float()), latents=samples.float())
+    out = Generation(clips=codec.latent_to_rgb(samples.float()), latents=samples.float(),
+                     x0_steps=x0_steps if keep_x0 else None)
     if probe_step is not None:
         out.x0_probe = store.get("x0")
         b = len(prompts)
