@@ -4,8 +4,13 @@ Run from the repository root with the host python. v3 trains in resumable chunks
 chunk log); every chunk is the same command, which starts the run when ``--state`` holds no state yet and
 otherwise continues it:
 
+    # stage 1 (velocity prediction; its committed state at step 7 359 is the warm start's source):
     OMP_NUM_THREADS=1 .host/venv/bin/python -m carnator_core.embedded.train --version v3 \\
         --state carnator_core/embedded/weights/train_state_v3 --steps 20000 --chunk-minutes 150 --threads 1
+    # stage 2 (x0 prediction), after exporting stage 1's EMA with ``... --export runs/v3r_s7359.safetensors``:
+    OMP_NUM_THREADS=1 .host/venv/bin/python -m carnator_core.embedded.train --version v3 --prediction x0 \\
+        --init runs/v3r_s7359.safetensors --state carnator_core/embedded/weights/train_state_v3x0 --steps 12000 \\
+        --chunk-minutes 140 --threads 1
 
 v2 (the shipped default weights; one uninterrupted run whose schedule ended with its time budget):
 
@@ -15,6 +20,7 @@ v2 (the shipped default weights; one uninterrupted run whose schedule ended with
 Recipe (why each choice, see docs/MODEL_CARD.md): scenes rendered on the fly from a seeded generator
 (held-out attribute combinations never drawn); x_t = (1 - s) x0 + s eps, the model predicts the velocity
 eps - x0 at timestep 1000 s (ComfyUI's discrete-flow convention, so stock samplers apply it unchanged);
+(with ``--prediction x0`` the model outputs x0 and the loss is that of the velocity it implies; see ``Recipe``);
 s from a logit-normal distribution pushed towards high noise with the inference shift (layout is decided
 at high noise); the loss is up-weighted on object pixels (v2: x(1 + object_weight) on the union of the
 objects; v3: each object gets ``object_share`` of the clip's loss weight whatever its size, so a small object
