@@ -5,7 +5,9 @@
 * MODEL is a real ``comfy.model_patcher.ModelPatcher`` around ``EmbeddedWan``, a subclass of ComfyUI's
   ``comfy.model_base.WAN21`` whose ``diffusion_model`` is ComfyUI's own ``WanModel`` with
   ``config.model_config()``. Model sampling is ComfyUI's discrete flow (``ModelType.FLOW``,
-  ``shift = config.SHIFT``), the latent format is the identity (``EmbeddedLatent``: 16 channels, 3-D).
+  ``shift = config.SHIFT``) for a velocity-predicting file, and the same flow with denoised = the model's output
+  (``ModelSamplingFlowX0``) for a file whose metadata says ``"prediction": "x0"`` (v3's x0 run); the latent
+  format is the identity (``EmbeddedLatent``: 16 channels, 3-D).
   The only override is ``concat_cond``: it supplies the 3 fixed coordinate channels (see
   ``config.COORD_CHANNELS``) through the same path Wan i2v uses for its extra input channels, so the stock
   ``KSampler`` and every ModelPatcher wrapper / attention override apply unchanged.
