@@ -85,8 +85,9 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
         super().__init__(unet)
         self.memory_usage_factor = 0.05
         self.carnator_version = version  # which coordinate channels EmbeddedWan.concat_cond supplies
-        if prediction not in ("v", "x0"):
-            raise ValueError(f"unknown embedded-model prediction {prediction!r} (expected 'v' or 'x0')")
+        if prediction not in config.PREDICTIONS:
+            raise ValueError(f"unknown embedded-model prediction {prediction!r} (expected "
+                             f"{' or '.join(repr(p) for p in config.PREDICTIONS)})")
         self.carnator_prediction = prediction  # what the denoiser outputs (train.Recipe.prediction)
 
     def get_model(self, state_dict: dict, prefix: str = "", device: Any = None) -> "EmbeddedWan":

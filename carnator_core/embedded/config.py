@@ -52,6 +52,9 @@ DEFAULT_CFG = 5.0
 DEFAULT_SAMPLER = "euler"
 DEFAULT_SCHEDULER = "simple"
 DEFAULT_PROBE_STEP = 4  # the step (0-based count of finished steps) at which the Early Signature probes
+# What a denoiser may be trained to output (train.Recipe.prediction; a weights file's "prediction" metadata, absent
+# = "v"): the flow velocity eps - x0 (ComfyUI's FLOW) or the clean latent (comfy_glue.ModelSamplingFlowX0).
+PREDICTIONS = ("v", "x0")
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "carnator_embedded_v2.safetensors"

@@ -214,8 +214,8 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(recipe.seed + 1)
         self.model_cfg = {**self.version.model_config(), **recipe.model_overrides}
         self.model = build_wan(init=True, **self.model_cfg)
-        if recipe.prediction not in ("v", "x0"):
-            raise ValueError(f"prediction must be 'v' or 'x0', not {recipe.prediction!r}")
+        if recipe.prediction not in config.PREDICTIONS:
+            raise ValueError(f"prediction must be one of {config.PREDICTIONS}, not {recipe.prediction!r}")
         if recipe.freeze_text_embedding:
             for p in self.model.text_embedding.parameters():
                 p.requires_grad_(False)
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="per-object loss share (default: V3_OBJECT_SHARE = 1.0 for v3, v2's --object-weight "
                         "otherwise; <= 0: v2's "
                         "--object-weight on the union of the objects, for ablations)")
-    p.add_argument("--prediction", choices=("v", "x0"), default="v",
+    p.add_argument("--prediction", choices=config.PREDICTIONS, default="v",
                    help="what the denoiser outputs: the flow velocity (v, ComfyUI's FLOW) or the clean latent (x0); "
                         "the loss is the velocity loss either way")
     p.add_argument("--init", type=Path, default=None,
