@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in ("one_object", "two_objects"):
         if part in report:
             print(f"{part:12s} " + " ".join(f"{k}={report[part][k]:.2f}" for k in keys))
+            print(f"{'':12s} attention peak per layer (gate captions; choose layers with scripts/probe_layers.py): "
+                  + " ".join(f"{v:.2f}" for v in report[part]["attn_peak_by_layer"]))
     if "gate" in report:
         print(f"gate: {'PASSES' if report['gate']['passes'] else 'fails'} "
               f"{ {k: v for k, v in report['gate']['checks'].items() if not v} }")

@@ -188,3 +188,32 @@ def test_the_weights_file_says_what_the_denoiser_predicts(glue, tmp_path) -> Non
     train.save_weights(sd, bad, {"config": v2.model_config(), "seed": 0, "version": "v2", "prediction": "eps"})
     with pytest.raises(ValueError, match="expected 'v' or 'x0'"):
         glue.load_embedded(bad)
+
+
+def test_attention_peak_rate_reads_only_the_chosen_layers(glue) -> None:
+    """The gate's attention-peak rule: the peak of object 0's word attention, averaged over the given layers,
+    must land on a token the final object covers; per-layer figures choose a version's probe layers."""
+    import numpy as np
+
+    from carnator.carnator_core.embedded import checker, config, text, world
+
+    ver = config.version("v2")
+    frame = world.Frame(ver.frames, ver.height, ver.width)
+    cap = "a big red ball sits still in the top left corner, on the grass"
+    scene = world.parse_caption(cap)
+    clip, _ = world.render(scene, frame)
+    result = checker.check(clip, cap)
+    assert result.objects[0].found
+    pt, ph, pw = ver.patch_size[0], ver.patch_size[1] * config.UNSHUFFLE, ver.patch_size[2] * config.UNSHUFFLE
+    grid = (ver.frames // pt, ver.height // ph, ver.width // pw)
+    on = np.unravel_index(int(np.argmax(result.masks[0][:pt].reshape(pt, grid[1], ph, grid[2], pw)
+                                        .mean(axis=(0, 2, 4)))), grid[1:])
+    attn = torch.zeros(1, ver.num_layers, config.TEXT_LEN, *grid)
+    toks = text.encode(cap, warn=False, version=ver.name).object_tokens(0)
+    attn[0, 1, toks, 0, on[0], on[1]] = 1.0  # layer 1 looks at the object
+    attn[0, 2, toks, 0, grid[1] - 1, grid[2] - 1] = 1.0  # layer 2 at the far corner, away from it
+    gen = glue.Generation(clips=torch.from_numpy(clip)[None], latents=torch.zeros(1), cross_attn=attn)
+    assert glue.attention_peak_rate(gen, [cap], [result], (1,), ver) == 1.0
+    assert glue.attention_peak_rate(gen, [cap], [result], (2,), ver) == 0.0
+    assert np.isnan(glue.attention_peak_rate(glue.Generation(clips=gen.clips, latents=gen.latents), [cap],
+                                             [result], (1,), ver))

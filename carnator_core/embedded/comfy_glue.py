@@ -353,7 +353,8 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     the version's ``probe_layers`` at ``probe_step`` lands on a token whose 2-frame x 4x4-pixel region is at least
     25% covered by the final object's mask) and ``x0_colour_match`` (the nearest palette colour of the
     probe-step x0 prediction under the final object's mask, read from the half of those pixels most distinct from
-    the x0's background, equals the final clip's object colour).
+    the x0's background, equals the final clip's object colour). ``attn_peak_by_layer`` is the same peak rule
+    for each single layer (to choose a version's ``probe_layers`` on captions other than the gate's).
     """
     import numpy as np
 
@@ -368,20 +369,13 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     x0_rgb = codec.latent_to_rgb(gen.x0_probe).numpy() if gen.x0_probe is not None else None
     palette_names = list(world.PALETTE)
     palette = np.asarray([world.PALETTE[c] for c in palette_names])
-    hits, colour_hits, found = 0, 0, 0
-    pt, ph, pw = ver.patch_size[0], ver.patch_size[1] * config.UNSHUFFLE, ver.patch_size[2] * config.UNSHUFFLE
+    colour_hits, found = 0, 0
     for i, (cap, r) in enumerate(zip(captions, results)):
         obj = r.objects[0]
         if not obj.found:
             continue
         found += 1
         mask = r.masks[0]
-        if gen.cross_attn is not None:
-            toks = text.encode(cap, warn=False, version=ver.name).object_tokens(0)
-            amap = gen.cross_attn[i, list(ver.probe_layers)][:, toks].mean(dim=(0, 1))  # [T', H', W']
-            t, y, x = np.unravel_index(int(torch.argmax(amap)), tuple(amap.shape))
-            region = mask[t * pt:(t + 1) * pt, y * ph:(y + 1) * ph, x * pw:(x + 1) * pw]
-            hits += int(region.mean() >= 0.25)
         if x0_rgb is not None:
             # The early x0 is blurred: under the final mask it blends object and background. Read the object's
             # colour from the half of those pixels most distinct from the x0's background (the same rule as the
@@ -393,11 +387,36 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     rates.update({
         "n_captions": len(captions),
         "n_found": found,
-        "attn_peak_on_object": hits / found if found else float("nan"),
+        "attn_peak_on_object": attention_peak_rate(gen, captions, results, ver.probe_layers, ver),
+        "attn_peak_by_layer": [attention_peak_rate(gen, captions, results, (k,), ver) for k in range(ver.num_layers)],
         "x0_colour_match": colour_hits / found if found else float("nan"),
         "all_ok": float(np.mean([r.all_ok for r in results])),
     })
     return rates
+
+
+def attention_peak_rate(gen: Generation, captions: list[str], results: list[Any], layers: tuple[int, ...],
+                        ver: config.ModelVersion) -> float:
+    """Share of clips (among those whose first object the checker found in the final clip) where the peak of the
+    probe-step cross-attention of object 0's colour+shape tokens, averaged over ``layers``, lands on a token whose
+    2-frame x 4x4-pixel region is at least 25 % covered by the final object's mask; NaN when none was found or
+    the generation kept no cross-attention."""
+    import numpy as np
+
+    if gen.cross_attn is None:
+        return float("nan")
+    pt, ph, pw = ver.patch_size[0], ver.patch_size[1] * config.UNSHUFFLE, ver.patch_size[2] * config.UNSHUFFLE
+    hits, found = 0, 0
+    for i, (cap, r) in enumerate(zip(captions, results)):
+        if not r.objects[0].found:
+            continue
+        found += 1
+        toks = text.encode(cap, warn=False, version=ver.name).object_tokens(0)
+        amap = gen.cross_attn[i, list(layers)][:, toks].mean(dim=(0, 1))  # [T', H', W']
+        t, y, x = np.unravel_index(int(torch.argmax(amap)), tuple(amap.shape))
+        region = r.masks[0][t * pt:(t + 1) * pt, y * ph:(y + 1) * ph, x * pw:(x + 1) * pw]
+        hits += int(region.mean() >= 0.25)
+    return hits / found if found else float("nan")
 
 
 def gate_verdict(report: dict[str, Any], version: config.ModelVersion) -> dict[str, Any]:
