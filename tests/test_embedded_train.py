@@ -156,3 +156,22 @@ def test_warm_start_loads_the_trained_tensors_and_guards_its_file(train_mod, tmp
     # ... and a fresh run from a file whose frozen projection another seed built is refused.
     with pytest.raises(ValueError, match="frozen tensors"):
         train_mod.Trainer(dataclasses.replace(recipe, init_sha256=None), tmp_path / "fresh2")
+
+
+
+def test_exports_are_byte_reproducible(train_mod, tmp_path) -> None:
+    """A warm start's file is identified by its SHA-256, so exporting the same EMA twice must give the same bytes
+    (safetensors alone writes its metadata in a new hash order on every call) and a file loaders still read."""
+    from safetensors import safe_open
+
+    t = train_mod.Trainer(_recipe(train_mod, version="v2"), None)
+    meta = t.export_meta(final=False)
+    paths = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    for p in paths:
+        train_mod.save_weights(t.ema, p, meta)
+    assert len({p.read_bytes() for p in paths}) == 1
+    with safe_open(str(paths[0]), framework="pt") as f:
+        assert {k: json.loads(v) for k, v in f.metadata().items()} == json.loads(json.dumps(meta))
+        assert set(f.keys()) == set(t.ema)
+        for k in f.keys():
+            assert torch.equal(f.get_tensor(k), t.ema[k].half()), k

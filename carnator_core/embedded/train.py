@@ -181,12 +181,21 @@ def sample_sigmas(gen: torch.Generator, n: int, shift: float) -> torch.Tensor:
 
 def save_weights(ema: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
     """fp16 safetensors of ``ema`` with JSON-encoded ``meta`` (what comfy_glue.load_embedded reads)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in ema.items()}
-    save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
+    # safetensors writes the metadata in hash-map order, which changes from process to process; the header is
+    # rewritten with sorted keys so an export from a committed state reproduces a warm start's file (and its
+    # SHA-256, part of the recipe) byte for byte.
+    blob = save(tensors, metadata={k: json.dumps(v) for k, v in meta.items()})
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    with tmp.open("wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + blob[8 + n:])
     os.replace(tmp, path)
 
 
