@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--threads", str(args.threads)])
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    keys = ("colour", "size", "position", "motion", "shape", "attn_peak_on_object", "x0_colour_match", "all_ok")
+    keys = ("colour", "size", "position", "motion", "motion_axis", "motion_sign", "shape", "attn_peak_on_object",
+            "x0_colour_match", "all_ok")
     for part in ("one_object", "two_objects"):
         if part in report:
             print(f"{part:12s} " + " ".join(f"{k}={report[part][k]:.2f}" for k in keys))

@@ -149,6 +149,19 @@ def test_checker_passes_ground_truth_renders() -> None:
     assert all(rates[k] == 1.0 for k in ("colour", "size", "position", "motion"))
 
 
+def test_motion_axis_and_sign_tell_a_time_reversed_clip() -> None:
+    """The training diagnostic: a clip played backwards moves on the named axis with the wrong sign."""
+    forward, backward = [], []
+    scenes = [(s, c) for s, c in _scenes(60, seed=9, n_objects=1) if s.objects[0].motion != "still"]
+    assert len(scenes) >= 20
+    for scene, cap in scenes:
+        rgb, _ = world.render(scene)
+        forward.append(checker.check(rgb, cap))
+        backward.append(checker.check(rgb[::-1].copy(), cap))
+    assert checker.motion_axis_and_sign(forward) == {"motion_axis": 1.0, "motion_sign": 1.0}
+    assert checker.motion_axis_and_sign(backward) == {"motion_axis": 1.0, "motion_sign": 0.0}
+
+
 @pytest.mark.parametrize("attr,other", [("colour", None), ("size", None), ("position", None), ("motion", None)])
 def test_checker_rejects_perturbed_captions(attr: str, other) -> None:
     values = {"colour": world.COLOURS, "size": world.SIZES, "position": world.POSITIONS, "motion": world.MOTIONS}

@@ -267,3 +267,25 @@ def pass_rates(results: list[CheckResult]) -> dict[str, float]:
                 if v is not None:
                     tally[k].append(bool(v))
     return {k: (float(np.mean(v)) if v else float("nan")) for k, v in tally.items()}
+
+
+_AXIS = {"left": "x", "right": "x", "up": "y", "down": "y"}
+
+
+def motion_axis_and_sign(results: list[CheckResult]) -> dict[str, float]:
+    """Two readings of the motion verdicts, for diagnosing training (not part of any gate): among found objects
+    the caption names as moving, ``motion_axis`` = share that move along the named axis (horizontal or vertical,
+    either sign), and among those ``motion_sign`` = share that move the named way. A model that smears an object
+    along the axis but has no sense of time scores axis high and sign near 0.5."""
+    on_axis, right_sign = [], []
+    for r in results:
+        for o in r.objects:
+            named = o.expected.motion
+            if named not in _AXIS or not o.found:
+                continue
+            seen = o.measured.get("motion")
+            on_axis.append(_AXIS.get(seen) == _AXIS[named])
+            if on_axis[-1]:
+                right_sign.append(seen == named)
+    return {"motion_axis": float(np.mean(on_axis)) if on_axis else float("nan"),
+            "motion_sign": float(np.mean(right_sign)) if right_sign else float("nan")}

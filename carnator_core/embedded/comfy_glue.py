@@ -347,7 +347,8 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
              cfg: float = config.DEFAULT_CFG, probe_step: int = config.DEFAULT_PROBE_STEP) -> dict[str, Any]:
     """Generate one clip per caption (one batch, stock sampling path) and score it with the checker.
 
-    Returns pass rates ``colour``/``size``/``position``/``motion``/``shape`` over named objects, and the
+    Returns pass rates ``colour``/``size``/``position``/``motion``/``shape`` over named objects (plus the
+    diagnostic ``motion_axis``/``motion_sign`` of ``checker.motion_axis_and_sign``), and the
     early-state metrics over clips whose first object the checker found in the final clip:
     ``attn_peak_on_object`` (the peak of the mean cross-attention of object 0's colour+shape tokens over
     the version's ``probe_layers`` at ``probe_step`` lands on a token whose 2-frame x 4x4-pixel region is at least
@@ -366,6 +367,7 @@ def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
     gen = generate(captions, seed, model=model, steps=steps, cfg=cfg, probe_step=probe_step)
     results = [checker.check(gen.clips[i], c) for i, c in enumerate(captions)]
     rates = checker.pass_rates(results)
+    rates.update(checker.motion_axis_and_sign(results))
     x0_rgb = codec.latent_to_rgb(gen.x0_probe).numpy() if gen.x0_probe is not None else None
     palette_names = list(world.PALETTE)
     palette = np.asarray([world.PALETTE[c] for c in palette_names])
