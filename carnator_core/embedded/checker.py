@@ -269,7 +269,8 @@ def pass_rates(results: list[CheckResult]) -> dict[str, float]:
     return {k: (float(np.mean(v)) if v else float("nan")) for k, v in tally.items()}
 
 
-_AXIS = {"left": "x", "right": "x", "up": "y", "down": "y"}
+# The axis of each moving motion, read from the world's own motion directions (x for left/right, y for up/down).
+_AXIS = {m: ("x" if dx else "y") for m, (dx, dy) in world.MOTION_DIR.items() if dx or dy}
 
 
 def motion_axis_and_sign(results: list[CheckResult]) -> dict[str, float]:
