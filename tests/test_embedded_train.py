@@ -122,6 +122,52 @@ def test_x0_prediction_trains_on_the_velocity_loss(train_mod) -> None:
     assert loss == pytest.approx(expected, rel=1e-4)
 
 
+def test_high_sigma_share_trains_that_share_of_each_batch_near_pure_noise(train_mod, tmp_path) -> None:
+    """``high_sigma_share`` puts round(share * batch) clips of every batch at sigma in [high_sigma_min, 1] and
+    leaves the rest on the shifted logit-normal; share 0 draws the generator exactly as before the option
+    existed (so older states resume unchanged), and a state written without the fields still resumes."""
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    base = train_mod.sample_sigmas(g1, 8, 3.0)
+    mixed = train_mod.sample_sigmas(g2, 8, 3.0, high_share=0.25, high_min=0.95)
+    assert torch.equal(mixed[2:], base[2:])  # the logit-normal draws are the same ones
+    assert bool(((mixed[:2] >= 0.95) & (mixed[:2] <= 1.0)).all())
+    g3 = torch.Generator().manual_seed(5)
+    assert torch.equal(train_mod.sample_sigmas(g3, 8, 3.0, high_share=0.0), base)
+    # Over many batches the share lands where asked: 2 of 8 per batch above 0.95, against ~3 % without it.
+    g4, g5 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    hi = torch.cat([train_mod.sample_sigmas(g4, 8, 3.0, high_share=0.25) for _ in range(200)])
+    lo = torch.cat([train_mod.sample_sigmas(g5, 8, 3.0) for _ in range(200)])
+    assert 0.25 <= float((hi >= 0.95).float().mean()) <= 0.30
+    assert float((lo >= 0.95).float().mean()) < 0.06
+    # The trainer uses it: a step with share 1.0 sees only sigmas >= the floor.
+    torch.set_num_threads(1)
+    t = train_mod.Trainer(_recipe(train_mod, version="v2", high_sigma_share=1.0, high_sigma_min=0.9), None)
+    seen = []
+    real_forward = t.model.forward
+    t.model.forward = lambda x, timestep, *a, **kw: (seen.append(timestep.clone()), real_forward(x, timestep, *a,
+                                                                                                **kw))[1]
+    t.train_step()
+    assert bool((seen[0] >= 900.0).all())
+    with pytest.raises(ValueError, match="high-sigma-share"):
+        train_mod.Trainer(_recipe(train_mod, version="v2", high_sigma_share=1.5), None)
+    # A state saved before the option existed (no such keys in its recipe) resumes with the defaults.
+    recipe = _recipe(train_mod, version="v2")
+    old = train_mod.Trainer(recipe, tmp_path / "old")
+    old.run(chunk_minutes=None, ckpt_minutes=1e9, ckpt_steps=1, max_steps=1)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "old" / "state.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["state"])
+    for k in ("high_sigma_share", "high_sigma_min"):
+        meta["recipe"].pop(k)
+    save_file(load_file(str(path)), str(path), metadata={"state": json.dumps(meta)})
+    again = train_mod.Trainer(recipe, tmp_path / "old")
+    again.load_state()
+    assert again.step == 1
+
+
 def test_warm_start_loads_the_trained_tensors_and_guards_its_file(train_mod, tmp_path) -> None:
     """--init: a new run starts from an exported file's trainable tensors (the output projection zeroed when the
     prediction changes); a resume needs no file but refuses a different one; a file whose frozen text projection

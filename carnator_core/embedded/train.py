@@ -95,6 +95,14 @@ class Recipe:
     # silently mix files. None: a fresh initialisation from the seed.
     init: Optional[str] = None
     init_sha256: Optional[str] = None
+    # High-noise share: this fraction of every batch (rounded to whole clips) takes its sigma uniformly from
+    # [high_sigma_min, 1] instead of the shifted logit-normal. Why: near sigma = 1 the noisy input carries no
+    # trace of the clip, so only the caption can say where an object is in each frame; below ~0.9 the object is
+    # already visible in the noise and a model can follow it instead. v3 learned that route and never read the
+    # motion direction (docs/MODEL_CARD.md, "Stage 4"); the sampler's first steps run at sigma 1.0-0.95, where a
+    # direction-blind model picks the direction by chance. The logit-normal puts ~3 % of its draws there.
+    high_sigma_share: float = 0.0
+    high_sigma_min: float = 0.95
 
 
 def make_batch(rng: np.random.Generator, batch: int, p_drop: float, *, frame: world.Frame = world.DEFAULT_FRAME,
@@ -173,10 +181,17 @@ def load_init(model: torch.nn.Module, path: Path, recipe: "Recipe", model_cfg: d
             model.head.head.bias.zero_()
 
 
-def sample_sigmas(gen: torch.Generator, n: int, shift: float) -> torch.Tensor:
-    """Logit-normal(0, 1) times, then the discrete-flow shift (more mass at high noise)."""
+def sample_sigmas(gen: torch.Generator, n: int, shift: float, *, high_share: float = 0.0,
+                  high_min: float = 0.95) -> torch.Tensor:
+    """Logit-normal(0, 1) times, then the discrete-flow shift (more mass at high noise); the first
+    ``round(high_share * n)`` of them instead uniform in [high_min, 1] (``Recipe.high_sigma_share``). With
+    ``high_share`` 0 the generator is drawn exactly as before the option existed (older runs resume bit for bit)."""
     u = torch.sigmoid(torch.randn(n, generator=gen))
-    return shift * u / (1.0 + (shift - 1.0) * u)
+    sigma = shift * u / (1.0 + (shift - 1.0) * u)
+    k = int(round(high_share * n))
+    if k > 0:
+        sigma[:k] = high_min + (1.0 - high_min) * torch.rand(k, generator=gen)
+    return sigma
 
 
 def save_weights(ema: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
@@ -225,6 +240,9 @@ class Trainer:
         self.model = build_wan(init=True, **self.model_cfg)
         if recipe.prediction not in config.PREDICTIONS:
             raise ValueError(f"prediction must be one of {config.PREDICTIONS}, not {recipe.prediction!r}")
+        if not (0.0 <= recipe.high_sigma_share <= 1.0 and 0.0 <= recipe.high_sigma_min < 1.0):
+            raise ValueError(f"--high-sigma-share must be in [0, 1] (got {recipe.high_sigma_share}) and "
+                             f"--high-sigma-min in [0, 1) (got {recipe.high_sigma_min})")
         if recipe.freeze_text_embedding:
             for p in self.model.text_embedding.parameters():
                 p.requires_grad_(False)
@@ -350,7 +368,8 @@ class Trainer:
         b = make_batch(self.rng, r.batch, r.p_drop, frame=self.frame, p_two=self.p_two,
                        text_version=self.version.name)
         x0 = b["x0"]
-        sigma = sample_sigmas(self.gen, r.batch, config.SHIFT)
+        sigma = sample_sigmas(self.gen, r.batch, config.SHIFT, high_share=r.high_sigma_share,
+                              high_min=r.high_sigma_min)
         eps = torch.randn(x0.shape, generator=self.gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1.0 - s) * x0 + s * eps
@@ -383,7 +402,8 @@ class Trainer:
                 "init_sha256": r.init_sha256, "prediction": r.prediction,
                 "freeze_text_embedding": r.freeze_text_embedding, "batch": r.batch, "lr": r.lr,
                 "shift": config.SHIFT, "object_weight": r.object_weight, "object_share": r.object_share,
-                "p_drop": r.p_drop, "p_two": self.p_two, "steps": self.step,
+                "p_drop": r.p_drop, "p_two": self.p_two, "high_sigma_share": r.high_sigma_share,
+                "high_sigma_min": r.high_sigma_min, "steps": self.step,
                 "minutes": round(self.elapsed_s / 60.0, 2), "final": final, "format": "carnator-embedded-v1"}
 
     def run(self, *, chunk_minutes: Optional[float], ckpt_minutes: float, ckpt_steps: Optional[int] = None,
@@ -486,6 +506,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="warm start: an exported weights file (--export) whose trainable tensors initialise a new "
                         "run (read only when the run starts; its SHA-256 is part of the recipe)")
     p.add_argument("--p-drop", type=float, default=0.1, help="caption dropout (for classifier-free guidance)")
+    p.add_argument("--high-sigma-share", type=float, default=0.0,
+                   help="fraction of each batch trained at sigma uniform in [--high-sigma-min, 1] (where only the "
+                        "caption can place an object; see Recipe.high_sigma_share)")
+    p.add_argument("--high-sigma-min", type=float, default=0.95)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (keep it fixed across chunks: "
                    "a different count changes float summation order, so resumption is then only approximate)")
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
@@ -507,7 +531,9 @@ def main(argv: list[str] | None = None) -> None:
                                   args.object_share if args.object_share is not None else
                                   (V3_OBJECT_SHARE if v3_like else None)),
                     p_drop=args.p_drop, freeze_text_embedding=args.freeze_text_embedding or v3_like,
-                    prediction=args.prediction, init=None if args.init is None else args.init.as_posix(),
+                    prediction=args.prediction, high_sigma_share=args.high_sigma_share,
+                    high_sigma_min=args.high_sigma_min,
+                    init=None if args.init is None else args.init.as_posix(),
                     init_sha256=None if args.init is None else _init_sha(args.init, args.state))
     out = args.out or config.version(args.version).weights_path
     snapshot = args.snapshot or (Path(f"runs/{args.version}_latest.safetensors") if args.state else None)
