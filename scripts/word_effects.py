@@ -59,7 +59,7 @@ def word_effects(weights: str, sigmas=(0.9, 0.6, 0.3), seed: int = 0) -> dict:
     from carnator.carnator_core.embedded import comfy_glue as g
 
     m, ver = _load(weights)
-    enc = g.EmbeddedTextEncoder(ver.name)
+    enc = g.text_encoder_for(m)
     mm = m.model
     gen = torch.Generator().manual_seed(seed)
     out = {"weights": weights, "version": ver.name, "step": m.model.carnator_embedded_meta.get("step"),
@@ -87,12 +87,12 @@ def cross_attention_use(weights: str, sigma: float = 0.9, seed: int = 0) -> dict
     object's words and on the background words; and, for the position words ("top", "left"), the best head's
     correlation of its attention map with the token's distance from the right / bottom edge (near 1: queries read
     where a token sits and match it to the position words, as v2's first block does; near 0: they do not)."""
-    from carnator.carnator_core.embedded import text as text_mod
+    from carnator.carnator_core.embedded import comfy_glue as g, text as text_mod
 
     m, ver = _load(weights)
     mm = m.model
     dm = mm.diffusion_model
-    enc = text_mod.encode(BASE, warn=False, version=ver.name)
+    enc = text_mod.encode(BASE, warn=False, version=ver.name, motion_axes=g.text_encoder_for(m).motion_axes)
     tok = {w.word.strip(","): w.tokens[0] for w in enc.words if w.tokens}
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = [b.cross_attn.register_forward_pre_hook(

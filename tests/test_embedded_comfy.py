@@ -190,6 +190,33 @@ def test_the_weights_file_says_what_the_denoiser_predicts(glue, tmp_path) -> Non
         glue.load_embedded(bad)
 
 
+def test_the_weights_file_says_how_loud_the_time_coordinate_is(glue, tmp_path) -> None:
+    """A file trained with ``coord_time_scale`` gets the same scaled t ramp at inference (the channels the
+    trainer fed); a file without the key gets 1.0; a nonsense value is refused."""
+    from carnator.carnator_core.embedded import codec, config, train
+    from carnator.carnator_core.embedded.model import build_wan
+
+    v2 = config.version("v2")
+    torch.manual_seed(0)
+    sd = build_wan(init=True, **v2.model_config()).state_dict()
+    x = torch.zeros((1,) + v2.latent_shape)
+    chans = {}
+    for scale in (None, 4.0):
+        path = tmp_path / f"t{scale}.safetensors"
+        meta = {"config": v2.model_config(), "seed": 0, "version": "v2"}
+        train.save_weights(sd, path, meta if scale is None else {**meta, "coord_time_scale": scale})
+        model, _, _ = glue.load_embedded(path)
+        chans[scale] = model.model.concat_cond(noise=x)[0]
+    plain = codec.coord_channels(*v2.latent_shape[1:])
+    assert torch.equal(chans[None], plain)
+    assert torch.equal(chans[4.0][2], 4.0 * plain[2])  # the t ramp, and only it
+    assert torch.equal(chans[4.0][:2], plain[:2])
+    bad = tmp_path / "bad.safetensors"
+    train.save_weights(sd, bad, {"config": v2.model_config(), "seed": 0, "version": "v2", "coord_time_scale": -1})
+    with pytest.raises(ValueError, match="coord_time_scale"):
+        glue.load_embedded(bad)
+
+
 def test_attention_peak_rate_reads_only_the_chosen_layers(glue) -> None:
     """The gate's attention-peak rule: the peak of object 0's word attention, averaged over the given layers,
     must land on a token the final object covers; per-layer figures choose a version's probe layers."""

@@ -160,7 +160,7 @@ def test_high_sigma_share_trains_that_share_of_each_batch_near_pure_noise(train_
     path = tmp_path / "old" / "state.safetensors"
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["state"])
-    for k in ("high_sigma_share", "high_sigma_min"):
+    for k in ("high_sigma_share", "high_sigma_min", "coord_time_scale", "motion_axes"):
         meta["recipe"].pop(k)
     save_file(load_file(str(path)), str(path), metadata={"state": json.dumps(meta)})
     again = train_mod.Trainer(recipe, tmp_path / "old")

@@ -238,3 +238,37 @@ def test_v3_text_encoder_binds_each_word_to_its_object() -> None:
     assert [w.tokens for w in enc["v3"]["base"].words] == [w.tokens for w in enc["v2"]["base"].words]
     assert np.all(text.encode("", version="v3").cond == 0)
     assert np.array_equal(text.encode(base).cond, enc["v2"]["base"].cond)  # the default stays v2's encoder
+
+
+def test_motion_axes_encode_a_direction_as_its_axis_and_a_sign() -> None:
+    """With ``motion_axes`` a a direction word is axis + a x signed direction: "left" and "right" share their
+    axis and differ by an exact opposite (cosine (1 - a^2) / (1 + a^2); independent concepts without it);
+    up/down have another axis; every other word, and the default encoding, are unchanged."""
+    def word_vec(prompt: str, word: str, **kw) -> np.ndarray:
+        enc = text.encode(prompt, version="v2", **kw)  # v2: no phrase context, so a word token is its own
+        return enc.cond[[w for w in enc.words if w.word == word][0].tokens[0]]
+
+    def concept(word: str, verb: str = "moves to the", **kw) -> np.ndarray:
+        base = word_vec(f"a red ball {verb} {word}", "ball", **kw)  # same slot vector for the same slot
+        return word_vec(f"a red ball {verb} {word}", word, **kw) - 0.3 * text._vector("word:" + word) \
+            - (base - text._vector("concept:shape:ball") - 0.3 * text._vector("word:ball"))
+
+    def cos(a: np.ndarray, b: np.ndarray) -> float:
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    left, right = concept("left", motion_axes=1.0), concept("right", motion_axes=1.0)
+    up, down = concept("up", "moves", motion_axes=1.0), concept("down", "moves", motion_axes=1.0)
+    assert abs(cos(concept("left"), concept("right"))) < 0.1  # independent random concepts by default
+    assert cos(left, right) == pytest.approx(0.0, abs=0.1)  # a = 1: axis and sign weigh the same
+    assert cos(left + right, up + down) == pytest.approx(0.0, abs=0.1)  # two different axes
+    axis = text._vector("axis:h") / np.sqrt(2.0)
+    assert np.allclose(left + right, 2 * axis, atol=1e-4)  # the signed parts cancel exactly
+    strong = concept("left", motion_axes=3.0), concept("right", motion_axes=3.0)
+    weak = concept("left", motion_axes=0.3), concept("right", motion_axes=0.3)
+    assert cos(*strong) < -0.7 and cos(*weak) > 0.8  # the weight decides how much of a word is its sign
+    assert np.linalg.norm(left) == pytest.approx(np.linalg.norm(concept("left")), rel=0.1)
+    p = "a red ball in the top left moves to the left, on the grass"
+    a, b = text.encode(p, version="v3"), text.encode(p, version="v3", motion_axes=1.0)
+    grass = [w for w in a.words if w.word == "grass"][0].tokens[0]
+    assert np.array_equal(a.cond[grass], b.cond[grass])
+    assert not np.array_equal(a.cond[0], b.cond[0])  # v3: the phrase context carries the motion concept

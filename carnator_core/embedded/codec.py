@@ -71,15 +71,18 @@ def mask_to_latent(mask: ArrayLike) -> torch.Tensor:
     return out if batched else out[0]
 
 
-def coord_channels(frames: int, height: int, width: int, *, scale: float = 1.0, octaves: int = 0) -> torch.Tensor:
+def coord_channels(frames: int, height: int, width: int, *, scale: float = 1.0, octaves: int = 0,
+                   time_scale: float = 1.0) -> torch.Tensor:
     """[3 + 4 * octaves, T, h, w] fixed coordinate channels (latent grid), fed to the denoiser as concat
     conditioning so it knows where each token sits (see config.COORD_CHANNELS): x, y, t ramps in
-    [-scale, scale], then per octave k sin/cos(pi 2^k x) and sin/cos(pi 2^k y) in [-scale, scale]
-    (``ModelVersion.coord_scale`` / ``coord_octaves``; v2: 1.0 and 0)."""
+    [-scale, scale] (the t ramp further multiplied by ``time_scale``), then per octave k sin/cos(pi 2^k x) and
+    sin/cos(pi 2^k y) in [-scale, scale] (``ModelVersion.coord_scale`` / ``coord_octaves``; v2: 1.0 and 0;
+    ``time_scale`` is a property of a weights file, ``train.Recipe.coord_time_scale``, 1.0 unless its metadata
+    says otherwise)."""
     t = torch.linspace(-1.0, 1.0, frames).view(frames, 1, 1).expand(frames, height, width)
     y = torch.linspace(-1.0, 1.0, height).view(1, height, 1).expand(frames, height, width)
     x = torch.linspace(-1.0, 1.0, width).view(1, 1, width).expand(frames, height, width)
-    chans = [x, y, t]
+    chans = [x, y, t * time_scale]
     for k in range(octaves):
         f = math.pi * 2.0 ** k
         chans += [torch.sin(f * x), torch.cos(f * x), torch.sin(f * y), torch.cos(f * y)]

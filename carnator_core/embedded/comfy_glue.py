@@ -80,7 +80,7 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
     latent_format = EmbeddedLatent
     memory_usage_factor = 0.05
 
-    def __init__(self, version: str = config.DEFAULT_VERSION, prediction: str = "v") -> None:
+    def __init__(self, version: str = config.DEFAULT_VERSION, prediction: str = "v", time_scale: float = 1.0) -> None:
         unet = {"image_model": "wan2.1", **config.model_config(version), "dtype": torch.float32}
         super().__init__(unet)
         self.memory_usage_factor = 0.05
@@ -89,6 +89,9 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
             raise ValueError(f"unknown embedded-model prediction {prediction!r} (expected "
                              f"{' or '.join(repr(p) for p in config.PREDICTIONS)})")
         self.carnator_prediction = prediction  # what the denoiser outputs (train.Recipe.prediction)
+        if not (isinstance(time_scale, (int, float)) and 0.0 < float(time_scale) <= 64.0):
+            raise ValueError(f"embedded-model coord_time_scale must be a number in (0, 64], not {time_scale!r}")
+        self.carnator_time_scale = float(time_scale)  # the t coordinate ramp's scale (train.Recipe)
 
     def get_model(self, state_dict: dict, prefix: str = "", device: Any = None) -> "EmbeddedWan":
         return EmbeddedWan(self, device=device)
@@ -109,7 +112,8 @@ class EmbeddedWan(comfy.model_base.WAN21):
             return None
         b, _, t, h, w = noise.shape
         v = config.version(getattr(self.model_config, "carnator_version", config.DEFAULT_VERSION))
-        coords = codec.coord_channels(t, h, w, scale=v.coord_scale, octaves=v.coord_octaves).to(
+        coords = codec.coord_channels(t, h, w, scale=v.coord_scale, octaves=v.coord_octaves,
+                                      time_scale=getattr(self.model_config, "carnator_time_scale", 1.0)).to(
             device=noise.device, dtype=noise.dtype)
         return coords[None].expand(b, -1, -1, -1, -1).contiguous()
 
@@ -143,14 +147,16 @@ class EmbeddedTextEncoder:
     (``load_embedded`` returns the one its weights need; the versions' encoders differ, see text.py)."""
 
     version: str = config.DEFAULT_VERSION
+    motion_axes: float = 0.0  # direction words as axis + signed direction (text.encode; the weights' metadata)
 
     @property
     def name(self) -> str:
         """Identifies the conditioning (caches never reuse across different names); v2's is its historic name."""
-        return "carnator-embedded-text-v1" if self.version == "v2" else f"carnator-embedded-text-{self.version}"
+        base = "carnator-embedded-text-v1" if self.version == "v2" else f"carnator-embedded-text-{self.version}"
+        return base if not self.motion_axes else f"{base}-axes{self.motion_axes:g}"
 
     def encode_with_words(self, prompt: str) -> tuple[list, text.Encoded]:
-        enc = text.encode(prompt, version=self.version)
+        enc = text.encode(prompt, version=self.version, motion_axes=self.motion_axes)
         cond = torch.from_numpy(enc.cond.copy())[None]
         return [[cond, {}]], enc
 
@@ -209,7 +215,8 @@ def load_embedded(weights_path: Union[str, Path, None] = None) -> tuple[comfy.mo
         if patcher is None:
             meta = read_metadata(path)
             version = version_of(meta, path)
-            model_config = EmbeddedModelConfig(version.name, prediction=meta.get("prediction", "v"))
+            model_config = EmbeddedModelConfig(version.name, prediction=meta.get("prediction", "v"),
+                                               time_scale=meta.get("coord_time_scale", 1.0))
             base = model_config.get_model({}, device=torch.device("cpu"))
             sd = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
             missing, unexpected = base.diffusion_model.load_state_dict(sd, strict=False)
@@ -222,7 +229,16 @@ def load_embedded(weights_path: Union[str, Path, None] = None) -> tuple[comfy.mo
             patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
             _CACHE.clear()
             _CACHE[key] = patcher
-    return patcher.clone(), EmbeddedTextEncoder(patcher.model.carnator_embedded_version), EmbeddedDecoder()
+    return patcher.clone(), text_encoder_for(patcher), EmbeddedDecoder()
+
+
+def text_encoder_for(model: comfy.model_patcher.ModelPatcher) -> EmbeddedTextEncoder:
+    """The text encoder a MODEL from ``load_embedded`` was trained with (its version and its weights' metadata)."""
+    meta = getattr(model.model, "carnator_embedded_meta", {}) or {}
+    axes = meta.get("motion_axes", 0.0)
+    if not (isinstance(axes, (int, float)) and 0.0 <= float(axes) <= 16.0):
+        raise ValueError(f"embedded-model motion_axes must be a number in [0, 16], not {axes!r}")
+    return EmbeddedTextEncoder(model_version(model).name, motion_axes=float(axes))
 
 
 def model_version(model: comfy.model_patcher.ModelPatcher) -> config.ModelVersion:
@@ -266,7 +282,7 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
     else:
         model = model.clone()
     ver = model_version(model)
-    enc = EmbeddedTextEncoder(ver.name)
+    enc = text_encoder_for(model)
     cond = torch.cat([enc.encode(p)[0][0] for p in prompts])
     positive = [[cond, {}]]
     negative = enc.encode("")

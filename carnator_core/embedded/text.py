@@ -52,9 +52,25 @@ def _vector(name: str) -> np.ndarray:
     return v
 
 
-def _token_vector(info: WordInfo) -> np.ndarray:
+# Direction words as an axis plus a signed direction (``motion_axes`` > 0): "left" = axis:h - a * sign:h,
+# "right" = axis:h + a * sign:h (normalised to a concept vector's length), so the two share their axis and
+# differ by a vector of opposite sign, as antonyms do in a learned text encoder. With independent random
+# concepts a warm-started v3 learned the axis of a motion but never its sign (docs/MODEL_CARD.md, "Stage 4").
+_DIRECTIONS = {"left": ("h", -1.0), "right": ("h", 1.0), "up": ("v", -1.0), "down": ("v", 1.0)}
+
+
+def _concept_vector(concept: str, motion_axes: float = 0.0) -> np.ndarray:
+    kind, _, value = concept.partition(":")
+    if motion_axes and kind == "motion" and value in _DIRECTIONS:
+        axis, sign = _DIRECTIONS[value]
+        v = _vector("axis:" + axis) + sign * motion_axes * _vector("sign:" + axis)
+        return (v / np.sqrt(1.0 + motion_axes ** 2)).astype(np.float32)
+    return _vector("concept:" + concept)
+
+
+def _token_vector(info: WordInfo, motion_axes: float = 0.0) -> np.ndarray:
     slot_name = "slot:global" if info.slot is None else f"slot:{info.slot}"
-    return _vector("concept:" + str(info.concept)) + WORD_SCALE * _vector("word:" + info.word) \
+    return _concept_vector(str(info.concept), motion_axes) + WORD_SCALE * _vector("word:" + info.word) \
         + SLOT_SCALE * _vector(slot_name)
 
 
@@ -121,27 +137,28 @@ def tokenize_with_words(prompt: str, *, warn: bool = True) -> tuple[list[str], l
 _CONTEXT_KINDS = ("shape", "colour", "size", "pos", "motion")
 
 
-def _contexts(infos: list[WordInfo]) -> dict[int, np.ndarray]:
+def _contexts(infos: list[WordInfo], motion_axes: float = 0.0) -> dict[int, np.ndarray]:
     """Per object slot: the normalised sum of its attribute words' concept vectors (the phrase context)."""
     sums: dict[int, list[np.ndarray]] = {}
     for info in infos:
         if info.slot is not None and info.concept and info.concept.split(":")[0] in _CONTEXT_KINDS:
-            sums.setdefault(info.slot, []).append(_vector("concept:" + info.concept))
+            sums.setdefault(info.slot, []).append(_concept_vector(info.concept, motion_axes))
     return {k: np.sum(v, axis=0) / np.sqrt(len(v)) for k, v in sums.items()}
 
 
-def encode(prompt: str, *, warn: bool = True, version: Optional[str] = None) -> Encoded:
+def encode(prompt: str, *, warn: bool = True, version: Optional[str] = None, motion_axes: float = 0.0) -> Encoded:
     """Encode a prompt for a model version (default: the default version); see the module docstring.
-    Deterministic."""
+    ``motion_axes`` > 0 encodes direction words as axis + signed direction (``_concept_vector``; a property of
+    a weights file, ``train.Recipe.motion_axes``). Deterministic."""
     context_scale = model_version(version).text_context
     infos = [i for i in analyse(prompt) if is_word(i)]
     _, spans = tokenize_with_words(prompt, warn=warn)
-    contexts = _contexts(infos) if context_scale else {}
+    contexts = _contexts(infos, motion_axes) if context_scale else {}
     cond = np.zeros((TEXT_LEN, TEXT_DIM), dtype=np.float32)
     n = 0
     for span, info in zip(spans, infos):
         if span.tokens:
-            vec = _token_vector(info)
+            vec = _token_vector(info, motion_axes)
             if info.slot in contexts:
                 vec = vec + context_scale * contexts[info.slot]
             cond[span.tokens[0]] = vec

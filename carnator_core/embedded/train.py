@@ -103,10 +103,17 @@ class Recipe:
     # direction-blind model picks the direction by chance. The logit-normal puts ~3 % of its draws there.
     high_sigma_share: float = 0.0
     high_sigma_min: float = 0.95
+    # The t coordinate ramp's scale (``codec.coord_channels(time_scale=...)``), stored in the exported file's
+    # metadata so inference feeds the same channels. > 1 makes "which frame am I" a louder input; with it (and a
+    # stronger rate) a warm-started v3 starts to read the motion direction (docs/MODEL_CARD.md, "Stage 4").
+    coord_time_scale: float = 1.0
+    # Direction words as axis + signed direction in the text encoder (``text.encode(motion_axes=...)``; 0: each
+    # direction its own random concept, as v2 and v3's first stages), stored in the exported metadata.
+    motion_axes: float = 0.0
 
 
 def make_batch(rng: np.random.Generator, batch: int, p_drop: float, *, frame: world.Frame = world.DEFAULT_FRAME,
-               p_two: float = 0.3, text_version: Optional[str] = None) -> dict[str, Any]:
+               p_two: float = 0.3, text_version: Optional[str] = None, motion_axes: float = 0.0) -> dict[str, Any]:
     """Render ``batch`` fresh training clips: latents [B,16,T,h,w], contexts [B,L,D], the union object mask
     [B,T,h,w] and the per-object masks (a list of [n_objects,T,h,w] per clip)."""
     rgbs, masks, per_object, conds = [], [], [], []
@@ -117,7 +124,7 @@ def make_batch(rng: np.random.Generator, batch: int, p_drop: float, *, frame: wo
         rgbs.append(rgb)
         masks.append(alpha.max(axis=0))
         per_object.append(codec.mask_to_latent(alpha))
-        conds.append(text.encode(prompt, warn=False, version=text_version).cond)
+        conds.append(text.encode(prompt, warn=False, version=text_version, motion_axes=motion_axes).cond)
     x0 = codec.rgb_to_latent(np.stack(rgbs))
     mask = codec.mask_to_latent(np.stack(masks))
     return {"x0": x0, "mask": mask, "objects": per_object, "context": torch.from_numpy(np.stack(conds))}
@@ -240,6 +247,10 @@ class Trainer:
         self.model = build_wan(init=True, **self.model_cfg)
         if recipe.prediction not in config.PREDICTIONS:
             raise ValueError(f"prediction must be one of {config.PREDICTIONS}, not {recipe.prediction!r}")
+        if not 0.0 <= recipe.motion_axes <= 16.0:
+            raise ValueError(f"--motion-axes must be in [0, 16], not {recipe.motion_axes}")
+        if not 0.0 < recipe.coord_time_scale <= 64.0:
+            raise ValueError(f"--coord-time-scale must be in (0, 64], not {recipe.coord_time_scale}")
         if not (0.0 <= recipe.high_sigma_share <= 1.0 and 0.0 <= recipe.high_sigma_min < 1.0):
             raise ValueError(f"--high-sigma-share must be in [0, 1] (got {recipe.high_sigma_share}) and "
                              f"--high-sigma-min in [0, 1) (got {recipe.high_sigma_min})")
@@ -263,7 +274,8 @@ class Trainer:
         self.frozen = {n: p.detach().clone() for n, p in self.model.named_parameters() if not p.requires_grad}
         self.frozen_digest = _digest(self.frozen)
         self.coords = codec.coord_channels(*self.version.latent_shape[1:], scale=self.version.coord_scale,
-                                           octaves=self.version.coord_octaves)[None]
+                                           octaves=self.version.coord_octaves,
+                                           time_scale=recipe.coord_time_scale)[None]
         self.step = 0
         self.elapsed_s = 0.0  # training time over all chunks
         self.chunks: list[dict[str, Any]] = []
@@ -366,7 +378,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         b = make_batch(self.rng, r.batch, r.p_drop, frame=self.frame, p_two=self.p_two,
-                       text_version=self.version.name)
+                       text_version=self.version.name, motion_axes=r.motion_axes)
         x0 = b["x0"]
         sigma = sample_sigmas(self.gen, r.batch, config.SHIFT, high_share=r.high_sigma_share,
                               high_min=r.high_sigma_min)
@@ -403,7 +415,8 @@ class Trainer:
                 "freeze_text_embedding": r.freeze_text_embedding, "batch": r.batch, "lr": r.lr,
                 "shift": config.SHIFT, "object_weight": r.object_weight, "object_share": r.object_share,
                 "p_drop": r.p_drop, "p_two": self.p_two, "high_sigma_share": r.high_sigma_share,
-                "high_sigma_min": r.high_sigma_min, "steps": self.step,
+                "high_sigma_min": r.high_sigma_min, "coord_time_scale": r.coord_time_scale,
+                "motion_axes": r.motion_axes, "steps": self.step,
                 "minutes": round(self.elapsed_s / 60.0, 2), "final": final, "format": "carnator-embedded-v1"}
 
     def run(self, *, chunk_minutes: Optional[float], ckpt_minutes: float, ckpt_steps: Optional[int] = None,
@@ -510,6 +523,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="fraction of each batch trained at sigma uniform in [--high-sigma-min, 1] (where only the "
                         "caption can place an object; see Recipe.high_sigma_share)")
     p.add_argument("--high-sigma-min", type=float, default=0.95)
+    p.add_argument("--motion-axes", type=float, default=0.0,
+                   help="encode direction words as axis + this x signed direction (stored in the weights' metadata; "
+                        "see Recipe)")
+    p.add_argument("--coord-time-scale", type=float, default=1.0,
+                   help="scale of the t coordinate ramp (stored in the weights' metadata; see Recipe)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (keep it fixed across chunks: "
                    "a different count changes float summation order, so resumption is then only approximate)")
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
@@ -532,7 +550,8 @@ def main(argv: list[str] | None = None) -> None:
                                   (V3_OBJECT_SHARE if v3_like else None)),
                     p_drop=args.p_drop, freeze_text_embedding=args.freeze_text_embedding or v3_like,
                     prediction=args.prediction, high_sigma_share=args.high_sigma_share,
-                    high_sigma_min=args.high_sigma_min,
+                    high_sigma_min=args.high_sigma_min, coord_time_scale=args.coord_time_scale,
+                    motion_axes=args.motion_axes,
                     init=None if args.init is None else args.init.as_posix(),
                     init_sha256=None if args.init is None else _init_sha(args.init, args.state))
     out = args.out or config.version(args.version).weights_path
