@@ -168,6 +168,30 @@ def test_high_sigma_share_trains_that_share_of_each_batch_near_pure_noise(train_
     assert again.step == 1
 
 
+def test_a_scene_filter_shapes_the_batches_and_is_never_saved(train_mod, tmp_path) -> None:
+    """``scene_filter`` (diagnostics: scripts/motion_sign.py) redraws rejected scenes; a run with one is not a
+    recipe, so it refuses to write a resumable state."""
+    import numpy as np
+
+    seen = []
+
+    def moving(scene) -> bool:
+        ok = all(o.motion != "still" for o in scene.objects)
+        seen.append(ok)
+        return ok
+
+    b = train_mod.make_batch(np.random.default_rng(0), 12, 0.0, p_two=0.0, scene_filter=moving)
+    assert sum(seen) == 12 and len(seen) > 12  # some scenes were rejected and redrawn; twelve accepted
+    # every accepted clip moves: its object mask differs between the first and the last frame
+    for masks in b["objects"]:
+        assert not torch.equal(masks[0, 0], masks[0, -1])
+    torch.set_num_threads(1)
+    t = train_mod.Trainer(_recipe(train_mod, version="v2"), tmp_path / "diag", scene_filter=moving)
+    with pytest.raises(ValueError, match="diagnostic"):
+        t.run(chunk_minutes=None, ckpt_minutes=1e9, ckpt_steps=1, max_steps=1)
+    assert not (tmp_path / "diag" / "state.safetensors").exists()
+
+
 def test_warm_start_loads_the_trained_tensors_and_guards_its_file(train_mod, tmp_path) -> None:
     """--init: a new run starts from an exported file's trainable tensors (the output projection zeroed when the
     prediction changes); a resume needs no file but refuses a different one; a file whose frozen text projection

@@ -48,7 +48,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -113,12 +113,16 @@ class Recipe:
 
 
 def make_batch(rng: np.random.Generator, batch: int, p_drop: float, *, frame: world.Frame = world.DEFAULT_FRAME,
-               p_two: float = 0.3, text_version: Optional[str] = None, motion_axes: float = 0.0) -> dict[str, Any]:
+               p_two: float = 0.3, text_version: Optional[str] = None, motion_axes: float = 0.0,
+               scene_filter: Optional[Callable[[world.Scene], bool]] = None) -> dict[str, Any]:
     """Render ``batch`` fresh training clips: latents [B,16,T,h,w], contexts [B,L,D], the union object mask
-    [B,T,h,w] and the per-object masks (a list of [n_objects,T,h,w] per clip)."""
+    [B,T,h,w] and the per-object masks (a list of [n_objects,T,h,w] per clip). ``scene_filter`` (diagnostics
+    only, e.g. scripts/motion_sign.py: never part of a recipe) redraws scenes it rejects."""
     rgbs, masks, per_object, conds = [], [], [], []
     for _ in range(batch):
         scene = world.sample_scene(rng, p_two=p_two, frame=frame)
+        while scene_filter is not None and not scene_filter(scene):
+            scene = world.sample_scene(rng, p_two=p_two, frame=frame)
         rgb, alpha = world.render(scene, frame)
         prompt = "" if rng.random() < p_drop else world.caption(scene, rng)
         rgbs.append(rgb)
@@ -232,8 +236,10 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 class Trainer:
     """One training run: build (or resume) the model, optimizer, EMA and generators; ``run`` trains."""
 
-    def __init__(self, recipe: Recipe, state_dir: Optional[Path] = None, threads: int = 1) -> None:
+    def __init__(self, recipe: Recipe, state_dir: Optional[Path] = None, threads: int = 1,
+                 scene_filter: Optional[Callable[[world.Scene], bool]] = None) -> None:
         self.recipe = recipe
+        self.scene_filter = scene_filter  # diagnostics only (make_batch); a saved state never uses one
         self.state_dir = state_dir
         self.version = config.version(recipe.version)
         self.frame = world.Frame(self.version.frames, self.version.height, self.version.width)
@@ -298,6 +304,8 @@ class Trainer:
         from safetensors.torch import save_file
 
         assert self.state_dir is not None
+        if self.scene_filter is not None:
+            raise ValueError("a run with a scene_filter is a diagnostic, not a recipe: it keeps no resumable state")
         self._round_live_state()
         tensors: dict[str, torch.Tensor] = {"rng.torch": self.gen.get_state().clone()}
         adam_steps = []
@@ -378,7 +386,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         b = make_batch(self.rng, r.batch, r.p_drop, frame=self.frame, p_two=self.p_two,
-                       text_version=self.version.name, motion_axes=r.motion_axes)
+                       text_version=self.version.name, motion_axes=r.motion_axes, scene_filter=self.scene_filter)
         x0 = b["x0"]
         sigma = sample_sigmas(self.gen, r.batch, config.SHIFT, high_share=r.high_sigma_share,
                               high_min=r.high_sigma_min)
