@@ -35,9 +35,11 @@ FLIP = {"left": "right", "right": "left", "up": "down", "down": "up"}
 SWAP = {"top left": "bottom right", "bottom right": "top left", "top right": "bottom left", "bottom left": "top right"}
 
 
-def _clips(world, codec, text, frame, n: int, version: str, motion_axes: float, seed: int = 7):
-    """n moving one-object scenes (corner positions): latents, union masks, and the true / direction-flipped /
-    position-swapped conditionings (each caption drawn from the same generator state, so only that word differs)."""
+def _clips(world, codec, text, frame, n: int, version: str, motion_axes: float, seed: int = 7,
+           corners: bool = True):
+    """n moving one-object scenes (``corners``: corner positions only, so the position can be swapped): latents,
+    union masks, and the true / direction-flipped / position-swapped conditionings (each caption drawn from the
+    same generator state, so only that word differs)."""
     import torch
 
     rng = np.random.default_rng(seed)
@@ -45,13 +47,13 @@ def _clips(world, codec, text, frame, n: int, version: str, motion_axes: float, 
     while len(x0s) < n:
         sc = world.sample_scene(rng, p_two=0.0, frame=frame)
         o = sc.objects[0]
-        if o.motion not in FLIP or o.position not in SWAP:
+        if o.motion not in FLIP or (corners and o.position not in SWAP):
             continue
         states = [copy.deepcopy(rng), copy.deepcopy(rng)]
         caps = {"true": world.caption(sc, rng),
                 "motion": world.caption(world.Scene((replace(o, motion=FLIP[o.motion]),), sc.background), states[0]),
-                "position": world.caption(world.Scene((replace(o, position=SWAP[o.position]),), sc.background),
-                                          states[1])}
+                "position": world.caption(world.Scene((replace(o, position=SWAP.get(o.position, o.position)),),
+                                                      sc.background), states[1])}
         rgb, alpha = world.render(sc, frame)
         x0s.append(codec.rgb_to_latent(rgb))
         masks.append(codec.mask_to_latent(alpha.max(axis=0)))
@@ -116,7 +118,7 @@ def probe(args) -> None:
                           init=init.as_posix(), init_sha256=train.file_sha256(init))
     t = train.Trainer(recipe, None, threads=args.threads,
                       scene_filter=lambda sc: all(o.motion in FLIP for o in sc.objects))
-    x0, mask, conds = _clips(world, codec, text, t.frame, 32, "v3", args.motion_axes)
+    x0, mask, conds = _clips(world, codec, text, t.frame, 32, "v3", args.motion_axes, corners=False)
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     inp = torch.cat([eps, t.coords.expand(x0.shape[0], -1, -1, -1, -1)], 1)
     ts = torch.full((x0.shape[0],), 1000.0)
