@@ -11,6 +11,7 @@ otherwise continues it:
     OMP_NUM_THREADS=1 .host/venv/bin/python -m carnator_core.embedded.train --version v3 --prediction x0 \\
         --init runs/v3r_s7359.safetensors --state carnator_core/embedded/weights/train_state_v3x0 --steps 12000 \\
         --chunk-minutes 140 --threads 1
+    # stage 4 (the motion sign: --motion-axes, --coord-time-scale, --high-sigma-share): docs/MODEL_CARD.md, "Stage 4"
 
 v2 (the shipped default weights; one uninterrupted run whose schedule ended with its time budget):
 
