@@ -89,8 +89,9 @@ class EmbeddedModelConfig(comfy.supported_models.WAN21_T2V):
             raise ValueError(f"unknown embedded-model prediction {prediction!r} (expected "
                              f"{' or '.join(repr(p) for p in config.PREDICTIONS)})")
         self.carnator_prediction = prediction  # what the denoiser outputs (train.Recipe.prediction)
-        if not (isinstance(time_scale, (int, float)) and 0.0 < float(time_scale) <= 64.0):
-            raise ValueError(f"embedded-model coord_time_scale must be a number in (0, 64], not {time_scale!r}")
+        if not (isinstance(time_scale, (int, float)) and 0.0 < float(time_scale) <= config.MAX_COORD_TIME_SCALE):
+            raise ValueError(f"embedded-model coord_time_scale must be a number in (0, "
+                             f"{config.MAX_COORD_TIME_SCALE:g}], not {time_scale!r}")
         self.carnator_time_scale = float(time_scale)  # the t coordinate ramp's scale (train.Recipe)
 
     def get_model(self, state_dict: dict, prefix: str = "", device: Any = None) -> "EmbeddedWan":
@@ -236,8 +237,9 @@ def text_encoder_for(model: comfy.model_patcher.ModelPatcher) -> EmbeddedTextEnc
     """The text encoder a MODEL from ``load_embedded`` was trained with (its version and its weights' metadata)."""
     meta = getattr(model.model, "carnator_embedded_meta", {}) or {}
     axes = meta.get("motion_axes", 0.0)
-    if not (isinstance(axes, (int, float)) and 0.0 <= float(axes) <= 16.0):
-        raise ValueError(f"embedded-model motion_axes must be a number in [0, 16], not {axes!r}")
+    if not (isinstance(axes, (int, float)) and 0.0 <= float(axes) <= config.MAX_MOTION_AXES):
+        raise ValueError(f"embedded-model motion_axes must be a number in [0, {config.MAX_MOTION_AXES:g}], "
+                         f"not {axes!r}")
     return EmbeddedTextEncoder(model_version(model).name, motion_axes=float(axes))
 
 

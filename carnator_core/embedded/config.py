@@ -55,6 +55,10 @@ DEFAULT_PROBE_STEP = 4  # the step (0-based count of finished steps) at which th
 # What a denoiser may be trained to output (train.Recipe.prediction; a weights file's "prediction" metadata, absent
 # = "v"): the flow velocity eps - x0 (ComfyUI's FLOW) or the clean latent (comfy_glue.ModelSamplingFlowX0).
 PREDICTIONS = ("v", "x0")
+# Bounds of the per-weights-file input options (train.Recipe.coord_time_scale / motion_axes), checked by the
+# trainer and by the loader alike.
+MAX_COORD_TIME_SCALE = 64.0
+MAX_MOTION_AXES = 16.0
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "carnator_embedded_v2.safetensors"

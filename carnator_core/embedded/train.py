@@ -254,10 +254,11 @@ class Trainer:
         self.model = build_wan(init=True, **self.model_cfg)
         if recipe.prediction not in config.PREDICTIONS:
             raise ValueError(f"prediction must be one of {config.PREDICTIONS}, not {recipe.prediction!r}")
-        if not 0.0 <= recipe.motion_axes <= 16.0:
-            raise ValueError(f"--motion-axes must be in [0, 16], not {recipe.motion_axes}")
-        if not 0.0 < recipe.coord_time_scale <= 64.0:
-            raise ValueError(f"--coord-time-scale must be in (0, 64], not {recipe.coord_time_scale}")
+        if not 0.0 <= recipe.motion_axes <= config.MAX_MOTION_AXES:
+            raise ValueError(f"--motion-axes must be in [0, {config.MAX_MOTION_AXES:g}], not {recipe.motion_axes}")
+        if not 0.0 < recipe.coord_time_scale <= config.MAX_COORD_TIME_SCALE:
+            raise ValueError(f"--coord-time-scale must be in (0, {config.MAX_COORD_TIME_SCALE:g}], not "
+                             f"{recipe.coord_time_scale}")
         if not (0.0 <= recipe.high_sigma_share <= 1.0 and 0.0 <= recipe.high_sigma_min < 1.0):
             raise ValueError(f"--high-sigma-share must be in [0, 1] (got {recipe.high_sigma_share}) and "
                              f"--high-sigma-min in [0, 1) (got {recipe.high_sigma_min})")
