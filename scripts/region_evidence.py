@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reuse = pairs.reuse_config_from(args.reuse_set)
     model, enc, _ = comfy_glue.load_embedded(args.weights)
-    version = comfy_glue.model_version(model).name
+    ver = comfy_glue.model_version(model)
+    version = ver.name
     latent = comfy_glue.empty_latent(1, version)
     patch = tuple(model.model.diffusion_model.patch_size)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def probe_of(prompt: str, seed: int):
         if (prompt, seed) not in cache:
-            spec = RequestSpec(prompt=prompt, seed=seed, steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG)
+            spec = RequestSpec(prompt=prompt, seed=seed, steps=ecfg.DEFAULT_STEPS, cfg=ver.cfg)
             p = probe_request(model, enc.encode(prompt), enc.encode(""), latent, spec, cfg, enc)
             sig, _ = signature_stage(p)
             cache[(prompt, seed)] = (sig, p.x0_probe.float().numpy())

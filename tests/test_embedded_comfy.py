@@ -190,6 +190,34 @@ def test_the_weights_file_says_what_the_denoiser_predicts(glue, tmp_path) -> Non
         glue.load_embedded(bad)
 
 
+def test_each_version_samples_at_its_own_cfg(glue, tmp_path) -> None:
+    """The stock CFG scale belongs to the weights' version (v3 overshoots into halos at v2's 5): generate,
+    the gate and the pairs labelling sample at it unless told otherwise, and the module default is the default
+    version's."""
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.embedded import config, train
+    from carnator.carnator_core.embedded.model import build_wan
+    from carnator.carnator_core.lab import pairs
+
+    assert config.version("v2").cfg == 5.0 and config.version("v3").cfg == 2.0
+    assert config.DEFAULT_CFG == config.version(config.DEFAULT_VERSION).cfg
+    v3 = config.version("v3")
+    torch.manual_seed(0)
+    path = tmp_path / "v3.safetensors"
+    # the initialised model's zeroed output layers would make cond and uncond agree (then no scale matters)
+    sd = {k: (torch.randn_like(t) * 0.05 if t.is_floating_point() and not t.any() else t)
+          for k, t in build_wan(init=True, **v3.model_config()).state_dict().items()}
+    train.save_weights(sd, path, {"config": v3.model_config(), "seed": 0, "version": "v3"})
+    model, _, _ = glue.load_embedded(path)
+    cap = ["a big red ball moves up in the top left"]
+    own = glue.generate(cap, seed=1, model=model, steps=2).latents
+    assert torch.equal(own, glue.generate(cap, seed=1, model=model, steps=2, cfg=2.0).latents)
+    assert not torch.equal(own, glue.generate(cap, seed=1, model=model, steps=2, cfg=5.0).latents)
+    store = Store.open(tmp_path / "store", key_path=tmp_path / "index.key", durable=False)
+    assert pairs.embedded_context(store, path).cfg == 2.0
+    assert pairs.embedded_context(store, None).cfg == config.DEFAULT_CFG
+
+
 def test_the_weights_file_says_how_loud_the_time_coordinate_is(glue, tmp_path) -> None:
     """A file trained with ``coord_time_scale`` gets the same scaled t ramp at inference (the channels the
     trainer fed); a file without the key gets 1.0; a nonsense value is refused."""

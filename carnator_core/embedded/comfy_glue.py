@@ -268,14 +268,15 @@ class Generation:
 
 
 def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_patcher.ModelPatcher] = None,
-             steps: int = config.DEFAULT_STEPS, cfg: float = config.DEFAULT_CFG,
+             steps: int = config.DEFAULT_STEPS, cfg: Optional[float] = None,
              sampler_name: str = config.DEFAULT_SAMPLER, scheduler: str = config.DEFAULT_SCHEDULER,
              probe_step: Optional[int] = None, keep_x0: bool = False) -> Generation:
     """Generate one clip per prompt in one batch with ComfyUI's stock sampling path (``comfy.sample.sample``,
     what KSampler calls). Noise comes from ``comfy.sample.prepare_noise(latent, seed)`` exactly as in
     KSampler, so clip i equals KSampler's batch item i for the same seed. With ``probe_step`` set, the
     x0 prediction and the cross-attention maps of the model call at ``sample_sigmas[probe_step]`` are kept; with
-    ``keep_x0`` the x0 prediction of every step (``Generation.x0_steps``).
+    ``keep_x0`` the x0 prediction of every step (``Generation.x0_steps``). ``cfg`` None = the weights' version's
+    stock scale (``ModelVersion.cfg``).
     """
     import comfy.sample
 
@@ -284,6 +285,8 @@ def generate(prompts: list[str], seed: int = 0, *, model: Optional[comfy.model_p
     else:
         model = model.clone()
     ver = model_version(model)
+    if cfg is None:
+        cfg = ver.cfg
     enc = text_encoder_for(model)
     cond = torch.cat([enc.encode(p)[0][0] for p in prompts])
     positive = [[cond, {}]]
@@ -362,8 +365,9 @@ def gate_captions(n: int = config.GATE_CAPTIONS, seed: int = config.GATE_CAPTION
 
 def evaluate(captions: list[str], seed: int = config.GATE_NOISE_SEED, *,
              model: Optional[comfy.model_patcher.ModelPatcher] = None, steps: int = config.DEFAULT_STEPS,
-             cfg: float = config.DEFAULT_CFG, probe_step: int = config.DEFAULT_PROBE_STEP) -> dict[str, Any]:
-    """Generate one clip per caption (one batch, stock sampling path) and score it with the checker.
+             cfg: Optional[float] = None, probe_step: int = config.DEFAULT_PROBE_STEP) -> dict[str, Any]:
+    """Generate one clip per caption (one batch, stock sampling path; ``cfg`` None = the version's stock scale)
+    and score it with the checker.
 
     Returns pass rates ``colour``/``size``/``position``/``motion``/``shape`` over named objects (plus the
     diagnostic ``motion_axis``/``motion_sign`` of ``checker.motion_axis_and_sign``), and the

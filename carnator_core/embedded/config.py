@@ -48,7 +48,7 @@ FREQ_DIM = 256
 # --- sampling defaults (stock KSampler settings for this model) ------------------------------------------
 SHIFT = 3.0  # discrete-flow shift used at training time for timestep sampling and at inference
 DEFAULT_STEPS = 20
-DEFAULT_CFG = 5.0
+# DEFAULT_CFG (below, after the versions): the default version's ``ModelVersion.cfg``.
 DEFAULT_SAMPLER = "euler"
 DEFAULT_SCHEDULER = "simple"
 DEFAULT_PROBE_STEP = 4  # the step (0-based count of finished steps) at which the Early Signature probes
@@ -112,6 +112,10 @@ class ModelVersion:
     # respond to a bounded region of the frame with one linear read instead of a learned bump. v2: 1.0 and 0.
     coord_scale: float = 1.0
     coord_octaves: int = 0
+    # The stock KSampler CFG scale of this version's weights: what the gate, the workflows, the pairs labelling
+    # and the rules use. Chosen on selection captions, never the gate's (docs/MODEL_CARD.md): a scale above the
+    # one the weights were trained to follow overshoots into halos the checker reads as wrong colours.
+    cfg: float = 5.0
 
     @property
     def coord_channels(self) -> int:
@@ -168,13 +172,15 @@ VERSIONS: dict[str, ModelVersion] = {
     # training state (weights + EMA + AdamW moments, 16-bit) under 20 MB and a training step at ~1.5 s on
     # one core; the contextual text encoder and 60 % two-object clips target two-object binding. Two octaves of
     # sin/cos coordinate channels (in_dim 27) since the restart of 2026-12-02 (docs/MODEL_CARD.md, "v3's recipe
-    # fix"): the first run (3 ramps, object share 0.3) never read position words.
+    # fix"): the first run (3 ramps, object share 0.3) never read position words. Probe layers (5, 6) and CFG 2
+    # chosen on the final weights (stage 4) with selection captions (docs/MODEL_CARD.md, "Stage 4").
     "v3": ModelVersion(
         name="v3", frames=8, height=48, width=48, patch_size=(2, 2, 2), dim=128, ffn_dim=512, num_heads=2,
-        num_layers=8, probe_layers=(3, 4), text_context=0.6, p_two=0.6,
-        weights_file="carnator_embedded_v3.safetensors", two_object_all_ok_gate=0.5, coord_octaves=2),
+        num_layers=8, probe_layers=(5, 6), text_context=0.6, p_two=0.6,
+        weights_file="carnator_embedded_v3.safetensors", two_object_all_ok_gate=0.5, coord_octaves=2, cfg=2.0),
 }
 DEFAULT_VERSION = "v2"
+DEFAULT_CFG = VERSIONS[DEFAULT_VERSION].cfg
 
 
 def version(name: Optional[str] = None) -> ModelVersion:

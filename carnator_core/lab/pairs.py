@@ -555,7 +555,8 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
     from ..reuse import ReuseConfig
 
     model, enc, _dec = comfy_glue.load_embedded(weights)
-    version = comfy_glue.model_version(model).name
+    ver = comfy_glue.model_version(model)
+    version = ver.name
     if easycache is not None:
         model = easycache_model(model, easycache)
     reuse = reuse if reuse is not None else ReuseConfig()
@@ -567,7 +568,7 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
         model=model, text_encoder=enc, encode=enc.encode,
         decode=lambda s: codec.latent_to_rgb(s[:1].float().cpu())[0].numpy(),
         latent=comfy_glue.empty_latent(1, version), steps=ecfg.DEFAULT_STEPS,
-        cfg=ecfg.DEFAULT_CFG, sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store,
+        cfg=ver.cfg, sampler=ecfg.DEFAULT_SAMPLER, scheduler=ecfg.DEFAULT_SCHEDULER, store=store,
         options=options, background=_embedded_background,
     )
 
