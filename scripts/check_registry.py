@@ -47,10 +47,13 @@ NEEDED = ["__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LIC
 # Never in the package, even when tracked (development, calibration data, superseded weights).
 NOT_SHIPPED = ["tests/*", "scripts/*", ".ci/*", "Makefile", "pytest.ini", "requirements-dev.txt", "BENCHMARKS.md",
                ".gitignore", ".comfyignore", "rules/*.jsonl", "*_v1.safetensors", ".host/*", "artifacts/*",
-               "runs/*", "*.pyc", "carnator_core/embedded/weights/train_state_*"]
+               "runs/*", "*.pyc", "carnator_core/embedded/weights/train_state_*",
+               "carnator_core/embedded/weights/carnator_embedded_v3.safetensors"]
 SHIPPED_EXCEPTIONS = ["scripts/api_client.py"]  # the documented API client is for users
 # A tracked file matching NEEDED is still left out when it also matches one of these.
-NEEDED_EXCEPTIONS = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*"]
+# v3's weights stay out until v3 is the default (then v2's go out instead): the package carries one model.
+NEEDED_EXCEPTIONS = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*",
+                     "carnator_core/embedded/weights/carnator_embedded_v3.safetensors"]
 
 
 def matches(path: str, patterns: list[str]) -> bool:
