@@ -48,13 +48,13 @@ NEEDED = ["__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LIC
 NOT_SHIPPED = ["tests/*", "scripts/*", ".ci/*", "Makefile", "pytest.ini", "requirements-dev.txt", "BENCHMARKS.md",
                ".gitignore", ".comfyignore", "rules/*.jsonl", "*_v1.safetensors", ".host/*", "artifacts/*",
                "runs/*", "*.pyc", "carnator_core/embedded/weights/train_state_*",
-               "carnator_core/embedded/weights/carnator_embedded_v2.safetensors"]
+               "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
 SHIPPED_EXCEPTIONS = ["scripts/api_client.py"]  # the documented API client is for users
 # A tracked file matching NEEDED is still left out when it also matches one of these.
 # The package carries one model, the default (v3); v2's weights stay in the repository as the reference of the
 # side-by-side figures and the rules certified on v2.
 NEEDED_EXCEPTIONS = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*",
-                     "carnator_core/embedded/weights/carnator_embedded_v2.safetensors"]
+                     "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
 
 
 def matches(path: str, patterns: list[str]) -> bool:
