@@ -23,7 +23,7 @@ class CarnatorEmbeddedLoader(io.ComfyNode):
             inputs=[
                 advanced(io.String.Input("weights_path", default="",
                                 tooltip="Path to a weights file; empty uses the shipped "
-                                        "carnator_embedded_v2.safetensors.")),
+                                        f"{config.DEFAULT_WEIGHTS.name}.")),
             ],
             outputs=[
                 io.Model.Output(display_name="MODEL", tooltip="The denoiser, for the stock KSampler."),

@@ -136,8 +136,9 @@ def load_env(args: argparse.Namespace, tmp: Path) -> Env:
 
         easy = EasyCacheNode.execute(model, args.easycache_threshold, args.easycache_start, args.easycache_end,
                                      False).args[0]
-    return Env(model, easy, enc, dec, comfy_glue, args.steps, args.cfg, args.probe_steps, args.top_k,
-               comfy_glue.model_version(model).name)
+    version = comfy_glue.model_version(model)
+    cfg = args.cfg if args.cfg is not None else version.cfg  # the CFG the weights were selected at and rules use
+    return Env(model, easy, enc, dec, comfy_glue, args.steps, cfg, args.probe_steps, args.top_k, version.name)
 
 
 def dev_rule(thresholds: str, probe: Any) -> Any:
@@ -494,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="comma-separated subset of " + ",".join(ALL_METHODS))
     ap.add_argument("--weights", default=None, help="embedded weights file (default: the shipped one)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--cfg", type=float, default=5.0)
+    ap.add_argument("--cfg", type=float, default=None, help="CFG scale (default: the weights' version's stock CFG)")
     ap.add_argument("--probe-steps", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=5, help="candidates recalled per request (the workflows use 5)")
     ap.add_argument("--rule", default=str(DEFAULT_RULE), help="risk rule file for the Carnator rows")

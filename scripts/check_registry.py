@@ -38,7 +38,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_COMFY = ROOT / ".host" / "registry-tools" / "bin" / "comfy"
-PACK_BUDGET_BYTES = 8 * 1024 * 1024  # the current embedded weights are ~7 MB of it
+PACK_BUDGET_BYTES = 8 * 1024 * 1024  # the default embedded weights (v3) are ~5.7 MB of it
 TOOL_TIMEOUT_S = 180
 
 # Tracked files a user needs (fnmatch patterns; `*` crosses folders): each must be in the package.
@@ -48,12 +48,13 @@ NEEDED = ["__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LIC
 NOT_SHIPPED = ["tests/*", "scripts/*", ".ci/*", "Makefile", "pytest.ini", "requirements-dev.txt", "BENCHMARKS.md",
                ".gitignore", ".comfyignore", "rules/*.jsonl", "*_v1.safetensors", ".host/*", "artifacts/*",
                "runs/*", "*.pyc", "carnator_core/embedded/weights/train_state_*",
-               "carnator_core/embedded/weights/carnator_embedded_v3.safetensors"]
+               "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
 SHIPPED_EXCEPTIONS = ["scripts/api_client.py"]  # the documented API client is for users
 # A tracked file matching NEEDED is still left out when it also matches one of these.
-# v3's weights stay out until v3 is the default (then v2's go out instead): the package carries one model.
+# The package carries one model, the default (v3); v2's weights stay in the repository as the reference of the
+# side-by-side figures and the rules certified on v2.
 NEEDED_EXCEPTIONS = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*",
-                     "carnator_core/embedded/weights/carnator_embedded_v3.safetensors"]
+                     "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
 
 
 def matches(path: str, patterns: list[str]) -> bool:

@@ -51,12 +51,13 @@ register_package()
 from api_client import ComfyClient, set_request  # noqa: E402
 from harness_server import ComfyServer  # noqa: E402
 
+from carnator.carnator_core.embedded import config as ecfg  # noqa: E402
 from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 WARM_WORKFLOW = ROOT / "workflows" / "api" / "embedded_warm_cache.json"
 STREAM_WORKFLOW = ROOT / "workflows" / "api" / "embedded.json"
 SHIPPED_RULE = ROOT / "rules" / "embedded.json"
-DEFAULT_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v2.safetensors"
+DEFAULT_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v3.safetensors"
 CACHE_DIR = "carnator_demo_cache"
 DEV_RULE = "embedded-demo-dev.json"
 
@@ -73,7 +74,7 @@ def fallback_graph(stream: bool) -> dict[str, Any]:
         "5": {"class_type": "CarnatorEmbeddedEmptyLatent", "inputs": {"batch_size": 1}},
         "6": {"class_type": "CarnatorEarlyProbe", "inputs": {
             "model": ["1", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0], "seed": 0,
-            "steps": 20, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 4,
+            "steps": 20, "cfg": ecfg.DEFAULT_CFG, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 4,
             "prompt": ["2", 0], "text_encoder": ["1", 1]}},
         "7": {"class_type": "CarnatorSignatureBuilder", "inputs": {"probe": ["6", 0]}},
         "8": {"class_type": "CarnatorCacheLoader", "inputs": {"directory": CACHE_DIR}},

@@ -605,8 +605,8 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -
     def decode(graph: Graph, samples: Ref) -> Ref:
         return graph.add("CarnatorEmbeddedDecode", (X5, 0), {"upscale": 4}, {"decoder": decoder, "samples": samples})
 
-    settings = Settings(steps=20, cfg=5.0, sampler="euler", scheduler="simple", probe_steps=4, fps=8.0,
-                        rule_file="embedded.json")
+    settings = Settings(steps=20, cfg=_embedded_config().DEFAULT_CFG, sampler="euler", scheduler="simple",
+                        probe_steps=4, fps=8.0, rule_file="embedded.json")
     carnator_path(g, Sources(loader, pos, neg, latent, decode, prompt,
                              (tokenizer_input, encoder) if tokenizer_input else None),
                   settings, reuse=reuse, prefix="embedded" if reuse else "embedded_warm")
@@ -616,6 +616,19 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -
     else:
         g.note(NOTE_WARM.format(model="embedded default model"), (X5, 600), size=(440, 170))
     return g
+
+
+def _embedded_config() -> Any:
+    """carnator_core/embedded/config.py (stdlib only), loaded by path: this script runs without the package
+    registered, and the embedded workflows use the default version's stock settings."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("carnator_embedded_config",
+                                                  ROOT / "carnator_core" / "embedded" / "config.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve the module by name
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def probe_input_for(object_info: Mapping[str, Any], socket_type: str) -> str | None:

@@ -36,7 +36,7 @@ NEW_FRONTEND = "1.58.1"  # keep in step with FRONTEND_VERSION in scripts/setup_b
 NEW_FRONTEND_ROOT = ROOT / ".host" / "frontends" / NEW_FRONTEND / "comfyui_frontend_package" / "static"
 README_IMG = {"new-canvas": ROOT / "docs" / "img" / "badge.png", "new-vue": ROOT / "docs" / "img" / "badge_vue.png"}
 UIS = ["bundled-canvas", "new-canvas", "new-vue"]
-EMBEDDED_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v2.safetensors"
+EMBEDDED_WEIGHTS = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v3.safetensors"
 EMBEDDED_RULE = ROOT / "rules" / "embedded.json"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]

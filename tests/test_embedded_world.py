@@ -193,13 +193,15 @@ def test_v3_geometry_is_finer_and_deeper_than_v2() -> None:
     v2 = config.version("v2")
     assert V3.num_layers >= 8 and 2 / V3.num_layers <= 0.25  # always-dense first + last block <= 25 %
     assert V3.tokens > v2.tokens and V3.latent_shape == (config.LATENT_CHANNELS, 8, 24, 24)
-    assert world.anchors(32, 32) == world.ANCHORS  # the default frame's anchors are unchanged
+    assert world.anchors(32, 32) == world.ANCHORS  # v2's frame's anchors are the table's
+    assert world.DEFAULT_FRAME == V3_FRAME  # v3 is the default version
     assert V3_FRAME.anchors["center"] == (24.0, 24.0)
     rgb, alpha = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"),
                               V3_FRAME)
     assert rgb.shape == (8, 48, 48, 3) and alpha.shape == (1, 8, 48, 48)
     # the same object covers a smaller share of the larger frame (sizes are in pixels)
-    _, alpha2 = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"))
+    _, alpha2 = world.render(world.Scene((world.ObjectSpec("ball", "red", "big", "center", "still"),), "grass"),
+                             world.Frame(v2.frames, v2.height, v2.width))
     assert (alpha > 0.5).mean() < 0.5 * (alpha2 > 0.5).mean()
 
 
@@ -237,7 +239,7 @@ def test_v3_text_encoder_binds_each_word_to_its_object() -> None:
     assert np.array_equal(enc["v3"]["base"].cond[night], enc["v2"]["base"].cond[night])  # global words: unchanged
     assert [w.tokens for w in enc["v3"]["base"].words] == [w.tokens for w in enc["v2"]["base"].words]
     assert np.all(text.encode("", version="v3").cond == 0)
-    assert np.array_equal(text.encode(base).cond, enc["v2"]["base"].cond)  # the default stays v2's encoder
+    assert np.array_equal(text.encode(base).cond, enc["v3"]["base"].cond)  # the default version's encoder
 
 
 def test_motion_axes_encode_a_direction_as_its_axis_and_a_sign() -> None:

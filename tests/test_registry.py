@@ -14,7 +14,7 @@ check_registry = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_registry)
 
 COMFY = check_registry.DEFAULT_COMFY
-WEIGHTS = "carnator_core/embedded/weights/carnator_embedded_v2.safetensors"
+WEIGHTS = "carnator_core/embedded/weights/carnator_embedded_v3.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_validate_and_pack_ready_for_registry(comfy: Path, tmp_path: Path) -> No
         assert needed in files, needed
     # What stays in the repository.
     assert "rules/embedded_pairs.jsonl" not in files
-    assert not [f for f in files if f.endswith(("_v1.safetensors", "_v3.safetensors"))]  # one model: the default
+    assert not [f for f in files if f.endswith(("_v1.safetensors", "_v2.safetensors"))]  # one model: the default
     assert not [f for f in files if f.startswith(("tests/", ".ci/"))]
     assert summary["pack_bytes"] <= check_registry.PACK_BUDGET_BYTES
     assert (tmp_path / "node.zip").stat().st_size == summary["pack_bytes"]

@@ -11,38 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-# --- pixels -------------------------------------------------------------------------------------------
-FRAMES = 8  # frames per clip
-HEIGHT = 32  # pixels
-WIDTH = 32
-
-# --- latent (codec.py): pixel-unshuffle x2 -> 12 channels, zero-padded to 16 -------------------------------
+# --- shared by every version -------------------------------------------------------------------------
+# Latent (codec.py): pixel-unshuffle x2 -> 12 channels, zero-padded to 16.
 UNSHUFFLE = 2
 LATENT_CHANNELS = 16
-LATENT_SHAPE = (LATENT_CHANNELS, FRAMES, HEIGHT // UNSHUFFLE, WIDTH // UNSHUFFLE)  # (C, T, H, W)
 # The denoiser also receives 3 fixed coordinate channels (x, y, t ramps in [-1, 1]) through ComfyUI's
 # concat-conditioning path (like Wan i2v's extra input channels). Wan's RoPE is purely relative, so on a
 # noise-only input a token cannot tell where in the frame it sits; without absolute coordinates
 # "top left" and "moves right" are unlearnable from pure noise (a first run scored chance on both).
 COORD_CHANNELS = 3
-
-# --- denoiser: ComfyUI's WanModel --------------------------------------------------------------------------
-# Temporal patch 2 halves the token count (4 x 8 x 8 = 256 tokens per clip), which doubles training
-# throughput on CPU compared with patch (1, 2, 2) while keeping 8 frames and 4x4-pixel spatial tokens.
-PATCH_SIZE = (2, 2, 2)
-TOKEN_GRID = (
-    FRAMES // PATCH_SIZE[0],
-    LATENT_SHAPE[2] // PATCH_SIZE[1],
-    LATENT_SHAPE[3] // PATCH_SIZE[2],
-)  # (T', H', W') of the transformer's token grid
 TEXT_LEN = 32  # conditioning tokens per prompt (zero-padded, like Wan pads umT5 output to 512)
 TEXT_DIM = 4096  # width of one conditioning token (the same width as Wan's umT5 conditioning)
-# Small on purpose: training gets ~1-2 contended CPU cores, and in a short budget a smaller model reaches a
-# lower loss per wall-clock minute. 64-dim heads train faster here than 128-dim ones (see shared notes).
-DIM = 192
-FFN_DIM = 768
-NUM_HEADS = 3
-NUM_LAYERS = 4
 FREQ_DIM = 256
 
 # --- sampling defaults (stock KSampler settings for this model) ------------------------------------------
@@ -61,11 +40,8 @@ MAX_COORD_TIME_SCALE = 64.0
 MAX_MOTION_AXES = 16.0
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-DEFAULT_WEIGHTS = WEIGHTS_DIR / "carnator_embedded_v2.safetensors"
 
 
-# The "middle layers" whose object-token cross-attention the probe averages (of NUM_LAYERS = 4).
-PROBE_LAYERS = (1, 2)
 # The quality gate (tests/test_embedded_gate.py, docs/MODEL_CARD.md): held-out captions and seeds.
 GATE_CAPTIONS = 64
 GATE_CAPTION_SEED = 12345
@@ -81,10 +57,10 @@ CLIP_FLOP_BUDGET = 250e9
 
 
 # --- model versions -----------------------------------------------------------------------------------------
-# Every constant above describes the DEFAULT version (v2, the shipped weights); code that must also handle
-# another version reads its ``ModelVersion`` (``version(name)``, or ``version_of_config`` for a weights file's
-# stored config). A version becomes the default only when its weights pass its quality gate
-# (tests/test_embedded_gate.py): then ``DEFAULT_VERSION`` and the constants above move to it together.
+# ``DEFAULT_VERSION`` names the shipped weights; the constants after ``VERSIONS`` are derived from it, and code
+# that must also handle another version reads its ``ModelVersion`` (``version(name)``, or ``version_of_config``
+# for a weights file's stored config). A version becomes the default only when its weights pass its quality gate
+# (tests/test_embedded_gate.py) and the shipped rule is certified on it (rules/README.md).
 @dataclass(frozen=True)
 class ModelVersion:
     """One embedded-model version: clip geometry, denoiser shape, text-encoder variant, training recipe knobs
@@ -162,9 +138,13 @@ class ModelVersion:
 
 
 VERSIONS: dict[str, ModelVersion] = {
+    # v2 (docs/MODEL_CARD.md): 32x32 frames, 256 tokens (4 x 8 x 8: temporal patch 2 halves the token count,
+    # which doubled training throughput on CPU against patch (1, 2, 2) while keeping 4x4-pixel spatial tokens),
+    # 4 blocks of dim 192 (3 heads x 64: in a short CPU budget a smaller model reaches a lower loss per
+    # wall-clock minute, and 64-dim heads train faster here than 128-dim ones), probe layers (1, 2), CFG 5.
     "v2": ModelVersion(
-        name="v2", frames=FRAMES, height=HEIGHT, width=WIDTH, patch_size=PATCH_SIZE, dim=DIM, ffn_dim=FFN_DIM,
-        num_heads=NUM_HEADS, num_layers=NUM_LAYERS, probe_layers=PROBE_LAYERS, text_context=0.0, p_two=0.3,
+        name="v2", frames=8, height=32, width=32, patch_size=(2, 2, 2), dim=192, ffn_dim=768, num_heads=3,
+        num_layers=4, probe_layers=(1, 2), text_context=0.0, p_two=0.3,
         weights_file="carnator_embedded_v2.safetensors", two_object_all_ok_gate=None),
     # v3 (docs/MODEL_CARD.md, "v3 design"): a 48x48 frame with the same object sizes, so an object covers
     # 3-9 % of the pixels (v2: 6-19 %) and 576 tokens (4 x 12 x 12) of 2 frames x 4x4 px each; 8 blocks, so
@@ -179,8 +159,25 @@ VERSIONS: dict[str, ModelVersion] = {
         num_layers=8, probe_layers=(5, 6), text_context=0.6, p_two=0.6,
         weights_file="carnator_embedded_v3.safetensors", two_object_all_ok_gate=0.5, coord_octaves=2, cfg=2.0),
 }
-DEFAULT_VERSION = "v2"
-DEFAULT_CFG = VERSIONS[DEFAULT_VERSION].cfg
+DEFAULT_VERSION = "v3"
+
+# --- the default version's constants --------------------------------------------------------------------
+# Derived, never set: code that handles only the default model reads these; code that must also handle another
+# version reads its ``ModelVersion``.
+_D = VERSIONS[DEFAULT_VERSION]
+FRAMES = _D.frames  # frames per clip
+HEIGHT = _D.height  # pixels
+WIDTH = _D.width
+LATENT_SHAPE = _D.latent_shape  # (C, T, H, W)
+PATCH_SIZE = _D.patch_size
+TOKEN_GRID = _D.token_grid  # (T', H', W') of the transformer's token grid
+DIM = _D.dim
+FFN_DIM = _D.ffn_dim
+NUM_HEADS = _D.num_heads
+NUM_LAYERS = _D.num_layers
+PROBE_LAYERS = _D.probe_layers  # the middle layers whose object-token cross-attention the probe averages
+DEFAULT_WEIGHTS = _D.weights_path
+DEFAULT_CFG = _D.cfg
 
 
 def version(name: Optional[str] = None) -> ModelVersion:

@@ -47,6 +47,7 @@ BACKGROUND_RGB: dict[str, tuple[float, float, float]] = {
 }
 # Pixel geometry: object half-extent by size, anchor centre by position, total travel by motion.
 HALF_EXTENT = {"small": 4.0, "big": 7.0}
+ANCHOR_FRAME = 32.0  # ANCHORS are given in a square frame of this many pixels (v2's) and scale with the frame
 ANCHORS: dict[str, tuple[float, float]] = {  # (x, y) of the clip-average centre in the 32 x 32 frame
     "top left": (10.0, 10.0),
     "top right": (22.0, 10.0),
@@ -86,7 +87,7 @@ DEFAULT_FRAME = Frame()
 def anchors(height: int, width: int) -> dict[str, tuple[float, float]]:
     """``ANCHORS`` scaled to a ``width`` x ``height`` frame (the same fractions of the frame; at 32 x 32 px
     exactly ``ANCHORS``)."""
-    return {k: (x * width / WIDTH, y * height / HEIGHT) for k, (x, y) in ANCHORS.items()}
+    return {k: (x * width / ANCHOR_FRAME, y * height / ANCHOR_FRAME) for k, (x, y) in ANCHORS.items()}
 
 
 def compatible(colour: str, background: str) -> bool:
