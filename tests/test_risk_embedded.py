@@ -40,8 +40,8 @@ TOP_K = 3
 
 def test_requests_are_drawn_in_the_weights_versions_frame(tmp_path):
     """Scenes for a version's model are drawn in its clip geometry: the default frame is the default version's
-    (v3), v2's 32-px frame reproduces the requests every v2 run drew; v3's 48-px frame lets more two-object scenes through the no-overlap rule,
-    and no two objects of any v3 request overlap in v3's frame."""
+    (v3), v2's 32-px frame reproduces the requests every v2 run drew; v3's 48-px frame lets more two-object scenes
+    through the no-overlap rule, and no two objects of any v3 request overlap in v3's frame."""
     from carnator.carnator_core.embedded import world
     from carnator.carnator_core.lab import pairs
 
