@@ -35,18 +35,18 @@ def test_merge_only_writes_the_labelled_prefix_and_says_so(tmp_path):
     assert (lines[0]["requests_labelled"], lines[0]["requests_planned"]) == (2, 9)
     assert [x["request_id"] for x in lines[1:]] == ["q0000", "q0001"]
     assert "wrote" in r.stdout and "2 requests, 2 pairs, 1 unsafe" in r.stdout
-    assert "CFG 5," in lines[0]["dataset"]  # the default (v2) weights' stock scale
+    assert "CFG 2," in lines[0]["dataset"]  # the default (v3) weights' stock scale
     r = _run(*[a if a != "9" else "10" for a in common], "--merge-only")  # other settings: refused, as before
     assert r.returncode != 0 and "other settings" in r.stderr
-    # pairs of v3 weights say v3's own scale (what the labelled requests ran at)
-    v3 = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v3.safetensors"
+    # pairs of v2 weights say v2's own scale (what the labelled requests ran at)
+    v2 = ROOT / "carnator_core" / "embedded" / "weights" / "carnator_embedded_v2.safetensors"
     work3, out3 = tmp_path / "w3", tmp_path / "pairs3.jsonl"
     common3 = ["--work", str(work3), "--out", str(out3), "--seed", "5", "--warm", "4", "--queries", "9",
-               "--weights", str(v3)]
+               "--weights", str(v2)]
     assert _run(*common3, "--merge-only").returncode != 0  # fixes the run's settings
     (work3 / "part-0.jsonl").write_text("\n".join(json.dumps(x) for x in [header, *rows]) + "\n")
     assert _run(*common3, "--merge-only").returncode == 4
-    assert "CFG 2," in json.loads(out3.read_text().splitlines()[0])["dataset"]
+    assert "CFG 5," in json.loads(out3.read_text().splitlines()[0])["dataset"]
 
 
 def test_reuse_set_is_checked_before_any_work(tmp_path):
