@@ -19,7 +19,7 @@ word, its probe barely changes: no axis moves by a just-noticeable amount, ``_re
 shipped weight file follows is stated up front (``FOLLOWS``, from docs/MODEL_CARD.md), never inferred from the
 run: ``test_model_follows_the_kinds_it_should`` fails when the model follows a stated kind in fewer than
 RESPONSIVE_FRACTION of the pairs, and the orderings are asserted over every stated kind — so a model that stops
-following a kind fails these tests instead of shrinking them. v2 (the default) follows all four kinds (measured:
+following a kind fails these tests instead of shrinking them. v2 follows all four kinds (measured:
 each axis responds 3-10x more to its own kind than to any other; own axis largest in 75-100% of the pairs of
 each kind).
 
@@ -47,7 +47,7 @@ RESPONSIVE_FRACTION = 0.75
 JND = {"context": 1.0, "size": 0.02, "shape": 0.02, "appearance": 1.0}
 
 
-# The shipped weight files this test runs on (v2: the default, which follows every kind of change).
+# The shipped weight files this test runs on (v2, at its own CFG 5, follows every kind of change).
 WEIGHTS = {"v2": "carnator_embedded_v2.safetensors"}
 FOLLOWS = {"v2": KINDS}
 
@@ -80,8 +80,9 @@ def _signature(embedded, prompt: str, seed: int):
     ecfg, glue, model, enc, _ = embedded
     phrases, source = extract_objects(prompt)
     objects = token_positions(prompt, phrases, embedded_word_tokens(prompt))
-    probe = run_probe(model, enc.encode(prompt), enc.encode(""), glue.empty_latent(1), seed=seed,
-                      steps=ecfg.DEFAULT_STEPS, cfg=ecfg.DEFAULT_CFG, sampler_name=ecfg.DEFAULT_SAMPLER,
+    version = glue.model_version(model)  # the weights' own geometry and CFG, not the default version's
+    probe = run_probe(model, enc.encode(prompt), enc.encode(""), glue.empty_latent(1, version.name), seed=seed,
+                      steps=ecfg.DEFAULT_STEPS, cfg=version.cfg, sampler_name=ecfg.DEFAULT_SAMPLER,
                       scheduler=ecfg.DEFAULT_SCHEDULER, prompt=prompt, objects=objects, object_source=source,
                       config=ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP))
     return build_signature(probe)
@@ -108,14 +109,17 @@ def _change(kind: str, scene, rng):
     return dataclasses.replace(scene, objects=(new,))
 
 
-def _pairs(kind: str, n: int, seed: int) -> list[tuple[str, str, int]]:
-    """n (prompt, changed prompt, probe seed); both captions are drawn with the same template choices."""
-    from carnator.carnator_core.embedded import world
+def _pairs(kind: str, n: int, seed: int, version: str) -> list[tuple[str, str, int]]:
+    """n (prompt, changed prompt, probe seed), scenes drawn in ``version``'s frame; both captions are drawn with
+    the same template choices."""
+    from carnator.carnator_core.embedded import config as ecfg, world
 
+    v = ecfg.version(version)
+    frame = world.Frame(v.frames, v.height, v.width)
     rng = np.random.default_rng(seed)
     out = []
     while len(out) < n:
-        scene = world.sample_scene(rng, n_objects=1)
+        scene = world.sample_scene(rng, n_objects=1, frame=frame)
         changed = _change(kind, scene, rng)
         cap_seed = int(rng.integers(2**31))
         a = world.caption(scene, np.random.default_rng(cap_seed))
@@ -135,7 +139,7 @@ def measured(embedded):
     values = {}
     for i, kind in enumerate(KINDS):
         rows = []
-        for a, b, seed in _pairs(kind, N_PAIRS, seed=1000 + i):
+        for a, b, seed in _pairs(kind, N_PAIRS, seed=1000 + i, version=embedded[1].model_version(embedded[2]).name):
             d = discrepancies(_signature(embedded, a, seed), _signature(embedded, b, seed))
             assert not d.missing, (a, b, d.missing_objects)
             rows.append(d.vector())
