@@ -44,18 +44,17 @@ TOOL_TIMEOUT_S = 180
 # Tracked files a user needs (fnmatch patterns; `*` crosses folders): each must be in the package.
 NEEDED = ["__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LICENSE", "nodes/*", "carnator_core/*",
           "web/*", "rules/*.json", "rules/README.md", "workflows/*", "scripts/api_client.py", "docs/*"]
-# Never in the package, even when tracked (development, calibration data, superseded weights).
+# Tracked, but kept in the repository only: superseded weights, training state, and v2 (the side-by-side reference)
+# with its rule. The package carries one model, the default (v3).
+REPO_ONLY = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*",
+             "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
+# Never in the package, even when tracked (development, calibration data, REPO_ONLY).
 NOT_SHIPPED = ["tests/*", "scripts/*", ".ci/*", "Makefile", "pytest.ini", "requirements-dev.txt", "BENCHMARKS.md",
-               ".gitignore", ".comfyignore", "rules/*.jsonl", "*_v1.safetensors", ".host/*", "artifacts/*",
-               "runs/*", "*.pyc", "carnator_core/embedded/weights/train_state_*",
-               "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
+               ".gitignore", ".comfyignore", "rules/*.jsonl", ".host/*", "artifacts/*", "runs/*", "*.pyc",
+               *REPO_ONLY]
 SHIPPED_EXCEPTIONS = ["scripts/api_client.py"]  # the documented API client is for users
 # A tracked file matching NEEDED is still left out when it also matches one of these.
-# The package carries one model, the default (v3); v2's weights stay in the repository as the reference of the
-# side-by-side figures and the rules certified on v2.
-NEEDED_EXCEPTIONS = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*",
-                     "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json"]
-
+NEEDED_EXCEPTIONS = REPO_ONLY
 
 def matches(path: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, p) for p in patterns)
