@@ -295,6 +295,10 @@ class _Run:
     subset_cache: dict = field(default_factory=dict)
     attn_in_block: int = 0  # optimized_attention calls seen in the current block (the first is self-attention)
     refreshing: bool = False  # the current model call is a dense refresh (records keys/values)
+    # A planned refresh whose model call never reached the transformer blocks (a model patch in front of them, e.g.
+    # ComfyUI's EasyCache, answered that call from its own cache): the next call that reaches them refreshes.
+    refresh_pending: bool = False
+    block_evals: int = 0  # transformer-block evaluations in the current model call
     kv: dict = field(default_factory=dict)  # (layer, batch composition) -> (keys, values) of every token
     # Probe: keep every block's self-attention keys/values (on the CPU) at this model call, within a byte budget.
     kv_record_call: int | None = None
@@ -311,6 +315,8 @@ class _Run:
         self.subset_cache.clear()
         self.kv.clear()
         self.layer = -1
+        self.refresh_pending = False
+        self.block_evals = 0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -344,11 +350,18 @@ def _predict_wrapper(run: _Run):
                 run.stats["skipped_calls"] += 1
                 return cached.clone()
             x_in = x * m + renoised * (1 - m)
-            run.refreshing = bool(plan.kv_context and plan.restrict_tokens and (i in plan.refresh_calls or not run.kv))
+            refresh = bool(plan.kv_context and plan.restrict_tokens and
+                           (i in plan.refresh_calls or not run.kv or run.refresh_pending))
+            run.refreshing, run.block_evals = refresh, 0
             try:
                 out = executor(x_in, timestep, model_options, seed)
             finally:
                 run.refreshing = False
+            # Without this, a refresh answered by such a patch records nothing, and every later call attends to
+            # context keys/values that grow staler with each step (on the embedded model behind EasyCache: hit
+            # clips ~4 dB further from dense, with background artifacts). A plain model reaches its blocks on
+            # every call, so this never changes what it computes.
+            run.refresh_pending = refresh and run.block_evals == 0
             run.stats["model_calls"] += 1
             return out * m + cached * (1 - m)
         out = executor(x, timestep, model_options, seed)
@@ -413,6 +426,7 @@ def _block_patch(run: _Run, layer: int, previous: Callable | None):
     def patch(args: dict, extra: dict) -> dict:
         run.layer = layer
         run.attn_in_block = 0
+        run.block_evals += 1
         original = (lambda a: previous(a, extra)) if previous is not None else extra["original_block"]
         plan = run.reuse
         try:

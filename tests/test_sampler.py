@@ -374,6 +374,62 @@ def test_probe_context_replaces_the_first_dense_refresh(env):
     assert (out1[0] - final[0]).abs().numpy()[:, inactive].max() < 1e-4
 
 
+def test_a_refresh_answered_in_front_of_the_blocks_moves_to_the_next_call(env):
+    """A model patch in front of the transformer (ComfyUI's EasyCache is one) may answer a model call from its own
+    cache without running any block. When it answers a planned refresh call, nothing is recorded there, so the
+    next call that reaches the blocks must run densely and record instead; without such a patch every planned
+    refresh (and only those) runs densely, as before."""
+    import comfy.patcher_extension
+
+    from carnator.carnator_core import reuse
+
+    tm, models = env
+    base = models["wan21"]
+    state = {"calls": 0, "skip": set(), "tokens": {}}
+
+    def answer_some_calls(executor, *args, **kwargs):  # the shape of EasyCache's forward wrapper
+        i = state["calls"]
+        state["calls"] += 1
+        x = args[0]
+        if i in state["skip"]:
+            return torch.zeros_like(x)
+        state["current"] = i
+        return executor(*args, **kwargs)
+
+    def count_tokens(args, extra):
+        i = state.get("current")
+        state["tokens"][i] = max(state["tokens"].get(i, 0), int(args["img"].shape[1]))
+        return extra["original_block"](args)
+
+    m = base.clone()
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test-answer", answer_some_calls)
+    for i in range(len(m.model.diffusion_model.blocks)):
+        m.set_model_patch_replace(count_tokens, "dit", "double_block", i)
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
+    final, rep = _run(m, pos, neg, lat, probe)
+    cached, target = _moved_target(probe, final, rep)
+    n_tokens = int(np.prod(probe.grid))
+    cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
+                            refreshes=3, probe_context=False)
+    planned = sorted(reuse.refresh_plan_calls(10, 2, 3))  # sampler call indices (the probe's 2 calls first)
+    assert planned == [2, 4, 7], planned
+
+    def hit(skip: set[int]) -> dict[int, int]:
+        # CFG runs cond and uncond in one model call here, so sampler call i is the i-th diffusion-model call.
+        state.update(calls=0, skip=set(skip), tokens={}, current=None)
+        out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+        assert r.decision == "hit" and 0 < r.active_fraction < 1 and torch.isfinite(out).all()
+        assert state["calls"] == 10 - 2  # the probe's calls are replayed, not run
+        return {i + 2: state["tokens"][i] for i in sorted(state["tokens"])}
+
+    plain = hit(set())
+    assert [i for i, n in plain.items() if n == n_tokens] == planned, plain
+    assert all(0 < n < n_tokens for i, n in plain.items() if i not in planned)
+    answered = hit({4 - 2})  # the patch answers the second planned refresh (sampler call 4)
+    assert 4 not in answered
+    assert [i for i, n in answered.items() if n == n_tokens] == [2, 5, 7], answered
+
+
 def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(env):
     from carnator.carnator_core import reuse
     from carnator.carnator_core.probe import ProbeConfig, run_probe
