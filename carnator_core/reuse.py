@@ -74,6 +74,13 @@ class ReuseConfig:
                      (``ProbeConfig.context_kv_mb``), they are the first context record, so of the ``refreshes``
                      records only the later ones are dense refresh calls (same spacing: one dense call fewer per
                      hit). Not used on a split schedule's second stage (another model).
+    motion_shift:    an object both requests have is recomputed whole when its first-to-last-frame mask centroid
+                     displacement differs between the two signatures by more than this fraction of the token grid's
+                     larger side; 0 = off (the default: rules certified before this term ran without it). Measured on
+                     the embedded model v3 (4-step probe, 240 query pairs): a motion edit ("moves down" for "moves
+                     up", "stays still" for "rises") shifts it by 0.04-0.19 of the frame while the masks still
+                     overlap with IoU >= ``mask_iou_same`` and the x0 predictions agree, so no other term sees the
+                     change and the cached motion was kept; rewordings and re-rolls shift it by <= 0.035.
     max_active:      largest active region (fraction of the tokens) worth reusing: above it the sampler
                      continues densely (bit-identical to KSampler, reported as a miss with the reason), because a
                      region that covers nearly the clip costs about a dense run plus the reuse's own overheads
@@ -99,6 +106,7 @@ class ReuseConfig:
     x0_object_fraction: float = 0.1
     context_delta: float = 8.0
     max_active: float = 0.6
+    motion_shift: float = 0.0
 
     def to_meta(self) -> dict[str, Any]:
         """Every field, JSON-ready: what a pairs file and a risk rule record as the settings reuse ran with."""
@@ -139,6 +147,8 @@ class ReuseConfig:
             raise ValueError("block_size (0 = auto), dilation and record_steps must be >= 0")
         if self.context_delta < 0 or not 0.0 <= self.x0_object_fraction <= 1.0:
             raise ValueError("context_delta must be >= 0 and x0_object_fraction in [0, 1]")
+        if not 0.0 <= self.motion_shift <= 1.0:
+            raise ValueError(f"motion_shift must be in [0, 1] (a fraction of the frame; 0 = off), got {self.motion_shift}")
         if not 0.0 <= self.max_active <= 1.0:
             raise ValueError(f"max_active must be in [0, 1] (1 = reuse whatever the region), got {self.max_active}")
         if self.refreshes < 1:
@@ -246,6 +256,7 @@ class RegionTerms:
     x0_objects:   whole supports of objects over which the x0 predictions disagree on at least
                   ``x0_object_fraction`` of the support;
     recoloured:   whole supports of objects whose colour moved more than ``appearance_delta`` (CIELAB ΔE76);
+    motion:       whole supports of objects whose motion differs (``motion_shift``; empty when it is 0);
     x0:           tokens where the x0 predictions at step k disagree (``x0_threshold`` × median magnitude);
     context:      coarse cells of a changed background (the median object-free cell moved > ``context_delta``);
     objects:      union of the supports of the objects both requests have;
@@ -257,6 +268,7 @@ class RegionTerms:
     moved_whole: np.ndarray
     x0_objects: np.ndarray
     recoloured: np.ndarray
+    motion: np.ndarray
     x0: np.ndarray
     context: np.ndarray
     objects: np.ndarray
@@ -265,8 +277,8 @@ class RegionTerms:
     def compose(self, config: ReuseConfig, with_x0: bool = True) -> np.ndarray:
         """The region before dilation: new objects, recoloured objects, moved objects (whole with
         ``whole_objects``, else their changed tokens), objects the x0 disagrees over (``whole_objects``), the
-        changed background, and (``with_x0``) the tokens where x0 disagrees."""
-        A = self.new_objects | self.recoloured | self.context
+        changed background, objects whose motion differs, and (``with_x0``) the tokens where x0 disagrees."""
+        A = self.new_objects | self.recoloured | self.context | self.motion
         if config.whole_objects:
             A = A | self.moved_whole | (self.x0_objects if with_x0 else False)
         else:
@@ -283,7 +295,8 @@ def region_terms(target: Signature, cached: Signature, target_x0: np.ndarray, ca
         raise ValueError(f"token grids differ ({grid} vs {tuple(cached.grid)}): the entry is from another config")
     empty = np.zeros(grid, dtype=bool)
     new_objects, moved, moved_whole = empty.copy(), empty.copy(), empty.copy()
-    x0_objects, recoloured, objects = empty.copy(), empty.copy(), empty.copy()
+    x0_objects, recoloured, objects, motion = empty.copy(), empty.copy(), empty.copy(), empty.copy()
+    motion_tokens = config.motion_shift * max(grid[1], grid[2])
     t = config.mask_threshold
     diff = _token_pool(np.asarray(target_x0, dtype=np.float32) - np.asarray(cached_x0, dtype=np.float32), patch, grid)
     scale = float(np.median(_token_pool(np.asarray(target_x0, dtype=np.float32), patch, grid))) + 1e-6
@@ -308,6 +321,12 @@ def region_terms(target: Signature, cached: Signature, target_x0: np.ndarray, ca
             x0_objects |= both
         if float(np.linalg.norm(np.subtract(obj.lab, other.lab))) > appearance_delta:
             recoloured |= both
+        # A changed motion barely moves the early masks (the object has not travelled yet at the probe's noise
+        # level), but it already tilts them: the centroid's drift over the clip is evidence where IoU is not.
+        if motion_tokens > 0:
+            dt, dc = mask_displacement(mt), mask_displacement(mc)
+            if dt is not None and dc is not None and float(np.linalg.norm(dt - dc)) > motion_tokens:
+                motion |= both
     # The context (non-object) appearance is evidence too when the background changed (the median object-free
     # cell's colour moved): then every coarse cell whose colour changed is recomputed, or the cached background
     # would be kept under the new request's objects. A few cells next to an object change with its blur alone.
@@ -328,7 +347,7 @@ def region_terms(target: Signature, cached: Signature, target_x0: np.ndarray, ca
             for i, j in zip(*np.nonzero(changed)):
                 context[:, rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
     return RegionTerms(new_objects=new_objects, moved=moved, moved_whole=moved_whole, x0_objects=x0_objects,
-                       recoloured=recoloured, x0=x0_differs, context=context, objects=objects,
+                       recoloured=recoloured, motion=motion, x0=x0_differs, context=context, objects=objects,
                        x0_ratio=diff / scale)
 
 
@@ -373,6 +392,25 @@ def certified_settings(config: ReuseConfig, decision: Decision | None) -> ReuseC
     if config.mode == "dense" or decision is None or not decision.accepted or not decision.reuse_config:
         return config
     return ReuseConfig.from_meta(decision.reuse_config) or config
+
+
+def mask_displacement(mask: np.ndarray) -> np.ndarray | None:
+    """How far a thresholded object mask (bool [T, H, W]) drifts over the clip: the (row, column) centroid of its
+    last non-empty frame minus that of its first, in tokens, scaled to the whole clip when the end frames are
+    empty. None when fewer than two frames hold the object (no drift can be read)."""
+    m = np.asarray(mask, dtype=np.float32)
+    mass = m.sum(axis=(1, 2))
+    frames = np.flatnonzero(mass > 0)
+    if m.ndim != 3 or len(frames) < 2:
+        return None
+    rows = np.arange(m.shape[1], dtype=np.float32)
+    cols = np.arange(m.shape[2], dtype=np.float32)
+
+    def centroid(t: int) -> np.ndarray:
+        return np.array([(m[t].sum(1) * rows).sum(), (m[t].sum(0) * cols).sum()]) / mass[t]
+
+    first, last = int(frames[0]), int(frames[-1])
+    return (centroid(last) - centroid(first)) * (m.shape[0] - 1) / (last - first)
 
 
 def mask_iou(a: np.ndarray, b: np.ndarray) -> float:

@@ -12,6 +12,7 @@ kind the median share of the tokens each term of the region activates on its own
                 support with ``whole_objects``;
 * ``x0_obj``    objects activated whole because x0 disagrees over ≥ ``x0_object_fraction`` of them;
 * ``recolour``  objects activated whole because their colour moved > ΔE 8;
+* ``motion``    objects activated whole because their mask's drift over the clip differs (``motion_shift``);
 * ``no_x0_undilated`` the region without the x0 terms, before dilation (masks, colours, changed-background
                 cells: median object-free cell ΔE > ``context_delta``);
 * ``region``    the region itself (``active_region``, after dilation) — what the sampler recomputes.
@@ -47,7 +48,8 @@ def terms(target, cached, tx0: np.ndarray, cx0: np.ndarray, patch, config) -> di
     no_x0 = rt.compose(config, with_x0=False)  # masks, colours and the changed-background cells, undilated
     bg = ~rt.objects
     return {"x0": rt.x0.sum() / n, "masks": masks.sum() / n, "x0_obj": rt.x0_objects.sum() / n,
-            "recolour": rt.recoloured.sum() / n, "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
+            "recolour": rt.recoloured.sum() / n, "motion": rt.motion.sum() / n,
+            "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
             "x0_ratio_bg_median": float(np.median(rt.x0_ratio[bg])) if bg.any() else float("nan"),
             "x0_ratio_bg_p90": float(np.quantile(rt.x0_ratio[bg], 0.9)) if bg.any() else float("nan")}
 

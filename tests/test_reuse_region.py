@@ -109,3 +109,52 @@ def test_region_terms_name_the_evidence_the_region_is_made_of() -> None:
         for whole in (True, False):
             c2 = reuse.ReuseConfig(dilation=0, whole_objects=whole)
             assert np.array_equal(terms.compose(c2), reuse.active_region(target, _sig(c), x, x0, PATCH, c2))
+
+
+def _drifting(y0: int, dy: int) -> np.ndarray:
+    """A 4x4 object starting at row ``y0`` that moves ``dy`` rows per frame (GRID's 4 frames)."""
+    m = np.zeros(GRID, bool)
+    for t in range(GRID[0]):
+        m[t, y0 + dy * t:y0 + dy * t + 4, 2:6] = True
+    return m
+
+
+def test_a_changed_motion_is_evidence_where_the_masks_still_overlap() -> None:
+    """"Moves down" for "moves up" at the probe: the masks tilt opposite ways but overlap (IoU >= mask_iou_same) and
+    the x0 predictions agree, so only the motion term sees the change; it recomputes the object whole. Off (0, the
+    default: what rules certified without it ran) it is silent, and a reworded still object never triggers it."""
+    down, up = np.zeros(GRID, bool), np.zeros(GRID, bool)
+    for t in range(GRID[0]):  # one row over the clip: the early drift of an object that has barely started
+        down[t, 2 + (t == 3):6 + (t == 3), 2:6] = True
+        up[t, 3 - (t > 0):7 - (t > 0), 2:6] = True
+    assert reuse.mask_iou(down, up) >= 0.75
+    assert reuse.mask_displacement(down)[0] == 1.0 and reuse.mask_displacement(up)[0] == -1.0
+    x0 = _x0()
+    assert not _region(_sig(down), _sig(up), x0, x0).any()  # off: the cached motion would be kept
+    A = _region(_sig(down), _sig(up), x0, x0, dilation=0, motion_shift=0.2)
+    assert np.array_equal(A, down | up)
+    terms = reuse.region_terms(_sig(down), _sig(up), x0, x0, PATCH, reuse.ReuseConfig(motion_shift=0.2))
+    assert np.array_equal(terms.motion, down | up) and not terms.moved.any()
+    # a shift below the threshold (0.25 of the 8-token side = 2 tokens > |1 - (-1)|) is no evidence
+    assert not _region(_sig(down), _sig(up), x0, x0, motion_shift=0.25).any()
+    still = _drifting(2, 0)
+    jitter = still.copy()
+    jitter[3, 6, 2] = True  # a border token of the last frame: the centroid moves 0.25 of a token
+    assert not _region(_sig(jitter), _sig(still), x0, x0, motion_shift=0.05).any()
+
+
+def test_mask_displacement_reads_the_drift_over_the_frames_that_hold_the_object() -> None:
+    assert np.allclose(reuse.mask_displacement(_drifting(0, 1)), (3.0, 0.0))
+    late = _drifting(0, 1)
+    late[0] = False  # the first frame holds nothing: the drift of frames 1-3 scaled to the clip
+    assert np.allclose(reuse.mask_displacement(late), (3.0, 0.0))
+    one = np.zeros(GRID, bool)
+    one[2, 1:3, 1:3] = True
+    assert reuse.mask_displacement(one) is None
+    for bad in (-0.1, 1.5):
+        try:
+            reuse.ReuseConfig(motion_shift=bad).validate()
+        except ValueError as e:
+            assert "motion_shift" in str(e)
+        else:
+            raise AssertionError("an out-of-range motion_shift was accepted")
