@@ -80,6 +80,12 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                 "inputs above then apply only where the rule records none). "
                                                 "custom: the inputs above, always — a hit whose rule certified "
                                                 "other settings then continues dense and names them.")),
+                advanced(io.Float.Input("motion_shift", default=0.0, min=0.0, max=1.0, step=0.005,
+                                        tooltip="Recompute an object whole when its drift over the clip (the "
+                                                "probe's mask centroid, first to last frame) differs from the "
+                                                "cached run's by more than this fraction of the frame: a changed "
+                                                "motion the masks do not show yet. 0 = off, as the shipped plain "
+                                                "rule was certified (settings = certified: the rule's value).")),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],
@@ -101,13 +107,13 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
                 dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
                 end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", probe_context=False,
-                settings="certified") -> io.NodeOutput:
+                settings="certified", motion_shift=0.0) -> io.NodeOutput:
         if settings not in SETTINGS:
             raise ValueError(f"settings must be one of {list(SETTINGS)}, got {settings!r}")
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
                              max_active=max_active, block_size=block_size, record_mass=record_mass,
-                             probe_context=bool(probe_context)).validate()
+                             probe_context=bool(probe_context), motion_shift=float(motion_shift)).validate()
         if settings == "certified":
             config = certified_settings(config, decision)
         total = probe.config.steps

@@ -3,6 +3,7 @@ comes from the pairs header at calibration, is enforced by the filter and used b
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from test_risk_discrepancy import box_mask, obj, sig
@@ -14,6 +15,7 @@ from carnator.carnator_core.risk.pipeline import _recall_from
 from carnator.carnator_core.risk.rule import RiskRule, RuleFormatError
 
 K2 = dataclasses.replace(RULE, recall_k=2, recall_min_similarity=0.5)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_recall_is_recorded_and_round_trips():
@@ -125,3 +127,18 @@ def test_serve_follows_the_reuse_settings_the_rule_was_certified_with():
     assert dataclasses.replace(base, rule=unknown).following_rule().reuse == ReuseConfig()
     prompt_only = dataclasses.replace(base, method="prompt_only")
     assert prompt_only.following_rule() == prompt_only
+
+
+def test_a_rule_certified_before_the_motion_term_runs_without_it():
+    """The shipped plain rule records no ``motion_shift`` (it was certified before the term existed): it builds a
+    config with the term off, and a sampler set to use the term on that rule's hit is a difference, not a match."""
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    shipped = RiskRule.load(ROOT / "rules" / "embedded.json")
+    assert "motion_shift" not in shipped.reuse_config
+    assert ReuseConfig.from_meta(shipped.reuse_config).motion_shift == 0.0
+    assert ReuseConfig(motion_shift=0.045).differences(shipped.reuse_config)[-1:] == [
+        "motion_shift 0.045 (certified: 0.0)"]
+    with_term = ReuseConfig(motion_shift=0.045).to_meta()
+    assert ReuseConfig.from_meta(with_term).motion_shift == 0.045 and ReuseConfig().differences(with_term) == [
+        "motion_shift 0.0 (certified: 0.045)"]
