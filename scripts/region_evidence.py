@@ -15,7 +15,10 @@ kind the median share of the tokens each term of the region activates on its own
 * ``motion``    objects activated whole because their mask's drift over the clip differs (``motion_shift``);
 * ``no_x0_undilated`` the region without the x0 terms, before dilation (masks, colours, changed-background
                 cells: median object-free cell ΔE > ``context_delta``);
-* ``region``    the region itself (``active_region``, after dilation) — what the sampler recomputes.
+* ``region``    the region itself (``active_region``, after dilation) — what the sampler recomputes;
+* ``drift``     the largest difference, over the objects both requests have, of the mask's first-to-last-frame
+                centroid drift (``reuse.mask_displacement``), as a fraction of the frame side: what
+                ``motion_shift`` thresholds.
 
 Also the median x0 disagreement ratio (per-token |Δx0| / median |x0|) on the background, which says whether the
 x0 threshold sits above the model's wording-to-wording jitter. Offline tooling: imports ComfyUI.
@@ -47,7 +50,17 @@ def terms(target, cached, tx0: np.ndarray, cx0: np.ndarray, patch, config) -> di
     masks = (rt.moved_whole if config.whole_objects else rt.moved) | rt.new_objects
     no_x0 = rt.compose(config, with_x0=False)  # masks, colours and the changed-background cells, undilated
     bg = ~rt.objects
-    return {"x0": rt.x0.sum() / n, "masks": masks.sum() / n, "x0_obj": rt.x0_objects.sum() / n,
+    side = float(max(target.grid[1], target.grid[2]))
+    drifts = [0.0]
+    for obj in target.objects:
+        other = cached.get(obj.name)
+        if other is None:
+            continue
+        dt = R.mask_displacement(obj.mask >= config.mask_threshold * max(float(obj.mask.max()), 1e-8))
+        dc = R.mask_displacement(other.mask >= config.mask_threshold * max(float(other.mask.max()), 1e-8))
+        if dt is not None and dc is not None:
+            drifts.append(float(np.linalg.norm(dt - dc)) / side)
+    return {"drift": max(drifts), "x0": rt.x0.sum() / n, "masks": masks.sum() / n, "x0_obj": rt.x0_objects.sum() / n,
             "recolour": rt.recoloured.sum() / n, "motion": rt.motion.sum() / n,
             "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
             "x0_ratio_bg_median": float(np.median(rt.x0_ratio[bg])) if bg.any() else float("nan"),
@@ -61,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default="paraphrase,colour,size,position,motion,object")
     ap.add_argument("--reuse-set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--any-seed", action="store_true",
+                    help="also pairs whose query drew a new seed (default: same-seed pairs only)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -83,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     frame = pairs.embedded_frame(version)
     warm, scenes = pairs.embedded_warm_set(args.seed, 4 * args.pairs, frame)
     queries = pairs.embedded_queries(args.seed, 12 * args.pairs * len(kinds), warm, scenes, kinds=tuple(kinds),
-                                     p_same_seed=1.0, frame=frame)
+                                     p_same_seed=0.5 if args.any_seed else 1.0, frame=frame)
     by_id = {w.request_id: w for w in warm}
     cfg = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP)
     cache: dict[tuple[str, int], tuple] = {}
@@ -101,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(rows[q.kind]) >= args.pairs or q.source not in by_id:
             continue
         src = by_id[q.source]
-        if q.seed != src.seed:
+        if q.seed != src.seed and not args.any_seed:
             continue
         ts, tx = probe_of(q.prompt, q.seed)
         cs, cx = probe_of(src.prompt, src.seed)
@@ -110,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{q.kind:>10} " + " ".join(f"{k}={v:.2f}" for k, v in t.items()) + f"  | {q.prompt}", flush=True)
     summary = {k: {name: round(statistics.median(r[name] for r in rs), 3) for name in rs[0]}
                for k, rs in rows.items() if rs}
+    for k, rs in rows.items():  # the drift's spread per kind: where a motion_shift threshold separates kinds
+        if rs:
+            summary[k]["drift_max"] = round(max(r["drift"] for r in rs), 3)
+            summary[k]["drift_min"] = round(min(r["drift"] for r in rs), 3)
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n", encoding="utf-8")
