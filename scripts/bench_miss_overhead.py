@@ -9,6 +9,8 @@ One process, side by side in rotating order, medians of ``--repeats`` runs (each
 * ``miss``         ``request.serve(method="never")``: object extraction, Early Probe, signature, retrieval from
                    an empty cache, dense resume with block recording — what a rejected request runs.
 * ``miss+write``   the same and the Cache Writer (the entry is stored).
+* ``miss+kv``      ``miss`` with the probe keeping every token's keys/values of its last call
+                   (``context_kv_mb = RULE_CONTEXT_KV_MB``), as it does under a rule certified with ``probe_context``.
 
 Prints per-variant medians, the ratio to KSampler, and the median per-stage timings of the miss path, so the
 overhead can be split into per-step cost (probe + resume per model call vs KSampler per call) and fixed
@@ -44,7 +46,7 @@ def main() -> int:
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.embedded import comfy_glue, config as ecfg
     from carnator.carnator_core.probe import ProbeConfig
-    from carnator.carnator_core.request import RequestSpec, ServeOptions, serve
+    from carnator.carnator_core.request import RULE_CONTEXT_KV_MB, RequestSpec, ServeOptions, serve
 
     model, te, _dec = comfy_glue.load_embedded()
     steps, cfg = ecfg.DEFAULT_STEPS, float(ecfg.DEFAULT_CFG)
@@ -59,26 +61,29 @@ def main() -> int:
         comfy.sample.sample(model, noise, steps, cfg, ecfg.DEFAULT_SAMPLER, ecfg.DEFAULT_SCHEDULER, pos, neg, lat,
                             disable_pbar=True, seed=seed)
 
-    def miss(seed: int, write: bool) -> dict:
-        opts = ServeOptions(method="never", write=write, probe=ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP))
+    def miss(seed: int, write: bool, kv_mb: float = 0.0) -> dict:
+        probe = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP, context_kv_mb=kv_mb)
+        opts = ServeOptions(method="never", write=write, probe=probe)
         spec = RequestSpec(prompt, seed, steps, cfg, ecfg.DEFAULT_SAMPLER, ecfg.DEFAULT_SCHEDULER)
         res = serve(model, te, te.encode(prompt), te.encode(""), comfy_glue.empty_latent(1), spec, store, opts)
         return dict(res.timings_ms)
 
     ksampler(1)
     miss(1, False)  # warm every lazy path once (spaCy, patches), not timed
-    variants = ("ksampler", "miss", "miss+write")
+    # miss+kv: the probe also keeps every token's keys/values of its last call, as it does under a rule certified
+    # with probe_context (request.ServeOptions.following_rule), so a miss pays what serving with that rule pays.
+    variants = ("ksampler", "miss", "miss+write", "miss+kv")
     wall: dict[str, list[float]] = {v: [] for v in variants}
     stages: list[dict] = []
     for r in range(args.repeats):
-        order = variants[r % 3:] + variants[:r % 3]
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
         for v in order:
             seed = 1000 * (variants.index(v) + 1) + r  # every run a new seed: nothing is ever a cache hit
             t0 = time.perf_counter()
             if v == "ksampler":
                 ksampler(seed)
             else:
-                st = miss(seed, v == "miss+write")
+                st = miss(seed, v == "miss+write", RULE_CONTEXT_KV_MB if v == "miss+kv" else 0.0)
                 if v == "miss":
                     stages.append(st)
             wall[v].append(time.perf_counter() - t0)
