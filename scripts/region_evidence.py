@@ -56,10 +56,10 @@ def terms(target, cached, tx0: np.ndarray, cx0: np.ndarray, patch, config) -> di
         other = cached.get(obj.name)
         if other is None:
             continue
-        dt = R.mask_displacement(obj.mask >= config.mask_threshold * max(float(obj.mask.max()), 1e-8))
-        dc = R.mask_displacement(other.mask >= config.mask_threshold * max(float(other.mask.max()), 1e-8))
-        if dt is not None and dc is not None:
-            drifts.append(float(np.linalg.norm(dt - dc)) / side)
+        d = R.drift_difference(R.object_support(obj.mask, config.mask_threshold),
+                               R.object_support(other.mask, config.mask_threshold))
+        if d is not None:
+            drifts.append(d / side)
     return {"drift": max(drifts), "x0": rt.x0.sum() / n, "masks": masks.sum() / n, "x0_obj": rt.x0_objects.sum() / n,
             "recolour": rt.recoloured.sum() / n, "motion": rt.motion.sum() / n,
             "no_x0_undilated": no_x0.sum() / n, "region": region.sum() / n,
