@@ -242,3 +242,14 @@ def request_key(*, model_fingerprint: str, model_options: Mapping[str, Any] | No
         return h.hexdigest()[:32]
     except Opaque:
         return None
+
+
+def answer_key(request_key: str, serving: Mapping[str, Any]) -> str:
+    """The key an exact repeat of a *hit* is answered by: the request's ``request_key`` and ``serving``, a
+    JSON-like description of everything past the request that decided the hit (filter, rule, recall limits, probe,
+    signature and reuse settings, the prompt label recall embeds; ``request.serving_settings``). Same length and
+    alphabet as a request key, and domain-separated from it, so an answer is never taken for a dense result.
+    Raises Opaque for an undigestable value (then the hit is simply not kept as an answer)."""
+    if not request_key:
+        raise ValueError("answer_key needs the request's key")
+    return value_digest(["carnator-answer", str(request_key), dict(serving)])[:32]

@@ -3,15 +3,17 @@
 Stages, in order (each node of the graph makes exactly one of these calls, and ``serve`` makes all of them, so
 what calibration certifies through ``serve`` is what a queued workflow runs):
 
-1. ``probe_request``  — exact lookup first: a request whose ``keys.request_key`` matches a cached dense result is
-   answered from the cache with no model call (the returned Probe is *answered*); otherwise the Early Probe.
+1. ``probe_request``  — exact lookup first: a request whose ``keys.request_key`` matches a cached dense result, or
+   (``serve``) whose ``keys.answer_key`` matches an earlier hit's stored answer, is answered from the cache with
+   no model call (the returned Probe is *answered*); otherwise the Early Probe.
 2. ``signature_stage`` — the Early Signature (an answered probe passes the stored one through).
 3. ``recall``         — top-K candidates of the same namespace above a minimum similarity (answered: none).
 4. ``decide_stage``   — the Risk Filter (answered: an "exact" decision naming the entry).
 5. ``reuse_stage``    — load the accepted entry and finish the request (reuse or dense); an accepted entry that
    vanished meanwhile (evicted, purged, quarantined) means a dense resume, logged once, never a failed request;
    an answered probe returns the stored latent.
-6. ``write_result``   — persist a finished dense generation (with its exact-request key) for later requests.
+6. ``write_result``   — persist a finished dense generation (with its exact-request key) for later requests; a
+   hit's result only as an *answer-only* entry under its answer key (never recalled, never reused).
 
 Every online cost is timed separately (ms): key, probe, signature, retrieval, filter, resume, write.
 """
@@ -79,8 +81,12 @@ class ServeOptions:
     prompt_threshold: similarity threshold of "prompt_only".
     top_k, min_similarity: recall limits; a rule that records its own (``recall_limits``) overrides them.
     exact:         answer exact repeats (same ``keys.request_key``) from the cache before the probe, with no model
-                   call ("carnator" and "prompt_only" only: "never" and "dense" always compute).
-    write:         persist the finished generation as a cache entry (dense results only; hits reuse an entry).
+                   call ("carnator" and "prompt_only" only: "never" and "dense" always compute). With ``write``,
+                   a hit's result is kept as an answer-only entry under ``keys.answer_key`` (the request and
+                   ``serving_settings``), so a repeat of the same request *served the same way* is answered too;
+                   changing the rule or any setting that decided the hit runs the request again.
+    write:         persist the finished generation as a cache entry (dense results; a hit's result only as such an
+                   answer, never as an entry later requests reuse).
     """
 
     method: str = "carnator"
@@ -140,6 +146,34 @@ class RequestResult:
         return self.probe.answered is not None
 
 
+def serving_settings(spec: RequestSpec, options: ServeOptions) -> dict[str, Any]:
+    """Everything past ``keys.request_key`` that decides a hit's output under ``options`` (as ``serve`` runs them,
+    i.e. after ``following_rule``): the filter and its rule (by content), recall limits, the prompt label and
+    object override that recall and the signature read, the probe, signature and reuse settings. Two requests with
+    the same request key and these settings get the same hit from the same cache entry; the answer of a hit is
+    stored and found under ``keys.answer_key(request_key, serving_settings(...))``."""
+    from dataclasses import asdict
+
+    rule = options.rule if options.method == "carnator" else None
+    k, min_sim = recall_limits(rule, options.top_k, options.min_similarity)
+    return {"method": options.method, "prompt": spec.prompt, "objects": spec.objects,
+            "rule": rule.rule_id if rule is not None else "", "allow_uncertified": bool(options.allow_uncertified),
+            "prompt_threshold": float(options.prompt_threshold) if options.method == "prompt_only" else None,
+            "recall": [int(k), float(min_sim)], "probe": asdict(options.probe),
+            "signature": options.signature.to_meta(), "reuse": options.hit_reuse.to_meta()}
+
+
+def answer_key_for(request_key: str, spec: RequestSpec, options: ServeOptions) -> str:
+    """``keys.answer_key`` of a request served with ``options`` ("" when it has no request key or the settings
+    cannot be digested: then its hits are neither stored nor answered as answers)."""
+    if not request_key:
+        return ""
+    try:
+        return keys.answer_key(request_key, serving_settings(spec, options))
+    except keys.Opaque:
+        return ""
+
+
 @dataclass(frozen=True)
 class WriteResult:
     """What ``write_result`` did: the entry id ("" when nothing was stored), whether a new file was written, and
@@ -186,27 +220,39 @@ def split_key_facts(stage: Stage, steps: int, second_model: Any, second_fingerpr
     return facts
 
 
-def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, seed: int) -> Probe | None:
-    """The answered Probe of an exact repeat, or None. Loads the entry (checksums verified), counts one lookup and
-    one hit in its namespace. An entry that vanishes or proves corrupt meanwhile is simply not an answer."""
+def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, seed: int,
+                 answer_key: str = "") -> Probe | None:
+    """The answered Probe of an exact repeat, or None: a cached dense result under ``request_key`` first, then an
+    earlier hit's answer-only entry under ``answer_key`` (``answer_key_for``; "" = none). Loads the entry
+    (checksums verified), counts one lookup and one hit in its namespace. An entry that vanishes or proves corrupt
+    meanwhile is simply not an answer."""
     from .cache.store import CacheError
 
     find = getattr(store, "find_request", None)  # a store without an exact-request index answers nothing
     if find is None or not request_key:
         return None
     t0 = time.perf_counter()
-    try:
-        entry_id = find(request_key)
-    except CacheError as e:  # e.g. a shared cache that is unreachable: the request simply runs
-        log.info("carnator request: exact lookup unavailable (%s); running the request", e)
-        return None
-    if entry_id is None:
-        return None
-    try:
-        entry = store.load(entry_id, count_hit=False)
-    except CacheError as e:
-        log.info("carnator request: exact repeat of entry %s not answered from the cache (%s); running it", entry_id,
-                 e)
+    entry = None
+    for key, answer in ((request_key, False), (answer_key, True)):
+        if not key:
+            continue
+        try:
+            entry_id = find(key)
+        except CacheError as e:  # e.g. a shared cache that is unreachable: the request simply runs
+            log.info("carnator request: exact lookup unavailable (%s); running the request", e)
+            return None
+        if entry_id is None:
+            continue
+        try:
+            entry = store.load(entry_id, count_hit=False)
+        except CacheError as e:
+            log.info("carnator request: exact repeat of entry %s not answered from the cache (%s); running it",
+                     entry_id, e)
+            return None
+        if bool(getattr(entry, "answer_of", "")) != answer:  # the keys are domain-separated: never expected
+            return None
+        break
+    if entry is None:
         return None
     final = entry.tensors.get("latent_final")
     if final is None or final.ndim not in (4, 5):
@@ -225,7 +271,10 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
     store.record_lookup(entry.namespace)
     ms = (time.perf_counter() - t0) * 1000
     answer = ExactAnswer(entry_id=entry_id, request_key=request_key, namespace=entry.namespace, prompt=entry.prompt,
-                         latent=latent, signature=entry.signature, lookup_ms=ms, stage_latent=stage_latent)
+                         latent=latent, signature=entry.signature, lookup_ms=ms, stage_latent=stage_latent,
+                         answer_of=entry.answer_of)
+    what = (f"exact repeat of an earlier hit (answer entry {entry_id}, which reused entry {entry.answer_of})"
+            if entry.answer_of else f"exact repeat of cache entry {entry_id}")
     from . import comfy_patch as cp
     from .adapters import adapter_for
 
@@ -236,20 +285,24 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
                  grid=tuple(entry.signature.grid), patch=adapter_for(model).patch_of(model),  # type: ignore[arg-type]
                  x0_probe=x0, latent_probe=entry.tensors.get("latent_probe", x0), latent_rgb_factors=factors,
                  latent_rgb_bias=bias, embedding=entry.embedding, timings={"probe_ms": 0.0, "exact_ms": ms},
-                 note=f"exact repeat of cache entry {entry_id}: answered from the cache without running the model",
+                 note=f"{what}: answered from the cache without running the model",
                  request_key=request_key, answered=answer)
 
 
 def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: RequestSpec, config: ProbeConfig,
                   text_encoder: Any = None, *, store: Any = None,
-                  progress: Callable[[int], None] | None = None, second_model: Any = None) -> Probe:
+                  progress: Callable[[int], None] | None = None, second_model: Any = None,
+                  serving: "ServeOptions | None" = None) -> Probe:
     """Stage 1. With a ``store``: an exact repeat is answered from it (answered Probe, no model call). Otherwise the
     Early Probe, stamped with the request key and the non-text conditioning digest (part of the namespace).
 
     A split schedule (``spec.stage``) is probed on its first model; ``second_model`` is the MODEL that continues a
     stage returning leftover noise (Wan 2.2 14B: the low-noise expert), fingerprinted into the namespace and the
     request key. An exact repeat of a split request is answered only from an entry that holds both stages'
-    outputs (written from a dense second stage of Carnator's sampler, see ``write_result``)."""
+    outputs (written from a dense second stage of Carnator's sampler, see ``write_result``). ``serving``: the
+    options the request is served with (``serve``); an earlier hit of the same request served the same way is then
+    answered too (``answer_key_for``). The graph's Early Probe cannot know the downstream rule and sampler settings
+    and answers repeats of dense results only."""
     t0 = time.perf_counter()
     stage_bounds(spec.stage, spec.steps, second_connected=second_model is not None)
     second = ""
@@ -265,8 +318,9 @@ def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: 
     key = request_key_for(model, positive, negative, latent, seed=spec.seed, steps=spec.steps, cfg=spec.cfg,
                           sampler_name=spec.sampler, scheduler=spec.scheduler, denoise=spec.denoise,
                           split=split_key_facts(spec.stage, spec.steps, second_model, second))
+    answer_key = answer_key_for(key or "", spec, serving) if (serving is not None and store is not None) else ""
     key_ms = (time.perf_counter() - t0) * 1000
-    answered = lookup_exact(store, key, model, spec.prompt, spec.seed)
+    answered = lookup_exact(store, key, model, spec.prompt, spec.seed, answer_key)
     if answered is not None:
         return replace(answered, timings={**answered.timings, "key_ms": key_ms})
     objs, source = objects_for(spec.prompt, text_encoder, spec.objects)
@@ -375,10 +429,13 @@ def exact_report(probe: Probe, upstream_ms: Mapping[str, float] | None = None, r
     steps = {"": g.steps, "first": g.stage_end - g.start_step, "second": g.steps - g.stage_end}[role]
     timings = {**dict(upstream_ms or {}), "lookup": float(a.lookup_ms), "key": float(probe.timings.get("key_ms", 0))}
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
+    what = (f"exact repeat of an earlier hit: its stored result (answer entry {a.entry_id}, which reused entry "
+            f"{a.answer_of}), no model call" if a.answer_of else
+            f"exact repeat of entry {a.entry_id}: stored result, no model call")
     return RunReport(decision="hit", mode="exact", entry_id=a.entry_id, active_fraction=0.0, block_density=None,
                      steps_total=steps, steps_probe=0, model_calls=0, replayed_calls=0, skipped_calls=steps,
                      token_fraction=0.0, attention_fraction=0.0, timings_ms=timings, compute_fraction=0.0,
-                     reason=f"exact repeat of entry {a.entry_id}: stored result, no model call", stage=role,
+                     reason=what, stage=role,
                      final=not (role == "first" and g.leftover_noise))
 
 
@@ -480,10 +537,14 @@ def finish_stages(model: Any, positive: Any, negative: Any, latent: dict, probe:
 
 # ---------------------------------------------------------------------------------------------- 6. write
 def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report: RunReport | None, *,
-                 store_reused: bool = False, meta: Mapping[str, Any] | None = None) -> WriteResult:
+                 store_reused: bool = False, meta: Mapping[str, Any] | None = None,
+                 answer_key: str = "") -> WriteResult:
     """Stage 6: persist a finished generation. Exact repeats and requests with unidentifiable conditioning are
-    never stored; reuse results only with ``store_reused``. The request key is recorded only for a dense result
-    of one batch item (``report`` says dense/miss): only such a latent is what the request computes."""
+    never stored. The request key is recorded only for a dense result of one batch item (``report`` says
+    dense/miss): only such a latent is what the request computes. A hit's result is stored as a reusable entry
+    only with ``store_reused``; otherwise, given its ``answer_key`` (``answer_key_for``), as an answer-only entry
+    that answers exact repeats of this request served the same way and is never recalled or reused (one batch
+    item, a whole schedule)."""
     from .cache.errors import CacheUnavailableError
     from .cache.store import EntryData
 
@@ -504,9 +565,13 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
                                       "Sampler that runs its second stage (it checks the second model); connect its "
                                       "latent and report")
     hit = report is not None and report.decision == "hit"
+    answer_of = ""
     if hit and not store_reused:
-        return WriteResult("", False, f"not stored: this result reused cache entry {report.entry_id} (enable "
-                                      "store_reused to keep reused results too)")
+        if not (answer_key and report.entry_id and int(getattr(samples, "shape", (0,))[0]) == 1
+                and not probe.config.leftover_noise):
+            return WriteResult("", False, f"not stored: this result reused cache entry {report.entry_id} (enable "
+                                          "store_reused to keep reused results too)")
+        answer_of = str(report.entry_id)
     if samples is None or getattr(samples, "ndim", 0) != 5:
         raise ValueError("latent must be a video LATENT with samples [B, C, T, H, W] (the sampler's output)")
     want = tuple(int(x) for x in probe.config.latent_shape)
@@ -525,6 +590,9 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         else:
             tensors["latent_switch"] = switch[0].detach().cpu()
     key = probe.request_key if dense and int(samples.shape[0]) == 1 else ""
+    if answer_of:
+        key = answer_key
+        tensors.pop("latent_switch", None)
     m: dict[str, Any] = {"batch_size": int(samples.shape[0]), **dict(meta or {})}
     m["probe_timings_ms"] = {str(k): float(v) for k, v in dict(probe.timings).items()}
     if report is not None:
@@ -532,14 +600,18 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     data = EntryData(
         model_fingerprint=probe.model_fingerprint, config=probe.config, prompt=probe.prompt, seed=probe.seed,
         embedding=probe.embedding, signature=sig, tensors=tensors,
-        block_structure=report.block_structure if report is not None else None, meta=m, request_key=key,
+        block_structure=report.block_structure if report is not None and not answer_of else None, meta=m,
+        request_key=key, answer_of=answer_of,
     )
     try:
         entry_id, written = store.put_with_status(data)
     except CacheUnavailableError as e:  # a shared cache that is down: the generation itself succeeded
         return WriteResult("", False, f"not stored: {e}")
     ns = namespace_key(probe.model_fingerprint, probe.config)
-    if written:
+    if written and answer_of:
+        text = (f"stored answer {entry_id} in namespace {ns}: an exact repeat of this request, served the same way, "
+                f"gets this result with no model call (it reused entry {answer_of}; never reused itself)")
+    elif written:
         text = f"stored entry {entry_id} in namespace {ns}" + (
             " with attention block structure" if data.block_structure is not None else "")
     else:
@@ -565,7 +637,7 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
     use_cache = options.method != "dense" and store is not None
     exact_store = store if use_cache and options.exact and options.method in ("carnator", "prompt_only") else None
     probe = probe_request(model, positive, negative, latent, spec, options.probe, text_encoder, store=exact_store,
-                          progress=progress, second_model=second_model)
+                          progress=progress, second_model=second_model, serving=options)
     t["key"] = float(probe.timings.get("key_ms", 0.0))
     t["probe"] = float(probe.timings.get("probe_ms", 0.0))
     t1 = time.perf_counter()
@@ -587,10 +659,14 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
                                                  record=options.write, progress=progress,
                                                  upstream_ms={k: v for k, v in t.items() if k != "probe"})
     entry_id = probe.answered.entry_id if probe.answered is not None else None
-    if options.write and store is not None and report.decision != "hit":
-        t2 = time.perf_counter()
-        entry_id = write_result(store, probe, sig, samples, report).entry_id or None
-        t["write"] = (time.perf_counter() - t2) * 1000
+    if options.write and store is not None and probe.answered is None:
+        # A hit is kept only as its answer (when exact repeats are answered at all): never reused itself.
+        answer_key = answer_key_for(probe.request_key, spec, options) if exact_store is not None else ""
+        if report.decision != "hit" or answer_key:
+            t2 = time.perf_counter()
+            written = write_result(store, probe, sig, samples, report, answer_key=answer_key).entry_id or None
+            entry_id = written if report.decision != "hit" else entry_id
+            t["write"] = (time.perf_counter() - t2) * 1000
     t["total"] = (time.perf_counter() - t0) * 1000
     out = dict(latent)
     out["samples"] = samples

@@ -426,11 +426,14 @@ class Probe:
 
 @dataclass(frozen=True)
 class ExactAnswer:
-    """An exact repeat of a cached dense generation (same ``keys.request_key``), found before the probe.
+    """An exact repeat of a cached generation, found before the probe: of a dense one (same ``keys.request_key``),
+    or of a hit (same ``keys.answer_key``: the request and the serving settings that decided the hit).
 
-    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request would compute
+    latent: the stored final LATENT samples [B, C, T, H, W], bit-identical to what the request computed
             (a split schedule: what its second stage computes, ``stage_latent`` what its first stage computes).
     signature: the stored Early Signature (the Signature Builder passes it on instead of recomputing it).
+    answer_of: "" for a dense result; for a hit's answer, the entry that hit reused (``entry_id`` is the
+            answer-only entry holding its result).
     """
 
     entry_id: str
@@ -443,3 +446,4 @@ class ExactAnswer:
     # A split schedule's first-stage output [B, C, T, H, W] (the latent with leftover noise at the switch step),
     # what the probe's stage returns; None for a whole-schedule request.
     stage_latent: Any = None
+    answer_of: str = ""

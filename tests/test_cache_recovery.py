@@ -338,6 +338,34 @@ def test_a_catalogue_from_before_the_completion_flag_is_kept_and_completed_by_sc
     _assert_all_there(st, ids)
 
 
+def test_a_catalogue_from_before_answer_entries_is_rebuilt_from_the_files(tmp_path, caplog):
+    """Caches written before answer-only entries existed (no ``entries.answer`` column) are not our schema: the
+    catalogue is rebuilt from the entry files on open, every entry and request key is still there, and an answer
+    entry written afterwards is found by key and never recalled."""
+    import dataclasses
+
+    ids, cache = _filled(tmp_path, n=4)
+    st = open_store(tmp_path)
+    keyed = st.put(dataclasses.replace(make_entry(50), request_key="ab" * 16))
+    st.close()
+    conn = sqlite3.connect(cache / "catalog.sqlite3")
+    conn.execute("ALTER TABLE entries DROP COLUMN answer")
+    conn.commit()
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        st = open_store(tmp_path)
+    assert any("schema" in r.getMessage() or "rebuil" in r.getMessage() for r in carnator_warnings(caplog))
+    _assert_all_there(st, ids + [keyed])
+    assert st.find_request("ab" * 16) == keyed
+    emb = make_entry(50).embedding
+    answer = st.put(dataclasses.replace(make_entry(51, emb=emb), request_key="cd" * 16, answer_of=keyed))
+    assert st.find_request("cd" * 16) == answer and st.load(answer, count_hit=False).answer_of == keyed
+    assert answer not in {i for i, _ in st.query(NS, emb, 50)}
+    assert keyed in {i for i, _ in st.query(NS, emb, 50)}
+    rep = st.verify(deep=True)
+    assert rep.ok, rep.problems
+
+
 def test_damage_found_mid_operation_is_rebuilt_at_once(tmp_path, monkeypatch):
     """Catalogues too big for an integrity check at open: the first query that reaches a damaged page fails with
     a CatalogError that says the catalogue was rebuilt; the retry works and nothing is lost."""

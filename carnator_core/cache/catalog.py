@@ -44,7 +44,7 @@ SCHEMA = (
     " prompt TEXT NOT NULL, prompt_digest TEXT NOT NULL, seed TEXT NOT NULL, nbytes INTEGER NOT NULL,"
     " meta_digest TEXT NOT NULL, work REAL NOT NULL, priority REAL NOT NULL, created REAL NOT NULL,"
     " last_access REAL NOT NULL, hits INTEGER NOT NULL, request_key TEXT NOT NULL DEFAULT '',"
-    " UNIQUE(namespace, prompt_digest, seed, request_key))",
+    " answer INTEGER NOT NULL DEFAULT 0, UNIQUE(namespace, prompt_digest, seed, request_key))",
     "CREATE INDEX entries_namespace ON entries(namespace)",
     "CREATE INDEX entries_request_key ON entries(request_key)",
     "CREATE INDEX entries_priority ON entries(priority)",
@@ -173,17 +173,22 @@ def ensure_namespace(c: sqlite3.Connection, ns: str, model_fp: str, config: GenC
 
 def insert_row(c: sqlite3.Connection, entry_id: str, ns: str, prompt: str, prompt_digest: str, seed: int,
                nbytes: int, meta_digest: str, work: float, emb: np.ndarray, created: float,
-               request_key: str = "") -> int:
+               request_key: str = "", answer: bool = False) -> int:
     """Insert one entry (row, embedding, change-log record); returns its seq. Raises sqlite3.IntegrityError for
-    an id or (namespace, prompt, seed, request key) that is already there."""
+    an id or (namespace, prompt, seed, request key) that is already there. An answer-only entry (``answer``,
+    ``EntryData.answer_of``) gets no embedding row and no "add" record: it is never in a recall index (its
+    deletion is logged like any other; removing an absent id from an index is a no-op)."""
     inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
     cur = c.execute(
         "INSERT INTO entries(id, namespace, prompt, prompt_digest, seed, nbytes, meta_digest, work, priority,"
-        " created, last_access, hits, request_key)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, carnator_priority(?, 0, ?, ?), ?, ?, 0, ?)",
+        " created, last_access, hits, request_key, answer)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, carnator_priority(?, 0, ?, ?), ?, ?, 0, ?, ?)",
         (entry_id, ns, prompt, prompt_digest, str(seed), nbytes, meta_digest, work, inflation, work, nbytes, created,
-         created, request_key))
+         created, request_key, int(bool(answer))))
     seq = int(cur.lastrowid)
+    if answer:
+        c.execute("UPDATE info SET value=CAST(value AS INTEGER)+1 WHERE key='content_version'")
+        return seq
     c.execute("INSERT INTO embeddings(seq, vec) VALUES (?, ?)", (seq, np.ascontiguousarray(emb, np.float32).tobytes()))
     log_changes(c, ns, [("add", seq)])
     return seq

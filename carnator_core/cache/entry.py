@@ -83,6 +83,11 @@ class EntryData:
     meta:      JSON-able extra metadata (e.g. the run report).
     request_key: ``keys.request_key`` of the request whose *dense* output ``tensors["latent_final"]`` is ("" when
                unknown or when the result came from reuse): ``Store.find_request`` answers exact repeats by it.
+    answer_of: "" for an ordinary entry. Otherwise the id of the entry whose reuse produced ``latent_final``: an
+               *answer-only* entry, stored under ``request_key`` (then ``keys.answer_key``: the request and the
+               serving settings that decided the hit) so that an exact repeat of a hit is answered too. Answer-only
+               entries are never recall candidates and never reused (``Entry.cached_run`` refuses them): reuse
+               never chains on reuse. They count towards the budget and are evicted like any entry.
     """
 
     model_fingerprint: str
@@ -96,10 +101,15 @@ class EntryData:
     meta: Mapping[str, Any] = field(default_factory=dict)
     namespace: str = ""
     request_key: str = ""
+    answer_of: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_key, str) or not REQUEST_KEY_RE.match(self.request_key):
             raise ValueError("EntryData.request_key must be '' or 16-64 lowercase hex digits (keys.request_key)")
+        if not isinstance(self.answer_of, str) or (self.answer_of and not valid_entry_id(self.answer_of)):
+            raise ValueError("EntryData.answer_of must be '' or the id of the entry the result reused")
+        if self.answer_of and not self.request_key:
+            raise ValueError("an answer-only entry (answer_of set) must carry the request key it answers")
         if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
             raise ValueError("EntryData.model_fingerprint must be a non-empty string")
         if not isinstance(self.config, GenConfig):
@@ -139,11 +149,16 @@ class Entry:
     tensors: Mapping[str, torch.Tensor]
     block_structure: BlockStructure | None
     meta: Mapping[str, Any]
+    answer_of: str = ""  # see EntryData.answer_of: an answer-only entry, never reused
 
     def cached_run(self) -> Any:
-        """This entry as ``reuse.CachedRun`` (needs tensors "latent_final" and "x0_probe")."""
+        """This entry as ``reuse.CachedRun`` (needs tensors "latent_final" and "x0_probe"). An answer-only entry
+        (``answer_of``) is a reuse result and is never reused itself: CacheError."""
         from ..reuse import CachedRun  # local: reuse is a sibling core module, keep import graph acyclic
 
+        if self.answer_of:
+            raise CacheError(f"cache entry {self.entry_id} is an answer-only entry (a result that reused entry "
+                             f"{self.answer_of}): it answers exact repeats only and is never reused")
         missing = [k for k in ("latent_final", "x0_probe") if k not in self.tensors]
         if missing:
             raise CacheError(f"cache entry {self.entry_id} has no {missing}: it was written without them and "
@@ -179,6 +194,7 @@ class DecodedEntry:
     block_structure: BlockStructure | None
     meta: Mapping[str, Any]
     meta_digest: str
+    answer_of: str = ""
 
 
 # ---------------------------------------------------------------------------------------------- encode
@@ -268,7 +284,7 @@ def encode_entry(data: EntryData, *, entry_id: str, created: float) -> EncodedEn
         "model_fingerprint": data.model_fingerprint, "config": data.config.to_meta(), "prompt": data.prompt,
         "seed": int(data.seed), "created": float(created), "dim": int(emb.shape[0]),
         "signature": data.signature.to_meta(), "block_structure": block_meta, "meta": _jsonable(dict(data.meta)),
-        "request_key": data.request_key,
+        "request_key": data.request_key, **({"answer_of": data.answer_of} if data.answer_of else {}),
         "tensors": {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "sha256": _sha256(t)}
                     for k, t in tensors.items()},
     }
@@ -383,7 +399,8 @@ def _decode(raw: bytes, entry_id: str | None, ns: str | None, meta_digest: str |
     return DecodedEntry(entry_id=meta["id"], namespace=meta["namespace"], model_fingerprint=meta["model_fingerprint"],
                         config=config, prompt=str(meta["prompt"]), seed=int(meta["seed"]),
                         created=float(meta.get("created", 0.0)), embedding=embedding, signature=signature,
-                        tensors=user, block_structure=block, meta=meta.get("meta") or {}, meta_digest=digest)
+                        tensors=user, block_structure=block, meta=meta.get("meta") or {}, meta_digest=digest,
+                        answer_of=adopted_answer_of(meta))
 
 
 def read_entry_parts(path: Path, names: tuple[str, ...] | None, prefix: str = "", expect_size: int | None = None
@@ -454,8 +471,19 @@ def adopted_request_key(meta: Mapping[str, Any]) -> str:
     return key if isinstance(key, str) and REQUEST_KEY_RE.match(key) else ""
 
 
+def adopted_answer_of(meta: Mapping[str, Any]) -> str:
+    """The reused entry an answer-only entry names ("" for an ordinary entry). A malformed value, or one on an
+    entry without a request key, is refused (ValueError): such a file could be taken for a recall candidate."""
+    a = meta.get("answer_of", "")
+    if a == "":
+        return ""
+    if not isinstance(a, str) or not valid_entry_id(a) or not adopted_request_key(meta):
+        raise ValueError(f"metadata's answer_of {a!r} is not a valid answer-only record")
+    return a
+
+
 __all__ = [
-    "REQUEST_KEY_RE", "adopted_request_key",
+    "REQUEST_KEY_RE", "adopted_answer_of", "adopted_request_key",
     "DecodedEntry", "ENTRY_FORMAT", "ENTRY_VERSION", "EncodedEntry", "Entry", "EntryData", "check_meta",
     "decode_entry", "encode_entry", "meta_digest_of", "read_entry_parts", "signature_from", "signature_tensors",
     "valid_entry_id", "valid_namespace",

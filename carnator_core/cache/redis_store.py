@@ -24,6 +24,7 @@ hash slot and each multi-key step below is one atomic Lua script in that slot)::
     carnator:{ns}:b:<id>                  list: the entry's bytes in chunks (``entry.py``'s format, as on disk)
     carnator:{ns}:stage:<id>              list: chunks being written (TTL; renamed to :b:<id> on publish)
     carnator:{ns}:emb / :sid              hash: seq -> embedding float32 bytes / seq -> entry id
+    carnator:{ns}:ans                     set: seqs of answer-only entries (``EntryData.answer_of``; no :emb)
     carnator:{ns}:prio / :lru             sorted sets "<seq:012d>:<id>" by LCBFU priority / last access
     carnator:{ns}:dedup                   hash: sha256(prompt):seed[:request key] -> entry id (cached once)
     carnator:{ns}:bytes                   total entry bytes of the namespace
@@ -57,7 +58,9 @@ Contracts
   the request treats as "not an answer". Two round trips (hint, then the row), no counting. Several entries may
   hold one key (another prompt label or probe setting: the same dense output); the last published is named, and
   when it goes the others are not found by key until that request is put again (a miss, never a wrong answer;
-  the on-disk store would name the newest remaining one).
+  the on-disk store would name the newest remaining one). An *answer-only* entry (``EntryData.answer_of``: a hit's
+  result stored under its answer key) is published like any entry but without an embedding: it is in ``:ans``,
+  never in a recall index (its "add" record finds no vector and is skipped), and only ``find_request`` finds it.
 * **Recall stays local.** Each process keeps a FAISS index per namespace (``index.py``), built from ``:emb`` on
   first use and brought up to date from the ``:log`` stream before every query (one round trip). A stream gap
   (trimmed, or Redis restarted from an older snapshot), a new namespace token (purge) or a generation that went
@@ -182,10 +185,14 @@ redis.call('RENAME', stage, p .. 'b:' .. id)
 redis.call('PERSIST', p .. 'b:' .. id)
 redis.call('HSET', e, 'seq', seq, 'prompt', ARGV[7], 'seed', ARGV[8], 'nbytes', ARGV[9], 'digest', ARGV[10],
   'work', ARGV[11], 'nchunks', ARGV[12], 'sig', ARGV[13], 'sigsum', ARGV[17], 'dedup', ARGV[14], 'created', ARGV[6],
-  'last_access', ARGV[6], 'hits', 0, 'rk', ARGV[19])
+  'last_access', ARGV[6], 'hits', 0, 'rk', ARGV[19], 'answer', ARGV[20])
 redis.call('ZADD', p .. 'prio', ARGV[15], member)
 redis.call('ZADD', p .. 'lru', ARGV[6], member)
-redis.call('HSET', p .. 'emb', seq, ARGV[16])
+if ARGV[20] == '1' then
+  redis.call('SADD', p .. 'ans', seq)
+else
+  redis.call('HSET', p .. 'emb', seq, ARGV[16])
+end
 redis.call('HSET', p .. 'sid', seq, id)
 redis.call('HSET', p .. 'dedup', ARGV[14], id)
 redis.call('INCRBY', p .. 'bytes', ARGV[9])
@@ -207,6 +214,7 @@ local member = string.format('%012d:%s', seq, id)
 redis.call('ZREM', p .. 'prio', member)
 redis.call('ZREM', p .. 'lru', member)
 redis.call('HDEL', p .. 'emb', seq)
+redis.call('SREM', p .. 'ans', seq)
 redis.call('HDEL', p .. 'sid', seq)
 if r[3] and redis.call('HGET', p .. 'dedup', r[3]) == id then redis.call('HDEL', p .. 'dedup', r[3]) end
 redis.call('DECRBY', p .. 'bytes', r[2])
@@ -259,7 +267,7 @@ for _, m in ipairs(members) do
   end
   redis.call('UNLINK', p .. 'e:' .. id, p .. 'b:' .. id)
 end
-for _, k in ipairs({'meta', 'gen', 'seq', 'emb', 'sid', 'prio', 'lru', 'dedup', 'bytes', 'counters', 'log'}) do
+for _, k in ipairs({'meta', 'gen', 'seq', 'emb', 'ans', 'sid', 'prio', 'lru', 'dedup', 'bytes', 'counters', 'log'}) do
   redis.call('UNLINK', p .. k)
 end
 return {#members, keyed}
@@ -539,7 +547,7 @@ class RedisStore:
             args = [entry_id, data.model_fingerprint, cfg_json, int(emb.shape[0]), secrets.token_hex(8),
                     repr(created), data.prompt, int(data.seed), len(blob), enc.meta_digest, repr(work), len(chunks),
                     sig_blob, dedup_key, repr(prio), np.ascontiguousarray(emb, np.float32).tobytes(),
-                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP, rk]
+                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP, rk, "1" if data.answer_of else "0"]
             res = self._call(lambda: self._scripts["publish"](keys=[p], args=args))
             status = _s(res[0])
             if status == "ok":
@@ -771,7 +779,7 @@ class RedisStore:
         return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=dec.model_fingerprint, config=dec.config,
                      prompt=prompt, seed=int(seed), created=float(created), hits=hits_now, nbytes=int(nbytes),
                      embedding=dec.embedding, signature=dec.signature, tensors=dec.tensors,
-                     block_structure=dec.block_structure, meta=dec.meta)
+                     block_structure=dec.block_structure, meta=dec.meta, answer_of=dec.answer_of)
 
     def _decode_sig(self, entry_id: str, ns: str, blob: bytes | None, sigsum: bytes | None) -> Signature:
         try:
@@ -1100,9 +1108,11 @@ class RedisStore:
                 pipe.hkeys(p + "emb")
                 pipe.get(p + "bytes")
                 pipe.get(p + "gen")
+                pipe.smembers(p + "ans")
                 return pipe.execute()
 
-            lru, prio, sid, emb_keys, nbytes, gen = self._call(snapshot)
+            lru, prio, sid, emb_keys, nbytes, gen, ans = self._call(snapshot)
+            answers = {int(_s(a)) for a in ans}
             members = {_s(m) for m in lru}
             if members != {_s(m) for m in prio}:
                 problems.append(f"namespace {ns}: the priority and recency sets differ")
@@ -1110,7 +1120,7 @@ class RedisStore:
             want = {f"{s:012d}:{i}" for s, i in by_seq.items()}
             if want != members:
                 problems.append(f"namespace {ns}: {len(members ^ want)} entries differ between ids and sets")
-            if {int(_s(k)) for k in emb_keys} != set(by_seq):
+            if {int(_s(k)) for k in emb_keys} != set(by_seq) - answers or not answers <= set(by_seq):
                 problems.append(f"namespace {ns}: embeddings and ids differ")
             pipe = self._r.pipeline(transaction=False)
             for i in by_seq.values():
@@ -1136,8 +1146,9 @@ class RedisStore:
                 at_snapshot = st is not None and st.generation == int(gen or 0)
             if len(idx_ids) != len(set(idx_ids)) or set(idx_ids) != got:
                 problems.append(f"namespace {ns}: index holds duplicate or untracked ids")
-            if at_snapshot and got != set(by_seq):
-                problems.append(f"namespace {ns}: index has {len(got)} ids, the cache {len(by_seq)} entries")
+            if at_snapshot and got != set(by_seq) - answers:
+                problems.append(f"namespace {ns}: index has {len(got)} ids, the cache "
+                                f"{len(set(by_seq) - answers)} recallable entries")
             elif not at_snapshot:
                 notes.append(f"namespace {ns}: index not compared (the namespace changed meanwhile)")
             if deep:

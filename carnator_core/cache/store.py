@@ -47,7 +47,9 @@ Contracts
   are evicted (``policy.py``: ``lcbfu`` by default, or ``lru``). An entry larger than the whole budget is refused.
 * **Exact repeats.** An entry may carry the ``keys.request_key`` of the request whose dense output it holds
   (column ``entries.request_key``, indexed; ``""`` = none); ``find_request(key)`` finds it in one query.
-  Duplicates are (namespace, prompt, seed, request key).
+  Duplicates are (namespace, prompt, seed, request key). An *answer-only* entry (``EntryData.answer_of``, column
+  ``entries.answer``) holds a hit's result under its answer key: found by ``find_request``, never in a recall
+  index (no embedding row, no change record), evicted, verified and adopted like any entry.
 * **Hits.** ``candidates()`` counts a lookup per request; ``load(count_hit=True)`` or ``record_hit()`` counts a
   reuse (call exactly one of them per reuse). Hit rate = hits / lookups per namespace.
 """
@@ -81,6 +83,7 @@ from .entry import (
     DecodedEntry,
     Entry,
     EntryData,
+    adopted_answer_of,
     adopted_request_key,
     check_meta,
     decode_entry,
@@ -562,6 +565,7 @@ class Store:
             if emb.ndim != 1 or emb.shape[0] != int(meta["dim"]):
                 raise ValueError(f"embedding has shape {emb.shape}, the metadata says [{meta['dim']}]")
             config = GenConfig.from_meta(meta["config"])
+            adopted_answer_of(meta)  # a malformed answer-only record is refused, never adopted as a candidate
             if namespace_key(meta["model_fingerprint"], config) != ns:
                 raise ValueError("metadata's model/config does not match the namespace directory")
             nbytes = path.stat().st_size
@@ -580,7 +584,8 @@ class Store:
             catalog.insert_row(c, entry_id, ns, prompt, _digest(prompt), int(meta["seed"]), nbytes,
                                _digest(meta_json),
                                work_of(config.steps, config.probe_steps, config.latent_shape), emb,
-                               float(meta.get("created", time.time())), request_key=adopted_request_key(meta))
+                               float(meta.get("created", time.time())), request_key=adopted_request_key(meta),
+                               answer=bool(adopted_answer_of(meta)))
         except (NamespaceMismatchError, sqlite3.IntegrityError) as e:
             c.execute("ROLLBACK TO adopt")
             c.execute("RELEASE adopt")
@@ -730,7 +735,7 @@ class Store:
                 catalog.ensure_namespace(c, ns, data.model_fingerprint, data.config, int(enc.embedding.shape[0]))
                 catalog.insert_row(c, entry_id, ns, data.prompt, prompt_digest, seed, len(enc.blob), enc.meta_digest,
                                    work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape),
-                                   enc.embedding, now, request_key=data.request_key)
+                                   enc.embedding, now, request_key=data.request_key, answer=bool(data.answer_of))
         except sqlite3.IntegrityError:
             final.unlink(missing_ok=True)  # another process stored the same request first
             dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
@@ -757,12 +762,13 @@ class Store:
 
     @_public
     def find_request(self, request_key: str) -> str | None:
-        """The id of the entry holding the dense output of exactly this request (``EntryData.request_key``), or
-        None. One indexed query; counts nothing (the caller loads the entry and counts the hit)."""
+        """The id of the entry stored under exactly this request key (``EntryData.request_key``: a dense output,
+        or an answer-only entry's answer key), or None. One indexed query; counts nothing (the caller loads the
+        entry and counts the hit)."""
         if not isinstance(request_key, str) or not request_key or not REQUEST_KEY_RE.match(request_key):
             return None
         with self._read() as c:
-            row = c.execute("SELECT id FROM entries WHERE request_key=? ORDER BY seq DESC LIMIT 1",
+            row = c.execute("SELECT id FROM entries WHERE request_key=? ORDER BY answer, seq DESC LIMIT 1",
                             (request_key,)).fetchone()
         return row[0] if row else None
 
@@ -978,7 +984,7 @@ class Store:
         return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=dec.model_fingerprint, config=dec.config,
                      prompt=prompt, seed=int(seed), created=float(created), hits=int(hits), nbytes=int(nbytes),
                      embedding=dec.embedding, signature=dec.signature, tensors=dec.tensors,
-                     block_structure=dec.block_structure, meta=dec.meta)
+                     block_structure=dec.block_structure, meta=dec.meta, answer_of=dec.answer_of)
 
     @_public
     def load_signature(self, entry_id: str) -> Signature:
@@ -1222,7 +1228,8 @@ class Store:
         dim = int(dim)
         ids, vecs, bad = [], [], []
         for seq, entry_id, blob in c.execute(
-            "SELECT e.seq, e.id, m.vec FROM entries e LEFT JOIN embeddings m ON m.seq=e.seq WHERE e.namespace=?", (ns,)
+            "SELECT e.seq, e.id, m.vec FROM entries e LEFT JOIN embeddings m ON m.seq=e.seq"
+            " WHERE e.namespace=? AND e.answer=0", (ns,)
         ):
             if blob is None or len(blob) != dim * 4:
                 bad.append(entry_id)
@@ -1375,14 +1382,17 @@ class Store:
         now = time.time()
         with self._read() as c:
             rows = c.execute("SELECT seq, id, namespace, nbytes FROM entries").fetchall()
+            answers = {r[0] for r in c.execute("SELECT seq FROM entries WHERE answer!=0").fetchall()}
             namespaces = [r[0] for r in c.execute("SELECT namespace FROM namespaces").fetchall()]
             emb_seqs = {r[0] for r in c.execute("SELECT seq FROM embeddings").fetchall()}
             ns_rows = {r[0]: r[1] for r in c.execute("SELECT namespace, dim FROM namespaces").fetchall()}
-        seqs = {r[0] for r in rows}
+        seqs = {r[0] for r in rows} - answers  # answer-only entries are never searchable
         if seqs - emb_seqs:
             problems.append(f"{len(seqs - emb_seqs)} entries have no embedding row")
-        if emb_seqs - seqs:
-            problems.append(f"{len(emb_seqs - seqs)} embedding rows belong to no entry")
+        if answers & emb_seqs:
+            problems.append(f"{len(answers & emb_seqs)} answer-only entries have an embedding row (recallable)")
+        if emb_seqs - seqs - answers:
+            problems.append(f"{len(emb_seqs - seqs - answers)} embedding rows belong to no entry")
         if len({r[1] for r in rows}) != len(rows):
             problems.append("duplicate entry ids in the catalogue")
         for seq, entry_id, ns, nbytes in rows:
@@ -1433,7 +1443,7 @@ class Store:
                     return
                 if int(row[1]) != st.generation:
                     continue  # someone committed since the sync: try again
-                want = {r[0] for r in c.execute("SELECT seq FROM entries WHERE namespace=?", (ns,))}
+                want = {r[0] for r in c.execute("SELECT seq FROM entries WHERE namespace=? AND answer=0", (ns,))}
                 fst, why = (None, "")
                 if self._key is not None and self._index_path(ns).exists():
                     fst, why = self._load_index_file(c, ns, row[0], int(row[1]), int(row[2]))

@@ -1,0 +1,173 @@
+"""Exact repeats of a *hit*: the hit's result is kept as an answer-only entry under ``keys.answer_key`` (the request
+key and the serving settings that decided the hit), answered with zero model calls, bit-identical to the first hit,
+and never recalled or reused (reuse never chains on reuse) — in the on-disk store (also after a catalogue rebuild)
+and in the shared Redis store. Any change to what decided the hit (threshold, reuse settings, prompt label) runs the
+request again. On tiny models from ComfyUI's own classes, through ``request.serve``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfy
+
+PROMPT = "a red ball"
+
+
+@pytest.fixture(scope="module")
+def env(comfy_env, tmp_path_factory):
+    import tiny_models as tm
+
+    d = tmp_path_factory.mktemp("tiny")
+    return tm, tm.load_tiny_model("wan21", d)
+
+
+def _options(**kw):
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import ServeOptions
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    # prompt_only at a threshold every same-prompt request passes, so the second seed is a hit on the first's
+    # entry. Random weights disagree everywhere across seeds: the region comes from the object's mask alone.
+    reuse = ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False, context_delta=1e9, refreshes=1)
+    return ServeOptions(**{"method": "prompt_only", "prompt_threshold": 0.5, "probe": ProbeConfig(probe_steps=2),
+                           "reuse": reuse, **kw})
+
+
+def _run(tm, m, store, seed, options, prompt=PROMPT):
+    from carnator.carnator_core.request import RequestSpec, serve
+
+    pos, neg = tm.conditioning("wan21")
+    with tm.count_calls(m) as calls:
+        res = serve(m, tm.WordTokens(), pos, neg, tm.empty_latent("wan21"),
+                    RequestSpec(prompt, seed, 8, 5.0, objects="ball"),
+                    store, options)
+    return res, len(calls)
+
+
+def _recallable(store, res) -> set[str]:
+    from carnator.carnator_core.types import namespace_key
+
+    ns = namespace_key(res.probe.model_fingerprint, res.probe.config)
+    cands = store.candidates(ns, np.asarray(res.probe.embedding), 50, min_similarity=-1.0,
+                             model_fingerprint=res.probe.model_fingerprint)
+    return {c.entry_id for c in cands.items}
+
+
+def _check_hit_answers(tm, m, store, reopen):
+    from carnator.carnator_core.cache.errors import CacheError
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import RequestSpec, answer_key_for
+
+    opts = _options()
+    dense, n = _run(tm, m, store, 5, opts)
+    assert n == 8 and dense.report.decision == "miss" and dense.entry_id
+    hit, n_hit = _run(tm, m, store, 6, opts)
+    assert hit.report.decision == "hit" and hit.report.entry_id == dense.entry_id and n_hit > 0
+    key = answer_key_for(hit.probe.request_key, RequestSpec(PROMPT, 6, 8, 5.0, objects="ball"), opts.following_rule())
+    answer_id = store.find_request(key)
+    assert answer_id and answer_id != dense.entry_id
+    assert store.find_request(hit.probe.request_key) is None  # a hit is never taken for the request's dense output
+    entry = store.load(answer_id, count_hit=False)
+    assert entry.answer_of == dense.entry_id and torch.equal(entry.tensors["latent_final"], hit.latent["samples"][0])
+    with pytest.raises(CacheError, match="answer-only"):
+        entry.cached_run()
+
+    before = store.stats()
+    again, n_again = _run(tm, m, reopen(), 6, opts)  # another handle: a restarted server or another worker
+    assert n_again == 0 and again.exact and again.probe.answered.answer_of == dense.entry_id
+    assert torch.equal(again.latent["samples"], hit.latent["samples"])
+    assert (again.report.decision, again.report.mode, again.report.entry_id) == ("hit", "exact", answer_id)
+    assert "earlier hit" in again.report.reason and dense.entry_id in again.report.reason
+    after = store.stats()
+    assert (after.lookups - before.lookups, after.hits - before.hits, after.entries) == (1, 1, before.entries)
+
+    # Never a recall candidate: a third seed recalls (and reuses) the dense entry only.
+    assert _recallable(store, dense) == {dense.entry_id}
+    third, _ = _run(tm, m, store, 7, opts)
+    assert third.report.decision == "hit" and third.report.entry_id == dense.entry_id
+    assert store.verify().ok, store.verify().problems
+
+    # Anything that decided the hit, changed, runs the request again (write off: each variant sees only the
+    # entries above; a variant that ran dense would otherwise leave the request's dense result, a valid answer).
+    for what, changed in {"threshold": _options(prompt_threshold=0.4, write=False),
+                          "reuse settings": _options(reuse=replace(opts.reuse, dilation=1), write=False),
+                          "probe steps": _options(probe=ProbeConfig(probe_steps=3), write=False)}.items():
+        res, n = _run(tm, m, store, 6, changed)
+        assert not res.exact and n > 0, what
+    res, n = _run(tm, m, store, 6, _options(write=False), prompt=PROMPT + "!")  # another label: other recall text
+    assert not res.exact and n > 0
+    # Deleting the reused entry leaves the answer (it is a finished result, not a reference) ...
+    assert store.delete(dense.entry_id)
+    last, n_last = _run(tm, m, store, 6, opts)
+    assert n_last == 0 and last.exact and torch.equal(last.latent["samples"], hit.latent["samples"])
+    # ... and deleting the answer means the request runs again.
+    assert store.delete(answer_id)
+    gone, n_gone = _run(tm, m, store, 6, opts)
+    assert n_gone > 0 and not gone.exact
+    return answer_id
+
+
+def test_a_repeated_hit_is_answered_on_disk_and_never_recalled(env, comfy_dirs):
+    from carnator.carnator_core.cache.store import Store
+
+    tm, m = env
+    root, key = comfy_dirs / "answers", comfy_dirs / "key"
+    store = Store.open(root, key_path=key)
+    _check_hit_answers(tm, m, store, lambda: Store.open(root, key_path=key))
+
+
+def test_a_rebuilt_catalogue_keeps_answers_out_of_recall(env, comfy_dirs):
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.types import namespace_key
+
+    tm, m = env
+    root, key = comfy_dirs / "rebuilt", comfy_dirs / "key"
+    store = Store.open(root, key_path=key)
+    opts = _options()
+    dense, _ = _run(tm, m, store, 5, opts)
+    hit, _ = _run(tm, m, store, 6, opts)
+    assert hit.report.decision == "hit"
+    assert len(store.entry_ids()) == 2
+    store.rebuild_catalog("test")  # the catalogue is rebuilt from the entry files alone
+    fresh = Store.open(root, key_path=key)
+    ns = namespace_key(dense.probe.model_fingerprint, dense.probe.config)
+    cands = fresh.candidates(ns, np.asarray(dense.probe.embedding), 50, min_similarity=-1.0)
+    assert [c.entry_id for c in cands.items] == [dense.entry_id]
+    assert fresh.verify().ok, fresh.verify().problems
+    again, n = _run(tm, m, fresh, 6, opts)
+    assert n == 0 and again.exact and torch.equal(again.latent["samples"], hit.latent["samples"])
+
+
+def test_a_repeated_hit_is_answered_through_the_shared_redis_cache(env, comfy_dirs):
+    from harness_redis import RedisServer
+
+    from carnator.carnator_core.cache.redis_store import RedisStore
+
+    tm, m = env
+    srv = RedisServer(comfy_dirs / "redis-answers")
+    try:
+        srv.start()
+        worker_a = RedisStore.open(srv.url, full_url=srv.url)
+        _check_hit_answers(tm, m, worker_a, lambda: RedisStore.open(srv.url, full_url=srv.url))
+    finally:
+        srv.stop()
+
+
+def test_the_graph_writer_does_not_store_a_hit_without_store_reused(env, comfy_dirs):
+    """The node graph's Early Probe cannot know the downstream rule and sampler settings, so the Writer keeps no
+    answers (and still refuses to store a hit as a reusable entry without store_reused)."""
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.request import write_result
+
+    tm, m = env
+    store = Store.open(comfy_dirs / "graph", key_path=comfy_dirs / "key")
+    opts = _options(write=False)
+    _run(tm, m, store, 5, _options())
+    hit, _ = _run(tm, m, store, 6, opts)
+    assert hit.report.decision == "hit"
+    res = write_result(store, hit.probe, hit.signature, hit.latent["samples"], hit.report)
+    assert res.entry_id == "" and "store_reused" in res.text and len(store.entry_ids()) == 1
