@@ -13,6 +13,9 @@ sampler), whose dense result was cached once beforehand:
                 (``request.probe_request`` with the cache + ``request.reuse_stage``).
 * ``serve``     ``request.serve(method="carnator")`` end to end on the same exact repeat (signature, recall and
                 filter pass the answer through).
+* ``hit_repeat``  ``request.serve`` on a repeat of a request that was itself a *hit* (the same prompt at another
+                seed, prompt-only filter at 0.5, so it reused the cached entry once, beforehand): answered from the
+                hit's answer-only entry (``keys.answer_key``). Checked bit-identical to that first hit, no model call.
 
 Checks on every run that the exact answer is bit-identical to the KSampler latent and made no model call, and
 prints medians and the speedup ratios.
@@ -63,6 +66,11 @@ def main() -> int:
     first = serve(model, te, pos, neg, latent, spec, store, ServeOptions(method="never", write=True,
                                                                          probe=options.probe))
     assert first.entry_id and not first.exact, "the first run must compute and store the dense result"
+    hit_spec = RequestSpec(prompt, seed + 1, steps, cfg, ecfg.DEFAULT_SAMPLER, ecfg.DEFAULT_SCHEDULER)
+    hit_options = ServeOptions(method="prompt_only", prompt_threshold=0.5, probe=options.probe)
+    first_hit = serve(model, te, pos, neg, latent, hit_spec, store, hit_options)
+    assert first_hit.hit and not first_hit.exact, f"the other seed must be a hit: {first_hit.report.reason}"
+    hit_ms = first_hit.timings_ms["total"]
 
     calls = []
     dm = model.model.diffusion_model
@@ -94,17 +102,24 @@ def main() -> int:
         assert res.exact and len(calls) == n
         ref["serve"] = res.latent["samples"]
 
-    variants = {"ksampler": ksampler, "exact": exact, "serve": end_to_end}
+    def hit_repeat() -> None:
+        n = len(calls)
+        res = serve(model, te, pos, neg, latent, hit_spec, store, hit_options)
+        assert res.exact and res.probe.answered.answer_of == first.entry_id and len(calls) == n
+        ref["hit_repeat"] = res.latent["samples"]
+
+    variants = {"ksampler": ksampler, "exact": exact, "serve": end_to_end, "hit_repeat": hit_repeat}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up (imports, allocator)
         fn()
     for r in range(args.repeats):
-        order = list(variants)[r % 3:] + list(variants)[: r % 3]
+        order = list(variants)[r % len(variants):] + list(variants)[: r % len(variants)]
         for name in order:
             t0 = time.perf_counter()
             variants[name]()
             times[name].append(time.perf_counter() - t0)
         assert torch.equal(ref["exact"], ref["samples"]) and torch.equal(ref["serve"], ref["samples"])
+        assert torch.equal(ref["hit_repeat"], first_hit.latent["samples"])
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     out = {
         "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
@@ -112,6 +127,8 @@ def main() -> int:
         "steps": steps, "repeats": args.repeats, "median_ms": med,
         "speedup_exact_vs_ksampler": med["ksampler"] / med["exact"],
         "speedup_serve_vs_ksampler": med["ksampler"] / med["serve"],
+        "speedup_hit_repeat_vs_ksampler": med["ksampler"] / med["hit_repeat"],
+        "first_hit_ms": hit_ms, "first_hit_compute_fraction": first_hit.report.compute_fraction,
         "bit_identical": True, "model_calls_on_exact": 0,
     }
     print(json.dumps(out, indent=2))

@@ -16,7 +16,8 @@ clip (unsafe: an attribute dense passes and the hit fails; gain: the reverse), a
 (PSNR/SSIM over the clip and the background, off-pixel fraction, artifact score). The artifact score's reference
 is the spread over dense clips of the same prompt with ``--ref-seeds`` other seeds plus the query's own; the
 closeness reference of a same-seed paraphrase is the PSNR between its dense clip and the source entry's (two dense
-wordings). Summaries are medians per (variant, kind). Nothing here is timed: compute is counted.
+wordings). Summaries are medians per (variant, kind). Nothing here is timed: compute is counted. ``--easycache``
+runs all of it on the EasyCache-patched model (Carnator + EasyCache against EasyCache alone, as E-attempts label).
 """
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def main() -> int:
     ap.add_argument("--weights", type=Path, default=None, help="embedded weights (default: the shipped ones)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None, help="write dense | hit | |diff| frames of each hit here")
+    ap.add_argument("--easycache", default="", metavar="THRESHOLD,START,END",
+                    help="run everything (warm entries, dense references, artifact references, hits) on the model "
+                         "patched by ComfyUI's EasyCache node with these settings, as make_pairs.py --easycache "
+                         "labels Carnator + EasyCache against EasyCache alone (e.g. 0.2,0.15,0.95)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from carnator.carnator_core import reuse
@@ -79,7 +84,11 @@ def main() -> int:
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
     tmp = Path(tempfile.mkdtemp(prefix="carnator-hits-"))
     store = Store.open(tmp / "cache", key_path=tmp / "key")
-    ctx = pairs.embedded_context(store, args.weights)
+    try:
+        easy = pairs.parse_easycache(args.easycache)
+    except ValueError as exc:
+        raise SystemExit(f"--easycache: {exc}") from None
+    ctx = pairs.embedded_context(store, args.weights, easycache=easy)
     frame = pairs.embedded_frame(comfy_glue.model_version(ctx.model).name)  # scenes in the weights' geometry
     warm, scenes = pairs.embedded_warm_set(args.seed, args.warm, frame)
     entry = {}
