@@ -590,9 +590,9 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         else:
             tensors["latent_switch"] = switch[0].detach().cpu()
     key = probe.request_key if dense and int(samples.shape[0]) == 1 else ""
-    if answer_of:
+    if answer_of:  # only what answers a repeat: it is never reused, so the probe's tensors are not needed
         key = answer_key
-        tensors.pop("latent_switch", None)
+        tensors = {"latent_final": tensors["latent_final"]}
     m: dict[str, Any] = {"batch_size": int(samples.shape[0]), **dict(meta or {})}
     m["probe_timings_ms"] = {str(k): float(v) for k, v in dict(probe.timings).items()}
     if report is not None:

@@ -73,6 +73,7 @@ def _check_hit_answers(tm, m, store, reopen):
     assert store.find_request(hit.probe.request_key) is None  # a hit is never taken for the request's dense output
     entry = store.load(answer_id, count_hit=False)
     assert entry.answer_of == dense.entry_id and torch.equal(entry.tensors["latent_final"], hit.latent["samples"][0])
+    assert set(entry.tensors) == {"latent_final"}  # never reused: the probe's tensors are not kept
     with pytest.raises(CacheError, match="answer-only"):
         entry.cached_run()
 
