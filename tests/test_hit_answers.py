@@ -85,6 +85,7 @@ def _check_hit_answers(tm, m, store, reopen):
     assert "earlier hit" in again.report.reason and dense.entry_id in again.report.reason
     after = store.stats()
     assert (after.lookups - before.lookups, after.hits - before.hits, after.entries) == (1, 1, before.entries)
+    assert (after.answers, after.to_meta()["answers"]) == (1, 1) and "1 answers of hits" in after.to_text()
 
     # Never a recall candidate: a third seed recalls (and reuses) the dense entry only.
     assert _recallable(store, dense) == {dense.entry_id}

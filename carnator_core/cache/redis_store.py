@@ -1175,22 +1175,23 @@ class RedisStore:
             pipe.get(p + "bytes")
             pipe.hmget(p + "counters", "lookups", "hits")
             pipe.hlen(p + "qreason")
+            pipe.scard(p + "ans")
         vals = self._call(pipe.execute)
         per = []
         lookups = hits = quarantined = 0
         for n, ns in enumerate(nss):
-            (fp, cfg), count, nb, (lk, ht), q = vals[5 * n : 5 * n + 5]
+            (fp, cfg), count, nb, (lk, ht), q, ans = vals[6 * n : 6 * n + 6]
             lk, ht = int(lk or 0), int(ht or 0)
             lookups, hits, quarantined = lookups + lk, hits + ht, quarantined + int(q)
             if fp is None:
                 continue  # purged (or never completed) namespace
             per.append(NamespaceStats(namespace=ns, model_fingerprint=_s(fp), config=json.loads(_s(cfg)),
                                       entries=int(count), bytes=int(nb or 0), lookups=lk, hits=ht,
-                                      hit_rate=ht / lk if lk else 0.0))
+                                      hit_rate=ht / lk if lk else 0.0, answers=int(ans)))
         return CacheStats(path=self.url, entries=sum(x.entries for x in per), bytes=sum(x.bytes for x in per),
                           max_bytes=self.max_bytes, policy=self.policy, lookups=lookups, hits=hits,
                           hit_rate=hits / lookups if lookups else 0.0, quarantined=quarantined, catalog_bytes=0,
-                          index_bytes=0, namespaces=tuple(per))
+                          index_bytes=0, namespaces=tuple(per), answers=sum(x.answers for x in per))
 
     def iter_quarantine(self, namespace: str) -> Iterator[tuple[str, str]]:
         """(entry id, reason) of the quarantined entries of ``namespace``."""

@@ -133,6 +133,7 @@ class NamespaceStats:
     lookups: int
     hits: int
     hit_rate: float
+    answers: int = 0  # of ``entries``: answer-only entries (a hit's result, answers exact repeats only)
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,13 @@ class CacheStats:
     catalog_bytes: int
     index_bytes: int
     namespaces: tuple[NamespaceStats, ...]
+    answers: int = 0  # of ``entries``: answer-only entries (never recalled or reused)
 
     def to_meta(self) -> dict[str, Any]:
         return {
             "path": self.path, "entries": self.entries, "bytes": self.bytes, "max_bytes": self.max_bytes,
             "policy": self.policy, "lookups": self.lookups, "hits": self.hits, "hit_rate": self.hit_rate,
+            "answers": self.answers,
             "quarantined": self.quarantined, "catalog_bytes": self.catalog_bytes, "index_bytes": self.index_bytes,
             "namespaces": [dict(n.__dict__, config=dict(n.config)) for n in self.namespaces],
         }
@@ -162,7 +165,8 @@ class CacheStats:
         budget = "unlimited" if not self.max_bytes else format_bytes(self.max_bytes)
         lines = [
             f"Carnator cache at {self.path}",
-            f"entries: {self.entries}  size: {format_bytes(self.bytes)} (budget {budget}, policy {self.policy})",
+            f"entries: {self.entries}" + (f" ({self.answers} answers of hits)" if self.answers else "")
+            + f"  size: {format_bytes(self.bytes)} (budget {budget}, policy {self.policy})",
             f"lookups: {self.lookups}  hits: {self.hits}  hit rate: {self.hit_rate:.1%}",
             f"catalogue: {format_bytes(self.catalog_bytes)}  index files: {format_bytes(self.index_bytes)}  "
             f"quarantined: {self.quarantined}",
@@ -1466,17 +1470,18 @@ class Store:
         where, args = ("WHERE n.namespace=?", (namespace,)) if namespace else ("", ())
         with self._read() as c:
             ns_rows = c.execute(
-                "SELECT n.namespace, n.model_fingerprint, n.config_json, COUNT(e.seq), COALESCE(SUM(e.nbytes), 0)"
-                f" FROM namespaces n LEFT JOIN entries e ON e.namespace=n.namespace {where} GROUP BY n.namespace"
+                "SELECT n.namespace, n.model_fingerprint, n.config_json, COUNT(e.seq), COALESCE(SUM(e.nbytes), 0),"
+                " COALESCE(SUM(e.answer), 0) FROM namespaces n LEFT JOIN entries e ON e.namespace=n.namespace"
+                f" {where} GROUP BY n.namespace"
                 " ORDER BY n.namespace", args).fetchall()
             counters = {r[0]: (int(r[1]), int(r[2]))
                         for r in c.execute("SELECT namespace, lookups, hits FROM counters")}
         per = []
-        for ns, fp, cfg_json, n, b in ns_rows:
+        for ns, fp, cfg_json, n, b, a in ns_rows:
             lookups, hits = counters.get(ns, (0, 0))
             per.append(NamespaceStats(namespace=ns, model_fingerprint=fp, config=json.loads(cfg_json), entries=int(n),
                                       bytes=int(b), lookups=lookups, hits=hits,
-                                      hit_rate=hits / lookups if lookups else 0.0))
+                                      hit_rate=hits / lookups if lookups else 0.0, answers=int(a)))
         if namespace:
             lookups, hits = counters.get(namespace, (0, 0))
         else:
@@ -1490,7 +1495,7 @@ class Store:
             quarantined=sum(1 for _ in qdir.glob("*/*.safetensors")),
             catalog_bytes=sum(p.stat().st_size for p in self.root.glob(CATALOG + "*") if p.is_file()),
             index_bytes=sum(p.stat().st_size for p in (self.root / "index").glob("*.safetensors")),
-            namespaces=tuple(per))
+            namespaces=tuple(per), answers=sum(p.answers for p in per))
 
     @_public
     def content_version(self) -> int:
