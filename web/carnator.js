@@ -298,7 +298,8 @@ function renderPanel(root) {
       const s = await fetchJson(`/carnator/cache/stats?directory=${encodeURIComponent(dirInput.value)}`);
       state.lastStats = s;
       table.replaceChildren(
-        row("entries", String(s.entries ?? 0)),
+        // Answer-only entries hold a hit's result for exact repeats; they are never recalled or reused.
+        row("entries", String(s.entries ?? 0) + (s.answers ? ` (${s.answers} answers of hits)` : "")),
         row("bytes", bytes(s.bytes ?? 0)),
         row("hits", String(s.hits ?? 0)),
         row("hit rate", s.hit_rate == null ? "–" : pct(s.hit_rate, 1)),
