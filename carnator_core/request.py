@@ -579,8 +579,10 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         raise ValueError(f"the LATENT is {tuple(samples.shape[1:])} per item but the probe's config says {want}: "
                          "connect the sampler output that belongs to this probe")
     dense = report is not None and report.decision in ("dense", "miss")
-    tensors = {"latent_final": samples[0].detach().cpu(), "x0_probe": probe.x0_probe.float().cpu(),
-               "latent_probe": probe.latent_probe.float().cpu()}
+    tensors = {"latent_final": samples[0].detach().cpu()}
+    if not answer_of:  # an answer is never reused: it needs no probe tensors (nor a split's first stage)
+        tensors["x0_probe"] = probe.x0_probe.float().cpu()
+        tensors["latent_probe"] = probe.latent_probe.float().cpu()
     if probe.config.leftover_noise:
         # A split request is answered by key only with both stages' outputs: the second stage's report carries
         # the first stage's (when that stage certainly ran dense too, see reuse.sample).
@@ -590,9 +592,8 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         else:
             tensors["latent_switch"] = switch[0].detach().cpu()
     key = probe.request_key if dense and int(samples.shape[0]) == 1 else ""
-    if answer_of:  # only what answers a repeat: it is never reused, so the probe's tensors are not needed
+    if answer_of:
         key = answer_key
-        tensors = {"latent_final": tensors["latent_final"]}
     m: dict[str, Any] = {"batch_size": int(samples.shape[0]), **dict(meta or {})}
     m["probe_timings_ms"] = {str(k): float(v) for k, v in dict(probe.timings).items()}
     if report is not None:
