@@ -38,9 +38,11 @@ import torch
 from .adapters import ArchAdapter, adapter_for
 from .sparse_attention import (
     BlockRecorder,
+    block_cost_ratio,
     block_sparse_attention_bld,
     keep_for_layer,
     plan_token_block_sparse,
+    tile_cost_ratio,
     token_block_sparse_attention_bld,
 )
 from .types import BlockStructure, ObjectTokens, Stage
@@ -265,6 +267,9 @@ class ReusePlan:
     # Keys/values recorded at the probe's last call (``Probe.context_kv``): the first context record, so the first
     # reuse call need not be a dense refresh. Read only.
     initial_kv: Mapping | None = None
+    # "always": the recorded structure restricts every layer planned at density <= dense_above; "cost": only where
+    # the block-sparse tiles are estimated to be cheaper than plain attention (ReuseConfig.sparse_kernel).
+    sparse_kernel: str = "always"
 
 
 @dataclass
@@ -527,11 +532,14 @@ def _attention_override(run: _Run, previous: Callable | None):
                 if float(keep.float().mean()) > plan.dense_above:
                     raise _DenseIsCheaper()
                 if subset is None and q.shape[1] == plan.structure.n_tokens:
+                    if plan.sparse_kernel == "cost" and q.device.type == "cpu" and not _full_tiles_pay(run, keep, bs):
+                        raise _DenseIsCheaper()
                     run.stats["attn_pairs"] += int(keep.float().mean().item() * q.shape[1] ** 2)
                     run.stats["attn_pairs_dense"] += q.shape[1] ** 2
                     return block_sparse_attention_bld(q, k, v, heads, keep, bs)
                 if subset is not None:
-                    out = _subset_attention(run, q, k, v, heads, keep, bs, subset, plan.dense_above)
+                    out = _subset_attention(run, q, k, v, heads, keep, bs, subset, plan.dense_above,
+                                            by_cost=plan.sparse_kernel == "cost")
                     if out is not None:
                         return out
             except _DenseIsCheaper:
@@ -544,6 +552,15 @@ def _attention_override(run: _Run, previous: Callable | None):
         return fall()
 
     return override
+
+
+def _full_tiles_pay(run: _Run, keep: torch.Tensor, block_size: int) -> bool:
+    """Whether the whole-sequence block-sparse kernel is estimated to be cheaper than dense attention in the current
+    layer (``sparse_attention.block_cost_ratio``); decided once per layer and run."""
+    key = ("full_pays", run.layer)
+    if key not in run.subset_cache:
+        run.subset_cache[key] = block_cost_ratio(keep, run.n_tokens, block_size) < 1.0
+    return run.subset_cache[key]
 
 
 def _record_probe_kv(run: _Run, layer: int, k: torch.Tensor, v: torch.Tensor, topts: dict) -> None:
@@ -588,7 +605,7 @@ def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: i
             all_pos = run.subset_cache[("all_pos", n)] = torch.arange(n, device=q.device)
         keep = keep_for_layer(structure, layer, device=q.device)
         out = _subset_attention(run, q, keys, values, heads, keep, structure.block_size, idx, plan.dense_above,
-                                k_subset=all_pos)
+                                k_subset=all_pos, by_cost=plan.sparse_kernel == "cost")
         if out is not None:
             return out
     run.stats["attn_pairs"] += s * n
@@ -598,7 +615,7 @@ def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: i
 
 
 def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: int, subset: torch.Tensor,
-                      dense_above: float = 1.0, k_subset: torch.Tensor | None = None):
+                      dense_above: float = 1.0, k_subset: torch.Tensor | None = None, by_cost: bool = False):
     """Self-attention among a token subset, restricted to the recorded blocks, on the block-sparse kernel.
 
     q: [B, S, heads*D], row i = the token at original position ``subset[i]``; k, v: the same tokens, or the
@@ -613,15 +630,21 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
     Returns None when the structure keeps more than ``dense_above`` of the subset's pairs: there is then little
     to skip and the tiles' overhead can exceed it (the former masked SDPA at recorded density 0.98 made joint 14%
     slower per step than latent-only on a random-weight Wan at 8k tokens), so the caller runs plain attention
-    among the subset."""
+    among the subset. ``by_cost``: None also where the CPU gather kernel's cost model says the tiles cost at least
+    as much as plain attention (:func:`~.sparse_attention.tile_cost_ratio` >= 1; decided from block counts, before
+    any plan is built; on other devices only ``dense_above`` decides)."""
     key = ("subplan", run.layer, k_subset is not None)  # the context path's keys are another token set
     if key not in run.subset_cache:
         # A query's own block is always kept: its recorded key blocks may all lie outside the subset, and a row
         # with no key would make softmax undefined (NaN).
         kb = (keep.any(0) | torch.eye(keep.shape[-1], dtype=torch.bool, device=keep.device))[None]  # [1, Qb, Kb]
-        plan = plan_token_block_sparse(kb, bs, run.n_tokens, subset, k_subset, device=q.device)
-        # The same for every call of this run: build, count and decide once per layer.
-        run.subset_cache[key] = None if plan.density > dense_above else (kb, plan)
+        # The same for every call of this run: decide, build and count once per layer. The cost model's constants
+        # are the CPU gather kernel's; elsewhere only the density threshold decides.
+        if by_cost and q.device.type == "cpu" and tile_cost_ratio(kb, bs, run.n_tokens, subset, k_subset) >= 1.0:
+            run.subset_cache[key] = None
+        else:
+            plan = plan_token_block_sparse(kb, bs, run.n_tokens, subset, k_subset, device=q.device)
+            run.subset_cache[key] = None if plan.density > dense_above else (kb, plan)
     cached = run.subset_cache[key]
     if cached is None:
         return None

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
 from .types import STAGE_END_MAX, BlockStructure, Decision, GenConfig, Probe, Signature, Stage
 
 MODES = ("joint", "latent", "attention", "dense")
+SPARSE_KERNELS = ("always", "cost")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,15 @@ class ReuseConfig:
                      masks still overlap with IoU >= ``mask_iou_same`` and the x0 predictions agree, so no other
                      term sees the change and the cached motion was kept; same-seed rewordings shift it by <= 0.05
                      (1 of 25 above 0.045), re-rolls by <= 0.03.
+    sparse_kernel:   joint mode: where the recorded block structure restricts a layer's attention. "always": in
+                     every layer whose planned density is at most 0.85 (what rules recorded before this setting
+                     ran: ``ABSENT_MEANS``). "cost" (default): only where the block-sparse tiles are estimated to cost less than plain attention
+                     over the same keys (``sparse_attention.tile_cost_ratio`` / ``block_cost_ratio``, on the
+                     CPU); elsewhere the layer attends to every key, as in latent mode — the more exact computation
+                     and there the cheaper one. Measured (``bench_sparse_attention.py --crossover``): at the
+                     embedded model's 576 tokens the tiles cost 2.8-3.6x plain attention at any density, so a
+                     joint hit there paid 0.15-0.25 s more than a latent one (dense ~1.6 s); from ~2 000 tokens
+                     and densities below ~0.6 they save.
     max_active:      largest active region (fraction of the tokens) worth reusing: above it the sampler
                      continues densely (bit-identical to KSampler, reported as a miss with the reason), because a
                      region that covers nearly the clip costs about a dense run plus the reuse's own overheads
@@ -108,6 +118,11 @@ class ReuseConfig:
     context_delta: float = 8.0
     max_active: float = 0.6
     motion_shift: float = 0.0
+    sparse_kernel: str = "cost"
+
+    # What a recorded config (a rule, a pairs file) that lacks a field ran with: the behaviour before the field
+    # existed, where that differs from today's default.
+    ABSENT_MEANS: ClassVar[Mapping[str, Any]] = {"sparse_kernel": "always"}
 
     def to_meta(self) -> dict[str, Any]:
         """Every field, JSON-ready: what a pairs file and a risk rule record as the settings reuse ran with."""
@@ -115,26 +130,27 @@ class ReuseConfig:
 
     @classmethod
     def from_meta(cls, certified: Mapping[str, Any]) -> "ReuseConfig | None":
-        """The config a recorded :meth:`to_meta` describes (fields it does not record take their defaults, as in
-        :meth:`differences`), or None when it records a field this version does not have or an invalid value —
+        """The config a recorded :meth:`to_meta` describes (fields it does not record take their defaults, or what
+        ``ABSENT_MEANS`` says they ran with, as in :meth:`differences`), or None when it records a field this version does not have or an invalid value —
         then no config of this version is the certified one."""
         names = {f.name for f in fields(cls)}
         if any(k not in names for k in certified):
             return None
         try:
-            return cls(**dict(certified)).validate()
+            return cls(**{**{k: v for k, v in cls.ABSENT_MEANS.items() if k not in certified},
+                          **dict(certified)}).validate()
         except (TypeError, ValueError):
             return None
 
     def differences(self, certified: Mapping[str, Any]) -> list[str]:
         """The fields in which this config differs from ``certified`` (a recorded :meth:`to_meta`; a field it
-        does not record was added later and is compared with its default; one it records that this version does
+        does not record was added later and is compared with its default, or with ``ABSENT_MEANS``; one it records that this version does
         not have is a difference too), as "name value (certified: value)"."""
         names = {f.name for f in fields(self)}
         out = [f"{k} (certified: {certified[k]!r}) is not a setting of this version" for k in sorted(certified)
                if k not in names]
         for f in fields(self):
-            want = certified.get(f.name, f.default)
+            want = certified.get(f.name, self.ABSENT_MEANS.get(f.name, f.default))
             have = getattr(self, f.name)
             if have != want and not (isinstance(have, float) and isinstance(want, (int, float))
                                      and abs(have - float(want)) <= 1e-12):
@@ -152,6 +168,8 @@ class ReuseConfig:
             raise ValueError(f"motion_shift must be in [0, 1] (a fraction of the frame; 0 = off), got {self.motion_shift}")
         if not 0.0 <= self.max_active <= 1.0:
             raise ValueError(f"max_active must be in [0, 1] (1 = reuse whatever the region), got {self.max_active}")
+        if self.sparse_kernel not in SPARSE_KERNELS:
+            raise ValueError(f"sparse_kernel must be one of {SPARSE_KERNELS}, got {self.sparse_kernel!r}")
         if self.refreshes < 1:
             raise ValueError(f"refreshes must be >= 1 (the first reuse call records the context), got {self.refreshes}")
         return self
@@ -602,7 +620,7 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
                             context_tokens=context, kv_context=config.kv_context,
                             refresh_calls=refresh_plan_calls(n_calls, k_replay, config.refreshes,
                                                              probe_record=initial_kv is not None),
-                            initial_kv=initial_kv)
+                            initial_kv=initial_kv, sparse_kernel=config.sparse_kernel)
     if not use and record:
         n_tokens = int(np.prod(probe.grid))
         recorder = BlockRecorder(block_size=config.block_size or auto_block_size(n_tokens), layers=mids,

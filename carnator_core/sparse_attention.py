@@ -67,6 +67,8 @@ __all__ = [
     "build_token_flex_block_mask",
     "token_block_sparse_attention",
     "token_block_sparse_attention_bld",
+    "tile_cost_ratio",
+    "block_cost_ratio",
 ]
 
 
@@ -1107,6 +1109,52 @@ def plan_token_block_sparse(
             i = j
         plan.heads.append(groups)
     return plan
+
+
+# Cost model of the gather kernels, in units of dense SDPA work ((query, key) pairs), for deciding where a
+# recorded structure is worth its tiles (ReuseConfig.sparse_kernel = "cost"): each group of query blocks with one
+# kept key-block set costs a fixed overhead of about TILE_CALL_PAIRS pairs (SDPA call, row gathers, log-sum-exp
+# merges), and a kept pair about TILE_PAIR_COST dense pairs (small gathered tiles run below the fused kernel's
+# rate; the whole-sequence kernel pads its groups: BLOCK_PAIR_COST). Fitted on the 2-core development CPU with
+# `scripts/bench_sparse_attention.py --crossover` (BENCHMARKS.md, "Where block-sparse tiles pay"). Both estimates
+# use block counts only (O(Hk * Qb * Kb)): no plan is built to decide, so a short sequence pays nothing for them.
+TILE_CALL_PAIRS = 20_000
+TILE_PAIR_COST = 1.5
+BLOCK_PAIR_COST = 1.8
+
+
+def _block_counts(pos: torch.Tensor, n_tokens: int, block_size: int, n_blocks_: int) -> torch.Tensor:
+    return torch.bincount(_positions(pos, n_tokens, "positions") // block_size, minlength=n_blocks_)
+
+
+def tile_cost_ratio(keep: torch.Tensor, block_size: int, n_tokens: int, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor | None = None) -> float:
+    """Estimated cost of :func:`token_block_sparse_attention` (gather backend) relative to plain SDPA of the same
+    queries over the same keys: ``TILE_PAIR_COST`` x the kept fraction of pairs + ``TILE_CALL_PAIRS`` per group
+    (distinct kept-and-present key-block set of the query blocks present, per pattern head) / all pairs.
+    Arguments as :func:`plan_token_block_sparse`. 0 for an empty query or key set."""
+    block_size = _check_block_size(block_size)
+    keep = _normalize_keep(keep, None, int(n_tokens), block_size).to("cpu")
+    Hk, Qb, Kb = keep.shape
+    q_cnt = _block_counts(q_pos, n_tokens, block_size, Qb)
+    k_cnt = q_cnt if k_pos is None else _block_counts(k_pos, n_tokens, block_size, Kb)
+    pairs = int(q_cnt.sum()) * int(k_cnt.sum())
+    if pairs == 0:
+        return 0.0
+    eff = keep & (k_cnt > 0)[None, None, :]
+    used = (q_cnt > 0).nonzero(as_tuple=True)[0]
+    kept = int((q_cnt[None, :, None] * eff.long() * k_cnt[None, None, :]).sum())
+    groups = sum(int(torch.unique(eff[h, used], dim=0).shape[0]) for h in range(Hk))
+    return TILE_PAIR_COST * kept / (Hk * pairs) + groups * TILE_CALL_PAIRS / pairs
+
+
+def block_cost_ratio(keep: torch.Tensor, n_tokens: int, block_size: int) -> float:
+    """Estimated cost of :func:`block_sparse_attention` (gather backend, every query over every key) relative to
+    dense SDPA: ``BLOCK_PAIR_COST`` x block density + ``TILE_CALL_PAIRS`` per distinct kept key-block set of each
+    pattern head / all pairs."""
+    keep = _normalize_keep(keep, None, int(n_tokens), _check_block_size(block_size)).to("cpu")
+    groups = sum(int(torch.unique(keep[h], dim=0).shape[0]) for h in range(keep.shape[0]))
+    return BLOCK_PAIR_COST * float(keep.float().mean()) + groups * TILE_CALL_PAIRS / max(1, int(n_tokens) ** 2)
 
 
 def _take(x: torch.Tensor, rows) -> torch.Tensor:

@@ -7,7 +7,7 @@ import comfy.utils
 
 from ..carnator_core.cache.handle import open_store
 from ..carnator_core.request import reuse_stage
-from ..carnator_core.reuse import MODES, ReuseConfig, certified_settings
+from ..carnator_core.reuse import MODES, SPARSE_KERNELS, ReuseConfig, certified_settings
 from ..carnator_core.types import STAGE_END_MAX, Stage
 from ._api import CACHE, DECISION, PROBE, REPORT, SIGNATURE, io
 from ._common import advanced, stage_from, stage_inputs
@@ -86,6 +86,12 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                 "cached run's by more than this fraction of the frame: a changed "
                                                 "motion the masks do not show yet. 0 = off, as the shipped plain "
                                                 "rule was certified (settings = certified: the rule's value).")),
+                advanced(io.Combo.Input("sparse_kernel", options=list(SPARSE_KERNELS), default="cost",
+                                        tooltip="joint mode: cost = restrict a layer's attention to the cached "
+                                                "run's recorded blocks only where that is estimated to be faster "
+                                                "than attending to every key (long sequences, sparse structure); "
+                                                "always = wherever the structure is not nearly dense (what rules "
+                                                "certified before this setting ran).")),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],
@@ -107,13 +113,14 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
                 dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
                 end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", probe_context=False,
-                settings="certified", motion_shift=0.0) -> io.NodeOutput:
+                settings="certified", motion_shift=0.0, sparse_kernel="cost") -> io.NodeOutput:
         if settings not in SETTINGS:
             raise ValueError(f"settings must be one of {list(SETTINGS)}, got {settings!r}")
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
                              refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
                              max_active=max_active, block_size=block_size, record_mass=record_mass,
-                             probe_context=bool(probe_context), motion_shift=float(motion_shift)).validate()
+                             probe_context=bool(probe_context), motion_shift=float(motion_shift),
+                             sparse_kernel=sparse_kernel).validate()
         if settings == "certified":
             config = certified_settings(config, decision)
         total = probe.config.steps

@@ -510,6 +510,65 @@ def bench_wan_hit(latent: str, dim: int, layers: int, steps: int, probe_steps: i
             "structure": pmeta, "repeats": repeats, "rows": rows}
 
 
+def _banded_keep(nb: int, density: float, heads: int, seed: int) -> torch.Tensor:
+    """Per-head block patterns of about ``density``: a diagonal band (local attention, as recorded structures
+    are) topped up with random blocks, plus the diagonal."""
+    g = torch.Generator().manual_seed(seed)
+    i = torch.arange(nb)
+    band = (i[:, None] - i[None, :]).abs() <= max(0, int(density * nb / 2))
+    extra = max(0.0, density - float(band.float().mean()))
+    return band[None] | (torch.rand(heads, nb, nb, generator=g) < extra) | torch.eye(nb, dtype=torch.bool)[None]
+
+
+def bench_crossover(tokens, densities, subset: float, heads: int, dim: int, repeats: int) -> list[dict]:
+    """Where the block-sparse tiles pay, against the cost model ``ReuseConfig.sparse_kernel="cost"`` decides by.
+
+    Per sequence length (block size as the hit path picks it) and block density: (1) the token-set kernel of a
+    joint hit (queries = a random ``subset`` of the tokens, keys = every token, one pattern: the union over heads)
+    against plain SDPA of the same queries over every key; (2) the whole-sequence kernel of a refresh call
+    (every query, per-head patterns) against dense SDPA. Batch 2 (CFG). Ratios of medians, round-robin."""
+    import torch.nn.functional as F
+
+    from carnator.carnator_core.reuse import auto_block_size
+
+    rows = []
+    for L in tokens:
+        bs = auto_block_size(L)
+        nb = sa.n_blocks(L, bs)
+        B, H, D = 2, heads, dim
+        g = torch.Generator().manual_seed(L)
+        s = max(1, int(subset * L))
+        sub = torch.sort(torch.randperm(L, generator=g)[:s]).values
+        allpos = torch.arange(L)
+        q, k, v = (torch.randn(B, L, H * D, generator=g) for _ in range(3))
+        qs = q[:, sub].contiguous()
+        bh = lambda x: x.view(B, -1, H, D).transpose(1, 2)  # noqa: E731
+        for d in densities:
+            keep = _banded_keep(nb, d, H, seed=int(1000 * d) + L)
+            kb = keep.any(0, keepdim=True)
+            plan = sa.plan_token_block_sparse(kb, bs, L, sub, allpos)
+            variants = {
+                "subset_tiles": lambda: sa.token_block_sparse_attention_bld(qs, k, v, H, kb, bs, L, sub, allpos,
+                                                                            plan=plan, backend="gather"),
+                "subset_plain": lambda: F.scaled_dot_product_attention(bh(qs), bh(k), bh(v)),
+                "full_tiles": lambda: sa.block_sparse_attention_bld(q, k, v, H, keep, bs, backend="gather"),
+                "full_dense": lambda: F.scaled_dot_product_attention(bh(q), bh(k), bh(v)),
+            }
+            t = run_round_robin(variants, repeats)
+            row = {"tokens": L, "block_size": bs, "subset_tokens": s,
+                   "subset_density": round(plan.density, 3), "subset_sdpa_calls": plan.n_calls,
+                   "subset_measured": round(t["subset_tiles"]["median_ms"] / t["subset_plain"]["median_ms"], 2),
+                   "subset_model": round(sa.tile_cost_ratio(kb, bs, L, sub, allpos), 2),
+                   "full_density": round(float(keep.float().mean()), 3),
+                   "full_measured": round(t["full_tiles"]["median_ms"] / t["full_dense"]["median_ms"], 2),
+                   "full_model": round(sa.block_cost_ratio(keep, L, bs), 2), "ms": t}
+            print(f"[crossover] L={L} d={d}: subset tiles/plain {row['subset_measured']} (model "
+                  f"{row['subset_model']}), full tiles/dense {row['full_measured']} (model {row['full_model']})",
+                  file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
 def machine() -> dict:
     def sh(cmd: str) -> str:
         try:
@@ -523,6 +582,16 @@ def machine() -> dict:
 
 def markdown(result: dict) -> str:
     lines = []
+    xo = result.get("crossover")
+    if xo:
+        lines.append("\n**Where block-sparse tiles pay** (kernel time / plain SDPA time, median of rounds; model = "
+                     "`tile_cost_ratio` / `block_cost_ratio`; the tiles run where the model says < 1)\n")
+        lines.append("| tokens | block | subset density | subset: measured | model | full density | full: measured | "
+                     "model |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in xo:
+            lines.append(f"| {r['tokens']} | {r['block_size']} | {r['subset_density']} | {r['subset_measured']} | "
+                         f"{r['subset_model']} | {r['full_density']} | {r['full_measured']} | {r['full_model']} |")
     wh = result.get("wan_hit")
     if wh:
         st = wh["structure"][0]
@@ -630,6 +699,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--wan-probe", type=int, default=1)
     ap.add_argument("--wan-density", type=float, default=0.3)
     ap.add_argument("--wan-modes", default="dense,latent,joint,joint_old_mask")
+    ap.add_argument("--crossover", action="store_true",
+                    help="only the tiles-vs-plain crossover the hit path's cost model is fitted to")
+    ap.add_argument("--crossover-tokens", type=int, nargs="+", default=[576, 1152, 2304, 4608, 8192])
+    ap.add_argument("--crossover-densities", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     ap.add_argument("--quick", action="store_true", help="smoke run: small config, 1024 tokens, 2 repeats")
     ap.add_argument("--json", type=Path, help="also write the JSON result here")
     args = ap.parse_args(argv)
@@ -638,6 +711,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.structured_tokens, args.structured_densities = 2048, [0.3]
     if args.structured_only:
         args.structured, args.tokens, args.no_accuracy, args.flex = True, [], True, False
+    if args.crossover:
+        args.tokens, args.no_accuracy, args.flex, args.structured, args.wan_hit = [], True, False, False, False
     if args.wan_hit and not args.structured:
         args.tokens, args.no_accuracy, args.flex = [], True, False
     torch.set_num_threads(args.threads)
@@ -663,6 +738,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[bench] record cost {config} L={L} ...", file=sys.stderr, flush=True)
             result["record_cost"].append(bench_record_cost(config, L, args.block_size, args.repeats))
             save()
+    if args.crossover:
+        print("[bench] crossover ...", file=sys.stderr, flush=True)
+        result["crossover"] = bench_crossover(args.crossover_tokens, args.crossover_densities, 0.3, 2, 64,
+                                              args.repeats)
+        save()
     if args.structured:
         print(f"[bench] structured masks L={args.structured_tokens} ...", file=sys.stderr, flush=True)
         result["structured"] = bench_structured(

@@ -130,15 +130,19 @@ def test_serve_follows_the_reuse_settings_the_rule_was_certified_with():
 
 
 def test_a_rule_certified_before_the_motion_term_runs_without_it():
-    """The shipped plain rule records no ``motion_shift`` (it was certified before the term existed): it builds a
-    config with the term off, and a sampler set to use the term on that rule's hit is a difference, not a match."""
+    """A rule certified before the motion term and the sparse-kernel policy existed (attempt 11's reuse record,
+    kept here verbatim) records neither: it builds a config with the term off and the structure applied wherever
+    it is not nearly dense, and a sampler set otherwise on that rule's hit is a difference, not a match."""
     from carnator.carnator_core.reuse import ReuseConfig
 
-    shipped = RiskRule.load(ROOT / "rules" / "embedded.json")
-    assert "motion_shift" not in shipped.reuse_config
-    assert ReuseConfig.from_meta(shipped.reuse_config).motion_shift == 0.0
-    assert ReuseConfig(motion_shift=0.045).differences(shipped.reuse_config)[-1:] == [
-        "motion_shift 0.045 (certified: 0.0)"]
+    attempt11 = {"block_size": 0, "context_delta": 8.0, "context_margin_blocks": 0, "dilation": 1, "first_dense": 0,
+                 "kv_context": True, "last_dense": 0, "mask_iou_same": 0.75, "mask_threshold": 0.5,
+                 "max_active": 0.6, "mode": "joint", "probe_context": True, "record_mass": 0.9, "record_steps": 3,
+                 "refreshes": 3, "whole_objects": True, "x0_object_fraction": 0.1, "x0_threshold": 1.0}
+    old = ReuseConfig.from_meta(attempt11)
+    assert old.motion_shift == 0.0 and old.sparse_kernel == "always"
+    assert old.differences(attempt11) == []
+    assert "motion_shift 0.045 (certified: 0.0)" in ReuseConfig(motion_shift=0.045).differences(attempt11)
     with_term = ReuseConfig(motion_shift=0.045).to_meta()
     assert ReuseConfig.from_meta(with_term).motion_shift == 0.045 and ReuseConfig().differences(with_term) == [
         "motion_shift 0.0 (certified: 0.045)"]

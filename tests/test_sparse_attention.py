@@ -653,11 +653,10 @@ def test_subset_attention_equals_masked_reference_without_a_token_mask(comfy_env
     assert cp._subset_attention(run2, q, k, v, H, torch.ones_like(keep), bs, sub, 0.85, k_subset=ksub) is None
 
 
-@pytest.mark.comfy
-def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comfy_env, monkeypatch, tmp_path):
-    """A joint hit on a tiny Wan whose cached structure is sparse: every middle-layer self-attention among the
-    subset goes through the token-set kernel, and no SDPA call anywhere in the model gets a mask larger than
-    O(blocks^2) (the former path passed an [S, S] boolean mask)."""
+def _tiny_wan_joint_hit(tmp_path):
+    """A tiny Wan, its probe, and an accepted candidate whose recorded structure is a band of blocks (sparse)."""
+    from types import SimpleNamespace
+
     import tiny_models as tm
 
     from carnator.carnator_core import reuse
@@ -685,6 +684,21 @@ def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comf
     cached = reuse.CachedRun("entry-1", probe.x0_probe.clone(), probe.x0_probe, sig, structure)
     decision = Decision(True, Candidate("entry-1", 0.99, "a red ball", target), (), "signature",
                         summary="test accept")
+    return SimpleNamespace(m=m, pos=pos, neg=neg, lat=lat, probe=probe, target=target, cached=cached,
+                           decision=decision, n_tokens=n_tokens, bs=bs, nb=nb, layers=layers)
+
+
+@pytest.mark.comfy
+def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comfy_env, monkeypatch, tmp_path):
+    """A joint hit on a tiny Wan whose cached structure is sparse: every middle-layer self-attention among the
+    subset goes through the token-set kernel, and no SDPA call anywhere in the model gets a mask larger than
+    O(blocks^2) (the former path passed an [S, S] boolean mask)."""
+    from carnator.carnator_core import reuse
+
+    h = _tiny_wan_joint_hit(tmp_path)
+    m, pos, neg, lat, probe, target, cached, decision = (h.m, h.pos, h.neg, h.lat, h.probe, h.target, h.cached,
+                                                          h.decision)
+    n_tokens, bs, nb, layers = h.n_tokens, h.bs, h.nb, h.layers
     kernel_calls = []
     real_kernel = sa.token_block_sparse_attention
 
@@ -705,7 +719,8 @@ def test_joint_hit_path_runs_the_block_sparse_kernel_and_never_a_dense_mask(comf
     monkeypatch.setattr(sa, "token_block_sparse_attention", kernel_spy)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_spy)
     out, r = reuse.sample(m, pos, neg, lat, probe, decision, cached,
-                          reuse.ReuseConfig(mode="joint", block_size=bs, dilation=0, x0_threshold=1e9),
+                          reuse.ReuseConfig(mode="joint", block_size=bs, dilation=0, x0_threshold=1e9,
+                                            sparse_kernel="always"),
                           target_signature=target)
     assert torch.isfinite(out).all() and r.decision == "hit" and not r.fallbacks, r.fallbacks
     assert 0 < r.token_fraction < 1
@@ -748,3 +763,73 @@ def test_token_super_tiles_merge_exactly(kind, dtype):
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(out, sa.token_block_sparse_attention(q, k, v, band, bs, L, qp, kp, plan=plain),
                                **tol)
+
+
+def test_tile_cost_model_is_the_documented_formula_and_sends_short_sequences_to_plain_attention():
+    """The cost model ReuseConfig.sparse_kernel="cost" decides by: hand-computed values, and its verdicts where
+    `bench_sparse_attention.py --crossover` measured them (576 tokens: tiles never pay; 8 192 tokens: a sparse
+    band pays, a nearly dense one does not)."""
+    eye = torch.eye(2, dtype=torch.bool)[None]
+    # 8 tokens in blocks of 4; queries 0, 1, 4 (2 in block 0, 1 in block 1), keys = all 8
+    r = sa.tile_cost_ratio(eye, 4, 8, torch.tensor([0, 1, 4]), torch.arange(8))
+    assert r == pytest.approx(sa.TILE_PAIR_COST * 12 / 24 + 2 * sa.TILE_CALL_PAIRS / 24)
+    assert sa.block_cost_ratio(eye, 8, 4) == pytest.approx(sa.BLOCK_PAIR_COST * 0.5 + 2 * sa.TILE_CALL_PAIRS / 64)
+    assert sa.tile_cost_ratio(eye, 4, 8, torch.tensor([], dtype=torch.long), torch.arange(8)) == 0.0
+
+    def band(nb, w):
+        i = torch.arange(nb)
+        return ((i[:, None] - i[None, :]).abs() <= w)[None]
+
+    g = _gen(3)
+    for L, bs, w, pays in ((576, 32, 1, False), (576, 32, 8, False), (8192, 128, 10, True), (8192, 128, 60, False)):
+        nb = sa.n_blocks(L, bs)
+        sub = torch.sort(torch.randperm(L, generator=g)[: int(0.3 * L)]).values
+        assert (sa.tile_cost_ratio(band(nb, w), bs, L, sub, torch.arange(L)) < 1.0) is pays, (L, w)
+        assert (sa.block_cost_ratio(band(nb, w), L, bs) < 1.0) is pays, (L, w)
+
+
+def test_sparse_kernel_setting_is_validated_and_absent_means_always():
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    with pytest.raises(ValueError, match="sparse_kernel must be one of"):
+        ReuseConfig(sparse_kernel="fast").validate()
+    old = {k: v for k, v in ReuseConfig().to_meta().items() if k != "sparse_kernel"}  # a rule from before
+    assert ReuseConfig.from_meta(old).sparse_kernel == "always"
+    assert ReuseConfig(sparse_kernel="cost").differences(old) == ["sparse_kernel 'cost' (certified: 'always')"]
+
+
+@pytest.mark.comfy
+def test_cost_policy_runs_plain_attention_where_tiles_do_not_pay_and_the_kernel_where_they_do(
+        comfy_env, monkeypatch, tmp_path):
+    """sparse_kernel="cost" on a tiny Wan (a few dozen tokens: the tiles cannot pay): no block-sparse kernel runs
+    and the hit equals latent-mode reuse bit for bit (every token attends to every key); where the cost model says
+    the tiles pay (forced), the same hit runs the kernel and equals sparse_kernel="always"."""
+    import dataclasses
+
+    from carnator.carnator_core import comfy_patch as cp, reuse
+
+    h = _tiny_wan_joint_hit(tmp_path)
+    calls = []
+    real_token, real_block = sa.token_block_sparse_attention, sa.block_sparse_attention
+    monkeypatch.setattr(sa, "token_block_sparse_attention", lambda *a, **kw: calls.append("token") or
+                        real_token(*a, **kw))
+    monkeypatch.setattr(sa, "block_sparse_attention", lambda *a, **kw: calls.append("block") or
+                        real_block(*a, **kw))
+    base = reuse.ReuseConfig(mode="joint", block_size=h.bs, dilation=0, x0_threshold=1e9, sparse_kernel="always")
+
+    def hit(cfg):
+        calls.clear()
+        out, r = reuse.sample(h.m, h.pos, h.neg, h.lat, h.probe, h.decision, h.cached, cfg, target_signature=h.target)
+        assert r.decision == "hit" and not r.fallbacks, r.fallbacks
+        return out, list(calls)
+
+    always, always_calls = hit(base)
+    assert "token" in always_calls
+    cost, cost_calls = hit(dataclasses.replace(base, sparse_kernel="cost"))
+    latent, _ = hit(dataclasses.replace(base, mode="latent"))
+    assert cost_calls == [] and torch.equal(cost, latent)
+    assert not torch.equal(always, latent)  # the band restricts attention: the policy decided something
+    monkeypatch.setattr(cp, "tile_cost_ratio", lambda *a, **kw: 0.5)
+    monkeypatch.setattr(cp, "block_cost_ratio", lambda *a, **kw: 0.5)
+    forced, forced_calls = hit(dataclasses.replace(base, sparse_kernel="cost"))
+    assert forced_calls == always_calls and torch.equal(forced, always)
