@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of generating: combine pairs files of the same model/config into --out, prefixing "
                    "their request/entry ids (e.g. a.jsonl=s0 b.jsonl=s11); with :calib / :cert on every item the "
                    "calibration/certification split is fixed per file (e.g. certify on a run with its own warm set)")
+    p.add_argument("--calib-reuse-may-differ", action="store_true",
+                   help="with --combine and a split on every file: the :calib files may have been labelled with "
+                   "other reuse settings than the :cert files (the rule records the :cert files' settings; each "
+                   "calibration file's own are listed in the header)")
     p.add_argument("--weights", default="", help="embedded weights file (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm set and the queries (0)")
     p.add_argument("--warm", type=int, default=60, help="warm (cached) requests (60)")
@@ -370,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             prefix, _, split = prefix.partition(":")
             sources.append((path, prefix, split or None))
         try:
-            header = pairs.combine_pairs_files(sources, args["out"], generator=command)
+            header = pairs.combine_pairs_files(sources, args["out"], generator=command,
+                                               calib_reuse_may_differ=args["calib_reuse_may_differ"])
         except ValueError as e:
             parser.error(str(e))
         n = sum(x["requests"] for x in header["sources"])

@@ -211,6 +211,39 @@ def test_combine_pairs_files(tmp_path):
         pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "b.jsonl", "s0")], tmp_path / "x.jsonl")
 
 
+def test_combine_calibration_from_other_reuse_settings_only_when_asked(tmp_path):
+    """Calibration runs labelled with earlier reuse settings combine with certification runs of new ones only on
+    request; the header then records the certification files' settings (what the rule runs) and lists the
+    calibration files' own. Certification files must still agree, and the split must be given."""
+    from carnator.carnator_core.lab import pairs
+
+    head = {"model_fingerprint": "m", "config_fingerprint": "c", "unsafe_definition": "u", "dataset": "d",
+            "top_k": 3, "min_similarity": 0.0, "reuse_mode": "joint"}
+    row = {"request_id": "q0000", "entry_id": "w0001", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
+           "appearance": 3.0, "missing": False, "unsafe": False}
+    old, new = {"refreshes": 3}, {"refreshes": 3, "sparse_kernel": "cost"}
+    for name, rc in (("cal", old), ("c1", new), ("c2", new), ("c3", {"refreshes": 2, "sparse_kernel": "cost"})):
+        pairs.write_header(tmp_path / f"{name}.jsonl", {**head, "reuse_config": rc})
+        pairs.append_rows(tmp_path / f"{name}.jsonl", [row])
+    src = [(tmp_path / "cal.jsonl", "s0", "calib"), (tmp_path / "c1.jsonl", "s1", "cert"),
+           (tmp_path / "c2.jsonl", "s2", "cert")]
+    with pytest.raises(ValueError, match="calib-reuse-may-differ"):
+        pairs.combine_pairs_files(src, tmp_path / "x.jsonl")
+    h = pairs.combine_pairs_files(src, tmp_path / "x.jsonl", calib_reuse_may_differ=True)
+    assert h["reuse_config"] == new
+    assert [x.get("reuse_config") for x in h["sources"]] == [old, None, None]
+    with pytest.raises(ValueError, match="reuse_config"):  # the certification runs disagree
+        pairs.combine_pairs_files(src + [(tmp_path / "c3.jsonl", "s3", "cert")], tmp_path / "x.jsonl",
+                                  calib_reuse_may_differ=True)
+    with pytest.raises(ValueError, match="split on every file"):
+        pairs.combine_pairs_files([(tmp_path / "cal.jsonl", "s0"), (tmp_path / "c1.jsonl", "s1")],
+                                  tmp_path / "x.jsonl", calib_reuse_may_differ=True)
+    with pytest.raises(ValueError, match="top_k"):  # the recall must still be the same
+        pairs.write_header(tmp_path / "k.jsonl", {**head, "top_k": 5, "reuse_config": old})
+        pairs.combine_pairs_files([(tmp_path / "k.jsonl", "s9", "calib"), (tmp_path / "c1.jsonl", "s1", "cert")],
+                                  tmp_path / "x.jsonl", calib_reuse_may_differ=True)
+
+
 def test_shipped_rule_loads_and_matches_its_pairs():
     """The committed rule loads (bound recomputed from n, k, δ), is for the default embedded weights' arch, and
     was made from the committed pairs."""

@@ -916,7 +916,7 @@ def header_for(probe: Any, *, dataset: str, seeds: Sequence[int] | Mapping[str, 
 
 
 def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLike,
-                        generator: str = "") -> dict[str, Any]:
+                        generator: str = "", calib_reuse_may_differ: bool = False) -> dict[str, Any]:
     """Concatenate pairs files made with the same model, config and definition of unsafe into one.
 
     sources: (path, prefix) or (path, prefix, split) per file; request and entry ids become ``"<prefix>:<id>"``
@@ -925,6 +925,13 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
     warm set that calibration never saw; give it for every file or for none. The combined header keeps the
     common fingerprints, config and unsafe definition and lists every source (dataset, seeds, generator,
     sha256, requests). Raises ValueError when headers disagree. Returns the combined header.
+
+    ``calib_reuse_may_differ`` (needs a split on every file): the calibration files' reuse settings
+    (``reuse_config``) may differ from the certification files' — e.g. a rule whose thresholds were calibrated
+    on an earlier hit path, certified on fresh runs of the new one. The certification files must agree; the header
+    records *their* settings (what the rule will run, and what its certificate is about) and each calibration
+    file's own under ``sources[i]["reuse_config"]``. Sound because the certificate needs only that the rule is fixed
+    without the certification rows; the calibration rows then only decide how well the thresholds fit.
     """
     import hashlib
 
@@ -935,6 +942,9 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
     splits = [x[2] for x in sources]
     if any(sp is not None for sp in splits) and (None in splits or not set(splits) <= {"calib", "cert"}):
         raise ValueError(f"split must be 'calib' or 'cert' for every file (or for none), got {splits}")
+    if calib_reuse_may_differ and (None in splits or "cert" not in splits):
+        raise ValueError("calibration files with other reuse settings need the split on every file (:calib / "
+                         ":cert) and at least one certification file, whose settings the rule then records")
     if len(set(prefixes)) != len(prefixes) or any(not p or ":" in p for p in prefixes):
         raise ValueError(f"prefixes must be distinct, non-empty and without ':', got {prefixes}")
     header: dict[str, Any] | None = None
@@ -970,10 +980,19 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
     # The recall (and reuse settings) the pairs were made with travel with them: the rule records the recall and
     # the filter considers only those candidates. Runs made with different ones are not one experiment.
     for key in ("top_k", "min_similarity", "reuse_mode", "reuse_config"):
-        values = [heads[i].get(key) for i in range(len(heads))]
+        idx = range(len(heads))
+        if key == "reuse_config" and calib_reuse_may_differ:
+            idx = [i for i in idx if splits[i] == "cert"]
+            for i in range(len(heads)):
+                if splits[i] == "calib":
+                    listed[i]["reuse_config"] = heads[i].get(key)
+        values = [heads[i].get(key) for i in idx]
         if any(json.dumps(v, sort_keys=True) != json.dumps(values[0], sort_keys=True) for v in values):
             raise ValueError(f"the pairs files differ in {key!r} ({values}): combine only runs made with the same "
-                             "recall and reuse settings")
+                             "recall and reuse settings"
+                             + ("" if key != "reuse_config" or calib_reuse_may_differ else
+                                " (calibration files made with other reuse settings than the certification files: "
+                                "calib_reuse_may_differ / --calib-reuse-may-differ)"))
         if values[0] is not None:
             header[key] = values[0]
     header.update({
