@@ -42,3 +42,37 @@ def test_function_patches_change_the_fingerprint(tiny):
     assert len(set(got.values())) == len(got), got  # every patch set is its own model
     assert fp(rescaled_again) == got["rescale 0.7"]  # stable: same patch, same value, new closure object
     assert fp(tiny.clone()) == plain and fp(tiny) == plain  # cloning and fingerprinting change nothing
+
+
+def test_the_remembered_weight_digest_follows_every_weight_change(tiny):
+    """The weights' digest is remembered per backbone module (a request fingerprints its model three times), but
+    an in-place write, a replaced parameter or a retyped buffer is a new model, and undoing the change gives the
+    old fingerprint back; the remembered value equals a fresh computation."""
+    import torch
+
+    from carnator.carnator_core import comfy_patch as cp
+
+    m = tiny.clone()
+    dm = m.model.diffusion_model
+    first = cp.model_fingerprint(m, "wan21")
+    assert dm in cp._WEIGHT_DIGESTS and cp.model_fingerprint(m, "wan21") == first
+    cp._WEIGHT_DIGESTS.clear()
+    assert cp.model_fingerprint(m, "wan21") == first  # remembered == recomputed
+    name, p = next(iter(dm.named_parameters()))
+    saved = p.detach().clone()
+    with torch.no_grad():
+        p.add_(1.0)  # in place: same storage, new version
+        written = cp.model_fingerprint(m, "wan21")
+        p.copy_(saved)
+    assert written != first
+    assert cp.model_fingerprint(m, "wan21") == first  # same bytes sampled again: the same model
+    mod_name, _, attr = name.rpartition(".")
+    owner = dm.get_submodule(mod_name) if mod_name else dm
+    original = getattr(owner, attr)
+    setattr(owner, attr, torch.nn.Parameter(original.detach() * 2))  # replaced
+    try:
+        assert cp.model_fingerprint(m, "wan21") not in (first, written)
+    finally:
+        setattr(owner, attr, original)
+    assert cp.model_fingerprint(m, "wan21") == first
+    assert cp.model_fingerprint(m, "ltxv") != first  # the arch is part of what is remembered
