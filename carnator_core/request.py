@@ -221,9 +221,10 @@ def split_key_facts(stage: Stage, steps: int, second_model: Any, second_fingerpr
 
 
 def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, seed: int,
-                 answer_key: str = "") -> Probe | None:
-    """The answered Probe of an exact repeat, or None: a cached dense result under ``request_key`` first, then an
-    earlier hit's answer-only entry under ``answer_key`` (``answer_key_for``; "" = none). Loads the entry
+                 answer_key: str = "", dense: bool = True) -> Probe | None:
+    """The answered Probe of an exact repeat, or None: a cached dense result under ``request_key`` first (unless
+    not ``dense``), then an earlier hit's answer-only entry under ``answer_key`` (``answer_key_for`` or
+    ``hit_answer_key``; "" = none). Loads the entry
     (checksums verified), counts one lookup and one hit in its namespace. An entry that vanishes or proves corrupt
     meanwhile is simply not an answer."""
     from .cache.store import CacheError
@@ -233,7 +234,7 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
         return None
     t0 = time.perf_counter()
     entry = None
-    for key, answer in ((request_key, False), (answer_key, True)):
+    for key, answer in ((request_key if dense else "", False), (answer_key, True)):
         if not key:
             continue
         try:
@@ -471,11 +472,50 @@ def _check_answered_inputs(model: Any, latent: dict, probe: Probe, role: str = "
                          "connect the same latent to the probe and the sampler")
 
 
+def hit_answer_key(probe: Probe, decision: Decision | None, config: ReuseConfig,
+                   signature: Signature | None) -> str:
+    """The key a reuse's result is kept and answered under *at the sampler*, after the probe and the filter: the
+    request (``probe.request_key``: model and patches, conditioning, seed, latent, schedule), the probe's config
+    (probe steps) and whether it kept its keys/values, the accepted entry, the reuse settings and the target
+    signature by content. Given these, ``reuse.sample`` computes the same latent bit for bit, whatever filter,
+    rule or recall accepted the entry — which is what a node graph can know at its sampler (the Early Probe cannot
+    see the downstream settings that ``answer_key_for`` digests, so a graph answers a repeated hit here, after its
+    probe, instead of before it). "" when there is nothing to key: no accepted entry, an exact answer, dense mode,
+    a split schedule, no signature, or inputs that cannot be digested."""
+    if (not probe.request_key or decision is None or not decision.accepted or decision.candidate is None
+            or decision.mode == "exact" or config.mode == "dense" or probe.config.leftover_noise
+            or signature is None):
+        return ""
+    try:
+        return keys.answer_key(probe.request_key, {
+            "at": "sampler", "entry": decision.candidate.entry_id, "config": probe.config.to_meta(),
+            "probe_context": bool(probe.context_kv), "reuse": config.to_meta(),
+            "signature": [signature.to_meta(), signature.to_tensors()]})
+    except keys.Opaque:
+        return ""
+
+
+def _answered_at_sampler(model: Any, latent: dict, probe: Probe, answered: Probe,
+                         upstream_ms: Mapping[str, float] | None, key: str) -> tuple[Any, RunReport]:
+    """The stored result of an earlier identical hit (``hit_answer_key``): no model call in the sampler; the probe
+    ran, so the request's compute is the probe's share of the schedule."""
+    _check_answered_inputs(model, latent, answered)
+    g = probe.config
+    n = g.stage_end - g.start_step
+    k = min(int(g.probe_steps), n)
+    report = replace(exact_report(answered, upstream_ms), steps_probe=k, skipped_calls=n - k,
+                     compute_fraction=k / max(n, 1),
+                     reason=f"a repeat of an earlier hit: its stored result (answer entry {answered.answered.entry_id},"
+                            f" which reused entry {answered.answered.answer_of}), found after the probe; no model "
+                            "call in the sampler", answer_key=key)
+    return answered.answered.latent.clone(), report
+
+
 def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
                 store: Any, config: ReuseConfig, *, signature: Signature | None = None, record: bool = True,
                 progress: Callable[[int], None] | None = None,
                 upstream_ms: Mapping[str, float] | None = None, stage: Stage | None = None,
-                cached: CachedRun | None = None) -> tuple[Any, RunReport]:
+                cached: CachedRun | None = None, answer_hits: bool = False) -> tuple[Any, RunReport]:
     """Stage 5: finish the request. Returns (final LATENT samples, RunReport).
 
     An answered probe returns the stored latent (bit-identical, no model call). Otherwise the accepted entry is
@@ -484,6 +524,9 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     runs once for the probe's stage and once, on the second model, for the rest (``reuse.stage_role``).
     ``cached``: the accepted entry already loaded by the caller (the pairs labelling loads it without counting a
     hit); it must be the decision's candidate (``reuse.sample`` checks). None = load it from ``store``.
+    ``answer_hits``: look the reuse up under ``hit_answer_key`` first (the stored result of the same request
+    reusing the same entry the same way: no model call here), and put that key on a hit's report for the Cache
+    Writer. Off for the pairs labelling, which must compute every reuse it labels.
     """
     if probe.answered is not None:
         role = stage_role(probe.config, stage)  # the sampler's stage must fit the probe's, answered or not
@@ -491,6 +534,13 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
         a = probe.answered
         out = a.stage_latent if role == "first" and probe.config.leftover_noise else a.latent
         return out.clone(), exact_report(probe, upstream_ms, role)
+    hit_key = ""
+    if answer_hits and store is not None and stage_role(probe.config, stage) == "":
+        hit_key = hit_answer_key(probe, decision, config, signature)
+        answered = lookup_exact(store, probe.request_key, model, probe.prompt, probe.seed, answer_key=hit_key,
+                                dense=False) if hit_key else None
+        if answered is not None:
+            return _answered_at_sampler(model, latent, probe, answered, upstream_ms, hit_key)
     fallback = ""
     if config.mode == "dense":
         cached = None
@@ -501,6 +551,8 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
                              stage=stage)
     if fallback:
         report = replace(report, reason=fallback)
+    if hit_key and report.decision == "hit":
+        report = replace(report, answer_key=hit_key)
     return samples, report
 
 
@@ -508,7 +560,7 @@ def finish_stages(model: Any, positive: Any, negative: Any, latent: dict, probe:
                   store: Any, config: ReuseConfig, *, second_model: Any = None, signature: Signature | None = None,
                   record: bool = True, progress: Callable[[int], None] | None = None,
                   upstream_ms: Mapping[str, float] | None = None,
-                  cached: CachedRun | None = None) -> tuple[Any, RunReport, float]:
+                  cached: CachedRun | None = None, answer_hits: bool = False) -> tuple[Any, RunReport, float]:
     """Stage 5 over the whole schedule: what the Joint Reuse Sampler(s) of the graph do, in order. Returns (final
     LATENT samples, the last stage's RunReport, resume ms of all stages).
 
@@ -516,11 +568,12 @@ def finish_stages(model: Any, positive: Any, negative: Any, latent: dict, probe:
     noise (a two-expert graph: Wan 2.2 14B), the rest of the schedule runs on ``second_model`` from its output,
     with the same decision, entry and signature — exactly the second Joint Reuse Sampler (``start_at_step`` = the
     switch step, ``add_noise`` off). ``serve`` and the pairs labelling both finish requests through this function,
-    so a rule is calibrated on the reuse the two-sampler graph runs. ``cached``: see ``reuse_stage``.
+    so a rule is calibrated on the reuse the two-sampler graph runs. ``cached``, ``answer_hits``: see
+    ``reuse_stage`` (a split schedule's hits are not answered).
     """
     samples, report = reuse_stage(model, positive, negative, latent, probe, decision, store, config,
                                   signature=signature, record=record, progress=progress, upstream_ms=upstream_ms,
-                                  cached=cached)
+                                  cached=cached, answer_hits=answer_hits)
     resume_ms = float(report.timings_ms.get("resume", 0.0))
     g = probe.config
     if g.leftover_noise:  # the second stage, on the second model, from the first stage's output
@@ -610,8 +663,8 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
         return WriteResult("", False, f"not stored: {e}")
     ns = namespace_key(probe.model_fingerprint, probe.config)
     if written and answer_of:
-        text = (f"stored answer {entry_id} in namespace {ns}: an exact repeat of this request, served the same way, "
-                f"gets this result with no model call (it reused entry {answer_of}; never reused itself)")
+        text = (f"stored answer {entry_id} in namespace {ns}: a repeat of this request that reuses entry {answer_of} "
+                f"the same way gets this result without recomputing it (never reused itself)")
     elif written:
         text = f"stored entry {entry_id} in namespace {ns}" + (
             " with attention block structure" if data.block_structure is not None else "")
@@ -658,7 +711,8 @@ def serve(model: Any, text_encoder: Any, positive, negative, latent: dict, spec:
     samples, report, t["resume"] = finish_stages(model, positive, negative, latent, probe, decision, store,
                                                  reuse_config, second_model=second_model, signature=sig,
                                                  record=options.write, progress=progress,
-                                                 upstream_ms={k: v for k, v in t.items() if k != "probe"})
+                                                 upstream_ms={k: v for k, v in t.items() if k != "probe"},
+                                                 answer_hits=exact_store is not None)
     entry_id = probe.answered.entry_id if probe.answered is not None else None
     if options.write and store is not None and probe.answered is None:
         # A hit is kept only as its answer (when exact repeats are answered at all): never reused itself.

@@ -216,6 +216,10 @@ class RunReport:
     # latent, the first stage's output [B, C, T, H, W]; the Cache Writer stores it so an exact repeat of the
     # request can answer both stages. None otherwise.
     first_stage_latent: Any = None
+    # A hit's key at the sampler (``request.hit_answer_key``): the Cache Writer keeps the result as an answer-only
+    # entry under it, so the same request reusing the same entry the same way is answered at the sampler next
+    # time. "" when the run was no hit or its inputs cannot be digested.
+    answer_key: str = ""
 
     @property
     def saving(self) -> float:

@@ -232,8 +232,9 @@ class CarnatorCacheWriter(io.ComfyNode):
             raise TypeError("the 'signature' input is not a Carnator signature: connect the CARNATOR_SIGNATURE output "
                             "of a Carnator Signature Builder node")
         samples = latent.get("samples") if isinstance(latent, dict) else None
+        # A hit is kept as its answer at the sampler (never reused itself) unless store_reused keeps it as an entry.
         done = write_result(open_store(_handle(cache)), _as_probe(probe), signature, samples, report,
-                            store_reused=bool(store_reused))
+                            store_reused=bool(store_reused), answer_key=getattr(report, "answer_key", "") or "")
         served = None
         if report is not None and _seen_before(report):
             # The same report object again: ComfyUI's node cache served the sampler's output without running it.

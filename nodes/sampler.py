@@ -130,7 +130,8 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                       progress=lambda i: pbar.update_absolute(i + 1, total),
                                       upstream_ms={"filter": decision.filter_ms} if decision is not None else None,
                                       stage=stage_from(add_noise, start_at_step, end_at_step,
-                                                       return_with_leftover_noise))
+                                                       return_with_leftover_noise),
+                                      answer_hits=cache is not None)
         if probe.answered is not None:
             pbar.update_absolute(total, total)
         log.info("carnator request: %s", report.summary())

@@ -2,7 +2,8 @@
 key and the serving settings that decided the hit), answered with zero model calls, bit-identical to the first hit,
 and never recalled or reused (reuse never chains on reuse) — in the on-disk store (also after a catalogue rebuild)
 and in the shared Redis store. Any change to what decided the hit (threshold, reuse settings, prompt label) runs the
-request again. On tiny models from ComfyUI's own classes, through ``request.serve``.
+request again. On tiny models from ComfyUI's own classes, through ``request.serve``; in a node graph (whose probe
+cannot see the downstream settings) a repeated hit is answered at the sampler, after its probe.
 """
 from __future__ import annotations
 
@@ -160,8 +161,7 @@ def test_a_repeated_hit_is_answered_through_the_shared_redis_cache(env, comfy_di
 
 
 def test_the_graph_writer_does_not_store_a_hit_without_store_reused(env, comfy_dirs):
-    """The node graph's Early Probe cannot know the downstream rule and sampler settings, so the Writer keeps no
-    answers (and still refuses to store a hit as a reusable entry without store_reused)."""
+    """Called without the sampler's answer key, a hit is still refused as a reusable entry unless store_reused."""
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.request import write_result
 
@@ -170,6 +170,63 @@ def test_the_graph_writer_does_not_store_a_hit_without_store_reused(env, comfy_d
     opts = _options(write=False)
     _run(tm, m, store, 5, _options())
     hit, _ = _run(tm, m, store, 6, opts)
-    assert hit.report.decision == "hit"
+    assert hit.report.decision == "hit" and hit.report.answer_key
     res = write_result(store, hit.probe, hit.signature, hit.latent["samples"], hit.report)
     assert res.entry_id == "" and "store_reused" in res.text and len(store.entry_ids()) == 1
+
+
+def _graph_hit(tm, m, handle, seed, opts):
+    """The node graph's stages for one request (Early Probe with the cache, Signature Builder, Retriever, Risk
+    Filter, Joint Reuse Sampler with the cache, Cache Writer node); model calls counted."""
+    from carnator.carnator_core.request import (RequestSpec, decide_stage, probe_request, recall, reuse_stage,
+                                                signature_stage)
+    from carnator.nodes.cache import CarnatorCacheWriter
+
+    pos, neg = tm.conditioning("wan21")
+    lat = tm.empty_latent("wan21")
+    store = handle.store()
+    with tm.count_calls(m) as calls:
+        probe = probe_request(m, pos, neg, lat, RequestSpec(PROMPT, seed, 8, 5.0, objects="ball"), opts.probe,
+                              tm.WordTokens(), store=store)
+        probe_calls = len(calls)
+        sig, _ = signature_stage(probe, opts.signature)
+        decision = decide_stage(sig, recall(store, probe, 5, 0.0), probe, method="prompt_only",
+                                prompt_threshold=opts.prompt_threshold)
+        samples, report = reuse_stage(m, pos, neg, lat, probe, decision, store, opts.hit_reuse, signature=sig,
+                                      answer_hits=True)
+    written = CarnatorCacheWriter.execute(cache=handle, probe=probe, signature=sig,
+                                          latent={**lat, "samples": samples}, report=report)
+    return samples, report, written.result[0], probe_calls, len(calls)
+
+
+def test_a_repeated_hit_in_a_node_graph_is_answered_at_the_sampler(env, comfy_dirs):
+    """In a node graph the Early Probe cannot know the downstream settings, so a repeated hit is answered at the
+    sampler: the Writer keeps the hit under ``hit_answer_key`` (request, probe, accepted entry, reuse settings,
+    target signature), and the same request reusing the same entry the same way gets that result with no model call
+    after its probe, bit-identical; other reuse settings compute again; the answer is never recalled."""
+    from carnator.carnator_core.request import RequestSpec, serve
+    from carnator.nodes.cache import CarnatorCacheLoader
+
+    tm, m = env
+    handle = CarnatorCacheLoader.execute(directory="hit-graph").result[0]
+    store = handle.store()
+    opts = _options()
+    pos, neg = tm.conditioning("wan21")
+    dense = serve(m, tm.WordTokens(), pos, neg, tm.empty_latent("wan21"),
+                  RequestSpec(PROMPT, 5, 8, 5.0, objects="ball"), store, opts)
+    assert dense.report.decision == "miss" and dense.entry_id
+    first, rep1, answer_id, k, n1 = _graph_hit(tm, m, handle, 6, opts)
+    assert rep1.decision == "hit" and rep1.entry_id == dense.entry_id and n1 > k == 2
+    assert answer_id and store.load(answer_id, count_hit=False).answer_of == dense.entry_id
+    before = store.stats()
+    again, rep2, answer2, k2, n2 = _graph_hit(tm, m, handle, 6, opts)
+    assert n2 == k2 == 2, "the sampler called the model on a repeated hit"
+    assert torch.equal(again, first)
+    assert (rep2.decision, rep2.mode, rep2.entry_id, rep2.model_calls) == ("hit", "exact", answer_id, 0)
+    assert rep2.compute_fraction == pytest.approx(2 / 8) and "after the probe" in rep2.reason
+    assert answer2 == answer_id  # the Writer stores nothing new
+    after = store.stats()
+    assert (after.hits - before.hits, after.entries, after.answers) == (1, before.entries, 1)
+    assert _recallable(store, dense) == {dense.entry_id}
+    other, rep3, _, k3, n3 = _graph_hit(tm, m, handle, 6, _options(reuse=replace(opts.reuse, refreshes=2)))
+    assert rep3.decision == "hit" and n3 > k3 and rep3.mode == "joint"
