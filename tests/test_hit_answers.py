@@ -178,8 +178,14 @@ def test_the_graph_writer_does_not_store_a_hit_without_store_reused(env, comfy_d
 def _graph_hit(tm, m, handle, seed, opts):
     """The node graph's stages for one request (Early Probe with the cache, Signature Builder, Retriever, Risk
     Filter, Joint Reuse Sampler with the cache, Cache Writer node); model calls counted."""
-    from carnator.carnator_core.request import (RequestSpec, decide_stage, probe_request, recall, reuse_stage,
-                                                signature_stage)
+    from carnator.carnator_core.request import (
+        RequestSpec,
+        decide_stage,
+        probe_request,
+        recall,
+        reuse_stage,
+        signature_stage,
+    )
     from carnator.nodes.cache import CarnatorCacheWriter
 
     pos, neg = tm.conditioning("wan21")
