@@ -303,7 +303,8 @@ def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: 
     outputs (written from a dense second stage of Carnator's sampler, see ``write_result``). ``serving``: the
     options the request is served with (``serve``); an earlier hit of the same request served the same way is then
     answered too (``answer_key_for``). The graph's Early Probe cannot know the downstream rule and sampler settings
-    and answers repeats of dense results only."""
+    and answers repeats of dense results only; a graph's repeated hit is answered at its sampler
+    (``hit_answer_key`` in ``reuse_stage``)."""
     t0 = time.perf_counter()
     stage_bounds(spec.stage, spec.steps, second_connected=second_model is not None)
     second = ""
