@@ -145,14 +145,18 @@ def api_file(name: str) -> dict[str, Any]:
 
 
 def focus_sampler(page: Any, scale: float = 1.25) -> dict[str, float]:
-    """Zoom the canvas onto the sampler; returns the page-pixel rectangle of the node (title bar included), from
-    the canvas' own geometry (the same in both modes: Vue nodes follow the canvas transform)."""
-    return page.evaluate(f"""(scale) => {{
+    """Zoom the canvas onto the sampler, at ``scale`` or less so that the whole node (its badge at the bottom
+    included) fits the viewport; returns the page-pixel rectangle of the node (title bar included), from the
+    canvas' own geometry (the same in both modes: Vue nodes follow the canvas transform)."""
+    return page.evaluate(f"""(want) => {{
         const n = {SAMPLER_JS};
         const ds = app.canvas.ds, title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+        const r0 = app.canvas.canvas.getBoundingClientRect();
+        const top = 110;  // page pixels above the node: the menu and tab bars
+        const scale = Math.min(want, (r0.height - top - 40) / (title + n.size[1]));
         ds.scale = scale;
         ds.offset[0] = -n.pos[0] + 80 / scale;
-        ds.offset[1] = -n.pos[1] + 140 / scale;
+        ds.offset[1] = -n.pos[1] + (top + title * scale) / scale;
         app.canvas.setDirty(true, true);
         app.canvas.draw(true, true);
         const r = app.canvas.canvas.getBoundingClientRect();
