@@ -16,6 +16,10 @@ sampler), whose dense result was cached once beforehand:
 * ``hit_repeat``  ``request.serve`` on a repeat of a request that was itself a *hit* (the same prompt at another
                 seed, prompt-only filter at 0.5, so it reused the cached entry once, beforehand): answered from the
                 hit's answer-only entry (``keys.answer_key``). Checked bit-identical to that first hit, no model call.
+* ``graph_hit_repeat``  the same repeat through the node graph's stages (Early Probe with the cache, Signature
+                Builder, Retriever, Risk Filter, Joint Reuse Sampler with the cache), after the graph's first hit
+                was kept by the Cache Writer under ``request.hit_answer_key``: the probe runs (its 4 model calls),
+                the sampler answers from the stored hit. Checked bit-identical to the first hit, no sampler call.
 
 Checks on every run that the exact answer is bit-identical to the KSampler latent and made no model call, and
 prints medians and the speedup ratios.
@@ -51,7 +55,17 @@ def main() -> int:
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.embedded import comfy_glue, config as ecfg
     from carnator.carnator_core.probe import ProbeConfig
-    from carnator.carnator_core.request import RequestSpec, ServeOptions, probe_request, reuse_stage, serve
+    from carnator.carnator_core.request import (
+        RequestSpec,
+        ServeOptions,
+        decide_stage,
+        probe_request,
+        recall,
+        reuse_stage,
+        serve,
+        signature_stage,
+        write_result,
+    )
     from carnator.carnator_core.reuse import ReuseConfig
 
     model, te, _dec = comfy_glue.load_embedded()
@@ -71,6 +85,19 @@ def main() -> int:
     first_hit = serve(model, te, pos, neg, latent, hit_spec, store, hit_options)
     assert first_hit.hit and not first_hit.exact, f"the other seed must be a hit: {first_hit.report.reason}"
     hit_ms = first_hit.timings_ms["total"]
+
+    def graph_stages():  # what the node graph runs on the hit's request (no serving options reach its probe)
+        probe = probe_request(model, pos, neg, latent, hit_spec, options.probe, te, store=store)
+        sig, _ = signature_stage(probe, options.signature)
+        decision = decide_stage(sig, recall(store, probe, 5, 0.0), probe, method="prompt_only", prompt_threshold=0.5)
+        samples, report = reuse_stage(model, pos, neg, latent, probe, decision, store, hit_options.hit_reuse,
+                                      signature=sig, answer_hits=True)
+        return probe, sig, samples, report
+
+    probe_g, sig_g, samples_g, report_g = graph_stages()
+    assert report_g.decision == "hit" and report_g.mode != "exact" and report_g.answer_key
+    assert torch.equal(samples_g, first_hit.latent["samples"]), "the graph's hit differs from serve's"
+    assert write_result(store, probe_g, sig_g, samples_g, report_g, answer_key=report_g.answer_key).entry_id
 
     calls = []
     dm = model.model.diffusion_model
@@ -108,7 +135,14 @@ def main() -> int:
         assert res.exact and res.probe.answered.answer_of == first.entry_id and len(calls) == n
         ref["hit_repeat"] = res.latent["samples"]
 
-    variants = {"ksampler": ksampler, "exact": exact, "serve": end_to_end, "hit_repeat": hit_repeat}
+    def graph_hit_repeat() -> None:
+        n = len(calls)
+        _, _, samples, report = graph_stages()
+        assert report.mode == "exact" and len(calls) - n == options.probe.probe_steps
+        ref["graph_hit_repeat"] = samples
+
+    variants = {"ksampler": ksampler, "exact": exact, "serve": end_to_end, "hit_repeat": hit_repeat,
+                "graph_hit_repeat": graph_hit_repeat}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up (imports, allocator)
         fn()
@@ -120,6 +154,7 @@ def main() -> int:
             times[name].append(time.perf_counter() - t0)
         assert torch.equal(ref["exact"], ref["samples"]) and torch.equal(ref["serve"], ref["samples"])
         assert torch.equal(ref["hit_repeat"], first_hit.latent["samples"])
+        assert torch.equal(ref["graph_hit_repeat"], first_hit.latent["samples"])
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     out = {
         "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, "
@@ -128,6 +163,7 @@ def main() -> int:
         "speedup_exact_vs_ksampler": med["ksampler"] / med["exact"],
         "speedup_serve_vs_ksampler": med["ksampler"] / med["serve"],
         "speedup_hit_repeat_vs_ksampler": med["ksampler"] / med["hit_repeat"],
+        "speedup_graph_hit_repeat_vs_ksampler": med["ksampler"] / med["graph_hit_repeat"],
         "first_hit_ms": hit_ms, "first_hit_compute_fraction": first_hit.report.compute_fraction,
         "bit_identical": True, "model_calls_on_exact": 0,
     }
