@@ -482,10 +482,14 @@ def hit_answer_key(probe: Probe, decision: Decision | None, config: ReuseConfig,
     rule or recall accepted the entry — which is what a node graph can know at its sampler (the Early Probe cannot
     see the downstream settings that ``answer_key_for`` digests, so a graph answers a repeated hit here, after its
     probe, instead of before it). "" when there is nothing to key: no accepted entry, an exact answer, dense mode,
-    a split schedule, no signature, or inputs that cannot be digested."""
+    a split schedule, no signature, settings other than those the decision's rule certified (``reuse.sample``
+    then continues dense: an answer kept under another rule must not stand in for that), or inputs that cannot
+    be digested."""
     if (not probe.request_key or decision is None or not decision.accepted or decision.candidate is None
             or decision.mode == "exact" or config.mode == "dense" or probe.config.leftover_noise
             or signature is None):
+        return ""
+    if decision.reuse_config is not None and config.differences(decision.reuse_config):
         return ""
     try:
         return keys.answer_key(probe.request_key, {

@@ -202,6 +202,7 @@ def _graph_hit(tm, m, handle, seed, opts):
                                       answer_hits=True)
     written = CarnatorCacheWriter.execute(cache=handle, probe=probe, signature=sig,
                                           latent={**lat, "samples": samples}, report=report)
+    _graph_hit.last = (probe, sig, decision)
     return samples, report, written.result[0], probe_calls, len(calls)
 
 
@@ -236,3 +237,13 @@ def test_a_repeated_hit_in_a_node_graph_is_answered_at_the_sampler(env, comfy_di
     assert _recallable(store, dense) == {dense.entry_id}
     other, rep3, _, k3, n3 = _graph_hit(tm, m, handle, 6, _options(reuse=replace(opts.reuse, refreshes=2)))
     assert rep3.decision == "hit" and n3 > k3 and rep3.mode == "joint"
+    # A decision whose rule certified other settings than the sampler's is no hit (reuse.sample continues dense), so
+    # no answer kept under another rule may stand in for it: there is no key to look up.
+    from carnator.carnator_core.request import hit_answer_key
+
+    probe, sig, decision = _graph_hit.last
+    cfg = _options(reuse=replace(opts.reuse, refreshes=2)).hit_reuse
+    assert hit_answer_key(probe, decision, cfg, sig)
+    assert hit_answer_key(probe, replace(decision, reuse_config=opts.hit_reuse.to_meta()), cfg, sig) == ""
+    assert hit_answer_key(probe, replace(decision, reuse_config=cfg.to_meta()), cfg, sig) == \
+        hit_answer_key(probe, decision, cfg, sig)
