@@ -83,15 +83,16 @@ class ReuseConfig:
                      masks still overlap with IoU >= ``mask_iou_same`` and the x0 predictions agree, so no other
                      term sees the change and the cached motion was kept; same-seed rewordings shift it by <= 0.05
                      (1 of 25 above 0.045), re-rolls by <= 0.03.
-    sparse_kernel:   joint mode: where the recorded block structure restricts a layer's attention. "always": in
-                     every layer whose planned density is at most 0.85 (what rules recorded before this setting
-                     ran: ``ABSENT_MEANS``). "cost" (default): only where the block-sparse tiles are estimated to cost less than plain attention
-                     over the same keys (``sparse_attention.tile_cost_ratio`` / ``block_cost_ratio``, on the
-                     CPU); elsewhere the layer attends to every key, as in latent mode — the more exact computation
-                     and there the cheaper one. Measured (``bench_sparse_attention.py --crossover``): at the
-                     embedded model's 576 tokens the tiles cost 2.8-3.6x plain attention at any density, so a
-                     joint hit there paid 0.15-0.25 s more than a latent one (dense ~1.6 s); from ~2 000 tokens
-                     and densities below ~0.6 they save.
+    sparse_kernel:   joint mode: where the recorded block structure restricts a layer's attention. "always":
+                     in every layer whose planned density is at most 0.85 (what rules recorded before this
+                     setting ran: ``ABSENT_MEANS``). "cost" (default): only where the block-sparse tiles are
+                     estimated to cost less than plain attention over the same keys
+                     (``sparse_attention.tile_cost_ratio`` / ``block_cost_ratio``, on the CPU); elsewhere the layer
+                     attends to every key, as in latent mode — the more exact computation, and there the cheaper
+                     one. Measured (``bench_sparse_attention.py --crossover``): at the embedded model's 576 tokens
+                     the tiles cost 4-5.6x plain attention at any density (a joint hit there cost 0.51-0.60 of a
+                     dense resume, 0.42-0.48 with this policy); from ~2 000 tokens at densities up to ~0.5 they
+                     save.
     max_active:      largest active region (fraction of the tokens) worth reusing: above it the sampler
                      continues densely (bit-identical to KSampler, reported as a miss with the reason), because a
                      region that covers nearly the clip costs about a dense run plus the reuse's own overheads
@@ -131,8 +132,8 @@ class ReuseConfig:
     @classmethod
     def from_meta(cls, certified: Mapping[str, Any]) -> "ReuseConfig | None":
         """The config a recorded :meth:`to_meta` describes (fields it does not record take their defaults, or what
-        ``ABSENT_MEANS`` says they ran with, as in :meth:`differences`), or None when it records a field this version does not have or an invalid value —
-        then no config of this version is the certified one."""
+        ``ABSENT_MEANS`` says they ran with, as in :meth:`differences`), or None when it records a field this
+        version does not have or an invalid value — then no config of this version is the certified one."""
         names = {f.name for f in fields(cls)}
         if any(k not in names for k in certified):
             return None
@@ -144,8 +145,8 @@ class ReuseConfig:
 
     def differences(self, certified: Mapping[str, Any]) -> list[str]:
         """The fields in which this config differs from ``certified`` (a recorded :meth:`to_meta`; a field it
-        does not record was added later and is compared with its default, or with ``ABSENT_MEANS``; one it records that this version does
-        not have is a difference too), as "name value (certified: value)"."""
+        does not record was added later and is compared with its default, or with ``ABSENT_MEANS``; one it records
+        that this version does not have is a difference too), as "name value (certified: value)"."""
         names = {f.name for f in fields(self)}
         out = [f"{k} (certified: {certified[k]!r}) is not a setting of this version" for k in sorted(certified)
                if k not in names]
