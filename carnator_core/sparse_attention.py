@@ -1050,7 +1050,7 @@ def plan_token_block_sparse(
 
     q_order, q_cnt, q_starts, q_id = layout(qp)
     k_order, k_cnt, k_starts, k_id = layout(kp)
-    eff = keep & (k_cnt > 0)[None, None, :]  # kept key blocks that hold keys
+    eff, kept = _kept_pairs(keep, q_cnt, k_cnt)
     used = q_cnt > 0
     n_eff = eff.sum(-1)
     empty = (n_eff == 0) & used[None, :]
@@ -1061,7 +1061,6 @@ def plan_token_block_sparse(
             "holds a key: every query needs at least one key (keep each query's own block and include its tokens "
             "in the key set)"
         )
-    kept = (q_cnt[None, :, None] * eff.long() * k_cnt[None, None, :]).sum()
     plan.kept_pairs = int(kept)
     plan.density = float(kept) / float(Hk * Lq * Lk)
     plan.dense = plan.kept_pairs == Hk * Lq * Lk
@@ -1123,6 +1122,13 @@ TILE_PAIR_COST = 1.5
 BLOCK_PAIR_COST = 1.8
 
 
+def _kept_pairs(keep: torch.Tensor, q_cnt: torch.Tensor, k_cnt: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Kept key blocks that hold keys (``keep`` [Hk, Qb, Kb] masked by the key blocks' token counts ``k_cnt``) and
+    the (query, key) pairs they make, summed over pattern heads (``q_cnt``: the query blocks' token counts)."""
+    eff = keep & (k_cnt > 0)[None, None, :]
+    return eff, int((q_cnt[None, :, None] * eff.long() * k_cnt[None, None, :]).sum())
+
+
 def _block_counts(pos: torch.Tensor, n_tokens: int, block_size: int, n_blocks_: int) -> torch.Tensor:
     return torch.bincount(_positions(pos, n_tokens, "positions") // block_size, minlength=n_blocks_)
 
@@ -1141,9 +1147,8 @@ def tile_cost_ratio(keep: torch.Tensor, block_size: int, n_tokens: int, q_pos: t
     pairs = int(q_cnt.sum()) * int(k_cnt.sum())
     if pairs == 0:
         return 0.0
-    eff = keep & (k_cnt > 0)[None, None, :]
+    eff, kept = _kept_pairs(keep, q_cnt, k_cnt)
     used = (q_cnt > 0).nonzero(as_tuple=True)[0]
-    kept = int((q_cnt[None, :, None] * eff.long() * k_cnt[None, None, :]).sum())
     groups = sum(int(torch.unique(eff[h, used], dim=0).shape[0]) for h in range(Hk))
     return TILE_PAIR_COST * kept / (Hk * pairs) + groups * TILE_CALL_PAIRS / pairs
 
