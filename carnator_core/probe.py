@@ -179,7 +179,7 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
         x0_probe=_first_cond_row(x0).detach().cpu(), latent_probe=raw.latent_at_k[0].detach().cpu(),
         latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=embedding,
         replay=tuple(r.detach().cpu() for r in raw.replay), sigmas=tuple(float(s) for s in raw.sigmas),
-        context_kv=raw.context_kv,
+        context_kv=raw.context_kv, context_kv_mb=float(config.context_kv_mb),
         timings={"probe_ms": raw.seconds * 1000, "fingerprint_ms": fp_ms,
                  "total_ms": (time.perf_counter() - t_all) * 1000},
         note=note,

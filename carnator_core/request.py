@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 from . import keys
 from .probe import ProbeConfig, ProbeConfigError, objects_for, run_probe, stage_bounds
-from .reuse import CachedRun, ReuseConfig, RunReport, sample, stage_role
+from .reuse import RULE_CONTEXT_KV_MB, CachedRun, ReuseConfig, RunReport, sample, stage_role
 from .signature import SignatureConfig, build_signature_timed
 from .types import (
     Candidate,
@@ -64,9 +64,6 @@ class RequestSpec:
     stage: Stage = Stage()
 
 
-# The probe's keys/values budget when a rule's reuse settings read them (``ServeOptions.following_rule``): every
-# embedded version fits (v3: 9.4 MiB); Wan at 480p x 81 frames does not (~12 GiB) and keeps nothing.
-RULE_CONTEXT_KV_MB = 64.0
 
 
 @dataclass(frozen=True)

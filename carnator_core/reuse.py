@@ -29,6 +29,11 @@ from .types import STAGE_END_MAX, BlockStructure, Decision, GenConfig, Probe, Si
 MODES = ("joint", "latent", "attention", "dense")
 SPARSE_KERNELS = ("always", "cost")
 
+# The probe's keys/values budget when a rule's reuse settings read them (``probe_context``): what the labelling
+# ran (``request.ServeOptions.following_rule``) and the Early Probe node's default. Every embedded version fits
+# (v3: 9.4 MiB); Wan at 480p x 81 frames does not (~12 GiB) and keeps nothing, so its certified hits refresh densely.
+RULE_CONTEXT_KV_MB = 64.0
+
 
 @dataclass(frozen=True)
 class ReuseConfig:
@@ -574,6 +579,14 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
             use = False
             reason = ("the sampler's reuse settings differ from those the risk rule was certified with ("
                       + "; ".join(diffs) + "): continued dense. Use the rule's settings or calibrate a rule for these")
+        elif config.probe_context and config.kv_context and role != "second" and not probe.context_kv \
+                and probe.context_kv_mb < RULE_CONTEXT_KV_MB:
+            # Certified: the probe's keys/values as the first context where they fit in RULE_CONTEXT_KV_MB, a dense
+            # refresh only where they do not. A probe that was not allowed to keep them would run the other path.
+            use = False
+            reason = (f"the risk rule was certified with the Early Probe's keys/values as a hit's first context, and "
+                      f"this probe kept none (context_kv_mb {probe.context_kv_mb:g} < {RULE_CONTEXT_KV_MB:g}): "
+                      f"continued dense. Set the Early Probe's context_kv_mb to {RULE_CONTEXT_KV_MB:g} or more")
     if use:
         if decision.candidate is not None and decision.candidate.entry_id != cached.entry_id:
             raise ValueError(f"the loaded entry {cached.entry_id} is not the accepted candidate "

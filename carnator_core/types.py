@@ -414,6 +414,10 @@ class Probe:
     # Self-attention keys/values of every token at the last probe call, per (block, batch composition), on the CPU
     # (``ProbeConfig.context_kv_mb``); empty when over that budget. Read only: a hit's context, never mutated.
     context_kv: Mapping[tuple, tuple[Any, Any]] = field(default_factory=dict)
+    # The budget (MiB) the probe was allowed to keep them under: empty ``context_kv`` under a budget of at least
+    # ``reuse.RULE_CONTEXT_KV_MB`` means "they do not fit" (a certified hit then refreshes densely, as the
+    # labelling did), under a smaller one "not asked for" (``reuse.sample``).
+    context_kv_mb: float = 0.0
     timings: Mapping[str, float] = field(default_factory=dict)  # ms per stage
     note: str = ""
     request_key: str = ""  # keys.request_key of the request ("" when it could not be digested)

@@ -6,7 +6,7 @@ import comfy.utils
 
 from ..carnator_core.cache import CacheHandle, open_store
 from ..carnator_core.probe import ProbeConfig, ProbeConfigError, stage_bounds
-from ..carnator_core.request import RequestSpec, probe_request
+from ..carnator_core.request import RULE_CONTEXT_KV_MB, RequestSpec, probe_request
 from ..carnator_core.types import STAGE_END_MAX, Stage
 from ._api import CACHE, PROBE, TEXT_ENCODER, io
 from ._common import advanced, parse_int_list, stage_from, stage_inputs
@@ -66,12 +66,14 @@ class CarnatorEarlyProbe(io.ComfyNode):
                 advanced(io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="Denoise strength, as in KSampler.")),
                 *stage_inputs("probe"),
-                advanced(io.Float.Input("context_kv_mb", default=0.0, min=0.0, max=1.0e6, step=16.0,
+                advanced(io.Float.Input("context_kv_mb", default=RULE_CONTEXT_KV_MB, min=0.0, max=1.0e6, step=16.0,
                                         tooltip="Keep every token's attention keys/values of the last probe step "
-                                                "when they fit in this many MiB (0 = never), for a hit's context "
-                                                "(turn on together with the Joint Reuse Sampler's probe_context; "
-                                                "the embedded model needs ~10). Held with the probe's output "
-                                                "until the next run.")),
+                                                "when they fit in this many MiB (0 = never), as a hit's first "
+                                                "context (the Joint Reuse Sampler's probe_context). The shipped "
+                                                f"rule was certified with them at {RULE_CONTEXT_KV_MB:g}: below "
+                                                "that its hits continue dense. The embedded model needs ~10; "
+                                                "Wan at 480p keeps nothing (~12 GiB; its hits refresh densely). "
+                                                "Held with the probe's output until the next run.")),
                 io.Model.Input("second_model", optional=True,
                                tooltip="Split schedules only: the model that finishes the schedule after "
                                        "end_at_step (Wan 2.2 14B: the low-noise expert; a single-model split: the "
@@ -118,7 +120,7 @@ class CarnatorEarlyProbe(io.ComfyNode):
                 probe_steps, prompt, clip=None, text_encoder=None, objects="", probe_fraction=0.2, probe_sigma=0.0,
                 capture_layers="", denoise=1.0, cache=None, add_noise="enable", start_at_step=0,
                 end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", second_model=None,
-                context_kv_mb=0.0) -> io.NodeOutput:
+                context_kv_mb=RULE_CONTEXT_KV_MB) -> io.NodeOutput:
         config = ProbeConfig(probe_steps=probe_steps, probe_fraction=probe_fraction, probe_sigma=probe_sigma,
                              layers=parse_int_list(capture_layers, "capture_layers"),
                              context_kv_mb=float(context_kv_mb))

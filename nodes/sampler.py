@@ -72,9 +72,9 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                           tooltip="On a hit, attend to the keys/values the Early Probe kept at its "
                                                   "last step instead of computing the first step after the probe "
                                                   "densely (one dense step fewer, same quality on the embedded "
-                                                  "model). Needs the Early Probe's context_kv_mb > 0. The shipped "
-                                                  "rule was certified with it on (settings = certified: the "
-                                                  "rule's value).")),
+                                                  "model). Needs the Early Probe's context_kv_mb (default "
+                                                  "64 MiB). The shipped rule was certified with it on "
+                                                  "(settings = certified: the rule's value).")),
                 advanced(io.Combo.Input("settings", options=list(SETTINGS), default="certified",
                                         tooltip="certified: on a hit, reuse with exactly the settings the risk "
                                                 "rule was certified with (the decision carries them; the tuning "

@@ -454,11 +454,14 @@ def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(e
     assert r_on.token_fraction == r_off.token_fraction  # nothing kept: the first reuse call is a dense refresh
     with pytest.raises(ValueError, match="context_kv_mb"):
         ProbeConfig(probe_steps=2, context_kv_mb=-1).resolve_steps(10)
+    from carnator.carnator_core.reuse import RULE_CONTEXT_KV_MB
     from carnator.nodes.probe import CarnatorEarlyProbe
 
-    off = CarnatorEarlyProbe.execute(m, pos, neg, lat, 5, 10, 5.0, "euler", "simple", 2, "a red ball", None,
-                                     tm.WordTokens(), "ball").args[0]  # the node's default keeps nothing
-    assert dict(off.context_kv) == {} and torch.equal(off.replay[-1], node_probe.replay[-1])
+    # The node's default budget is the one rules certified with probe_context were labelled under: it keeps them.
+    on = CarnatorEarlyProbe.execute(m, pos, neg, lat, 5, 10, 5.0, "euler", "simple", 2, "a red ball", None,
+                                    tm.WordTokens(), "ball").args[0]
+    assert on.context_kv_mb == RULE_CONTEXT_KV_MB and set(on.context_kv) == set(node_probe.context_kv)
+    assert torch.equal(on.replay[-1], node_probe.replay[-1])
 
 
 def test_reuse_settings_other_than_the_certified_ones_continue_dense_and_say_why(env):
@@ -484,6 +487,37 @@ def test_reuse_settings_other_than_the_certified_ones_continue_dense_and_say_why
     assert "refreshes 2 (certified: 3)" in r.reason and "certified" in r.reason
     ref = comfy_nodes.common_ksampler(m, 5, 8, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
     assert torch.equal(out, ref)
+
+
+def test_a_certified_hit_reading_the_probes_keys_values_needs_a_probe_allowed_to_keep_them(env):
+    """A rule certified with ``probe_context`` ran its hits on the probe's keys/values wherever they fit in
+    ``RULE_CONTEXT_KV_MB`` (a dense refresh only where they do not). A probe told to keep none (context_kv_mb
+    below that) would make the hit compute the other path, which nothing certified: the sampler continues dense,
+    bit-identical to KSampler, and says how to fix it; with the budget the same decision is a hit on the probe's
+    record (one dense refresh call fewer than the same settings without it)."""
+    import nodes as comfy_nodes
+    from carnator.carnator_core import reuse
+
+    tm, models = env
+    m = models["wan21"]
+    kept, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2, context_kv_mb=reuse.RULE_CONTEXT_KV_MB)
+    none, _, _, _ = _probe(m, tm, "wan21", seed=5, steps=10, k=2, context_kv_mb=0.0)
+    assert kept.context_kv and not none.context_kv and none.context_kv_mb == 0.0
+    final, rep = _run(m, pos, neg, lat, kept)
+    cached, target = _moved_target(kept, final, rep)
+    cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
+                            refreshes=3, probe_context=True)
+    decision = dataclasses.replace(_accept(target), reuse_config=cfg.to_meta())
+    _, hit = reuse.sample(m, pos, neg, lat, kept, decision, cached, cfg, target_signature=target)
+    assert hit.decision == "hit" and not hit.fallbacks, (hit.reason, hit.fallbacks)
+    out, miss = reuse.sample(m, pos, neg, lat, none, decision, cached, cfg, target_signature=target)
+    assert miss.decision == "miss" and miss.mode == "dense"
+    assert "context_kv_mb 0 < 64" in miss.reason and "Early Probe" in miss.reason, miss.reason
+    ref = comfy_nodes.common_ksampler(m, 5, 10, 5.0, "euler", "simple", pos, neg, lat)[0]["samples"]
+    assert torch.equal(out, ref)
+    # Without a rule's settings (custom reuse, no certificate to follow) the hit runs, refreshing densely.
+    _, custom = reuse.sample(m, pos, neg, lat, none, _accept(target), cached, cfg, target_signature=target)
+    assert custom.decision == "hit" and custom.token_fraction > hit.token_fraction
 
 
 def test_node_follows_the_rules_settings_unless_told_custom(env, comfy_dirs):

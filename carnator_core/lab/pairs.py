@@ -507,11 +507,6 @@ def reuse_config_from(items: list[str]) -> Any:
     return dataclasses.replace(ReuseConfig(), **kw).validate()
 
 
-# The probe's keys/values budget when the labelled reuse uses them (ReuseConfig.probe_context): ample for every
-# embedded version (v3: 576 tokens x 8 blocks x 128 wide, cond + uncond = 9.4 MB).
-PROBE_CONTEXT_KV_MB = 64.0
-
-
 def parse_easycache(text: str) -> tuple[float, float, float] | None:
     """``"THRESHOLD,START,END"`` (the settings of ComfyUI's EasyCache node: reuse threshold, start and end
     percent of the schedule) -> a checked tuple; ``""`` -> None (no EasyCache). Raises ValueError saying what is
@@ -552,7 +547,7 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
     from ..embedded import codec, comfy_glue, config as ecfg
     from ..probe import ProbeConfig
     from ..request import ServeOptions
-    from ..reuse import ReuseConfig
+    from ..reuse import RULE_CONTEXT_KV_MB, ReuseConfig
 
     model, enc, _dec = comfy_glue.load_embedded(weights)
     ver = comfy_glue.model_version(model)
@@ -561,7 +556,7 @@ def embedded_context(store: Any, weights: str | os.PathLike | None = None, *, to
         model = easycache_model(model, easycache)
     reuse = reuse if reuse is not None else ReuseConfig()
     probe = ProbeConfig(probe_steps=ecfg.DEFAULT_PROBE_STEP,
-                        context_kv_mb=PROBE_CONTEXT_KV_MB if reuse.probe_context else 0.0)
+                        context_kv_mb=RULE_CONTEXT_KV_MB if reuse.probe_context else 0.0)
     options = ServeOptions(method="never", reuse_mode=reuse_mode, top_k=int(top_k), write=False, probe=probe,
                            reuse=reuse)
     return PairContext(
