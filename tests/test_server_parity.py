@@ -7,6 +7,13 @@ calibrated for another config): a first request (miss, dense, written), a reword
 (miss or hit — whatever the stage functions decide, both sides must agree), and the first request again (an exact
 repeat). The server runs with ``--cache-none`` so every request executes.
 The final latents come back through ComfyUI's SaveLatent node.
+
+Then, on the same server and caches, one request under a risk rule that records reuse settings (an uncertified
+test rule for this config, permissive thresholds, ``probe_context`` on, as the shipped rule): a colour edit of the
+first request at its seed, whose hit computes a region. The Sampler node follows the rule's settings
+(``settings = certified``) and ``serve`` follows them (``ServeOptions.following_rule``); the hit reads the Early
+Probe's keys/values on both sides only if the node's defaults keep them, so the outputs agree only if the graph
+runs what the labelling ran.
 """
 from __future__ import annotations
 
@@ -22,11 +29,13 @@ P1 = "a small red ball rolls to the right across green grass"
 P2 = "a big blue cube sits still in the center on a sandy beach"
 P1B = "a small red ball rolls to the right across the green grass"  # a rewording of P1
 STREAM = [(P1, 7), (P1B, 7), (P2, 7), (P1, 7)]
+P1C = "a small blue ball rolls to the right across green grass"  # a colour edit of P1
 STEPS, PROBE, THRESHOLD = 8, 2, 0.95
 CFG = 2.0  # the default (v3) weights' stock scale
 
 
-def graph(prompt: str, seed: int, prefix: str) -> dict:
+def graph(prompt: str, seed: int, prefix: str, rule_file: str = "embedded.json", mode: str = "prompt_only",
+          allow_uncertified: bool = False) -> dict:
     return {
         "1": {"class_type": "CarnatorEmbeddedLoader", "inputs": {}},
         "2": {"class_type": "CarnatorEmbeddedTextEncode", "inputs": {"text_encoder": ["1", 1], "text": prompt}},
@@ -40,8 +49,8 @@ def graph(prompt: str, seed: int, prefix: str) -> dict:
         "11": {"class_type": "CarnatorSignatureBuilder", "inputs": {"probe": ["5", 0]}},
         "12": {"class_type": "CarnatorCacheRetriever", "inputs": {"cache": ["10", 0], "probe": ["5", 0]}},
         "13": {"class_type": "CarnatorRiskFilter", "inputs": {
-            "signature": ["11", 0], "candidates": ["12", 0], "rule_file": "embedded.json", "mode": "prompt_only",
-            "prompt_threshold": THRESHOLD, "allow_uncertified": False, "probe": ["5", 0]}},
+            "signature": ["11", 0], "candidates": ["12", 0], "rule_file": rule_file, "mode": mode,
+            "prompt_threshold": THRESHOLD, "allow_uncertified": allow_uncertified, "probe": ["5", 0]}},
         "6": {"class_type": "CarnatorJointReuseSampler", "inputs": {
             "model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
             "probe": ["5", 0], "decision": ["13", 0], "signature": ["11", 0], "cache": ["10", 0], "mode": "joint"}},
@@ -57,6 +66,21 @@ def _outcome(report: dict, written: str | None, own_ids: dict[str, int]) -> tupl
     return (report["decision"], report["mode"], used, report["model_calls"], round(report["active_fraction"], 6))
 
 
+def _test_rule(probe):
+    """An UNCERTIFIED rule for the test's config that accepts the colour edit and records reuse settings with
+    ``probe_context`` (what the shipped rule records)."""
+    from carnator.carnator_core.reuse import ReuseConfig
+    from carnator.carnator_core.risk.certify import Certificate
+    from carnator.carnator_core.risk.rule import RiskRule
+    from carnator.carnator_core.risk.thresholds import Thresholds
+
+    return RiskRule(thresholds=Thresholds(1000.0, 10.0, 10.0, 1000.0), certificate=Certificate(0, 0, 1.0, 0.05, 0.1, 0),
+                    model_fingerprint=probe.model_fingerprint, config_fingerprint=probe.config.fingerprint(),
+                    arch="embedded", config_meta=probe.config.to_meta(),
+                    reuse_config=ReuseConfig(probe_context=True, context_margin_blocks=0).to_meta(),
+                    provenance={"note": "UNCERTIFIED test rule (tests/test_server_parity.py)"})
+
+
 def test_node_graph_and_serve_reach_the_same_decisions_and_outputs(tmp_path, comfy_env):
     from safetensors.torch import load_file
 
@@ -67,34 +91,50 @@ def test_node_graph_and_serve_reach_the_same_decisions_and_outputs(tmp_path, com
 
     base = tmp_path / "base"
     server_out, server_ids = [], {}
-    with ComfyServer(base, extra_args=["--cache-none"]) as server:
-        for i, (prompt, seed) in enumerate(STREAM):
-            h, _ = server.run_prompt_ws(graph(prompt, seed, f"parity{i}"), timeout=900)
-            report = h["outputs"]["6"]["carnator_report"][0]
-            text = h["outputs"]["14"]["text"][0]
-            m = re.search(r"stored entry ([0-9a-f]{16})", text)
-            if m:
-                server_ids[m.group(1)] = i
-            latent = load_file(next((base / "output" / "latents").glob(f"parity{i}_*.latent")))["latent_tensor"]
-            server_out.append((report, latent))
-
+    serve_out, serve_ids = [], {}
     model, te, _ = comfy_glue.load_embedded()
     store = Store.open(tmp_path / "serve-cache", key_path=tmp_path / "key")
-    options = ServeOptions(method="prompt_only", prompt_threshold=THRESHOLD, probe=ProbeConfig(probe_steps=PROBE))
-    serve_out, serve_ids = [], {}
-    for i, (prompt, seed) in enumerate(STREAM):
+
+    def via_server(server, i, g):
+        h, _ = server.run_prompt_ws(g, timeout=900)
+        report = h["outputs"]["6"]["carnator_report"][0]
+        m = re.search(r"stored entry ([0-9a-f]{16})", h["outputs"]["14"]["text"][0])
+        if m:
+            server_ids[m.group(1)] = i
+        latent = load_file(next((base / "output" / "latents").glob(f"parity{i}_*.latent")))["latent_tensor"]
+        server_out.append((report, latent))
+
+    def via_serve(i, prompt, seed, options):
         res = serve(model, te, te.encode(prompt), te.encode(""), comfy_glue.empty_latent(1),
                     RequestSpec(prompt, seed, STEPS, CFG), store, options)
         if res.entry_id and not res.exact and res.report.decision != "hit":
             serve_ids[res.entry_id] = i
         serve_out.append((res.report.to_meta(), res.latent["samples"]))
+        return res
+
+    with ComfyServer(base, extra_args=["--cache-none"]) as server:
+        for i, (prompt, seed) in enumerate(STREAM):
+            via_server(server, i, graph(prompt, seed, f"parity{i}"))
+        options = ServeOptions(method="prompt_only", prompt_threshold=THRESHOLD, probe=ProbeConfig(probe_steps=PROBE))
+        first = [via_serve(i, prompt, seed, options) for i, (prompt, seed) in enumerate(STREAM)][0]
+        # Under a rule that records reuse settings: the colour edit, through both paths.
+        rule = _test_rule(first.probe)
+        rule.save(base / "user" / "carnator" / "rules" / "parity.json")
+        i = len(STREAM)
+        via_server(server, i, graph(P1C, 7, f"parity{i}", "parity.json", "signature", allow_uncertified=True))
+    via_serve(i, P1C, 7, ServeOptions(method="carnator", rule=rule, allow_uncertified=True,
+                                      probe=ProbeConfig(probe_steps=PROBE)))
 
     decisions = []
     for i, ((srep, slat), (rrep, rlat)) in enumerate(zip(server_out, serve_out)):
         a, b = _outcome(srep, None, server_ids), _outcome(rrep, None, serve_ids)
-        assert a == b, f"request {i} {STREAM[i]}: node graph {a} vs serve {b}"
+        request = STREAM[i] if i < len(STREAM) else (P1C, 7)
+        assert a == b, f"request {i} {request}: node graph {a} vs serve {b}"
         assert torch.allclose(slat, rlat, atol=1e-4, rtol=1e-4), (i, float((slat - rlat).abs().max()))
         decisions.append(a)
-    # The stream exercised every path: a dense miss, a reuse of request 0, an exact repeat of request 0.
+    # The stream exercised every path: a dense miss, a reuse of request 0, an exact repeat of request 0, and a
+    # hit under the rule's settings that computes a region over the probe's keys/values.
+    assert len(decisions) == len(STREAM) + 1
     assert decisions[0][0] == "miss" and decisions[1][:3] == ("hit", "joint", 0)
     assert decisions[3][:4] == ("hit", "exact", 0, 0)
+    assert decisions[4][:3] == ("hit", "joint", 0) and decisions[4][3] > 0 and 0 < decisions[4][4] < 1, decisions[4]
