@@ -39,7 +39,9 @@ class ProbeConfig:
     first_dense, last_dense: how many first/last blocks count as "outer" (not middle).
     context_kv_mb:  at the probe's last model call, keep every token's self-attention keys/values of every block
                     (on the CPU) when they fit in this many MiB; 0 (the default, as ``ReuseConfig.probe_context``
-                    is off) = never, so no request pays the copy for nothing. A cache hit with ``probe_context``
+                    is off) = never, so no request pays the copy for nothing. The Early Probe node defaults to
+                    ``reuse.RULE_CONTEXT_KV_MB``, the budget rules with ``probe_context`` were labelled under (it
+                    cannot see the rule downstream; ``request.ServeOptions.following_rule`` can). A cache hit with ``probe_context``
                     then attends to them as its first context record instead of paying a dense refresh call. The
                     embedded model needs 2-9 MiB; Wan 2.1-1.3B at 480p x 81 frames about 12 GiB (over any sensible
                     budget: its hits refresh densely, as without it).

@@ -64,8 +64,6 @@ class RequestSpec:
     stage: Stage = Stage()
 
 
-
-
 @dataclass(frozen=True)
 class ServeOptions:
     """How the request is served.
