@@ -390,7 +390,28 @@ def decide_stage(signature: Signature, candidates: Candidates, probe: Probe, *, 
     mode = {"carnator": "signature", "prompt_only": "prompt_only", "never": "never"}[method]
     return decide(signature, candidates, rule if mode == "signature" else None, mode, prompt_threshold,
                   model_fingerprint=probe.model_fingerprint, config_fingerprint=probe.config.rule_fingerprint(),
-                  allow_uncertified=allow_uncertified)
+                  allow_uncertified=allow_uncertified,
+                  signature_settings=signature_settings(rule) if mode == "signature" and rule is not None else None)
+
+
+def signature_settings(rule: Any) -> Any:
+    """The filter's view of Signature Builder settings under ``rule``: the digest of the settings its signatures
+    were built with (``RiskRule.signature_config``; a rule that records none was calibrated with the defaults),
+    and how to read a signature's (``signature.settings_digest``). A rule whose recorded settings this version
+    cannot build raises RuleFormatError."""
+    from .risk.filter import SignatureSettings
+    from .risk.rule import RuleFormatError
+    from .signature import settings_digest
+
+    meta = dict(getattr(rule, "signature_config", None) or {})
+    if "context_grid" in meta and isinstance(meta["context_grid"], list):
+        meta["context_grid"] = tuple(meta["context_grid"])
+    try:
+        digest = SignatureConfig(**meta).digest()
+    except (TypeError, ValueError) as e:
+        raise RuleFormatError(f"the rule's signature settings {meta} are not this version's Signature Builder "
+                              f"settings: {e}") from None
+    return SignatureSettings(of=settings_digest, rule=digest)
 
 
 # ---------------------------------------------------------------------------------------------- 5. reuse

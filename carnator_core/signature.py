@@ -49,7 +49,7 @@ import numpy as np
 from scipy.ndimage import gaussian_filter, maximum_filter
 from skimage.color import lab2rgb, rgb2lab
 
-from .types import ObjectSignature, Probe, Signature
+from .types import ObjectSignature, Probe, Signature, stable_digest
 
 CONTEXT_ONLY_NOTE = "no recognisable objects: context-only signature"
 META_KEY = "carnator_signature"
@@ -120,6 +120,17 @@ class SignatureConfig:
                 "min_contrast": self.min_contrast, "smooth_sigma_t": self.smooth_sigma_t,
                 "smooth_sigma_hw": self.smooth_sigma_hw, "context_dilation": int(self.context_dilation),
                 "context_grid": list(self.context_grid)}
+
+    def digest(self) -> str:
+        """What a signature records of the settings it was built with: two signatures compare (and a rule
+        applies to them) only when their digests agree."""
+        return stable_digest(self.to_meta(), 12)
+
+
+def settings_digest(signature: Signature) -> str:
+    """The Signature Builder settings ``signature`` was built with (``SignatureConfig.digest``); a signature that
+    records none was built before they were recorded, with the defaults."""
+    return signature.config or SignatureConfig().digest()
 
 
 # --- latent -> RGB -> CIELAB on the token grid ---------------------------------------------------------------
@@ -320,7 +331,7 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
     ctx, ctx_note = context_lab(lab, 1.0 - union, cfg.context_grid)
     if ctx_note:
         notes.append(ctx_note)
-    return Signature(objects=tuple(objects), context_lab=ctx, grid=grid, note="; ".join(notes))
+    return Signature(objects=tuple(objects), context_lab=ctx, grid=grid, note="; ".join(notes), config=cfg.digest())
 
 
 def build_signature_timed(probe: Probe, config: Optional[SignatureConfig] = None) -> tuple[Signature, float]:

@@ -223,6 +223,9 @@ class Signature:
     context_lab: np.ndarray
     grid: tuple[int, int, int]
     note: str = ""
+    # Digest of the Signature Builder settings it was built with (``signature.SignatureConfig.digest``); "" = built
+    # before signatures recorded them, i.e. with the defaults (``signature.settings_digest`` reads it so).
+    config: str = ""
 
     def object_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.objects)
@@ -240,12 +243,15 @@ class Signature:
         return out
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        out = {
             "grid": list(self.grid),
             "note": self.note,
             "objects": [{"name": o.name, "size": float(o.size), "lab": [float(v) for v in o.lab]}
                         for o in self.objects],
         }
+        if self.config:  # absent in signatures stored before it was recorded (their entries read the same)
+            out["config"] = self.config
+        return out
 
     @classmethod
     def from_parts(cls, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
@@ -268,6 +274,7 @@ class Signature:
             context_lab=np.asarray(tensors[f"{prefix}context_lab"], dtype=np.float32),
             grid=tuple(int(x) for x in meta["grid"]),  # type: ignore[arg-type]
             note=str(meta.get("note", "")),
+            config=str(meta.get("config", "")),
         )
 
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import folder_paths
 
 from ..carnator_core.paths import PathNotAllowedError, resolve_confined
-from ..carnator_core.request import exact_decision
+from ..carnator_core.request import exact_decision, signature_settings
 from ..carnator_core.risk.filter import MODES, decide_with_rule_file
 from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
 from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError
@@ -147,6 +147,7 @@ class CarnatorRiskFilter(io.ComfyNode):
             prompt_threshold=prompt_threshold,
             probe=probe,
             allow_uncertified=allow_uncertified,
+            signature_settings=signature_settings,
         )
         return io.NodeOutput(decision, decision.summary)
 

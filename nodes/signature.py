@@ -20,7 +20,10 @@ class CarnatorSignatureBuilder(io.ComfyNode):
             description=(
                 "Builds the request's Early Signature from the Early Probe: per object a soft spatiotemporal "
                 "support mask over the token grid, its relative size and mean CIELAB colour, plus the colour of "
-                "the non-object context on a coarse grid. The Risk Filter compares it with cached generations."
+                "the non-object context on a coarse grid. The Risk Filter compares it with cached generations. "
+                "Risk rules are calibrated with the settings below at their defaults (or record others): the "
+                "Risk Filter rejects a signature built with settings other than its rule's, and a cached one "
+                "built with settings other than the request's."
             ),
             inputs=[
                 PROBE.Input("probe", tooltip="The Early Probe of this request (Carnator Early Probe)."),

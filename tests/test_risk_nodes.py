@@ -65,6 +65,18 @@ def test_calibrate_then_filter(risk_nodes, tmp_path):
     )
     decision, summary = res.result
     assert isinstance(decision, Decision) and decision.accepted and summary == decision.summary
+    # The node filters through the stage API's view of Signature Builder settings: a request whose signature was
+    # built with settings other than the rule's (here: not the defaults) is rejected, and says why.
+    import dataclasses
+
+    from carnator.carnator_core.signature import SignatureConfig
+
+    smooth = dataclasses.replace(target, config=SignatureConfig(smooth_sigma_hw=2.0).digest())
+    other = risk_nodes.CarnatorRiskFilter.execute(
+        candidates=Candidates(namespace="", items=(Candidate("e1", 0.9, "a dog", smooth),)), rule_file="mine.json",
+        mode="signature", prompt_threshold=0.9, allow_uncertified=False, signature=smooth, probe=Probe(),
+    ).result[0]
+    assert not other.accepted and "Signature Builder settings" in other.verdicts[0].reason
     fp = risk_nodes.CarnatorRiskFilter.fingerprint_inputs(rule_file="mine.json", mode="signature")
     assert isinstance(fp, str) and "mine.json" in fp
     with pytest.raises(Exception, match="outside"):

@@ -805,6 +805,7 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
     and one prompt-only filter per entry of ``prompt_thresholds`` (name -> similarity threshold). Each query is
     served once (probe, recall, dense); only the candidates some method accepts get a reuse run and a label.
     """
+    from ..request import signature_settings
     from ..risk.filter import decide, probe_fingerprints
 
     methods = ("rule", *tuple(prompt_thresholds or {}))
@@ -815,7 +816,8 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
         def select(res: Any) -> list[str]:
             model_fp, config_fp = probe_fingerprints(res.probe)  # what serving's filter checks
             dec = decide(res.signature, res.candidates, rule, "signature", model_fingerprint=model_fp,
-                         config_fingerprint=config_fp, allow_uncertified=allow_uncertified)
+                         config_fingerprint=config_fp, allow_uncertified=allow_uncertified,
+                         signature_settings=signature_settings(rule))
             chosen["rule"] = dec.candidate.entry_id if dec.accepted else None
             for name, t in (prompt_thresholds or {}).items():
                 d = decide(None, res.candidates, None, "prompt_only", float(t))

@@ -16,8 +16,9 @@ threshold and a reason), a one-line summary, and the time the filter took (``fil
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..paths import resolve_confined
 from ..types import AxisCheck, Candidate, Candidates, CandidateVerdict, Decision, Signature
@@ -63,18 +64,38 @@ def _signature_mode(
     return best, verdicts
 
 
+@dataclass(frozen=True)
+class SignatureSettings:
+    """How to tell which Signature Builder settings a signature was built with (``of``: signature -> digest) and
+    the digest of the rule's (``request.signature_settings`` builds it; the risk layer does not import the
+    signature layer)."""
+
+    of: Callable[[Signature], str]
+    rule: str
+
+
 def _within_recall(
-    target: Signature, items: Sequence[Candidate], rule: RiskRule
+    target: Signature, items: Sequence[Candidate], rule: RiskRule, settings: SignatureSettings | None = None
 ) -> tuple[int | None, list[CandidateVerdict]]:
     """``_signature_mode`` over the candidates the rule was certified on: the top ``rule.recall_k`` by similarity
-    that reach ``rule.recall_min_similarity`` (a rule that records no recall considers all). Others are rejected
-    with the reason; verdicts stay in recall order."""
+    that reach ``rule.recall_min_similarity`` (a rule that records no recall considers all), with ``settings``
+    only when this request's signature was built with the rule's Signature Builder settings and only candidates
+    built with the same. Others are rejected with the reason; verdicts stay in recall order."""
     k, floor = getattr(rule, "recall_k", None), getattr(rule, "recall_min_similarity", None)
     rejected: dict[int, str] = {}
     kept: list[int] = []
+    # The thresholds bound discrepancies between signatures built with the rule's Signature Builder settings.
+    mine = settings.of(target) if settings is not None else ""
     for i in sorted(range(len(items)), key=lambda j: -float(items[j].similarity)):
         sim = float(items[i].similarity)
-        if floor is not None and sim < floor:
+        if settings is not None and mine != settings.rule:
+            rejected[i] = (f"rejected: this request's signature was built with Signature Builder settings "
+                           f"({mine}) other than the rule's ({settings.rule}); the rule's thresholds do not apply "
+                           "to it — use the settings the rule was calibrated with (the node defaults)")
+        elif settings is not None and settings.of(items[i].signature) != mine:
+            rejected[i] = (f"rejected: the cached signature was built with other Signature Builder settings "
+                           f"({settings.of(items[i].signature)}, this request {mine}): not comparable")
+        elif floor is not None and sim < floor:
             rejected[i] = (f"rejected: similarity {sim:.4f} is below the rule's recall minimum {floor:.4f} (the "
                            "rule was certified on that recall)")
         elif k is not None and len(kept) >= k:
@@ -118,6 +139,7 @@ def decide(
     model_fingerprint: str | None = None,
     config_fingerprint: str | None = None,
     allow_uncertified: bool = False,
+    signature_settings: SignatureSettings | None = None,
 ) -> Decision:
     """Decide whether (and which) recalled candidate the request reuses.
 
@@ -129,7 +151,8 @@ def decide(
       with a loud UNCERTIFIED banner).
     * ``mode="prompt_only"`` uses only similarities and ``prompt_threshold``; ``"never"`` rejects everything.
     * Signatures from different grids raise :class:`~.discrepancy.SignatureMismatchError` (never silently
-      broadcast).
+      broadcast). With ``signature_settings`` (what the stage API passes), a request whose signature was built
+      with other Signature Builder settings than the rule's is rejected, and so is a candidate built otherwise.
     Returns a :class:`~carnator_core.types.Decision` with one verdict per candidate, in recall order.
     """
     t0 = time.perf_counter()
@@ -163,7 +186,7 @@ def decide(
                 "the candidates carry no cache namespace; connect the probe to the Risk Filter"
             )
         rule_id = rule.rule_id
-        best, verdicts = _within_recall(target, items, rule)
+        best, verdicts = _within_recall(target, items, rule, signature_settings)
     elif mode == "prompt_only":
         best, verdicts = _prompt_mode(items, float(prompt_threshold))
     else:
@@ -241,10 +264,12 @@ def decide_with_rule_file(
     prompt_threshold: float = 0.9,
     probe: Any = None,
     allow_uncertified: bool = False,
+    signature_settings: Callable[[RiskRule], SignatureSettings] | None = None,
 ) -> Decision:
     """What the Risk Filter node runs: resolve ``rule_file`` inside ``rule_roots`` (first match wins; absolute
     paths must lie inside a root), load and validate it (signature mode only), check it applies to the probe's
-    model/config (or to the candidates' namespace without a probe), and :func:`decide`."""
+    model/config (or to the candidates' namespace without a probe), and :func:`decide` — with
+    ``signature_settings(rule)`` (the node passes ``request.signature_settings``)."""
     rule = None
     if mode == "signature":
         path = resolve_confined(rule_file, rule_roots, must_exist=True, what="risk rule file")
@@ -261,6 +286,7 @@ def decide_with_rule_file(
         model_fingerprint=model_fp,
         config_fingerprint=config_fp,
         allow_uncertified=allow_uncertified,
+        signature_settings=signature_settings(rule) if signature_settings is not None and rule is not None else None,
     )
 
 

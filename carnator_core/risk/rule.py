@@ -64,6 +64,10 @@ class RiskRule:
     reuse_config:       the ``ReuseConfig`` fields the labelled hits ran with; the Joint Reuse Sampler reuses under
                         this rule only with exactly those settings (else it continues dense and says why). None =
                         not recorded (rules made before it was).
+    signature_config:   the Signature Builder settings (``SignatureConfig.to_meta``) the labelled signatures were
+                        built with; the thresholds bound discrepancies of signatures built so, and the filter
+                        rejects signatures built otherwise. None = the defaults (every rule so far: the labelling
+                        builds signatures with ``SignatureConfig()``).
     """
 
     thresholds: Thresholds
@@ -78,6 +82,7 @@ class RiskRule:
     recall_k: int | None = None
     recall_min_similarity: float | None = None
     reuse_config: Mapping[str, Any] | None = None
+    signature_config: Mapping[str, Any] | None = None
     source: str = field(default="", compare=False)  # the file it was loaded from (not serialised)
 
     # ------------------------------------------------------------------ identity and applicability
@@ -160,6 +165,8 @@ class RiskRule:
             out["recall"] = {"k": int(self.recall_k), "min_similarity": self.recall_min_similarity}
         if self.reuse_config is not None:  # absent in older rules, as recall
             out["reuse"] = dict(self.reuse_config)
+        if self.signature_config is not None:  # absent = the defaults (every rule made before it was recorded)
+            out["signature"] = dict(self.signature_config)
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -219,6 +226,10 @@ class RiskRule:
             if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
                 raise bad(f"recall.min_similarity must be a number or null, got {m!r}")
             recall_k, recall_min = k, (None if m is None else float(m))
+        sig_meta = data.get("signature")
+        # Shape only, as reuse: the request layer builds a SignatureConfig from it (and refuses a rule it cannot).
+        if sig_meta is not None and (not isinstance(sig_meta, dict) or not sig_meta):
+            raise bad("signature must be a non-empty object of SignatureConfig fields")
         reuse = data.get("reuse")
         if reuse is not None:
             # Shape only: the sampler compares it field by field with its ReuseConfig (reuse.ReuseConfig.differences;
@@ -242,6 +253,7 @@ class RiskRule:
             recall_k=recall_k,
             recall_min_similarity=recall_min,
             reuse_config=dict(reuse) if reuse is not None else None,
+            signature_config=dict(sig_meta) if sig_meta is not None else None,
             source=source,
         )
         if not allow_uncertified:
