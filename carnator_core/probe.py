@@ -182,6 +182,7 @@ def run_probe(model: Any, positive, negative, latent: dict, *, seed: int, steps:
         latent_rgb_factors=factors, latent_rgb_bias=bias, embedding=embedding,
         replay=tuple(r.detach().cpu() for r in raw.replay), sigmas=tuple(float(s) for s in raw.sigmas),
         context_kv=raw.context_kv, context_kv_mb=float(config.context_kv_mb),
+        capture_layers=tuple(int(i) for i in config.layers),
         timings={"probe_ms": raw.seconds * 1000, "fingerprint_ms": fp_ms,
                  "total_ms": (time.perf_counter() - t_all) * 1000},
         note=note,

@@ -406,8 +406,9 @@ def signature_settings(rule: Any) -> Any:
     meta = dict(getattr(rule, "signature_config", None) or {})
     if "context_grid" in meta and isinstance(meta["context_grid"], list):
         meta["context_grid"] = tuple(meta["context_grid"])
+    layers = meta.pop("capture_layers", ())
     try:
-        digest = SignatureConfig(**meta).digest()
+        digest = SignatureConfig(**meta).digest(tuple(int(i) for i in layers))
     except (TypeError, ValueError) as e:
         raise RuleFormatError(f"the rule's signature settings {meta} are not this version's Signature Builder "
                               f"settings: {e}") from None

@@ -43,7 +43,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from scipy.ndimage import gaussian_filter, maximum_filter
@@ -121,10 +121,14 @@ class SignatureConfig:
                 "smooth_sigma_hw": self.smooth_sigma_hw, "context_dilation": int(self.context_dilation),
                 "context_grid": list(self.context_grid)}
 
-    def digest(self) -> str:
-        """What a signature records of the settings it was built with: two signatures compare (and a rule
-        applies to them) only when their digests agree."""
-        return stable_digest(self.to_meta(), 12)
+    def digest(self, capture_layers: Sequence[int] = ()) -> str:
+        """What a signature records of the settings it was built with — these and the probe's requested capture
+        layers (() = the model's default, left out so that every default-built signature has one digest): two
+        signatures compare (and a rule applies to them) only when their digests agree."""
+        meta = self.to_meta()
+        if capture_layers:
+            meta["capture_layers"] = [int(i) for i in capture_layers]
+        return stable_digest(meta, 12)
 
 
 def settings_digest(signature: Signature) -> str:
@@ -331,7 +335,8 @@ def build_signature(probe: Probe, config: Optional[SignatureConfig] = None) -> S
     ctx, ctx_note = context_lab(lab, 1.0 - union, cfg.context_grid)
     if ctx_note:
         notes.append(ctx_note)
-    return Signature(objects=tuple(objects), context_lab=ctx, grid=grid, note="; ".join(notes), config=cfg.digest())
+    return Signature(objects=tuple(objects), context_lab=ctx, grid=grid, note="; ".join(notes),
+                     config=cfg.digest(getattr(probe, "capture_layers", ())))
 
 
 def build_signature_timed(probe: Probe, config: Optional[SignatureConfig] = None) -> tuple[Signature, float]:

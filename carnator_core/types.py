@@ -425,6 +425,9 @@ class Probe:
     # ``reuse.RULE_CONTEXT_KV_MB`` means "they do not fit" (a certified hit then refreshes densely, as the
     # labelling did), under a smaller one "not asked for" (``reuse.sample``).
     context_kv_mb: float = 0.0
+    # The blocks whose cross-attention it was asked to capture (``ProbeConfig.layers``; () = the model's default
+    # middle layers): the object maps, and so the signature, depend on them.
+    capture_layers: tuple[int, ...] = ()
     timings: Mapping[str, float] = field(default_factory=dict)  # ms per stage
     note: str = ""
     request_key: str = ""  # keys.request_key of the request ("" when it could not be digested)

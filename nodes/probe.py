@@ -62,7 +62,8 @@ class CarnatorEarlyProbe(io.ComfyNode):
                                                 "this value (k by noise level instead of step count).")),
                 advanced(io.String.Input("capture_layers", default="",
                                 tooltip="Blocks whose cross-attention is captured, e.g. '1,2'. Empty = middle "
-                                        "layers.")),
+                                        "layers (what risk rules are calibrated with: the Risk Filter rejects "
+                                        "signatures from other capture layers than its rule's).")),
                 advanced(io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="Denoise strength, as in KSampler.")),
                 *stage_inputs("probe"),

@@ -187,6 +187,12 @@ def test_signatures_built_with_other_builder_settings_than_the_rules_are_not_com
         RiskRule.from_json({**data, "signature": "smooth"})
     with pytest.raises(RuleFormatError, match="Signature Builder settings"):
         signature_settings(dataclasses.replace(RULE, signature_config={"smoothness": 2.0}))
+    # the probe's requested capture layers are part of the settings (the object maps come from them)
+    layered = SignatureConfig().digest((1, 2))
+    assert layered not in (default, smooth) and SignatureConfig().digest(()) == default
+    by_layers = dataclasses.replace(RULE, signature_config={**SignatureConfig().to_meta(), "capture_layers": [1, 2]})
+    assert signature_settings(by_layers).rule == layered
+    assert not run(built, [cand("c", 0.9, built)], by_layers).accepted
     # direct callers of the filter that pass no settings keep the former behaviour
     assert decide(other, cands(cand("c", 0.9, other)), RULE).accepted
 

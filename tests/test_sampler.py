@@ -520,6 +520,22 @@ def test_a_certified_hit_reading_the_probes_keys_values_needs_a_probe_allowed_to
     assert custom.decision == "hit" and custom.token_fraction > hit.token_fraction
 
 
+def test_the_signature_records_the_builder_settings_and_capture_layers_it_was_built_with(env):
+    from carnator.carnator_core.request import signature_stage
+    from carnator.carnator_core.signature import SignatureConfig
+    from carnator.nodes.probe import CarnatorEarlyProbe
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5)
+    assert probe.capture_layers == () and signature_stage(probe)[0].config == SignatureConfig().digest()
+    cfg = SignatureConfig(smooth_sigma_hw=2.0)
+    assert signature_stage(probe, cfg)[0].config == cfg.digest()
+    one = CarnatorEarlyProbe.execute(m, pos, neg, lat, 5, 8, 5.0, "euler", "simple", 2, "a red ball", None,
+                                     tm.WordTokens(), "ball", capture_layers="1").args[0]
+    assert one.capture_layers == (1,) and signature_stage(one)[0].config == SignatureConfig().digest((1,))
+
+
 def test_node_follows_the_rules_settings_unless_told_custom(env, comfy_dirs):
     """The Joint Reuse Sampler node's ``settings`` input: "certified" (default) reuses with the settings the
     decision's rule was certified with, whatever the tuning inputs say; "custom" uses the inputs, so a rule that

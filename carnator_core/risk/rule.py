@@ -64,10 +64,11 @@ class RiskRule:
     reuse_config:       the ``ReuseConfig`` fields the labelled hits ran with; the Joint Reuse Sampler reuses under
                         this rule only with exactly those settings (else it continues dense and says why). None =
                         not recorded (rules made before it was).
-    signature_config:   the Signature Builder settings (``SignatureConfig.to_meta``) the labelled signatures were
-                        built with; the thresholds bound discrepancies of signatures built so, and the filter
-                        rejects signatures built otherwise. None = the defaults (every rule so far: the labelling
-                        builds signatures with ``SignatureConfig()``).
+    signature_config:   the Signature Builder settings (``SignatureConfig.to_meta``, plus ``capture_layers`` when the
+                        probe was given some) the labelled signatures were built with; the thresholds bound
+                        discrepancies of signatures built so, and the filter rejects signatures built otherwise.
+                        None = the defaults (every rule so far: the labelling builds signatures with
+                        ``SignatureConfig()`` from probes of the default capture layers).
     """
 
     thresholds: Thresholds
