@@ -403,9 +403,7 @@ def signature_settings(rule: Any) -> Any:
     from .risk.rule import RuleFormatError
     from .signature import settings_digest
 
-    meta = dict(getattr(rule, "signature_config", None) or {})
-    if "context_grid" in meta and isinstance(meta["context_grid"], list):
-        meta["context_grid"] = tuple(meta["context_grid"])
+    meta = dict(getattr(rule, "signature_config", None) or {})  # SignatureConfig takes JSON's list for a tuple
     layers = meta.pop("capture_layers", ())
     try:
         digest = SignatureConfig(**meta).digest(tuple(int(i) for i in layers))
