@@ -38,6 +38,7 @@ tensor). Deterministic: the same probe gives a bit-identical signature.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -131,10 +132,15 @@ class SignatureConfig:
         return stable_digest(meta, 12)
 
 
+@functools.lru_cache(maxsize=1)
+def _default_digest() -> str:
+    return SignatureConfig().digest()
+
+
 def settings_digest(signature: Signature) -> str:
     """The Signature Builder settings ``signature`` was built with (``SignatureConfig.digest``); a signature that
     records none was built before they were recorded, with the defaults."""
-    return signature.config or SignatureConfig().digest()
+    return signature.config or _default_digest()
 
 
 # --- latent -> RGB -> CIELAB on the token grid ---------------------------------------------------------------

@@ -88,13 +88,14 @@ def _within_recall(
     mine = settings.of(target) if settings is not None else ""
     for i in sorted(range(len(items)), key=lambda j: -float(items[j].similarity)):
         sim = float(items[i].similarity)
+        theirs = settings.of(items[i].signature) if settings is not None else ""
         if settings is not None and mine != settings.rule:
             rejected[i] = (f"rejected: this request's signature was built with Signature Builder settings "
                            f"({mine}) other than the rule's ({settings.rule}); the rule's thresholds do not apply "
                            "to it — use the settings the rule was calibrated with (the node defaults)")
-        elif settings is not None and settings.of(items[i].signature) != mine:
+        elif theirs != mine:
             rejected[i] = (f"rejected: the cached signature was built with other Signature Builder settings "
-                           f"({settings.of(items[i].signature)}, this request {mine}): not comparable")
+                           f"({theirs}, this request {mine}): not comparable")
         elif floor is not None and sim < floor:
             rejected[i] = (f"rejected: similarity {sim:.4f} is below the rule's recall minimum {floor:.4f} (the "
                            "rule was certified on that recall)")
