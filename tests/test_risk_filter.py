@@ -1,6 +1,7 @@
 """Risk Filter decisions: best passing candidate, reasons per axis, modes, refusals."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -172,3 +173,39 @@ def test_decide_with_rule_file_confines_paths(tmp_path):
     # prompt_only does not need the rule file at all
     assert decide_with_rule_file(None, c, rule_file="", rule_roots=[rules], mode="prompt_only",
                                  prompt_threshold=0.5).accepted
+
+
+def test_a_rule_for_another_model_names_the_rule_files_that_do_apply(tmp_path):
+    """The usual mismatch: the plain model's rule picked for a MODEL patched by EasyCache (another fingerprint).
+    The error keeps its explanation and names the certified rule files in the rule folders that apply; files that
+    apply to neither, uncertified ones and non-rules are not suggested."""
+    shipped, user = tmp_path / "shipped", tmp_path / "user"
+    patched_fp = "0123456789abcdef" + MODEL_FP[16:][::-1]  # another model (fingerprint prefix differs)
+    RULE.save(shipped / "plain.json")
+    dataclasses.replace(RULE, model_fingerprint=patched_fp).save(shipped / "patched.json")
+    dataclasses.replace(RULE, model_fingerprint=patched_fp,
+                        certificate=make_rule(k=3, n=60).certificate).save(user / "patched_weak.json")
+    other_cfg = GenConfig("embedded", (16, 8, 16, 16), 30, "euler", "simple", 5.0, "abc123", 4)
+    dataclasses.replace(RULE, config_fingerprint=other_cfg.fingerprint()).save(user / "other_config.json")
+    (user / "notes.json").write_text('{"not": "a rule"}')
+
+    class PatchedProbe:
+        model_fingerprint = patched_fp
+        config = CONFIG
+
+    c = cands(cand("same", 0.9, SAME), namespace=namespace_key(patched_fp, CONFIG))
+    for probe in (PatchedProbe(), None):  # from the probe's fingerprints, or from the candidates' namespace
+        with pytest.raises(RuleMismatchError) as e:
+            decide_with_rule_file(TARGET, c, rule_file="plain.json", rule_roots=[user, shipped], probe=probe)
+        msg = str(e.value)
+        assert "does not apply" in msg and "calibrate_cli" in msg  # the original explanation stays
+        assert "'patched.json'" in msg and "set rule_file" in msg
+        for name in ("plain.json", "patched_weak.json", "other_config.json", "notes.json"):
+            assert f"'{name}'" not in msg.split("apply to this request:")[-1]
+    assert decide_with_rule_file(TARGET, c, rule_file="patched.json", rule_roots=[user, shipped],
+                                 probe=PatchedProbe()).accepted
+    # nothing in reach applies: the plain mismatch error, no suggestion
+    (shipped / "patched.json").unlink()
+    with pytest.raises(RuleMismatchError) as e:
+        decide_with_rule_file(TARGET, c, rule_file="plain.json", rule_roots=[user, shipped], probe=PatchedProbe())
+    assert "set rule_file" not in str(e.value)

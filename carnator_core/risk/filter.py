@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from ..paths import resolve_confined
 from ..types import AxisCheck, Candidate, Candidates, CandidateVerdict, Decision, Signature
 from .discrepancy import Discrepancies, discrepancies
-from .rule import RiskRule, RuleError
+from .rule import RiskRule, RuleError, RuleMismatchError
 from .thresholds import Thresholds, prompt_check, select_best
 
 MODES: tuple[str, ...] = ("signature", "prompt_only", "never")
@@ -272,23 +272,68 @@ def decide_with_rule_file(
     model/config (or to the candidates' namespace without a probe), and :func:`decide` — with
     ``signature_settings(rule)`` (the node passes ``request.signature_settings``)."""
     rule = None
+    path = None
     if mode == "signature":
         path = resolve_confined(rule_file, rule_roots, must_exist=True, what="risk rule file")
         rule = RiskRule.load(path, allow_uncertified=allow_uncertified)
     model_fp = config_fp = None
     if probe is not None and mode == "signature":
         model_fp, config_fp = probe_fingerprints(probe)
-    return decide(
-        target,
-        candidates,
-        rule,
-        mode,
-        prompt_threshold,
-        model_fingerprint=model_fp,
-        config_fingerprint=config_fp,
-        allow_uncertified=allow_uncertified,
-        signature_settings=signature_settings(rule) if signature_settings is not None and rule is not None else None,
-    )
+    try:
+        return decide(
+            target,
+            candidates,
+            rule,
+            mode,
+            prompt_threshold,
+            model_fingerprint=model_fp,
+            config_fingerprint=config_fp,
+            allow_uncertified=allow_uncertified,
+            signature_settings=signature_settings(rule) if signature_settings is not None and rule is not None
+            else None,
+        )
+    except RuleMismatchError as e:
+        # The usual cause is a rule picked for another MODEL of the same family (e.g. the plain model's rule on
+        # a MODEL patched by ComfyUI's EasyCache node): name the rule files in reach that do apply.
+        others = [p for p in applicable_rule_files(rule_roots, model_fingerprint=model_fp, config_fingerprint=config_fp,
+                                                   namespace=None if model_fp is not None else candidates.namespace)
+                  if path is None or p.resolve() != path.resolve()]
+        if not others:
+            raise
+        names = ", ".join(repr(p.name) for p in others)
+        raise RuleMismatchError(f"{e} Certified rule file(s) in the rule folders that apply to this request: "
+                                f"{names}; set rule_file to one of them.") from e
 
 
-__all__ = ["MODES", "UNCERTIFIED_BANNER", "decide", "decide_with_rule_file", "probe_fingerprints"]
+def applicable_rule_files(
+    rule_roots: Sequence[str | Path],
+    *,
+    model_fingerprint: str | None = None,
+    config_fingerprint: str | None = None,
+    namespace: str | None = None,
+) -> list[Path]:
+    """Certified rule files (``*.json`` directly inside ``rule_roots``, first root first) calibrated for this model
+    and config — given as both fingerprints, or as a cache namespace. Files that are not valid rules, or whose
+    certificate fails, are skipped: this only suggests what a mismatched request could use instead."""
+    if model_fingerprint is None and namespace is None:
+        return []
+    found: list[Path] = []
+    for root in rule_roots:
+        root = Path(root)
+        if not root.is_dir():
+            continue
+        for p in sorted(root.glob("*.json")):
+            try:
+                rule = RiskRule.load(p)
+                if model_fingerprint is not None:
+                    rule.check_applicable(model_fingerprint, str(config_fingerprint))
+                else:
+                    rule.check_namespace(str(namespace))
+            except (RuleError, OSError, ValueError):
+                continue
+            found.append(p)
+    return found
+
+
+__all__ = ["MODES", "UNCERTIFIED_BANNER", "applicable_rule_files", "decide", "decide_with_rule_file",
+           "probe_fingerprints"]
