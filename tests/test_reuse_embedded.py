@@ -124,3 +124,31 @@ def test_serve_runs_hits_with_the_rules_reuse_settings(emb):
             hits.append(res)
     assert hits, "the rule accepted none of the re-captioned requests"
     assert all(h.probe.context_kv for h in hits)  # the probe kept what probe_context reads
+
+
+def test_the_shipped_easycache_rule_applies_behind_comfyuis_easycache_node_only(emb):
+    """rules/embedded_easycache.json (attempt E4) was certified on the embedded model behind ComfyUI's EasyCache node
+    at its default settings (0.2, 0.15, 0.95): it must apply to exactly that MODEL — and the plain model's rule must
+    not (the fingerprint covers model patches). A change to the fingerprint or to what the node patches shows here,
+    not as a rule that silently stops applying."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    from carnator.carnator_core.comfy_patch import model_fingerprint
+    from carnator.carnator_core.risk.rule import RiskRule, RuleMismatchError
+
+    model = emb[0]
+    easy = EasyCacheNode.execute(model, 0.2, 0.15, 0.95, False).args[0]
+    plain_rule = RiskRule.load(ROOT / "rules" / "embedded.json")
+    easy_rule = RiskRule.load(ROOT / "rules" / "embedded_easycache.json")
+    assert easy_rule.certificate.passed and easy_rule.reuse_config.get("motion_shift") == 0.045
+    config_fp = plain_rule.config_fingerprint
+    assert easy_rule.config_fingerprint == config_fp  # same generation config, another MODEL
+    easy_rule.check_applicable(model_fingerprint(easy, "embedded"), config_fp)
+    plain_rule.check_applicable(model_fingerprint(model, "embedded"), config_fp)
+    with pytest.raises(RuleMismatchError):
+        easy_rule.check_applicable(model_fingerprint(model, "embedded"), config_fp)
+    with pytest.raises(RuleMismatchError):
+        plain_rule.check_applicable(model_fingerprint(easy, "embedded"), config_fp)
+    other = EasyCacheNode.execute(model, 0.3, 0.15, 0.95, False).args[0]  # another threshold: another MODEL
+    with pytest.raises(RuleMismatchError):
+        easy_rule.check_applicable(model_fingerprint(other, "embedded"), config_fp)
