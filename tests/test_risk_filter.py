@@ -204,6 +204,12 @@ def test_a_rule_for_another_model_names_the_rule_files_that_do_apply(tmp_path):
             assert f"'{name}'" not in msg.split("apply to this request:")[-1]
     assert decide_with_rule_file(TARGET, c, rule_file="patched.json", rule_roots=[user, shipped],
                                  probe=PatchedProbe()).accepted
+    # a user file of the same name shadows the shipped one: the name is suggested only if the file found first applies
+    RULE.save(user / "patched.json")
+    with pytest.raises(RuleMismatchError) as e:
+        decide_with_rule_file(TARGET, c, rule_file="plain.json", rule_roots=[user, shipped], probe=PatchedProbe())
+    assert "set rule_file" not in str(e.value)
+    (user / "patched.json").unlink()
     # nothing in reach applies: the plain mismatch error, no suggestion
     (shipped / "patched.json").unlink()
     with pytest.raises(RuleMismatchError) as e:

@@ -312,17 +312,23 @@ def applicable_rule_files(
     config_fingerprint: str | None = None,
     namespace: str | None = None,
 ) -> list[Path]:
-    """Certified rule files (``*.json`` directly inside ``rule_roots``, first root first) calibrated for this model
-    and config — given as both fingerprints, or as a cache namespace. Files that are not valid rules, or whose
-    certificate fails, are skipped: this only suggests what a mismatched request could use instead."""
+    """Certified rule files (``*.json`` directly inside ``rule_roots``, first root first; a name only where the
+    filter's lookup would find it) calibrated for this model and config — given as both fingerprints, or as a cache
+    namespace. Files that are not valid rules, or whose certificate fails, are skipped: this only suggests what a
+    mismatched request could use instead."""
     if model_fingerprint is None and namespace is None:
         return []
     found: list[Path] = []
+    seen: set[str] = set()
     for root in rule_roots:
         root = Path(root)
         if not root.is_dir():
             continue
         for p in sorted(root.glob("*.json")):
+            # The filter looks a name up root by root: a file shadowed by an earlier root's is never the one loaded.
+            if p.name in seen:
+                continue
+            seen.add(p.name)
             try:
                 rule = RiskRule.load(p)
                 if model_fingerprint is not None:
