@@ -102,8 +102,9 @@ def block_alone(model: Any, subset: int, repeats: int) -> dict[str, Any]:
     return rows
 
 
-def serving_path(args: argparse.Namespace) -> tuple[dict[str, Any], Any, int]:
-    """Part 1: time every model call, block and context attention of real hits beside their dense twins."""
+def serving_path(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], Any]:
+    """Part 1: time every model call, block and context attention of real hits beside their dense twins (the warm
+    cache and the frozen weights copy live in ``tmp``)."""
     import comfy.ldm.wan.model as wan
     import numpy as np
 
@@ -119,7 +120,6 @@ def serving_path(args: argparse.Namespace) -> tuple[dict[str, Any], Any, int]:
                             easycache_end=0.95, rule=str(T.DEFAULT_RULE), dev_thresholds="8,0.5,1.0,10").items():
         setattr(wargs, name, value)
     wl = T.build_workload(T.spec_from_args(wargs))
-    tmp = Path(tempfile.mkdtemp(prefix="carnator-restricted-"))
     env = T.load_env(wargs, tmp)
     warm = Store.open(tmp / "warm", key_path=tmp / "index.key")
     first = None
@@ -187,6 +187,7 @@ def serving_path(args: argparse.Namespace) -> tuple[dict[str, Any], Any, int]:
         dm.forward = forward
         wan.WanAttentionBlock.forward = block_forward
         comfy_patch._context_attention = context_attention
+        warm.close()
     layers = len(dm.blocks)
     out = {
         "requests": decisions,
@@ -202,7 +203,7 @@ def serving_path(args: argparse.Namespace) -> tuple[dict[str, Any], Any, int]:
         "layers": layers,
         "subset_tokens_median": int(np.median(subset_sizes)) if subset_sizes else None,
     }
-    return out, env.model, env_tokens
+    return out, env.model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    serving, model, _ = serving_path(args)
+    with tempfile.TemporaryDirectory(prefix="carnator-restricted-") as tmp:
+        serving, model = serving_path(args, Path(tmp))
     # the block alone at the subset size the hits above ran their restricted layers on
     subset = serving["subset_tokens_median"]
     if subset is None:
