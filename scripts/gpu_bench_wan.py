@@ -207,6 +207,59 @@ def make_hit_block_fn(block, sa, apply_rope1, keep, bs, L, subset, rows, backend
     return forward
 
 
+def make_ctx_block_fn(block, sa, apply_rope1, keep, bs, L, subset, records, layer, backend):
+    """The shipped hit path's block (``kv_context``, the Wan workflows' setting): the block runs on the subset's
+    tokens only, and the subset's queries attend to *every* token -- the subset's own keys/values fresh, the
+    others' those recorded at the last dense (refresh) call of this layer (``records[layer]``, [B, L, H*D] each,
+    as ComfyUI's attention receives them), as ``comfy_patch._context_attention`` does: over the recorded block
+    structure with the token-set kernel (``keep`` [1, nb, nb], the union over heads plus the diagonal) or plain
+    SDPA (``keep`` None). Every subset row is written back. Mirrors comfy.ldm.wan.model.WanAttentionBlock.forward
+    (0.3.75)."""
+    attn = block.self_attn
+    n, d = attn.num_heads, attn.head_dim
+    all_pos = torch.arange(L, device=subset.device)
+
+    def forward(x, e, freqs, context, transformer_options):
+        mod = block.modulation.to(dtype=x.dtype, device=x.device)
+        e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
+        xs = x[:, subset]
+        fs = freqs[:, subset]
+        b, s = xs.shape[:2]
+        h = torch.addcmul(e[0], block.norm1(xs), 1 + e[1])
+        q = apply_rope1(attn.norm_q(attn.q(h)).view(b, s, n, d), fs)
+        k = apply_rope1(attn.norm_k(attn.k(h)).view(b, s, n, d), fs)
+        v = attn.v(h).view(b, s, n, d)
+        rk, rv = records[layer]
+        keys = rk.index_copy(1, subset, k.reshape(b, s, n * d)).view(b, L, n, d).transpose(1, 2)
+        values = rv.index_copy(1, subset, v.reshape(b, s, n * d)).view(b, L, n, d).transpose(1, 2)
+        q = q.transpose(1, 2)
+        if keep is None:
+            y = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+        else:
+            y = sa.token_block_sparse_attention(q, keys, values, keep, bs, L, subset, all_pos, backend=backend)
+        y = attn.o(y.transpose(1, 2).reshape(b, s, n * d))
+        xs = torch.addcmul(xs, y, e[2])
+        xs = xs + block.cross_attn(block.norm3(xs), context, context_img_len=None,
+                                   transformer_options=transformer_options)
+        y = block.ffn(torch.addcmul(e[3], block.norm2(xs), 1 + e[4]))
+        xs = torch.addcmul(xs, y, e[5])
+        out = x.clone()
+        out[:, subset] = xs
+        return out
+
+    return forward
+
+
+def _svg_keep_fn():
+    """``svg_keep`` of scripts/bench_sparse_attention.py: Sparse VideoGen-like per-head block patterns (spatial
+    heads: own frame +- r frames; temporal heads: same rows +- r in every frame; plus a local band)."""
+    path = ROOT / "scripts" / "bench_sparse_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_sparse_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.svg_keep
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a crash check, not a benchmark")
@@ -220,6 +273,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", default="auto", choices=["auto", "flex", "gather"])
     ap.add_argument("--hit-active", type=float, default=0.25, help="active fraction of the hit-path variants")
     ap.add_argument("--skip-old", action="store_true", help="skip the dense_active / sparse@ variants")
+    ap.add_argument("--struct-densities", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5],
+                    help="block densities of the Sparse VideoGen-like structured patterns (attn_structured)")
+    ap.add_argument("--ctx-density", type=float, default=0.3,
+                    help="per-head structured density of the ctx@ / request hit (the kernel uses their union)")
+    ap.add_argument("--ctx-edge-layers", type=int, default=0,
+                    help="first/last N layers dense on the ctx@ / request hit (the Wan workflows: 0)")
+    ap.add_argument("--req-steps", type=int, default=30, help="request: model calls (the Wan workflow: 30)")
+    ap.add_argument("--req-probe", type=int, default=6, help="request: probe calls (the Wan workflow: 6)")
+    ap.add_argument("--req-refreshes", type=int, default=3, help="request: dense refresh calls (the Wan workflow: 3)")
+    ap.add_argument("--req-rounds", type=int, default=2, help="request: alternating rounds of dense and hits")
     args = ap.parse_args(argv)
     t_start = time.time()
 
@@ -253,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "edge_layers": args.edge_layers, "backend": backend, "tiny": args.tiny},
         "variants": {},
         "checks": {},
+        "errors": {},
     }
 
     def save() -> None:
@@ -356,127 +420,334 @@ def main(argv: list[str] | None = None) -> dict:
         result["checks"][f"{backend}_vs_gather_max_abs"] = float((o_g.float() - o_b.float()).abs().max())
     save()
 
-    # --- attention-only: one self-attention call at full length ---
-    attn_res = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))}
-    for dens in args.densities:
-        kp = ((torch.rand(H, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
-        t0 = time.perf_counter()
-        bm = sa.build_flex_block_mask(kp, bs, L) if backend == "flex" else None
-        pl = sa.plan_block_sparse(kp, bs, L, device=device) if backend == "gather" else None
-        sync()
-        prep_ms = (time.perf_counter() - t0) * 1e3
-        r = timed(lambda: sa.block_sparse_attention(q, k, v, kp, bs, backend=backend, block_mask=bm, plan=pl))
-        r.update({"density": round(float(kp.float().mean()), 4), "mask_or_plan_build_ms": round(prep_ms, 1),
-                  "speedup_vs_sdpa": round(attn_res["sdpa"]["median_ms"] / r["median_ms"], 2)})
-        attn_res[f"{backend}@{dens:g}"] = r
-    result["attn_only"] = attn_res
-    save()
-
-    # --- the hit path's kernel: self-attention among a hit's subset (queries = keys = subset) ---
+    # --- the shipped hit path (kv_context): subset queries over every token's keys/values ---------------------
+    svg_keep = _svg_keep_fn()
     subset, rows = subset_index(grid, args.hit_active, device)
     S = int(subset.numel())
-    with torch.inference_mode():
-        qs, ks, vs = (t[:, :, subset].contiguous() for t in (q, k, v))
-        hit_res = {"subset_tokens": S,
-                   "sdpa_unmasked": timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs))}
-        sb = subset // bs
-        for dens in args.densities:
-            kp = ((torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+    all_pos = torch.arange(L, device=device)
+    ctx_layers = list(range(args.ctx_edge_layers, n_layers - args.ctx_edge_layers))
+    keep_h, keep_meta = svg_keep(grid, bs, args.ctx_density, H)
+    # comfy_patch._subset_attention runs the union over heads plus the diagonal (one pattern for every head)
+    ctx_keep = (keep_h.any(0) | torch.eye(nb, dtype=torch.bool))[None].to(device)
+    ctx_kinds = {"plain": None, f"svg{args.ctx_density:g}": ctx_keep}
+    result["config"].update({"hit_subset_tokens": S, "hit_subset_fraction": round(S / L, 4),
+                             "ctx_layers": [ctx_layers[0], ctx_layers[-1]] if ctx_layers else [],
+                             "ctx_pattern_per_head": keep_meta,
+                             "ctx_union_density": round(float(ctx_keep.float().mean()), 4)})
+
+    def guarded(name: str, fn) -> None:
+        """Run one section; an error is recorded (the rest still runs) -- one lease, as much data as it gives."""
+        if time.time() - t_start > args.budget_s:
+            result["errors"][name] = "skipped: budget"
+            save()
+            return
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 -- recorded, and the next section runs
+            import traceback
+
+            result["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"[{name}] failed:\n{result['errors'][name]}", file=sys.stderr, flush=True)
+        save()
+
+    def ctx_checks() -> None:
+        nonlocal backend
+        with torch.inference_mode():
+            attn = blk.self_attn
+            b = args.batch
+            e6 = (blk.modulation.to(dtype=dtype, device=device).unsqueeze(0) + e).unbind(2)
+            hh = torch.addcmul(e6[0], blk.norm1(xin), 1 + e6[1])
+            kk = apply_rope1(attn.norm_k(attn.k(hh)).view(b, L, H, D), freqs).reshape(b, L, H * D)
+            vv = attn.v(hh).reshape(b, L, H * D)
+            recs = {lay: (kk, vv)}
+            for kind, kp in ctx_kinds.items():
+                fn = make_ctx_block_fn(blk, sa, apply_rope1, kp, bs, L, subset, recs, lay, backend)
+                out = fn(xin, e, freqs, ctx, {})
+                if kp is None:  # with the same input's own keys/values, the subset rows are the model block's
+                    result["checks"]["ctx_block_subset_rows_vs_model_block_max_abs"] = float(
+                        (out[:, subset].float() - ref[:, subset].float()).abs().max())
+                result["checks"][f"ctx_block_{kind}_rows_outside_subset_unchanged"] = bool(
+                    torch.equal(out.index_fill(1, subset, 0), xin.index_fill(1, subset, 0)))
+            qs = torch.randn(1, H, S, D, generator=g).to(device, dtype)
+            try:
+                o_b = sa.token_block_sparse_attention(qs, k, v, ctx_keep, bs, L, subset, all_pos, backend=backend)
+            except Exception as exc:  # noqa: BLE001 -- as comfy_patch does: the gather kernel, decided once
+                if backend == "gather":
+                    raise
+                result["errors"]["ctx_kernel_flex"] = f"{type(exc).__name__}: {exc}"[:2000]
+                backend = result["config"]["backend"] = "gather"
+                o_b = sa.token_block_sparse_attention(qs, k, v, ctx_keep, bs, L, subset, all_pos, backend=backend)
+            o_g = sa.token_block_sparse_attention(qs, k, v, ctx_keep, bs, L, subset, all_pos, backend="gather")
+            o_r = sa.token_block_sparse_attention(qs, k, v, ctx_keep, bs, L, subset, all_pos,
+                                                  backend="dense_masked") if S * L * 2 <= (2 << 30) else None
+            result["checks"][f"ctx_kernel_{backend}_vs_gather_max_abs"] = float((o_b.float() - o_g.float()).abs().max())
+            if o_r is not None:
+                result["checks"][f"ctx_kernel_{backend}_vs_masked_sdpa_max_abs"] = float(
+                    (o_b.float() - o_r.float()).abs().max())
+
+    guarded("ctx_checks", ctx_checks)
+
+    # Dense (refresh) calls record every restricted layer's keys/values, as comfy_patch's attention override does.
+    records: dict = {}
+
+    def kv_override(func, *a, **kw):
+        qq, kk = a[0], a[1]
+        if qq.shape[1] == kk.shape[1] == L and state["layer"] in ctx_layers:
+            records[state["layer"]] = (kk, a[2])
+        return func(*a, **kw)
+
+    refresh_opts = {"patches_replace": {"dit": {("double_block", i): layer_marker(i) for i in ctx_layers}},
+                    "optimized_attention_override": kv_override}
+    ctx_opts = {}
+    for kind, kp in ctx_kinds.items():
+        patches = {}
+        for i in ctx_layers:
+            fn = make_ctx_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, L, subset, records, i, backend)
+            patches[("double_block", i)] = (lambda fn: lambda a, extra: {
+                "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
+        ctx_opts[kind] = {"patches_replace": {"dit": patches}}
+
+    def ctx_calls() -> None:
+        result["variants"]["refresh"] = timed(lambda: forward(refresh_opts))
+        for kind, opts in ctx_opts.items():
             t0 = time.perf_counter()
-            pl = sa.plan_token_block_sparse(kp, bs, L, subset, device=device)
-            bm = sa.build_token_flex_block_mask(kp, bs, L, subset, device=device) if backend == "flex" else None
+            forward(opts)  # first call: plans, block masks and flex compilation for the subset's length
+            sync()
+            first_s = time.perf_counter() - t0
+            r = timed(lambda: forward(opts))
+            r.update({"subset": round(S / L, 4), "active": args.hit_active, "first_call_s": round(first_s, 1),
+                      "speedup_vs_dense": round(dense_ms / r["median_ms"], 3)})
+            result["variants"][f"ctx_{kind}@{args.hit_active:g}"] = r
+            save()
+
+    guarded("ctx_calls", ctx_calls)
+
+    def requests() -> None:
+        """Whole requests side by side: a dense request (``req_steps`` model calls) and a hit (``req_probe`` probe
+        calls, ``req_refreshes`` dense refresh calls spread as ``reuse.refresh_plan_calls`` spreads them -- the probe
+        keeps no keys/values at this size -- and restricted calls for the rest), alternating, one input per call
+        (the sampler's own arithmetic is negligible on the GPU)."""
+        from carnator.carnator_core.reuse import refresh_plan_calls
+
+        n_calls, probe = args.req_steps, args.req_probe
+        refresh = refresh_plan_calls(n_calls, probe, args.req_refreshes)
+
+        def run(kind: str) -> float:
+            sync()
+            t0 = time.perf_counter()
+            for i in range(n_calls):
+                if kind == "dense" or i < probe:
+                    forward({})
+                elif i in refresh:
+                    forward(refresh_opts)
+                else:
+                    forward(ctx_opts[kind])
+            sync()
+            return time.perf_counter() - t0
+
+        times: dict[str, list[float]] = {"dense": [], **{kind: [] for kind in ctx_opts}}
+        for rnd in range(args.req_rounds):
+            for kind in times:
+                if rnd > 0 and time.time() - t_start > args.budget_s:
+                    break
+                times[kind].append(round(run(kind), 3))
+            res = {"calls": n_calls, "probe_calls": probe, "refresh_calls": sorted(refresh), "seconds": times}
+            dense_s = statistics.median(times["dense"])
+            for kind in ctx_opts:
+                if times[kind]:
+                    res[f"speedup_{kind}"] = round(dense_s / statistics.median(times[kind]), 3)
+            result["request"] = res
+            save()
+
+    guarded("requests", requests)
+
+    def attn_structured() -> None:
+        """#15's kernel benchmark at full length: structured (Sparse VideoGen-like) per-head patterns of density
+        0.2-0.5, the block-sparse kernel against dense SDPA; and the hit path's kernel (the subset's queries over
+        every key, union pattern) against SDPA of the same queries over every key."""
+        res = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))}
+        qs = q[:, :, subset].contiguous()
+        res["ctx_sdpa"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v))
+        for dens in args.struct_densities:
+            kp, meta = svg_keep(grid, bs, dens, H)
+            kp = kp.to(device)
+            t0 = time.perf_counter()
+            bm = sa.build_flex_block_mask(kp, bs, L) if backend == "flex" else None
+            pl = sa.plan_block_sparse(kp, bs, L, device=device) if backend == "gather" else None
             sync()
             prep_ms = (time.perf_counter() - t0) * 1e3
-            r = timed(lambda: sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend=backend,
-                                                              plan=pl, block_mask=bm))
-            r.update({"density": round(pl.density, 4), "plan_ms": round(prep_ms, 1), "gather_sdpa_calls": pl.n_calls,
-                      "speedup_vs_subset_sdpa": round(hit_res["sdpa_unmasked"]["median_ms"] / r["median_ms"], 2)})
-            if backend == "flex":
-                o_f = sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend="flex", block_mask=bm)
-                o_g = sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend="gather", plan=pl)
-                r["flex_vs_gather_max_abs"] = float((o_f.float() - o_g.float()).abs().max())
-                r["gather"] = timed(lambda: sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset,
-                                                                            backend="gather", plan=pl))
-            hit_res[f"kernel@{dens:g}"] = r
-            if S * S * 4 <= (4 << 30):  # the former hit path: an [S, S] boolean mask (skip if > 4 GiB of scores)
-                mask = kp[0][sb[:, None], sb[None, :]]
-                mr = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask))
-                mr["speedup_vs_subset_sdpa"] = round(hit_res["sdpa_unmasked"]["median_ms"] / mr["median_ms"], 2)
-                hit_res[f"old_masked@{dens:g}"] = mr
-                del mask
+            r = timed(lambda: sa.block_sparse_attention(q, k, v, kp, bs, backend=backend, block_mask=bm, plan=pl))
+            r.update({"density": round(float(kp.float().mean()), 4), "heads": meta, "mask_or_plan_build_ms":
+                      round(prep_ms, 1), "speedup_vs_sdpa": round(res["sdpa"]["median_ms"] / r["median_ms"], 2)})
+            res[f"full@{dens:g}"] = r
+            union = (kp.any(0) | torch.eye(nb, dtype=torch.bool, device=device))[None]
+            t0 = time.perf_counter()
+            tpl = sa.plan_token_block_sparse(union, bs, L, subset, all_pos, device=device)
+            tbm = sa.build_token_flex_block_mask(union, bs, L, subset, all_pos, device=device) \
+                if backend == "flex" else None
+            sync()
+            prep_ms = (time.perf_counter() - t0) * 1e3
+            r = timed(lambda: sa.token_block_sparse_attention(qs, k, v, union, bs, L, subset, all_pos,
+                                                              backend=backend, plan=tpl, block_mask=tbm))
+            r.update({"union_density": round(float(union.float().mean()), 4), "kept_pairs": tpl.kept_pairs,
+                      "plan_ms": round(prep_ms, 1),
+                      "speedup_vs_ctx_sdpa": round(res["ctx_sdpa"]["median_ms"] / r["median_ms"], 2)})
+            res[f"ctx@{dens:g}"] = r
+            result["attn_structured"] = res
+            save()
+
+    guarded("attn_structured", attn_structured)
+
+    def earlier_sections() -> None:
+        """The first GPU script's sections (full-length random patterns, attention among the subset, the former
+        hit path), after the shipped path's so a short lease measures that first."""
+        # --- attention-only: one self-attention call at full length ---
+        attn_res = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))}
+        for dens in args.densities:
+            kp = ((torch.rand(H, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+            t0 = time.perf_counter()
+            bm = sa.build_flex_block_mask(kp, bs, L) if backend == "flex" else None
+            pl = sa.plan_block_sparse(kp, bs, L, device=device) if backend == "gather" else None
+            sync()
+            prep_ms = (time.perf_counter() - t0) * 1e3
+            r = timed(lambda: sa.block_sparse_attention(q, k, v, kp, bs, backend=backend, block_mask=bm, plan=pl))
+            r.update({"density": round(float(kp.float().mean()), 4), "mask_or_plan_build_ms": round(prep_ms, 1),
+                      "speedup_vs_sdpa": round(attn_res["sdpa"]["median_ms"] / r["median_ms"], 2)})
+            attn_res[f"{backend}@{dens:g}"] = r
+        result["attn_only"] = attn_res
+        save()
+
+        # --- the hit path's kernel: self-attention among a hit's subset (queries = keys = subset) ---
+        subset, rows = subset_index(grid, args.hit_active, device)
+        S = int(subset.numel())
+        with torch.inference_mode():
+            qs, ks, vs = (t[:, :, subset].contiguous() for t in (q, k, v))
+            hit_res = {"subset_tokens": S,
+                       "sdpa_unmasked": timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs))}
+            sb = subset // bs
+            for dens in args.densities:
+                kp = ((torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+                t0 = time.perf_counter()
+                pl = sa.plan_token_block_sparse(kp, bs, L, subset, device=device)
+                bm = sa.build_token_flex_block_mask(kp, bs, L, subset, device=device) if backend == "flex" else None
+                sync()
+                prep_ms = (time.perf_counter() - t0) * 1e3
+                r = timed(lambda: sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend=backend,
+                                                                  plan=pl, block_mask=bm))
+                r.update({"density": round(pl.density, 4), "plan_ms": round(prep_ms, 1),
+                          "gather_sdpa_calls": pl.n_calls,
+                          "speedup_vs_subset_sdpa": round(hit_res["sdpa_unmasked"]["median_ms"] / r["median_ms"], 2)})
+                if backend == "flex":
+                    o_f = sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend="flex", block_mask=bm)
+                    o_g = sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset, backend="gather", plan=pl)
+                    r["flex_vs_gather_max_abs"] = float((o_f.float() - o_g.float()).abs().max())
+                    r["gather"] = timed(lambda: sa.token_block_sparse_attention(qs, ks, vs, kp, bs, L, subset,
+                                                                                backend="gather", plan=pl))
+                hit_res[f"kernel@{dens:g}"] = r
+                if S * S * 4 <= (4 << 30):  # the former hit path: an [S, S] boolean mask (skip if > 4 GiB of scores)
+                    mask = kp[0][sb[:, None], sb[None, :]]
+                    mr = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask))
+                    mr["speedup_vs_subset_sdpa"] = round(hit_res["sdpa_unmasked"]["median_ms"] / mr["median_ms"], 2)
+                    hit_res[f"old_masked@{dens:g}"] = mr
+                    del mask
+                if time.time() - t_start > args.budget_s:
+                    break
+        result["hit_attn"] = hit_res
+        save()
+
+        # --- full forwards as the joint hit path runs them (subset only in the middle layers) ---
+        for dens in [1.0, *args.densities]:
+            name = f"hit@{dens:g},{args.hit_active:g}"
             if time.time() - t_start > args.budget_s:
-                break
-    result["hit_attn"] = hit_res
-    save()
+                result["variants"][name] = {"skipped": "budget"}
+                continue
+            patches = {}
+            for i in middle:
+                kp = None if dens >= 1.0 else (
+                    (torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+                fn = make_hit_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, L, subset, rows, backend)
+                patches[("double_block", i)] = (lambda fn: lambda a, extra: {
+                    "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
+            opts = {"patches_replace": {"dit": patches}}
+            t0 = time.perf_counter()
+            forward(opts)  # first call: plans, block masks and flex compilation
+            sync()
+            first_s = time.perf_counter() - t0
+            r = timed(lambda: forward(opts))
+            r.update({"subset": round(S / L, 4), "active": args.hit_active, "density": dens,
+                      "speedup_vs_dense": round(dense_ms / r["median_ms"], 3), "first_call_s": round(first_s, 1)})
+            result["variants"][name] = r
+            save()
 
-    # --- full forwards as the joint hit path runs them (subset only in the middle layers) ---
-    for dens in [1.0, *args.densities]:
-        name = f"hit@{dens:g},{args.hit_active:g}"
-        if time.time() - t_start > args.budget_s:
-            result["variants"][name] = {"skipped": "budget"}
-            continue
-        patches = {}
-        for i in middle:
-            kp = None if dens >= 1.0 else (
-                (torch.rand(1, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
-            fn = make_hit_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, L, subset, rows, backend)
-            patches[("double_block", i)] = (lambda fn: lambda a, extra: {
-                "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
-        opts = {"patches_replace": {"dit": patches}}
-        t0 = time.perf_counter()
-        forward(opts)  # first call: plans, block masks and flex compilation
-        sync()
-        first_s = time.perf_counter() - t0
-        r = timed(lambda: forward(opts))
-        r.update({"subset": round(S / L, 4), "active": args.hit_active, "density": dens,
-                  "speedup_vs_dense": round(dense_ms / r["median_ms"], 3), "first_call_s": round(first_s, 1)})
-        result["variants"][name] = r
-        save()
+        # --- full forwards: active-token restriction, block-sparse middle layers ---
+        plans = []
+        for dens in [None, *args.densities]:
+            for frac in args.active:
+                if dens is None and frac >= 1.0:
+                    continue  # that is "dense"
+                plans.append((dens, frac))
+        for dens, frac in ([] if args.skip_old else plans):
+            name = f"dense_active@{frac:g}" if dens is None else f"sparse@{dens:g},{frac:g}"
+            if time.time() - t_start > args.budget_s:
+                result["variants"][name] = {"skipped": "budget"}
+                continue
+            A = active_index(grid, frac, device)
+            patches = {}
+            t0 = time.perf_counter()
+            for i in middle:
+                if dens is None:
+                    kp = torch.ones(1, nb, nb, dtype=torch.bool, device=device)
+                else:
+                    kp = ((torch.rand(H, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
+                bm = sa.build_flex_block_mask(kp, bs, L, A) if backend == "flex" and dens is not None else None
+                pl = sa.plan_block_sparse(kp, bs, L, A, device=device) if backend != "flex" or dens is None else None
+                be = backend if dens is not None else "gather"  # all-true pattern: gather's plan is plain SDPA
+                fn = make_sparse_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, A, be, block_mask=bm, plan=pl)
+                patches[("double_block", i)] = (lambda fn: lambda a, extra: {
+                    "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
+            sync()
+            prep_ms = (time.perf_counter() - t0) * 1e3
+            opts = {"patches_replace": {"dit": patches}}
+            t0 = time.perf_counter()
+            forward(opts)  # first call: includes flex compilation for a new query length
+            sync()
+            first_s = time.perf_counter() - t0
+            r = timed(lambda: forward(opts))
+            r.update({"active": 1.0 if A is None else round(len(A) / L, 4), "density": 1.0 if dens is None else dens,
+                      "speedup_vs_dense": round(dense_ms / r["median_ms"], 3), "first_call_s": round(first_s, 1),
+                      "prep_ms_all_middle_layers": round(prep_ms, 1)})
+            result["variants"][name] = r
+            save()
 
-    # --- full forwards: active-token restriction, block-sparse middle layers ---
-    plans = []
-    for dens in [None, *args.densities]:
-        for frac in args.active:
-            if dens is None and frac >= 1.0:
-                continue  # that is "dense"
-            plans.append((dens, frac))
-    for dens, frac in ([] if args.skip_old else plans):
-        name = f"dense_active@{frac:g}" if dens is None else f"sparse@{dens:g},{frac:g}"
-        if time.time() - t_start > args.budget_s:
-            result["variants"][name] = {"skipped": "budget"}
-            continue
-        A = active_index(grid, frac, device)
-        patches = {}
-        t0 = time.perf_counter()
-        for i in middle:
-            if dens is None:
-                kp = torch.ones(1, nb, nb, dtype=torch.bool, device=device)
-            else:
-                kp = ((torch.rand(H, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
-            bm = sa.build_flex_block_mask(kp, bs, L, A) if backend == "flex" and dens is not None else None
-            pl = sa.plan_block_sparse(kp, bs, L, A, device=device) if backend != "flex" or dens is None else None
-            be = backend if dens is not None else "gather"  # all-true pattern: gather's plan is plain SDPA
-            fn = make_sparse_block_fn(model.blocks[i], sa, apply_rope1, kp, bs, A, be, block_mask=bm, plan=pl)
-            patches[("double_block", i)] = (lambda fn: lambda a, extra: {
-                "img": fn(a["img"], a["vec"], a["pe"], a["txt"], a["transformer_options"])})(fn)
-        sync()
-        prep_ms = (time.perf_counter() - t0) * 1e3
-        opts = {"patches_replace": {"dit": patches}}
-        t0 = time.perf_counter()
-        forward(opts)  # first call: includes flex compilation for a new query length
-        sync()
-        first_s = time.perf_counter() - t0
-        r = timed(lambda: forward(opts))
-        r.update({"active": 1.0 if A is None else round(len(A) / L, 4), "density": 1.0 if dens is None else dens,
-                  "speedup_vs_dense": round(dense_ms / r["median_ms"], 3), "first_call_s": round(first_s, 1),
-                  "prep_ms_all_middle_layers": round(prep_ms, 1)})
-        result["variants"][name] = r
-        save()
+
+    guarded("earlier_sections", earlier_sections)
 
     result["wall_s"] = round(time.time() - t_start, 1)
     print(json.dumps(result, indent=1))
     save()
+    print(summary(result))
     return result
+
+
+def summary(result: dict) -> str:
+    """A short table of the headline figures (the JSON has everything)."""
+    lines = [f"device {result['device']}  torch {result['torch']}  backend {result['config']['backend']}  "
+             f"tokens {result['config'].get('tokens')}  wall {result.get('wall_s')} s"]
+    for name, r in result["variants"].items():
+        if "median_ms" in r:
+            lines.append(f"  call {name:<22} {r['median_ms']:>10.1f} ms  x{r.get('speedup_vs_dense', 1.0)}")
+    req = result.get("request")
+    if req:
+        lines.append(f"  request {req['calls']} calls, probe {req['probe_calls']}, refresh {req['refresh_calls']}: "
+                     + ", ".join(f"{k} {v}" for k, v in req["seconds"].items())
+                     + "  " + " ".join(f"{k}={v}" for k, v in req.items() if k.startswith("speedup")))
+    for name, r in (result.get("attn_structured") or {}).items():
+        if "median_ms" in r:
+            sp = r.get("speedup_vs_sdpa", r.get("speedup_vs_ctx_sdpa", ""))
+            lines.append(f"  attn {name:<12} {r['median_ms']:>9.2f} ms  x{sp}")
+    lines.append(f"  checks {json.dumps(result['checks'])}")
+    lines.append(f"  errors {list(result['errors'])}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
