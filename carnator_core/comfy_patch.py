@@ -646,6 +646,24 @@ def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: i
     return previous(func, *new_args, **kwargs) if previous is not None else func(*new_args, **kwargs)
 
 
+def token_tiles_may_pay(device_type: str, keep: torch.Tensor, block_size: int, n_tokens: int,
+                        q_pos: torch.Tensor, k_pos: torch.Tensor | None) -> bool:
+    """The ``sparse_kernel="cost"`` policy for a token subset's attention: may the token-set block-sparse kernel
+    cost less than plain attention over the same keys?
+
+    CPU: the gather kernel's cost model (:func:`~.sparse_attention.tile_cost_ratio` < 1). CUDA: no. Measured on an
+    H200 at Wan 2.1-1.3B's 32,760 tokens (``scripts/gpu_bench_wan.py``, BENCHMARKS.md "On a GPU"): the subset's
+    queries over every key took 2.3-2.8x as long on the FlexAttention token-set kernel as on plain SDPA at union
+    densities 0.35-0.64, and 3.7-5.9x among the subset alone at 0.1-0.5 -- its query tiles straddle the recorded
+    blocks (partial tiles, element-wise ``mask_mod``) while SDPA runs the fused flash kernel -- and a whole hit
+    call cost 0.65 s against 0.38 s. Other devices: not measured; the density threshold alone decides."""
+    if device_type == "cuda":
+        return False
+    if device_type == "cpu":
+        return tile_cost_ratio(keep, block_size, n_tokens, q_pos, k_pos) < 1.0
+    return True
+
+
 def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: int, subset: torch.Tensor,
                       dense_above: float = 1.0, k_subset: torch.Tensor | None = None, by_cost: bool = False):
     """Self-attention among a token subset, restricted to the recorded blocks, on the block-sparse kernel.
@@ -662,9 +680,9 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
     Returns None when the structure keeps more than ``dense_above`` of the subset's pairs: there is then little
     to skip and the tiles' overhead can exceed it (the former masked SDPA at recorded density 0.98 made joint 14%
     slower per step than latent-only on a random-weight Wan at 8k tokens), so the caller runs plain attention
-    among the subset. ``by_cost``: None also where the CPU gather kernel's cost model says the tiles cost at least
-    as much as plain attention (:func:`~.sparse_attention.tile_cost_ratio` >= 1; decided from block counts, before
-    any plan is built; on other devices only ``dense_above`` decides)."""
+    among the subset. ``by_cost``: None also where the tiles are not expected to pay
+    (:func:`token_tiles_may_pay`: the CPU gather kernel's cost model, decided from block counts before any plan
+    is built; on CUDA never, as measured)."""
     key = ("subplan", run.layer, k_subset is not None)  # the context path's keys are another token set
     if key not in run.subset_cache:
         # A query's own block is always kept: its recorded key blocks may all lie outside the subset, and a row
@@ -672,7 +690,7 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
         kb = (keep.any(0) | torch.eye(keep.shape[-1], dtype=torch.bool, device=keep.device))[None]  # [1, Qb, Kb]
         # The same for every call of this run: decide, build and count once per layer. The cost model's constants
         # are the CPU gather kernel's; elsewhere only the density threshold decides.
-        if by_cost and q.device.type == "cpu" and tile_cost_ratio(kb, bs, run.n_tokens, subset, k_subset) >= 1.0:
+        if by_cost and not token_tiles_may_pay(q.device.type, kb, bs, run.n_tokens, subset, k_subset):
             run.subset_cache[key] = None
         else:
             plan = plan_token_block_sparse(kb, bs, run.n_tokens, subset, k_subset, device=q.device)

@@ -92,7 +92,8 @@ class ReuseConfig:
                      in every layer whose planned density is at most 0.85 (what rules recorded before this
                      setting ran: ``ABSENT_MEANS``). "cost" (default): only where the block-sparse tiles are
                      estimated to cost less than plain attention over the same keys
-                     (``sparse_attention.tile_cost_ratio`` / ``block_cost_ratio``, on the CPU); elsewhere the layer
+                     (``sparse_attention.tile_cost_ratio`` / ``block_cost_ratio`` on the CPU; on CUDA a token
+                     subset's attention never runs the tiles: ``comfy_patch.token_tiles_may_pay``); elsewhere the layer
                      attends to every key, as in latent mode — the more exact computation, and there the cheaper
                      one. Measured (``bench_sparse_attention.py --crossover``): at the embedded model's 576 tokens
                      the tiles cost 4-5.6x plain attention at any density (a joint hit there cost 0.51-0.60 of a

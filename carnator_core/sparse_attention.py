@@ -77,6 +77,15 @@ def n_blocks(n_tokens: int, block_size: int) -> int:
     return (int(n_tokens) + int(block_size) - 1) // int(block_size)
 
 
+def _plan_device(device: torch.device | str | None, fallback: torch.device) -> torch.device:
+    """The device a plan is built for, with its index: ``"cuda"`` means the current CUDA device, and a plan must
+    compare equal to the ``cuda:N`` its tensors report (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    dev = torch.device(device) if device is not None else torch.device(fallback)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _check_block_size(block_size: int) -> int:
     if int(block_size) != block_size or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -507,7 +516,7 @@ def plan_block_sparse(
     discarded (``out_perm`` never selects them).
     """
     block_size = _check_block_size(block_size)
-    device = torch.device(device) if device is not None else keep.device
+    device = _plan_device(device, keep.device)
     keep = _normalize_keep(keep, None, n_tokens, block_size).to("cpu")
     Hk, Qb, Kb = keep.shape
     L = int(n_tokens)
@@ -740,7 +749,7 @@ def build_flex_block_mask(
     from torch.nn.attention.flex_attention import BlockMask
 
     block_size = _check_block_size(block_size)
-    device = torch.device(device) if device is not None else keep.device
+    device = _plan_device(device, keep.device)
     keep = _normalize_keep(keep, None, n_tokens, block_size).to(device)
     Hk, Qb, Kb = keep.shape
     L = int(n_tokens)
@@ -1026,7 +1035,7 @@ def plan_token_block_sparse(
     block_size = _check_block_size(block_size)
     L = int(n_tokens)
     keep = _normalize_keep(keep, None, L, block_size).to("cpu")
-    device = torch.device(device) if device is not None else keep.device
+    device = _plan_device(device, keep.device)
     Hk, Qb, Kb = keep.shape
     qp = _positions(q_pos, L, "q_pos")
     kp = qp if k_pos is None else _positions(k_pos, L, "k_pos")
@@ -1256,7 +1265,7 @@ def build_token_flex_block_mask(
     block_size = _check_block_size(block_size)
     L = int(n_tokens)
     keep = _normalize_keep(keep, None, L, block_size)
-    device = torch.device(device) if device is not None else keep.device
+    device = _plan_device(device, keep.device)
     keep = keep.to(device)
     Hk, Qb, Kb = keep.shape
     qp = q_pos.to(device).long().reshape(-1)

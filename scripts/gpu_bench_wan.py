@@ -6,8 +6,9 @@ in_dim 16, text_len 512) and a 480p / 81-frame latent [16, 21, 60, 104] -> 21 x 
 times (CUDA-synchronised, median of --repeats after a warm-up call):
 
   dense                 the model's own forward (ComfyUI attention = PyTorch SDPA)
-  record                dense forward + BlockRecorder.observe on every middle layer's self-attention (one step's
-                        recording cost; a run records a few steps)
+  record                dense forward + BlockRecorder.observe on every middle layer's self-attention, one row of
+                        the CFG batch as comfy_patch records (one step's recording cost; a run records a few
+                        steps; the 2026-12-04 GPU figures recorded both rows)
   dense_active@f        middle layers update only the active tokens A (fraction f; a centred box in every frame),
                         the other tokens serve as keys/values only; attention dense
   sparse@d,f            as above with middle-layer self-attention restricted to a block structure of density d
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--req-probe", type=int, default=6, help="request: probe calls (the Wan workflow: 6)")
     ap.add_argument("--req-refreshes", type=int, default=3, help="request: dense refresh calls (the Wan workflow: 3)")
     ap.add_argument("--req-rounds", type=int, default=2, help="request: alternating rounds of dense and hits")
+    ap.add_argument("--sections", default="ctx_checks,ctx_calls,requests,attn_structured,earlier_sections",
+                    help="comma-separated sections to run after dense/record/checks (a second lease's rerun)")
     args = ap.parse_args(argv)
     t_start = time.time()
 
@@ -381,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     def record_override(func, *a, **kw):
         q, k = a[0], a[1]
         if q.shape[1] == k.shape[1] and rec.wants(state["layer"], 0):
-            rec.observe_bld(state["layer"], 0, q, k, kw.get("heads", a[3] if len(a) > 3 else H))
+            # one row of the CFG batch, as comfy_patch records (the cond row)
+            rec.observe_bld(state["layer"], 0, q[:1], k[:1], kw.get("heads", a[3] if len(a) > 3 else H))
         return func(*a, **kw)
 
     rec_opts = {"patches_replace": {"dit": {("double_block", i): layer_marker(i) for i in middle}},
@@ -437,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def guarded(name: str, fn) -> None:
         """Run one section; an error is recorded (the rest still runs) -- one lease, as much data as it gives."""
+        if name not in args.sections.split(","):
+            return
         if time.time() - t_start > args.budget_s:
             result["errors"][name] = "skipped: budget"
             save()

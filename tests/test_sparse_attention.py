@@ -833,3 +833,33 @@ def test_cost_policy_runs_plain_attention_where_tiles_do_not_pay_and_the_kernel_
     monkeypatch.setattr(cp, "block_cost_ratio", lambda *a, **kw: 0.5)
     forced, forced_calls = hit(dataclasses.replace(base, sparse_kernel="cost"))
     assert forced_calls == always_calls and torch.equal(forced, always)
+
+
+@pytest.mark.comfy
+def test_cost_policy_on_cuda_never_runs_the_token_set_kernel(comfy_env):
+    """On CUDA the token-set kernel measured slower than plain SDPA at every density (H200, 32k tokens): "cost"
+    sends a subset's attention to plain attention there even where the CPU cost model says the tiles pay."""
+    from carnator.carnator_core import comfy_patch as cp
+
+    L, bs = 8192, 128
+    nb = sa.n_blocks(L, bs)
+    i = torch.arange(nb)
+    band = ((i[:, None] - i[None, :]).abs() <= 10)[None]
+    sub = torch.sort(torch.randperm(L, generator=_gen(5))[: int(0.3 * L)]).values
+    assert sa.tile_cost_ratio(band, bs, L, sub, torch.arange(L)) < 1.0  # pays on the CPU ...
+    assert cp.token_tiles_may_pay("cpu", band, bs, L, sub, torch.arange(L))
+    assert not cp.token_tiles_may_pay("cuda", band, bs, L, sub, torch.arange(L))  # ... never on CUDA
+    dense = torch.ones(1, nb, nb, dtype=torch.bool)
+    assert not cp.token_tiles_may_pay("cpu", dense, bs, L, sub, torch.arange(L))
+
+
+def test_a_plan_built_for_bare_cuda_names_the_current_device(monkeypatch):
+    """``device="cuda"`` must resolve to ``cuda:<current>``: tensors on the GPU report ``cuda:0`` and a plan stored
+    as bare ``cuda`` was refused as "built for another device" by every call on the lent H200 (2026-12-04)."""
+    monkeypatch.setattr(sa.torch.cuda, "current_device", lambda: 3)
+    assert sa._plan_device("cuda", torch.device("cpu")) == torch.device("cuda", 3)
+    assert sa._plan_device("cuda:1", torch.device("cpu")) == torch.device("cuda", 1)
+    assert sa._plan_device(None, torch.device("cpu")) == torch.device("cpu")
+    keep = torch.ones(1, 2, 2, dtype=torch.bool)
+    plan = sa.plan_token_block_sparse(keep, 4, 8, torch.arange(8), device="cpu")
+    assert plan.compatible(1, 8, 8, torch.device("cpu"))
