@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--req-probe", type=int, default=6, help="request: probe calls (the Wan workflow: 6)")
     ap.add_argument("--req-refreshes", type=int, default=3, help="request: dense refresh calls (the Wan workflow: 3)")
     ap.add_argument("--req-rounds", type=int, default=2, help="request: alternating rounds of dense and hits")
-    ap.add_argument("--sections", default="ctx_checks,ctx_calls,requests,attn_structured,earlier_sections",
+    ap.add_argument("--sections", default="ctx_checks,record_parts,ctx_calls,requests,attn_structured,"
+                    "earlier_sections",
                     help="comma-separated sections to run after dense/record/checks (a second lease's rerun)")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -492,6 +493,26 @@ def main(argv: list[str] | None = None) -> dict:
                     (o_b.float() - o_r.float()).abs().max())
 
     guarded("ctx_checks", ctx_checks)
+
+    def record_parts() -> None:
+        """Where one layer's recording goes (one CFG row, [1, H, L, D]): the block-mass estimate at the default
+        chunking and at 16x larger chunks, the block selection, and the whole observe (incl. the copy to the CPU)."""
+        with torch.inference_mode():
+            q1, k1 = q[:1], k[:1]
+            res = {
+                "estimate_default_chunks": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8)),
+                "estimate_16x_chunks": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8,
+                                                                            max_chunk_elems=1 << 28)),
+            }
+            probs = sa.estimate_block_mass(q1, k1, bs, sample_queries=8)
+            res["select_blocks"] = timed(lambda: sa.select_blocks(probs, 0.9))
+            one = sa.BlockRecorder(bs, layers=None, mass=0.9, sample_queries=8)
+            res["observe_one_layer"] = timed(lambda: one.observe(0, 0, q1, k1))
+            res["dense_call_ms"] = dense_ms
+            res["middle_layers"] = len(middle)
+            result["record_parts"] = res
+
+    guarded("record_parts", record_parts)
 
     # Dense (refresh) calls record every restricted layer's keys/values, as comfy_patch's attention override does.
     records: dict = {}
@@ -751,6 +772,9 @@ def summary(result: dict) -> str:
         if "median_ms" in r:
             sp = r.get("speedup_vs_sdpa", r.get("speedup_vs_ctx_sdpa", ""))
             lines.append(f"  attn {name:<12} {r['median_ms']:>9.2f} ms  x{sp}")
+    for name, r in (result.get("record_parts") or {}).items():
+        if isinstance(r, dict):
+            lines.append(f"  record {name:<24} {r['median_ms']:>9.2f} ms")
     lines.append(f"  checks {json.dumps(result['checks'])}")
     lines.append(f"  errors {list(result['errors'])}")
     return "\n".join(lines)
