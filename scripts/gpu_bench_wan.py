@@ -453,7 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception:  # noqa: BLE001 -- recorded, and the next section runs
             import traceback
 
-            result["errors"][name] = traceback.format_exc()[-3000:]
+            # paths relative to the repository: the JSON is committed with the measurements
+            result["errors"][name] = traceback.format_exc().replace(str(ROOT) + os.sep, "")[-3000:]
             print(f"[{name}] failed:\n{result['errors'][name]}", file=sys.stderr, flush=True)
         save()
 
