@@ -137,6 +137,46 @@ def _query_representatives(q: torch.Tensor, block_size: int, sample_queries: int
     return q[:, :, rows.reshape(-1), :].reshape(B, H, nb, s, D)
 
 
+_INDICATORS: dict[tuple, torch.Tensor] = {}
+
+
+def _block_indicators(n_tokens: int, block_size: int, width: int, part: int, device, dtype) -> torch.Tensor:
+    """[L, width]: column c is 1 on the keys of block ``part * width + c`` (0 beyond the last block); cached."""
+    key = (n_tokens, block_size, width, part, str(device), dtype)
+    t = _INDICATORS.get(key)
+    if t is None:
+        blk = torch.arange(n_tokens, device=device) // block_size - part * width
+        t = torch.zeros(n_tokens, width, device=device, dtype=dtype)
+        ok = (blk >= 0) & (blk < width)
+        t[ok.nonzero().squeeze(1), blk[ok]] = 1
+        if len(_INDICATORS) > 16:
+            _INDICATORS.clear()
+        _INDICATORS[key] = t
+    return t
+
+
+def _block_mass_fused(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_queries: int,
+                      scale: float) -> torch.Tensor:
+    """float32 [B, H, Qb, Kb]: per representative query, its attention mass per key block, as attention whose
+    values are block indicators (value width = q's head dim, so the fused kernels apply; several calls when there
+    are more key blocks than that), averaged over each block's representatives."""
+    B, H, L, D = q.shape
+    reps = _query_representatives(q, block_size, sample_queries)  # [B, H, Qb, S, D]
+    Qb, S = reps.shape[2], reps.shape[3]
+    r = reps.reshape(B, H, Qb * S, D)
+    nb = n_blocks(L, block_size)
+    width = D
+    parts = []
+    for part in range(n_blocks(nb, width)):
+        ind = _block_indicators(L, block_size, width, part, q.device, q.dtype)
+        v = ind.expand(B, H, L, width)
+        if q.is_cuda:  # the fused CUDA kernels want real strides, not a broadcast view
+            v = v.contiguous()
+        parts.append(F.scaled_dot_product_attention(r, k, v, scale=scale).float())
+    mass = torch.cat(parts, dim=-1)[..., :nb]  # [B, H, Qb*S, nb]
+    return mass.reshape(B, H, Qb, S, nb).mean(3)
+
+
 @torch.no_grad()
 def estimate_block_mass(
     q: torch.Tensor,
@@ -148,6 +188,7 @@ def estimate_block_mass(
     head_average: bool = False,
     scale: float | None = None,
     max_chunk_elems: int = 1 << 24,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Estimated attention probability mass per (query block, key block), without the full softmax.
 
@@ -159,6 +200,13 @@ def estimate_block_mass(
 
     Returns float32 [Hh, Qb, Kb], Hh = 1 if head_average else H; every row sums to 1.
     Cost: O(Qb * S * L * D) per head with all keys (1/block_size of the dense QK^T for S = 1).
+
+    ``fused`` (``key_pooling="none"`` only; None = on CUDA): the same quantity as one fused attention call whose
+    values are the key blocks' indicator vectors -- softmax(q k^T) @ onehot(block of key) is each row's mass per
+    key block -- in q's dtype, so no [rows, L] score matrix is written. On an H200 at 32,760 tokens the unfused
+    float32 estimate was 16.7 ms of a layer's 17.6 ms recording (BENCHMARKS.md "On a GPU"). In bfloat16 the masses
+    carry ~3 significant digits, so a block at the edge of the ``mass`` threshold may be selected differently
+    than by the float32 path; the CPU (where the certified rules were recorded) keeps the float32 path.
     """
     block_size = _check_block_size(block_size)
     q = _as_bhld(q, "q")
@@ -170,6 +218,13 @@ def estimate_block_mass(
         )
     B, H, L, D = q.shape
     scale = (1.0 / math.sqrt(D)) if scale is None else float(scale)
+    if fused is None:
+        fused = q.is_cuda and key_pooling == "none"
+    if fused:
+        if key_pooling != "none":
+            raise ValueError("fused block-mass estimation supports key_pooling='none' only")
+        out = _block_mass_fused(q, k, block_size, sample_queries, scale).mean(0)
+        return out.mean(0, keepdim=True) if head_average else out
     reps = _query_representatives(q.float(), block_size, sample_queries)  # [B, H, Qb, S, D]
     Qb, S = reps.shape[2], reps.shape[3]
     kf = k.float()

@@ -8,7 +8,9 @@ times (CUDA-synchronised, median of --repeats after a warm-up call):
   dense                 the model's own forward (ComfyUI attention = PyTorch SDPA)
   record                dense forward + BlockRecorder.observe on every middle layer's self-attention, one row of
                         the CFG batch as comfy_patch records (one step's recording cost; a run records a few
-                        steps; the 2026-12-04 GPU figures recorded both rows)
+                        steps; the first 2026-12-04 GPU run recorded both rows, unfused)
+  record_parts          one layer's recording: the block-mass estimate unfused (float32) and fused (attention over
+                        block indicators, the CUDA default), their selections compared, the selection itself
   dense_active@f        middle layers update only the active tokens A (fraction f; a centred box in every frame),
                         the other tokens serve as keys/values only; attention dense
   sparse@d,f            as above with middle-layer self-attention restricted to a block structure of density d
@@ -251,14 +253,22 @@ def make_ctx_block_fn(block, sa, apply_rope1, keep, bs, L, subset, records, laye
     return forward
 
 
+def _bench_sparse():
+    """scripts/bench_sparse_attention.py as a module (its synthetic patterns), loaded once."""
+    mod = sys.modules.get("bench_sparse_attention")
+    if mod is None:
+        path = ROOT / "scripts" / "bench_sparse_attention.py"
+        spec = importlib.util.spec_from_file_location("bench_sparse_attention", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["bench_sparse_attention"] = mod
+    return mod
+
+
 def _svg_keep_fn():
     """``svg_keep`` of scripts/bench_sparse_attention.py: Sparse VideoGen-like per-head block patterns (spatial
     heads: own frame +- r frames; temporal heads: same rows +- r in every frame; plus a local band)."""
-    path = ROOT / "scripts" / "bench_sparse_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_sparse_attention", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.svg_keep
+    return _bench_sparse().svg_keep
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -501,11 +511,28 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.inference_mode():
             q1, k1 = q[:1], k[:1]
             res = {
-                "estimate_default_chunks": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8)),
+                "estimate_default_chunks": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8,
+                                                                                fused=False)),
                 "estimate_16x_chunks": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8,
-                                                                            max_chunk_elems=1 << 28)),
+                                                                            max_chunk_elems=1 << 28, fused=False)),
+                "estimate_fused": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8, fused=True)),
             }
-            probs = sa.estimate_block_mass(q1, k1, bs, sample_queries=8)
+            probs = sa.estimate_block_mass(q1, k1, bs, sample_queries=8, fused=False)
+            fprobs = sa.estimate_block_mass(q1, k1, bs, sample_queries=8, fused=True)
+            keep_u, keep_f = sa.select_blocks(probs, 0.9), sa.select_blocks(fprobs, 0.9)
+            result["checks"]["fused_estimate_vs_float32_max_abs"] = float((fprobs - probs).abs().max())
+            result["checks"]["fused_selection_blocks_differing_fraction"] = float((keep_u != keep_f).float().mean())
+            result["checks"]["selection_density_float32_fused"] = [round(float(keep_u.float().mean()), 4),
+                                                                   round(float(keep_f.float().mean()), 4)]
+            # the same comparison on synthetic local attention (a sparse selection, unlike random weights')
+            qs_, ks_ = (t.to(device, dtype) for t in _bench_sparse().structured_qk(H, grid, D))
+            ps_ = sa.estimate_block_mass(qs_, ks_, bs, sample_queries=8, fused=False)
+            fs_ = sa.estimate_block_mass(qs_, ks_, bs, sample_queries=8, fused=True)
+            ku, kf = sa.select_blocks(ps_, 0.9), sa.select_blocks(fs_, 0.9)
+            result["checks"]["local_fused_estimate_vs_float32_max_abs"] = float((fs_ - ps_).abs().max())
+            result["checks"]["local_fused_selection_blocks_differing_fraction"] = float((ku != kf).float().mean())
+            result["checks"]["local_selection_density_float32_fused"] = [round(float(ku.float().mean()), 4),
+                                                                         round(float(kf.float().mean()), 4)]
             res["select_blocks"] = timed(lambda: sa.select_blocks(probs, 0.9))
             one = sa.BlockRecorder(bs, layers=None, mass=0.9, sample_queries=8)
             res["observe_one_layer"] = timed(lambda: one.observe(0, 0, q1, k1))

@@ -863,3 +863,21 @@ def test_a_plan_built_for_bare_cuda_names_the_current_device(monkeypatch):
     keep = torch.ones(1, 2, 2, dtype=torch.bool)
     plan = sa.plan_token_block_sparse(keep, 4, 8, torch.arange(8), device="cpu")
     assert plan.compatible(1, 8, 8, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sample_queries,head_average", [(8, False), (3, True), (0, False)])
+def test_fused_block_mass_equals_the_softmax_estimate(dtype, sample_queries, head_average):
+    """The fused estimate (attention over block indicators, the CUDA default) is the same quantity as the float32
+    softmax-and-block-sum one: a partial last block, and more key blocks than the head dim (several value parts)."""
+    g = _gen(11)
+    B, H, L, D, bs = 2, 3, 101, 8, 4  # 26 blocks > D = 8: four indicator parts; the last block holds 1 token
+    q = torch.randn(B, H, L, D, generator=g, dtype=dtype) * 2
+    k = torch.randn(B, H, L, D, generator=g, dtype=dtype) * 2
+    ref = sa.estimate_block_mass(q, k, bs, sample_queries=sample_queries, head_average=head_average, fused=False)
+    out = sa.estimate_block_mass(q, k, bs, sample_queries=sample_queries, head_average=head_average, fused=True)
+    assert out.dtype == torch.float32 and out.shape == ref.shape == (1 if head_average else H, 26, 26)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.sum(-1), torch.ones_like(out.sum(-1)), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="key_pooling='none' only"):
+        sa.estimate_block_mass(q, k, bs, key_pooling="mean", fused=True)
