@@ -176,33 +176,46 @@ def subset_index(grid, frac: float, device) -> tuple[torch.Tensor, torch.Tensor]
     return subset.to(device), rows.to(device)
 
 
-def make_hit_block_fn(block, sa, apply_rope1, keep, bs, L, subset, rows, backend):
-    """The joint hit path's middle block: the block runs on the subset's tokens only (as comfy_patch gathers its
-    inputs), self-attention among the subset on token_block_sparse_attention (keep None: unmasked SDPA), and only
-    the active rows are written back. Mirrors comfy.ldm.wan.model.WanAttentionBlock.forward (0.3.75)."""
+def _subset_qkv(block, apply_rope1, x, e, freqs, subset):
+    """The first half of ComfyUI's WanAttentionBlock.forward (0.3.75) on the subset's tokens: the modulation
+    chunks, the subset's hidden states and its q, k, v as [b, s, heads, head_dim] (rope applied to q and k)."""
     attn = block.self_attn
     n, d = attn.num_heads, attn.head_dim
+    mod = block.modulation.to(dtype=x.dtype, device=x.device)
+    e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
+    xs = x[:, subset]
+    fs = freqs[:, subset]
+    b, s = xs.shape[:2]
+    h = torch.addcmul(e[0], block.norm1(xs), 1 + e[1])
+    q = apply_rope1(attn.norm_q(attn.q(h)).view(b, s, n, d), fs)
+    k = apply_rope1(attn.norm_k(attn.k(h)).view(b, s, n, d), fs)
+    v = attn.v(h).view(b, s, n, d)
+    return e, xs, q, k, v
+
+
+def _finish_block(block, e, xs, y, context, transformer_options):
+    """The second half of WanAttentionBlock.forward: y = self-attention output [b, heads, s, head_dim]."""
+    b, n, s, d = y.shape
+    y = block.self_attn.o(y.transpose(1, 2).reshape(b, s, n * d))
+    xs = torch.addcmul(xs, y, e[2])
+    xs = xs + block.cross_attn(block.norm3(xs), context, context_img_len=None, transformer_options=transformer_options)
+    y = block.ffn(torch.addcmul(e[3], block.norm2(xs), 1 + e[4]))
+    return torch.addcmul(xs, y, e[5])
+
+
+def make_hit_block_fn(block, sa, apply_rope1, keep, bs, L, subset, rows, backend):
+    """The former hit path's block: the block runs on the subset's tokens only (as comfy_patch gathers its inputs),
+    self-attention among the subset on token_block_sparse_attention (keep None: unmasked SDPA), and only the
+    active rows are written back."""
 
     def forward(x, e, freqs, context, transformer_options):
-        mod = block.modulation.to(dtype=x.dtype, device=x.device)
-        e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
-        xs = x[:, subset]
-        fs = freqs[:, subset]
-        b, s = xs.shape[:2]
-        h = torch.addcmul(e[0], block.norm1(xs), 1 + e[1])
-        q = apply_rope1(attn.norm_q(attn.q(h)).view(b, s, n, d), fs).transpose(1, 2)
-        k = apply_rope1(attn.norm_k(attn.k(h)).view(b, s, n, d), fs).transpose(1, 2)
-        v = attn.v(h).view(b, s, n, d).transpose(1, 2)
+        e, xs, q, k, v = _subset_qkv(block, apply_rope1, x, e, freqs, subset)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if keep is None:
             y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         else:
             y = sa.token_block_sparse_attention(q, k, v, keep, bs, L, subset, backend=backend)
-        y = attn.o(y.transpose(1, 2).reshape(b, s, n * d))
-        xs = torch.addcmul(xs, y, e[2])
-        xs = xs + block.cross_attn(block.norm3(xs), context, context_img_len=None,
-                                   transformer_options=transformer_options)
-        y = block.ffn(torch.addcmul(e[3], block.norm2(xs), 1 + e[4]))
-        xs = torch.addcmul(xs, y, e[5])
+        xs = _finish_block(block, e, xs, y, context, transformer_options)
         out = x.clone()
         out[:, subset[rows]] = xs[:, rows]
         return out
@@ -216,22 +229,12 @@ def make_ctx_block_fn(block, sa, apply_rope1, keep, bs, L, subset, records, laye
     others' those recorded at the last dense (refresh) call of this layer (``records[layer]``, [B, L, H*D] each,
     as ComfyUI's attention receives them), as ``comfy_patch._context_attention`` does: over the recorded block
     structure with the token-set kernel (``keep`` [1, nb, nb], the union over heads plus the diagonal) or plain
-    SDPA (``keep`` None). Every subset row is written back. Mirrors comfy.ldm.wan.model.WanAttentionBlock.forward
-    (0.3.75)."""
-    attn = block.self_attn
-    n, d = attn.num_heads, attn.head_dim
+    SDPA (``keep`` None). Every subset row is written back."""
     all_pos = torch.arange(L, device=subset.device)
 
     def forward(x, e, freqs, context, transformer_options):
-        mod = block.modulation.to(dtype=x.dtype, device=x.device)
-        e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
-        xs = x[:, subset]
-        fs = freqs[:, subset]
-        b, s = xs.shape[:2]
-        h = torch.addcmul(e[0], block.norm1(xs), 1 + e[1])
-        q = apply_rope1(attn.norm_q(attn.q(h)).view(b, s, n, d), fs)
-        k = apply_rope1(attn.norm_k(attn.k(h)).view(b, s, n, d), fs)
-        v = attn.v(h).view(b, s, n, d)
+        e, xs, q, k, v = _subset_qkv(block, apply_rope1, x, e, freqs, subset)
+        b, s, n, d = q.shape
         rk, rv = records[layer]
         keys = rk.index_copy(1, subset, k.reshape(b, s, n * d)).view(b, L, n, d).transpose(1, 2)
         values = rv.index_copy(1, subset, v.reshape(b, s, n * d)).view(b, L, n, d).transpose(1, 2)
@@ -240,14 +243,8 @@ def make_ctx_block_fn(block, sa, apply_rope1, keep, bs, L, subset, records, laye
             y = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
         else:
             y = sa.token_block_sparse_attention(q, keys, values, keep, bs, L, subset, all_pos, backend=backend)
-        y = attn.o(y.transpose(1, 2).reshape(b, s, n * d))
-        xs = torch.addcmul(xs, y, e[2])
-        xs = xs + block.cross_attn(block.norm3(xs), context, context_img_len=None,
-                                   transformer_options=transformer_options)
-        y = block.ffn(torch.addcmul(e[3], block.norm2(xs), 1 + e[4]))
-        xs = torch.addcmul(xs, y, e[5])
         out = x.clone()
-        out[:, subset] = xs
+        out[:, subset] = _finish_block(block, e, xs, y, context, transformer_options)
         return out
 
     return forward
@@ -517,22 +514,21 @@ def main(argv: list[str] | None = None) -> dict:
                                                                             max_chunk_elems=1 << 28, fused=False)),
                 "estimate_fused": timed(lambda: sa.estimate_block_mass(q1, k1, bs, sample_queries=8, fused=True)),
             }
-            probs = sa.estimate_block_mass(q1, k1, bs, sample_queries=8, fused=False)
-            fprobs = sa.estimate_block_mass(q1, k1, bs, sample_queries=8, fused=True)
-            keep_u, keep_f = sa.select_blocks(probs, 0.9), sa.select_blocks(fprobs, 0.9)
-            result["checks"]["fused_estimate_vs_float32_max_abs"] = float((fprobs - probs).abs().max())
-            result["checks"]["fused_selection_blocks_differing_fraction"] = float((keep_u != keep_f).float().mean())
-            result["checks"]["selection_density_float32_fused"] = [round(float(keep_u.float().mean()), 4),
-                                                                   round(float(keep_f.float().mean()), 4)]
-            # the same comparison on synthetic local attention (a sparse selection, unlike random weights')
-            qs_, ks_ = (t.to(device, dtype) for t in _bench_sparse().structured_qk(H, grid, D))
-            ps_ = sa.estimate_block_mass(qs_, ks_, bs, sample_queries=8, fused=False)
-            fs_ = sa.estimate_block_mass(qs_, ks_, bs, sample_queries=8, fused=True)
-            ku, kf = sa.select_blocks(ps_, 0.9), sa.select_blocks(fs_, 0.9)
-            result["checks"]["local_fused_estimate_vs_float32_max_abs"] = float((fs_ - ps_).abs().max())
-            result["checks"]["local_fused_selection_blocks_differing_fraction"] = float((ku != kf).float().mean())
-            result["checks"]["local_selection_density_float32_fused"] = [round(float(ku.float().mean()), 4),
-                                                                         round(float(kf.float().mean()), 4)]
+            def compare(prefix: str, qq, kk):
+                """float32 vs fused estimate and their selections at mass 0.9; returns the float32 masses."""
+                pu = sa.estimate_block_mass(qq, kk, bs, sample_queries=8, fused=False)
+                pf = sa.estimate_block_mass(qq, kk, bs, sample_queries=8, fused=True)
+                ku, kf = sa.select_blocks(pu, 0.9), sa.select_blocks(pf, 0.9)
+                result["checks"][f"{prefix}fused_estimate_vs_float32_max_abs"] = float((pf - pu).abs().max())
+                result["checks"][f"{prefix}fused_selection_blocks_differing_fraction"] = float(
+                    (ku != kf).float().mean())
+                result["checks"][f"{prefix}selection_density_float32_fused"] = [
+                    round(float(ku.float().mean()), 4), round(float(kf.float().mean()), 4)]
+                return pu
+
+            probs = compare("", q1, k1)
+            # the same on synthetic local attention (a sparse selection, unlike random weights')
+            compare("local_", *(t.to(device, dtype) for t in _bench_sparse().structured_qk(H, grid, D)))
             res["select_blocks"] = timed(lambda: sa.select_blocks(probs, 0.9))
             one = sa.BlockRecorder(bs, layers=None, mass=0.9, sample_queries=8)
             res["observe_one_layer"] = timed(lambda: one.observe(0, 0, q1, k1))
@@ -616,6 +612,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     guarded("requests", requests)
 
+    def full_length_kernel(kp: torch.Tensor, sdpa_ms: float) -> dict:
+        """One full-length self-attention call on the block-sparse kernel with pattern ``kp`` [H, nb, nb]."""
+        t0 = time.perf_counter()
+        bm = sa.build_flex_block_mask(kp, bs, L) if backend == "flex" else None
+        pl = sa.plan_block_sparse(kp, bs, L, device=device) if backend == "gather" else None
+        sync()
+        prep_ms = (time.perf_counter() - t0) * 1e3
+        r = timed(lambda: sa.block_sparse_attention(q, k, v, kp, bs, backend=backend, block_mask=bm, plan=pl))
+        r.update({"density": round(float(kp.float().mean()), 4), "mask_or_plan_build_ms": round(prep_ms, 1),
+                  "speedup_vs_sdpa": round(sdpa_ms / r["median_ms"], 2)})
+        return r
+
     def attn_structured() -> None:
         """#15's kernel benchmark at full length: structured (Sparse VideoGen-like) per-head patterns of density
         0.2-0.5, the block-sparse kernel against dense SDPA; and the hit path's kernel (the subset's queries over
@@ -626,15 +634,7 @@ def main(argv: list[str] | None = None) -> dict:
         for dens in args.struct_densities:
             kp, meta = svg_keep(grid, bs, dens, H)
             kp = kp.to(device)
-            t0 = time.perf_counter()
-            bm = sa.build_flex_block_mask(kp, bs, L) if backend == "flex" else None
-            pl = sa.plan_block_sparse(kp, bs, L, device=device) if backend == "gather" else None
-            sync()
-            prep_ms = (time.perf_counter() - t0) * 1e3
-            r = timed(lambda: sa.block_sparse_attention(q, k, v, kp, bs, backend=backend, block_mask=bm, plan=pl))
-            r.update({"density": round(float(kp.float().mean()), 4), "heads": meta, "mask_or_plan_build_ms":
-                      round(prep_ms, 1), "speedup_vs_sdpa": round(res["sdpa"]["median_ms"] / r["median_ms"], 2)})
-            res[f"full@{dens:g}"] = r
+            res[f"full@{dens:g}"] = {**full_length_kernel(kp, res["sdpa"]["median_ms"]), "heads": meta}
             union = (kp.any(0) | torch.eye(nb, dtype=torch.bool, device=device))[None]
             t0 = time.perf_counter()
             tpl = sa.plan_token_block_sparse(union, bs, L, subset, all_pos, device=device)
@@ -660,15 +660,7 @@ def main(argv: list[str] | None = None) -> dict:
         attn_res = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))}
         for dens in args.densities:
             kp = ((torch.rand(H, nb, nb, generator=g) < dens) | torch.eye(nb, dtype=torch.bool)).to(device)
-            t0 = time.perf_counter()
-            bm = sa.build_flex_block_mask(kp, bs, L) if backend == "flex" else None
-            pl = sa.plan_block_sparse(kp, bs, L, device=device) if backend == "gather" else None
-            sync()
-            prep_ms = (time.perf_counter() - t0) * 1e3
-            r = timed(lambda: sa.block_sparse_attention(q, k, v, kp, bs, backend=backend, block_mask=bm, plan=pl))
-            r.update({"density": round(float(kp.float().mean()), 4), "mask_or_plan_build_ms": round(prep_ms, 1),
-                      "speedup_vs_sdpa": round(attn_res["sdpa"]["median_ms"] / r["median_ms"], 2)})
-            attn_res[f"{backend}@{dens:g}"] = r
+            attn_res[f"{backend}@{dens:g}"] = full_length_kernel(kp, attn_res["sdpa"]["median_ms"])
         result["attn_only"] = attn_res
         save()
 
