@@ -137,22 +137,18 @@ def _query_representatives(q: torch.Tensor, block_size: int, sample_queries: int
     return q[:, :, rows.reshape(-1), :].reshape(B, H, nb, s, D)
 
 
-_INDICATORS: dict[tuple, torch.Tensor] = {}
-
-
 def _block_indicators(n_tokens: int, block_size: int, width: int, part: int, device, dtype) -> torch.Tensor:
-    """[L, width]: column c is 1 on the keys of block ``part * width + c`` (0 beyond the last block); cached."""
-    key = (n_tokens, block_size, width, part, str(device), dtype)
-    t = _INDICATORS.get(key)
-    if t is None:
+    """[L, width]: column c is 1 on the keys of block ``part * width + c`` (0 beyond the last block); kept in the
+    plan cache (locked, bounded) since every recorded call of a run asks for the same ones."""
+
+    def build() -> torch.Tensor:
         blk = torch.arange(n_tokens, device=device) // block_size - part * width
         t = torch.zeros(n_tokens, width, device=device, dtype=dtype)
         ok = (blk >= 0) & (blk < width)
         t[ok.nonzero().squeeze(1), blk[ok]] = 1
-        if len(_INDICATORS) > 16:
-            _INDICATORS.clear()
-        _INDICATORS[key] = t
-    return t
+        return t
+
+    return _cached_key(("indicators", n_tokens, block_size, width, part, str(device), str(dtype)), build)
 
 
 def _block_mass_fused(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_queries: int,
