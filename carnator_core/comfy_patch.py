@@ -688,8 +688,8 @@ def _subset_attention(run: _Run, q, k, v, heads: int, keep: torch.Tensor, bs: in
         # A query's own block is always kept: its recorded key blocks may all lie outside the subset, and a row
         # with no key would make softmax undefined (NaN).
         kb = (keep.any(0) | torch.eye(keep.shape[-1], dtype=torch.bool, device=keep.device))[None]  # [1, Qb, Kb]
-        # The same for every call of this run: decide, build and count once per layer. The cost model's constants
-        # are the CPU gather kernel's; elsewhere only the density threshold decides.
+        # The same for every call of this run: decide, build and count once per layer (token_tiles_may_pay: the
+        # CPU gather kernel's cost model, never on CUDA, the density threshold alone elsewhere).
         if by_cost and not token_tiles_may_pay(q.device.type, kb, bs, run.n_tokens, subset, k_subset):
             run.subset_cache[key] = None
         else:
