@@ -70,3 +70,16 @@ def comfy_dirs(comfy_env, tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(folder_paths, "output_directory", str(tmp_path / "output"))
     monkeypatch.delenv("CARNATOR_CACHE_ROOTS", raising=False)
     return tmp_path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads():
+    """Each test module starts with the process's torch intra-op thread count: a module (or a script it runs
+    in-process) that sets its own count for its tests must not leave later modules on it (one pinned to one
+    thread would otherwise make every later in-process model run single-threaded). Nothing to restore in a module
+    that starts before torch is imported."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
