@@ -57,6 +57,18 @@ def comfy_env() -> Path:
     return ensure_comfy_importable()
 
 
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory):
+    """One real ComfyUI server with default flags (Carnator linked in; node cache on), shared by the modules that
+    need nothing else of a server (tests/test_server.py, tests/test_workflows.py, the node-cache test of
+    tests/test_server_exact.py) instead of one start each. They keep apart by what they write: each uses its own
+    cache directories and output prefixes, and what one reads of the shared log it reads from its own offset."""
+    from harness_server import ComfyServer
+
+    with ComfyServer(tmp_path_factory.mktemp("comfy-shared"), startup_timeout=600) as s:  # a busy 2-core machine
+        yield s
+
+
 @pytest.fixture()
 def comfy_dirs(comfy_env, tmp_path, monkeypatch) -> Path:
     """ComfyUI's output/user/input folders under ``tmp_path`` (the roots a Cache node and the routes may use), and

@@ -20,9 +20,10 @@ def declared_node_ids() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with ComfyServer(tmp_path_factory.mktemp("comfy-base")) as s:
-        yield s
+def server(comfy_server: ComfyServer) -> ComfyServer:
+    """The session's shared default server (tests/conftest.py): these tests use no cache directory, and their
+    saved files have their own prefixes (carnator_test, split/...)."""
+    return comfy_server
 
 
 def test_every_carnator_node_is_registered(server):

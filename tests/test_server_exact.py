@@ -80,11 +80,13 @@ def test_exact_repeat_with_node_cache_off_and_after_restart(tmp_path):
         assert reports(other)[0]["model_calls"] == 6
 
 
-def test_report_reaches_history_when_comfyui_short_circuits_a_requeued_graph(tmp_path):
-    with ComfyServer(tmp_path / "base") as server:
-        first = queue_without_client(server, graph("requeue"))
-        assert reports(first) and reports(first)[0]["decision"] in ("miss", "dense")
-        again = queue_without_client(server, graph("requeue"))
-        found = reports(again)
-        assert found, f"no carnator_report in /history of a requeued graph: {json.dumps(again['outputs'])[:800]}"
-        assert (found[0]["decision"], found[0]["mode"], found[0]["model_calls"]) == ("hit", "node_cache", 0), found[0]
+def test_report_reaches_history_when_comfyui_short_circuits_a_requeued_graph(comfy_server):
+    # The session's shared default server (node cache on, tests/conftest.py): the cache directory "requeue" is this
+    # test's alone, and the two identical graphs are queued back to back.
+    server = comfy_server
+    first = queue_without_client(server, graph("requeue"))
+    assert reports(first) and reports(first)[0]["decision"] in ("miss", "dense")
+    again = queue_without_client(server, graph("requeue"))
+    found = reports(again)
+    assert found, f"no carnator_report in /history of a requeued graph: {json.dumps(again['outputs'])[:800]}"
+    assert (found[0]["decision"], found[0]["mode"], found[0]["model_calls"]) == ("hit", "node_cache", 0), found[0]

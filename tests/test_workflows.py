@@ -51,10 +51,11 @@ make_workflows = _load_script("make_workflows")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    base = tmp_path_factory.mktemp("comfy-workflows")
-    with ComfyServer(base, startup_timeout=600) as s:  # a busy 2-core machine can take minutes
-        yield s
+def server(comfy_server: ComfyServer) -> ComfyServer:
+    """The session's shared default server (tests/conftest.py). Only this module uses the workflows' cache
+    directory (carnator_cache) and "never_written"; the log lines counted below are read from where this module's
+    runs start."""
+    return comfy_server
 
 
 @pytest.fixture(scope="module")
@@ -388,6 +389,7 @@ def embedded_runs(server: ComfyServer) -> dict[str, Any]:
     the full reuse path. (Seed 43 is for the API client: an identical prompt would be answered from ComfyUI's own
     execution cache without running anything.)"""
     _need_embedded()
+    log_offset = server.log_path.stat().st_size if server.log_path.exists() else 0  # earlier modules' lines before
     _, warm = load("embedded_warm_cache")
     _, reuse = load("embedded")
     warm_history, warm_messages = server.run_prompt_ws(warm, timeout=600)
@@ -397,7 +399,8 @@ def embedded_runs(server: ComfyServer) -> dict[str, Any]:
             node["inputs"]["seed"] = 43
     server.run_prompt_ws(warm_43, timeout=600)
     reuse_history, reuse_messages = server.run_prompt_ws(reuse, timeout=600)
-    return {"warm": (warm, warm_history, warm_messages), "reuse": (reuse, reuse_history, reuse_messages)}
+    return {"warm": (warm, warm_history, warm_messages), "reuse": (reuse, reuse_history, reuse_messages),
+            "log_offset": log_offset}
 
 
 @pytest.mark.slow
@@ -428,7 +431,7 @@ def test_embedded_identical_request_is_a_hit(embedded_runs: dict[str, Any], serv
     verdict = next(v for v in report["verdicts"] if v["entry_id"] == report["entry_id"])
     assert verdict["accepted"] and "exact repeat" in verdict["reason"]
     assert report["timings_ms"]["total"] > 0
-    log = server.log_path.read_text(errors="replace")
+    log = server.log_path.read_bytes()[embedded_runs["log_offset"]:].decode(errors="replace")  # these runs' lines
     assert len(re.findall(r"carnator request: ", log)) >= 2, "one log line per request expected"
 
     stats = server.get("/carnator/cache/stats?directory=carnator_cache")
