@@ -60,7 +60,10 @@ def _brute_force_upper(n: int, b: int, c: int, delta: float, step: float = 0.005
     best = 0.0
     for d0 in np.arange(0.0, 0.8 + 1e-9, step):
         qs = np.linspace(d0, 1.0, 150)
-        p = max(multinomial.pmf(counts, n, [(q + d0) / 2, (q - d0) / 2, 1 - q]).sum() for q in qs)
+        # the same pmf for all 150 q at once (scipy broadcasts counts [R, 1, 3] against probabilities [1, 150, 3]):
+        # the largest over q of the region's probability, as one call per q gave it, ~20x faster
+        probs = np.stack([(qs + d0) / 2, (qs - d0) / 2, 1 - qs], axis=1)
+        p = multinomial.pmf(counts[:, None, :], n, probs[None, :, :]).sum(axis=0).max()
         if p > delta:
             best = d0
     return best
