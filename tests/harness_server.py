@@ -7,6 +7,8 @@ stops the process by PID (terminate, then kill) — also when the test fails. He
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +20,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +43,20 @@ def host_comfy_path() -> Path:
     if not marker.exists():
         raise RuntimeError("ComfyUI host not set up: run `make setup` first")
     return Path(marker.read_text().strip())
+
+
+@contextlib.contextmanager
+def started_together(*servers: "ComfyServer") -> Iterator[tuple["ComfyServer", ...]]:
+    """Start several independent servers at once (each start is mostly Python imports on one core, so on a 2-core
+    machine two start in about the time of one); all are stopped at the end, and all if any fails to start."""
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            for future in [pool.submit(s.start) for s in servers]:
+                future.result()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 class ComfyServer:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from harness_redis import RedisServer
-from harness_server import ComfyServer
+from harness_server import ComfyServer, started_together
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +47,8 @@ def test_request_served_by_a_is_a_hit_on_b(tmp_path):
     assert not missing, f"embedded model files missing: {missing}"
     with RedisServer(tmp_path / "redis") as redis_srv:
         env = {"CARNATOR_REDIS_URL": redis_srv.url}
-        with ComfyServer(tmp_path / "a", env=env, startup_timeout=600) as a, \
-                ComfyServer(tmp_path / "b", env=env, startup_timeout=600) as b:
+        with started_together(ComfyServer(tmp_path / "a", env=env, startup_timeout=600),
+                              ComfyServer(tmp_path / "b", env=env, startup_timeout=600)) as (a, b):
             warm = _with_redis("embedded_warm_cache")
             history_a, _ = a.run_prompt_ws(warm, timeout=900)
             report_a = _report(history_a, warm)
