@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness_server import ComfyServer
+from harness_server import ComfyServer, started_together
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -51,22 +51,37 @@ def ui(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def server(ui: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def _ui_server(ui: str, tmp_path_factory: pytest.TempPathFactory) -> ComfyServer | None:
+    """The (not yet started) server of one UI, with its own base directory; None when its frontend is missing."""
     frontend, mode = ui.split("-")
     extra: list[str] = []
     if frontend == "new":
         if not (NEW_FRONTEND_ROOT / "index.html").exists():
-            pytest.fail(f"comfyui-frontend-package {NEW_FRONTEND} is not installed: run scripts/setup_browser.sh "
-                        "(make test does)")
+            return None
         extra = ["--front-end-root", str(NEW_FRONTEND_ROOT)]
     base = tmp_path_factory.mktemp(f"comfy-browser-{ui}")
     settings = base / "user" / "default" / "comfy.settings.json"
     settings.parent.mkdir(parents=True)
     # A returning user (no first-run template browser over the canvas), in the mode under test.
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True, "Comfy.VueNodes.Enabled": mode == "vue"}))
-    with ComfyServer(base, extra_args=extra, startup_timeout=600) as s:  # a busy 2-core machine can take minutes
-        yield s
+    return ComfyServer(base, extra_args=extra, startup_timeout=600)  # a busy 2-core machine can take minutes
+
+
+@pytest.fixture(scope="module")
+def ui_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Every UI's own server (own base directory and settings, as before), started at once rather than one per UI
+    in turn; each UI's tests use only its own server."""
+    servers = {ui: _ui_server(ui, tmp_path_factory) for ui in UIS}
+    with started_together(*[s for s in servers.values() if s is not None]):
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def server(ui: str, ui_servers: dict[str, ComfyServer | None]) -> Any:
+    if ui_servers[ui] is None:
+        pytest.fail(f"comfyui-frontend-package {NEW_FRONTEND} is not installed: run scripts/setup_browser.sh "
+                    "(make test does)")
+    return ui_servers[ui]
 
 
 @pytest.fixture(scope="module")
