@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ pytestmark = [pytest.mark.comfy, pytest.mark.slow]
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_pairs.py"), *args], capture_output=True,
                           text=True, timeout=600)
+
+
+def _run_each(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
+    """Independent runs (each refused before any work) at once: what ``_run`` gives for each, in order."""
+    with ThreadPoolExecutor(len(argvs)) as pool:
+        return list(pool.map(lambda argv: _run(*argv), argvs))
 
 
 def test_merge_only_writes_the_labelled_prefix_and_says_so(tmp_path):
@@ -54,12 +61,11 @@ def test_reuse_set_is_checked_before_any_work(tmp_path):
     be, before a work directory is created."""
     work, out = tmp_path / "w", tmp_path / "pairs.jsonl"
     common = ["--work", str(work), "--out", str(out), "--seed", "5", "--warm", "4", "--queries", "9"]
-    r = _run(*common, "--reuse-set", "probe_contxt=1")
-    assert r.returncode != 0 and "probe_contxt" in r.stderr and "probe_context" in r.stderr
-    r = _run(*common, "--reuse-set", "refreshes=many")
-    assert r.returncode != 0 and "refreshes=many" in r.stderr
-    r = _run(*common, "--reuse-set", "mode=latent")
-    assert r.returncode != 0 and "--reuse-mode" in r.stderr
+    typo, bad, mode = _run_each([*common, "--reuse-set", "probe_contxt=1"], [*common, "--reuse-set", "refreshes=many"],
+                                [*common, "--reuse-set", "mode=latent"])
+    assert typo.returncode != 0 and "probe_contxt" in typo.stderr and "probe_context" in typo.stderr
+    assert bad.returncode != 0 and "refreshes=many" in bad.stderr
+    assert mode.returncode != 0 and "--reuse-mode" in mode.stderr
     assert not work.exists()
 
 
@@ -68,10 +74,9 @@ def test_easycache_settings_are_checked_before_any_work(tmp_path):
     fail at once with what is wrong, before a work directory is created."""
     work, out = tmp_path / "w", tmp_path / "pairs.jsonl"
     common = ["--work", str(work), "--out", str(out), "--seed", "5", "--warm", "4", "--queries", "9"]
-    r = _run(*common, "--easycache", "0.2,0.15")
-    assert r.returncode != 0 and "THRESHOLD,START,END" in r.stderr
-    r = _run(*common, "--easycache", "0.2,0.9,0.5")
-    assert r.returncode != 0 and "start < end" in r.stderr
-    r = _run(*common, "--easycache", "0,0.15,0.95")
-    assert r.returncode != 0 and "positive" in r.stderr
+    short, order, zero = _run_each([*common, "--easycache", "0.2,0.15"], [*common, "--easycache", "0.2,0.9,0.5"],
+                                   [*common, "--easycache", "0,0.15,0.95"])
+    assert short.returncode != 0 and "THRESHOLD,START,END" in short.stderr
+    assert order.returncode != 0 and "start < end" in order.stderr
+    assert zero.returncode != 0 and "positive" in zero.stderr
     assert not work.exists()
