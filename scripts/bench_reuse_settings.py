@@ -45,14 +45,18 @@ def parse_values(setting: str, raw: str, current: Any) -> list[Any]:
     out: list[Any] = []
     for item in raw.split(","):
         item = item.strip()
-        if isinstance(current, bool):
-            out.append(item.lower() in ("1", "true", "yes", "on"))
-        elif isinstance(current, int):
-            out.append(int(item))
-        elif isinstance(current, float):
-            out.append(float(item))
-        else:
-            out.append(item)
+        try:
+            if isinstance(current, bool):
+                out.append(item.lower() in ("1", "true", "yes", "on"))
+            elif isinstance(current, int):
+                out.append(int(item))
+            elif isinstance(current, float):
+                out.append(float(item))
+            else:
+                out.append(item)
+        except ValueError:
+            raise SystemExit(f"--values: {item!r} is not a {type(current).__name__} like {setting}'s current value "
+                             f"{current!r}") from None
     if not out or len(set(map(repr, out))) != len(out):
         raise SystemExit(f"--values for {setting} must be distinct comma-separated values, got {raw!r}")
     return out
