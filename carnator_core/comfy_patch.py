@@ -337,6 +337,8 @@ class _Run:
     refresh_pending: bool = False
     block_evals: int = 0  # transformer-block evaluations in the current model call
     kv: dict = field(default_factory=dict)  # (layer, batch composition) -> (keys, values) of every token
+    # Records of ``kv`` that are this run's private working copies (written in place by ``_context_attention``).
+    kv_owned: set = field(default_factory=set)
     # Probe: keep every block's self-attention keys/values (on the CPU) at this model call, within a byte budget.
     kv_record_call: int | None = None
     kv_budget: int = 0
@@ -351,6 +353,7 @@ class _Run:
         self.replay = list(self.replay) if self.record_replay else []
         self.subset_cache.clear()
         self.kv.clear()
+        self.kv_owned.clear()
         self.layer = -1
         self.refresh_pending = False
         self.block_evals = 0
@@ -545,7 +548,9 @@ def _attention_override(run: _Run, previous: Callable | None):
         if plan is not None and plan.kv_context and layer in plan.sparse_layers:
             if subset is None and q.shape[1] == run.n_tokens:
                 # a dense evaluation of a restricted layer: record every token's keys/values for later calls
-                run.kv[(layer, _composition(topts, q.shape[0]))] = (k.detach(), v.detach())
+                comp = (layer, _composition(topts, q.shape[0]))
+                run.kv[comp] = (k.detach(), v.detach())
+                run.kv_owned.discard(comp)  # the model's own tensors: copied before they are written
             elif subset is not None:
                 try:
                     out = _context_attention(run, plan, layer, q, k, v, heads, subset, topts, args, kwargs,
@@ -622,11 +627,21 @@ def _context_attention(run: _Run, plan: ReusePlan, layer: int, q, k, v, heads: i
     if rec is None or rec[0].shape[0] != k.shape[0]:
         run.fallback(f"layer {layer}: no recorded keys/values for this batch; attention sees the subset only")
         return None
-    if rec[0].device != k.device:  # the probe's record lives on the CPU: move it once per run (a new tensor)
-        rec = run.kv[comp] = (rec[0].to(k.device), rec[1].to(k.device))
     idx = subset.to(k.device)
-    keys = rec[0].to(dtype=k.dtype).index_copy(1, idx, k)
-    values = rec[1].to(dtype=v.dtype).index_copy(1, idx, v)
+    if comp not in run.kv_owned:
+        # First use of this record since it was taken: one private, contiguous copy on the model's device and dtype
+        # (the probe's record is shared with the Probe value, a refresh's is the model's own tensor). Later calls
+        # write the subset's fresh keys/values into it in place. Every call of a run writes the same subset, so the
+        # other tokens keep the record's values and the result equals a fresh ``index_copy`` of the record per
+        # call -- which cost a full [batch, tokens, width] copy of keys and values per layer and call (~1/4 of a
+        # restricted call's time on the embedded model).
+        rec = run.kv[comp] = (rec[0].to(device=k.device, dtype=k.dtype, memory_format=torch.contiguous_format,
+                                        copy=True),
+                              rec[1].to(device=v.device, dtype=v.dtype, memory_format=torch.contiguous_format,
+                                        copy=True))
+        run.kv_owned.add(comp)
+    keys = rec[0].index_copy_(1, idx, k)
+    values = rec[1].index_copy_(1, idx, v)
     n, s = keys.shape[1], q.shape[1]
     structure = plan.structure
     if structure is not None and layer in structure.layers:
@@ -859,7 +874,8 @@ def resume_sample(model: Any, positive, negative, latent: dict, seed: int, steps
     run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=adapter.patch_of(model), grid=grid, replay=list(replay), reuse=reuse,
                recorder=recorder, progress=progress)
     if reuse is not None and reuse.kv_context and reuse.initial_kv:
-        run.kv.update(reuse.initial_kv)  # the probe's record; entries are replaced by refreshes, never mutated
+        # The probe's record (read only: shared with the Probe value); copied on first use, replaced by refreshes.
+        run.kv.update(reuse.initial_kv)
     m = _install(model, run, tuple(range(adapter.num_layers(model))))
     noise = _sampling_noise(latent_image, seed, latent, stage)
     if reuse is not None:

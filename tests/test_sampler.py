@@ -374,6 +374,43 @@ def test_probe_context_replaces_the_first_dense_refresh(env):
     assert (out1[0] - final[0]).abs().numpy()[:, inactive].max() < 1e-4
 
 
+def test_context_records_written_in_place_never_leak_between_runs(env):
+    """A hit writes its subset's fresh keys/values into private copies of the context records (one copy per record,
+    not one per layer and call). The same probe serving two hits (two samplers fed by one Early Probe) must give
+    bit-identical clips, equal to a hit whose records are copied afresh at every call, and leave the probe's record
+    as it was."""
+    from carnator.carnator_core import comfy_patch as cp
+    from carnator.carnator_core import reuse
+
+    tm, models = env
+    m = models["wan21"]
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2, context_kv_mb=64.0)
+    before = {key: (k.clone(), v.clone()) for key, (k, v) in probe.context_kv.items()}
+    final, rep = _run(m, pos, neg, lat, probe)
+    cached, target = _moved_target(probe, final, rep)
+    cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
+                            refreshes=2, probe_context=True)
+    out1, r1 = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+    out2, r2 = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+    assert r1.decision == r2.decision == "hit" and 0 < r1.active_fraction < 1 and not r1.fallbacks
+    assert torch.equal(out1, out2)
+    for key, (k, v) in probe.context_kv.items():
+        assert torch.equal(k, before[key][0]) and torch.equal(v, before[key][1])
+    # Reference: forget ownership before every write, so each call copies the record afresh (the former path).
+    original = cp._context_attention
+
+    def fresh_copy(run, *args, **kwargs):
+        run.kv_owned.clear()
+        return original(run, *args, **kwargs)
+
+    cp._context_attention = fresh_copy
+    try:
+        out3, r3 = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+    finally:
+        cp._context_attention = original
+    assert r3.decision == "hit" and torch.equal(out1, out3)
+
+
 def test_a_refresh_answered_in_front_of_the_blocks_moves_to_the_next_call(env):
     """A model patch in front of the transformer (ComfyUI's EasyCache is one) may answer a model call from its own
     cache without running any block. When it answers a planned refresh call, nothing is recorded there, so the
