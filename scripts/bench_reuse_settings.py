@@ -29,7 +29,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -71,36 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=ROOT / "artifacts" / "reuse_settings.json")
     args = ap.parse_args(argv)
-    # What bench_table1's helpers read from its own arguments (the shipped weights, the weights' CFG, 20 steps,
-    # probe 4 steps, top-5 recall, a certified rule).
-    args.methods, args.weights, args.cfg, args.steps, args.probe_steps, args.top_k = "dense,carnator", None, None, \
-        20, 4, 5
-    args.allow_uncertified, args.dev_thresholds = False, ""
 
     import torch
 
     torch.set_num_threads(args.threads)
-    from carnator.carnator_core.cache import Store
     from carnator.carnator_core.lab import metrics as M
-    from carnator.carnator_core.request import RequestSpec, serve
     from carnator.carnator_core.reuse import ReuseConfig
 
+    if args.setting not in {f.name for f in dataclasses.fields(ReuseConfig)}:
+        raise SystemExit(f"--setting {args.setting!r} is not a reuse setting (reuse.ReuseConfig fields)")
     wl = T.build_workload(spec_from_args(args))
     tmp = Path(tempfile.mkdtemp(prefix="carnator-reuse-settings-"))
     rows: list[dict[str, Any]] = []
     try:
-        env = T.load_env(args, tmp)
-        key = tmp / "index.key"
-        wp = "a big red ball moves to the right in the top left, on green grass"
-        scratch = Store.open(tmp / "scratch", key_path=key)
-        first = serve(env.model, env.enc, env.enc.encode(wp), env.enc.encode(""), env.latent(),
-                      RequestSpec(wp, 123456789, env.steps, env.cfg), scratch,
-                      T.serve_options("dense", None, 0.0, env, True))  # warms every lazy path; not timed
-        scratch.close()
-        rule, status = T.resolve_rule(args.rule, args, first.probe, True)
+        env, rule, status, warm = T.frozen_stream_setup(args, tmp, wl)
         base = dict(rule.reuse_config or {})
-        if args.setting not in {f.name for f in dataclasses.fields(ReuseConfig)}:
-            raise SystemExit(f"--setting {args.setting!r} is not a reuse setting (reuse.ReuseConfig fields)")
         current = base.get(args.setting, getattr(ReuseConfig(), args.setting))
         values = parse_values(args.setting, args.values, current)
         rules = {}
@@ -110,13 +94,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{args.setting}={v!r} is not a valid reuse setting (reuse.ReuseConfig.validate)")
             rules[repr(v)] = dataclasses.replace(rule, reuse_config=cfg)
         print(f"rule {status['summary']}; {args.setting}: rule {current!r}, variants {values}", flush=True)
-        warm = Store.open(tmp / "warm", key_path=key)
-        t0 = time.perf_counter()
-        for req in wl.warm:
-            serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.latent(),
-                  RequestSpec(req.prompt, req.seed, env.steps, env.cfg), warm,
-                  T.serve_options("dense", None, 0.0, env, True))
-        print(f"warm set: {len(wl.warm)} requests, {time.perf_counter() - t0:.0f} s", flush=True)
         names = list(rules)
         for i, req in enumerate(wl.stream):
             if req.kind == "exact":

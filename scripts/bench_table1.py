@@ -440,6 +440,37 @@ def resolve_rule(rule_path: str, args: argparse.Namespace, probe: Any, needed: b
                   "path": None, "rule_id": rule.rule_id}
 
 
+def frozen_stream_setup(args: argparse.Namespace, tmp: Path, wl: Any) -> tuple[Env, Any, dict[str, Any], Any]:
+    """The set-up of the side-by-side stream benchmarks (``bench_reuse_settings.py``, ``profile_hit_calls.py``):
+    Table 1's defaults for what they do not ask for (the shipped weights and their CFG, 20 steps, probe 4, top-5
+    recall, a certified rule at ``args.rule``), the environment, one untimed dense request that warms every lazy
+    path, the rule, and the warm set of ``wl`` served dense into one store under ``tmp``. Returns (env, rule,
+    rule status, warm store); the caller keeps the store frozen (serves with ``write=False``) and closes it."""
+    from carnator.carnator_core.cache import Store
+    from carnator.carnator_core.request import RequestSpec, serve
+
+    args.methods, args.weights, args.cfg, args.steps, args.probe_steps, args.top_k = "dense,carnator", None, None, \
+        20, 4, 5
+    args.allow_uncertified, args.dev_thresholds = False, ""
+    env = load_env(args, tmp)
+    key = tmp / "index.key"
+
+    def dense_into(store: Any, prompt: str, seed: int) -> Any:
+        return serve(env.model, env.enc, env.enc.encode(prompt), env.enc.encode(""), env.latent(),
+                     RequestSpec(prompt, seed, env.steps, env.cfg), store, serve_options("dense", None, 0.0, env, True))
+
+    scratch = Store.open(tmp / "scratch", key_path=key)
+    first = dense_into(scratch, "a big red ball moves to the right in the top left, on green grass", 123456789)
+    scratch.close()
+    rule, status = resolve_rule(args.rule, args, first.probe, True)
+    warm = Store.open(tmp / "warm", key_path=key)
+    t0 = time.perf_counter()
+    for req in wl.warm:
+        dense_into(warm, req.prompt, req.seed)
+    print(f"warm set: {len(wl.warm)} requests, {time.perf_counter() - t0:.0f} s", flush=True)
+    return env, rule, status, warm
+
+
 # ----------------------------------------------------------------------------------------------------- output
 def _f(x: Any, fmt: str, suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):

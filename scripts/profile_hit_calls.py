@@ -50,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    args.methods, args.weights, args.cfg, args.steps, args.probe_steps, args.top_k = "dense,carnator", None, None, \
-        20, 4, 5
-    args.allow_uncertified, args.dev_thresholds = False, ""
 
     import torch
 
@@ -61,12 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="carnator-hit-calls-"))
     rows: list[dict[str, Any]] = []
     try:
-        env = T.load_env(args, tmp)
+        env, rule, status, warm = T.frozen_stream_setup(args, tmp, wl)
         import comfy.ldm.wan.model as wan
 
         from carnator.carnator_core import comfy_patch as cp
-        from carnator.carnator_core.cache import Store
-        from carnator.carnator_core.request import RequestSpec, serve
 
         calls: list[tuple[float, int, int]] = []  # (seconds, first and end index into ``blocks``)
         blocks: list[tuple[int, float]] = []
@@ -98,19 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 
         wan.WanModel.forward_orig, wan.WanAttentionBlock.forward, cp._block_patch = \
             timed_forward, timed_block, timed_patch
-        key = tmp / "index.key"
-        wp = "a big red ball moves to the right in the top left, on green grass"
-        scratch = Store.open(tmp / "scratch", key_path=key)
-        first = serve(env.model, env.enc, env.enc.encode(wp), env.enc.encode(""), env.latent(),
-                      RequestSpec(wp, 123456789, env.steps, env.cfg), scratch,
-                      T.serve_options("dense", None, 0.0, env, True))  # warms every lazy path; not timed
-        scratch.close()
-        rule, status = T.resolve_rule(args.rule, args, first.probe, True)
-        warm = Store.open(tmp / "warm", key_path=key)
-        for req in wl.warm:
-            serve(env.model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.latent(),
-                  RequestSpec(req.prompt, req.seed, env.steps, env.cfg), warm,
-                  T.serve_options("dense", None, 0.0, env, True))
         opts = T.serve_options("carnator", rule, 0.0, env, False)
         hits = []
         for req in wl.stream:
