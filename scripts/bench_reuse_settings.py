@@ -141,11 +141,8 @@ def main(argv: list[str] | None = None) -> int:
               f"compute {s['compute_median']:.3f}, PSNR {s['psnr_median']:.1f} dB (min {s['psnr_min']:.1f}; "
               f"background {s['psnr_bg_median']:.1f}), artifact {s['artifact_median']:.3f} "
               f"(dense {s['artifact_dense_median']:.3f})")
-    out = {"setting": args.setting, "values": [repr(v) for v in values], "rule": status, "machine": T.machine(),
-           "workload": T.describe(wl), "summary": summary, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1, default=float) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
+    T.write_stream_report(args.json, wl, status, summary, rows, setting=args.setting,
+                          values=[repr(v) for v in values])
     return 0
 
 

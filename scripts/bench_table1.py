@@ -472,6 +472,16 @@ def frozen_stream_setup(args: argparse.Namespace, tmp: Path, wl: Any) -> tuple[E
 
 
 # ----------------------------------------------------------------------------------------------------- output
+def write_stream_report(path: Path, wl: Any, status: dict[str, Any], summary: dict[str, Any],
+                        rows: list[dict[str, Any]], **extra: Any) -> None:
+    """The JSON of a side-by-side stream benchmark: its own fields, the rule's status, machine, workload,
+    summary and per-request rows."""
+    out = {**extra, "rule": status, "machine": machine(), "workload": describe(wl), "summary": summary, "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=float) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+
+
 def _f(x: Any, fmt: str, suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "—"

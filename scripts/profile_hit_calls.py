@@ -157,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "outside_calls_ms_hit": _med([r["outside_calls_ms"]["hit"] for r in rows]),
     }
     print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
-    out = {"rule": status, "machine": T.machine(), "workload": T.describe(wl), "summary": summary, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1, default=float) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
+    T.write_stream_report(args.json, wl, status, summary, rows)
     return 0
 
 
