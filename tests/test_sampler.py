@@ -379,8 +379,7 @@ def test_context_records_written_in_place_never_leak_between_runs(env):
     not one per layer and call). The same probe serving two hits (two samplers fed by one Early Probe) must give
     bit-identical clips, equal to a hit whose records are copied afresh at every call, and leave the probe's record
     as it was."""
-    from carnator.carnator_core import comfy_patch as cp
-    from carnator.carnator_core import reuse
+    from carnator.carnator_core import comfy_patch as cp, reuse
 
     tm, models = env
     m = models["wan21"]
