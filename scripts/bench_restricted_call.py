@@ -116,7 +116,7 @@ def serving_path(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], A
     T.add_workload_args(ap)
     wargs = ap.parse_args(["--warm", str(args.warm), "--stream", str(args.stream)])
     for name, value in dict(weights=None, allow_uncertified=False, methods=["dense", "carnator"], steps=20, cfg=None,
-                            probe_steps=4, top_k=5, easycache_threshold=0.2, easycache_start=0.15,
+                            probe_steps=None, top_k=5, easycache_threshold=0.2, easycache_start=0.15,
                             easycache_end=0.95, rule=str(T.DEFAULT_RULE), dev_thresholds="8,0.5,1.0,10").items():
         setattr(wargs, name, value)
     wl = T.build_workload(T.spec_from_args(wargs))

@@ -109,9 +109,10 @@ class Env:
     glue: Any
     steps: int
     cfg: float
-    probe_steps: int
+    probe_steps: int  # the Carnator rows' probe length (their rule's)
     top_k: int
     version: str = ""  # the weights' embedded model version (its latent geometry); "" = the default
+    easy_probe_steps: int = 0  # the Carnator + EasyCache row's (its rule's); 0 = probe_steps
 
     def latent(self) -> dict:
         """An empty latent of the weights' version (v2 and v3 differ in frame size)."""
@@ -138,7 +139,25 @@ def load_env(args: argparse.Namespace, tmp: Path) -> Env:
                                      False).args[0]
     version = comfy_glue.model_version(model)
     cfg = args.cfg if args.cfg is not None else version.cfg  # the CFG the weights were selected at and rules use
-    return Env(model, easy, enc, dec, comfy_glue, args.steps, cfg, args.probe_steps, args.top_k, version.name)
+    # Each Carnator row probes as long as its rule was certified for (the probe length is part of the rule's
+    # config); --probe-steps overrides both (a rule for another length then refuses to apply).
+    probe = args.probe_steps if args.probe_steps is not None else rule_probe_steps(args.rule)
+    easy_rule = getattr(args, "easycache_rule", None)
+    easy_probe = args.probe_steps if args.probe_steps is not None else rule_probe_steps(easy_rule) if easy_rule \
+        else probe
+    return Env(model, easy, enc, dec, comfy_glue, args.steps, cfg, probe, args.top_k, version.name, easy_probe)
+
+
+def rule_probe_steps(path: str | Path) -> int:
+    """The probe length a rule file was certified for (its config's ``probe_steps``); the embedded model's stock
+    probe when the file does not exist or does not say (development rules)."""
+    from carnator.carnator_core.embedded import config as ecfg
+
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8")).get("config", {}).get("meta", {})
+        return int(meta["probe_steps"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ecfg.DEFAULT_PROBE_STEP
 
 
 def dev_rule(thresholds: str, probe: Any) -> Any:
@@ -169,7 +188,10 @@ def dense_run(env: Env, model: Any, positive, negative, req: Request) -> Any:
                                disable_pbar=True, seed=req.seed)
 
 
-def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, write: bool) -> Any:
+def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, write: bool,
+                  probe_steps: int | None = None) -> Any:
+    """The ServeOptions of ``method``; the probe length is ``probe_steps``, else that of the method's rule
+    (``env.easy_probe_steps`` for Carnator + EasyCache, else ``env.probe_steps``)."""
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import ServeOptions
 
@@ -184,7 +206,9 @@ def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, wri
     return ServeOptions(method=filt, reuse_mode=mode, rule=rule if filt == "carnator" else None,
                         allow_uncertified=bool(rule is not None and not rule.certificate.passed),
                         prompt_threshold=prompt_threshold, top_k=env.top_k, write=write,
-                        probe=ProbeConfig(probe_steps=env.probe_steps))
+                        probe=ProbeConfig(probe_steps=probe_steps if probe_steps is not None else
+                                          env.easy_probe_steps if method == "carnator_easycache" and
+                                          env.easy_probe_steps else env.probe_steps))
 
 
 def run_request(env: Env, method: str, req: Request, store: Any, options: Any) -> tuple[Any, float, Any]:
@@ -243,6 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="carnator-table1-"))
     try:
         env = load_env(args, tmp)
+        info["probe_steps"] = {"carnator": env.probe_steps, "carnator_easycache": env.easy_probe_steps}
+        print(f"probe steps (of {env.steps}): {info['probe_steps']}", flush=True)
         key = tmp / "index.key"
         warm_dir = tmp / "warm"
         warm = Store.open(warm_dir, key_path=key)
@@ -267,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             scratch = Store.open(tmp / "scratch-easy", key_path=key)
             easy_first = serve(env.easy_model, env.enc, env.enc.encode(wprompt), env.enc.encode(""), env.latent(),
                                RequestSpec(wprompt, 123456789, env.steps, env.cfg), scratch,
-                               serve_options("dense", None, 0.0, env, True))
+                               serve_options("dense", None, 0.0, env, True, env.easy_probe_steps))
             scratch.close()
             easy_rule, easy_status = resolve_rule(args.easycache_rule, args, easy_first.probe, True)
             info["easycache_rule"] = easy_status
@@ -294,19 +320,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         # The EasyCache-patched model is another namespace (the fingerprint covers patches): its cache is warmed
         # by the same requests served on it, as a farm running Carnator + EasyCache would have filled it.
-        warm_models = [("", env.model, warm)]
+        # Each warm store is filled with its row's probe length: the cache namespace includes the config.
+        warm_models = [("", env.model, warm, env.probe_steps)]
         if "carnator_easycache" in args.methods:
-            warm_models.append(("easy ", env.easy_model, Store.open(tmp / "warm-easy", key_path=key)))
-        for tag, model, store in warm_models:
+            warm_models.append(("easy ", env.easy_model, Store.open(tmp / "warm-easy", key_path=key),
+                                env.easy_probe_steps))
+        for tag, model, store, probe_steps in warm_models:
             for i, req in enumerate(wl.warm):
                 res = serve(model, env.enc, env.enc.encode(req.prompt), env.enc.encode(""), env.latent(),
                             RequestSpec(req.prompt, req.seed, env.steps, env.cfg), store,
-                            serve_options("dense", None, 0.0, env, True))
+                            serve_options("dense", None, 0.0, env, True, probe_steps))
                 print(f"{tag}warm {i + 1}/{len(wl.warm)} {req.rid} {res.timings_ms['total'] / 1000:.1f}s "
                       f"{req.prompt}", flush=True)
         info["warm_seconds"] = time.perf_counter() - t0
         info["warm_entries"] = warm.stats().entries
-        for _tag, _model, store in warm_models:
+        for _tag, _model, store, _probe in warm_models:
             store.close()
 
         methods = [m for m in ALL_METHODS if m in args.methods]
@@ -442,15 +470,15 @@ def resolve_rule(rule_path: str, args: argparse.Namespace, probe: Any, needed: b
 
 def frozen_stream_setup(args: argparse.Namespace, tmp: Path, wl: Any) -> tuple[Env, Any, dict[str, Any], Any]:
     """The set-up of the side-by-side stream benchmarks (``bench_reuse_settings.py``, ``profile_hit_calls.py``):
-    Table 1's defaults for what they do not ask for (the shipped weights and their CFG, 20 steps, probe 4, top-5
-    recall, a certified rule at ``args.rule``), the environment, one untimed dense request that warms every lazy
-    path, the rule, and the warm set of ``wl`` served dense into one store under ``tmp``. Returns (env, rule,
-    rule status, warm store); the caller keeps the store frozen (serves with ``write=False``) and closes it."""
+    Table 1's defaults for what they do not ask for (the shipped weights and their CFG, 20 steps, the rule's probe
+    length, top-5 recall, a certified rule at ``args.rule``), the environment, one untimed dense request that warms
+    every lazy path, the rule, and the warm set of ``wl`` served dense into one store under ``tmp``. Returns (env,
+    rule, rule status, warm store); the caller keeps the store frozen (serves with ``write=False``) and closes it."""
     from carnator.carnator_core.cache import Store
     from carnator.carnator_core.request import RequestSpec, serve
 
     args.methods, args.weights, args.cfg, args.steps, args.probe_steps, args.top_k = "dense,carnator", None, None, \
-        20, 4, 5
+        20, None, 5
     args.allow_uncertified, args.dev_thresholds = False, ""
     env = load_env(args, tmp)
     key = tmp / "index.key"
@@ -537,7 +565,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--weights", default=None, help="embedded weights file (default: the shipped one)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cfg", type=float, default=None, help="CFG scale (default: the weights' version's stock CFG)")
-    ap.add_argument("--probe-steps", type=int, default=4)
+    ap.add_argument("--probe-steps", type=int, default=None,
+                    help="probe length of the Carnator rows (default: each row's rule's, the length it was certified "
+                         "for; a rule made for another length refuses to apply)")
     ap.add_argument("--top-k", type=int, default=5, help="candidates recalled per request (the workflows use 5)")
     ap.add_argument("--rule", default=str(DEFAULT_RULE), help="risk rule file for the Carnator rows")
     ap.add_argument("--easycache-rule", default=str(DEFAULT_EASYCACHE_RULE),

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --combine and a split on every file: the :calib files may have been labelled with "
                    "other reuse settings than the :cert files (the rule records the :cert files' settings; each "
                    "calibration file's own are listed in the header)")
+    p.add_argument("--calib-config-may-differ", action="store_true",
+                   help="with --combine and a split on every file: the :calib files may have been labelled with "
+                   "another generation config of the same model (e.g. another probe length); the rule applies to "
+                   "the :cert files' config, each calibration file's own is listed in the header")
     p.add_argument("--weights", default="", help="embedded weights file (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm set and the queries (0)")
     p.add_argument("--warm", type=int, default=60, help="warm (cached) requests (60)")
@@ -375,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             sources.append((path, prefix, split or None))
         try:
             header = pairs.combine_pairs_files(sources, args["out"], generator=command,
-                                               calib_reuse_may_differ=args["calib_reuse_may_differ"])
+                                               calib_reuse_may_differ=args["calib_reuse_may_differ"],
+                                               calib_config_may_differ=args["calib_config_may_differ"])
         except ValueError as e:
             parser.error(str(e))
         n = sum(x["requests"] for x in header["sources"])

@@ -244,6 +244,44 @@ def test_combine_calibration_from_other_reuse_settings_only_when_asked(tmp_path)
                                   tmp_path / "x.jsonl", calib_reuse_may_differ=True)
 
 
+def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
+    """Calibration runs of another generation config (e.g. another probe length) of the same model combine with
+    certification runs only on request; the header then carries the certification files' config (the one the
+    rule applies to) and lists each calibration file's own. The model, the definition of unsafe and the
+    certification files' config must still agree."""
+    from carnator.carnator_core.lab import pairs
+
+    head = {"model_fingerprint": "m", "unsafe_definition": "u", "dataset": "d", "top_k": 3, "min_similarity": 0.0,
+            "reuse_mode": "joint", "arch": "embedded"}
+    row = {"request_id": "q0000", "entry_id": "w0001", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
+           "appearance": 3.0, "missing": False, "unsafe": False}
+    files = {"cal": ("c4", {"probe_steps": 4}), "c1": ("c2", {"probe_steps": 2}), "c2": ("c2", {"probe_steps": 2}),
+             "c3": ("c4", {"probe_steps": 4})}
+    for name, (fp, meta) in files.items():
+        pairs.write_header(tmp_path / f"{name}.jsonl", {**head, "config_fingerprint": fp, "config": meta})
+        pairs.append_rows(tmp_path / f"{name}.jsonl", [row])
+    src = [(tmp_path / "cal.jsonl", "s0", "calib"), (tmp_path / "c1.jsonl", "s1", "cert"),
+           (tmp_path / "c2.jsonl", "s2", "cert")]
+    with pytest.raises(ValueError, match="calib-config-may-differ"):
+        pairs.combine_pairs_files(src, tmp_path / "x.jsonl")
+    h = pairs.combine_pairs_files(src, tmp_path / "x.jsonl", calib_config_may_differ=True)
+    assert (h["config_fingerprint"], h["config"]) == ("c2", {"probe_steps": 2})
+    assert [x.get("config") for x in h["sources"]] == [
+        {"config_fingerprint": "c4", "config": {"probe_steps": 4}}, None, None]
+    got, rows = pairs.read_rows(tmp_path / "x.jsonl")
+    assert got["config_fingerprint"] == "c2" and [r["split"] for r in rows] == ["calib", "cert", "cert"]
+    with pytest.raises(ValueError, match="config_fingerprint"):  # the certification runs disagree
+        pairs.combine_pairs_files(src + [(tmp_path / "c3.jsonl", "s3", "cert")], tmp_path / "x.jsonl",
+                                  calib_config_may_differ=True)
+    with pytest.raises(ValueError, match="split on every file"):
+        pairs.combine_pairs_files([(tmp_path / "cal.jsonl", "s0"), (tmp_path / "c1.jsonl", "s1")],
+                                  tmp_path / "x.jsonl", calib_config_may_differ=True)
+    with pytest.raises(ValueError, match="model_fingerprint"):  # never another model
+        pairs.write_header(tmp_path / "m.jsonl", {**head, "model_fingerprint": "other", "config_fingerprint": "c4"})
+        pairs.combine_pairs_files([(tmp_path / "m.jsonl", "s9", "calib"), (tmp_path / "c1.jsonl", "s1", "cert")],
+                                  tmp_path / "x.jsonl", calib_config_may_differ=True)
+
+
 def test_shipped_rule_loads_and_matches_its_pairs():
     """The committed rule loads (bound recomputed from n, k, δ), is for the default embedded weights' arch, and
     was made from the committed pairs."""

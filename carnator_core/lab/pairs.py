@@ -913,7 +913,8 @@ def header_for(probe: Any, *, dataset: str, seeds: Sequence[int] | Mapping[str, 
 
 
 def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLike,
-                        generator: str = "", calib_reuse_may_differ: bool = False) -> dict[str, Any]:
+                        generator: str = "", calib_reuse_may_differ: bool = False,
+                        calib_config_may_differ: bool = False) -> dict[str, Any]:
     """Concatenate pairs files made with the same model, config and definition of unsafe into one.
 
     sources: (path, prefix) or (path, prefix, split) per file; request and entry ids become ``"<prefix>:<id>"``
@@ -929,6 +930,11 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
     records *their* settings (what the rule will run, and what its certificate is about) and each calibration
     file's own under ``sources[i]["reuse_config"]``. Sound because the certificate needs only that the rule is fixed
     without the certification rows; the calibration rows then only decide how well the thresholds fit.
+
+    ``calib_config_may_differ`` (needs a split on every file): likewise for the generation config
+    (``config_fingerprint`` / ``config``, e.g. another probe length) of the same model and the same definition of
+    unsafe. The header takes the certification files' config (they must agree): the rule applies to that config
+    only, and each calibration file's own is listed under ``sources[i]["config"]``.
     """
     import hashlib
 
@@ -939,33 +945,44 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
     splits = [x[2] for x in sources]
     if any(sp is not None for sp in splits) and (None in splits or not set(splits) <= {"calib", "cert"}):
         raise ValueError(f"split must be 'calib' or 'cert' for every file (or for none), got {splits}")
-    if calib_reuse_may_differ and (None in splits or "cert" not in splits):
-        raise ValueError("calibration files with other reuse settings need the split on every file (:calib / "
-                         ":cert) and at least one certification file, whose settings the rule then records")
+    if (calib_reuse_may_differ or calib_config_may_differ) and (None in splits or "cert" not in splits):
+        what = "reuse settings" if calib_reuse_may_differ else "generation config"
+        raise ValueError(f"calibration files with another {what} need the split on every file (:calib / :cert) "
+                         "and at least one certification file, whose settings the rule then records")
     if len(set(prefixes)) != len(prefixes) or any(not p or ":" in p for p in prefixes):
         raise ValueError(f"prefixes must be distinct, non-empty and without ':', got {prefixes}")
-    header: dict[str, Any] | None = None
     listed = []
     heads: list[dict[str, Any]] = []
     all_rows: list[dict[str, Any]] = []
-    keys = ("model_fingerprint", "config_fingerprint", "unsafe_definition")
-    for path, prefix, split in sources:
+    file_rows: list[list[dict[str, Any]]] = []
+    config_keys = ("config_fingerprint", "config")
+    # The header's model, config and definition of unsafe: the first file's, or with calibration files of another
+    # config allowed, the first certification file's (the config the rule will apply to).
+    first = next(i for i, sp in enumerate(splits) if sp == "cert") if calib_config_may_differ else 0
+    for i, (path, prefix, split) in enumerate(sources):
         h, rows = read_rows(path)
         if h is None:
             raise ValueError(f"{path} has no header row: cannot check it was made with the same model and config")
-        h = {k: v for k, v in h.items() if k != "type"}
-        heads.append(h)
-        if header is None:
-            header = {k: h[k] for k in ("model_fingerprint", "config_fingerprint", "arch", "config",
-                                        "unsafe_definition") if k in h}
+        heads.append({k: v for k, v in h.items() if k != "type"})
+        file_rows.append(rows)
+    header = {k: heads[first][k] for k in ("model_fingerprint", "config_fingerprint", "arch", "config",
+                                           "unsafe_definition") if k in heads[first]}
+    for i, (path, prefix, split) in enumerate(sources):
+        h, rows = heads[i], file_rows[i]
+        keys = ("model_fingerprint", "unsafe_definition") + (
+            () if calib_config_may_differ and split == "calib" else ("config_fingerprint",))
         bad = [k for k in keys if h.get(k) != header.get(k)]
         if bad:
-            raise ValueError(f"{path} differs from {sources[0][0]} in {bad}: only pairs of one model, config and "
-                             "definition of unsafe can be combined")
+            raise ValueError(f"{path} differs from {sources[first][0]} in {bad}: only pairs of one model, config "
+                             "and definition of unsafe can be combined"
+                             + (" (calibration files of another generation config: calib_config_may_differ / "
+                                "--calib-config-may-differ)" if bad == ["config_fingerprint"] else ""))
         listed.append({"file": Path(path).name, "prefix": prefix, "dataset": h.get("dataset", ""),
                        "seeds": h.get("seeds", ""), "generator": h.get("generator", ""),
                        "requests": len({r["request_id"] for r in rows}), "pairs": len(rows), "split": split,
                        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]})
+        if calib_config_may_differ and split == "calib":
+            listed[-1]["config"] = {k: h.get(k) for k in config_keys}
         for r in rows:
             r = dict(r)
             r["request_id"] = f"{prefix}:{r['request_id']}"
@@ -973,7 +990,6 @@ def combine_pairs_files(sources: Sequence[tuple[Any, ...]], out: str | os.PathLi
             if split is not None:
                 r["split"] = split
             all_rows.append(r)
-    assert header is not None
     # The recall (and reuse settings) the pairs were made with travel with them: the rule records the recall and
     # the filter considers only those candidates. Runs made with different ones are not one experiment.
     for key in ("top_k", "min_similarity", "reuse_mode", "reuse_config"):
