@@ -74,8 +74,8 @@ def fallback_graph(stream: bool) -> dict[str, Any]:
         "5": {"class_type": "CarnatorEmbeddedEmptyLatent", "inputs": {"batch_size": 1}},
         "6": {"class_type": "CarnatorEarlyProbe", "inputs": {
             "model": ["1", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0], "seed": 0,
-            "steps": 20, "cfg": ecfg.DEFAULT_CFG, "sampler_name": "euler", "scheduler": "simple", "probe_steps": 4,
-            "prompt": ["2", 0], "text_encoder": ["1", 1]}},
+            "steps": 20, "cfg": ecfg.DEFAULT_CFG, "sampler_name": "euler", "scheduler": "simple",
+            "probe_steps": ecfg.DEFAULT_PROBE_STEP, "prompt": ["2", 0], "text_encoder": ["1", 1]}},
         "7": {"class_type": "CarnatorSignatureBuilder", "inputs": {"probe": ["6", 0]}},
         "8": {"class_type": "CarnatorCacheLoader", "inputs": {"directory": CACHE_DIR}},
         "11": {"class_type": "CarnatorJointReuseSampler", "inputs": {

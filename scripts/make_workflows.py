@@ -466,10 +466,24 @@ calibrate a risk rule for this model and config as `{rule}` in `ComfyUI/user/def
 (docs/CALIBRATION.md); until then set the Risk Filter's mode to `never` to run dense and fill the cache."""
 
 SETUP_EMBEDDED = """**No downloads:** the embedded model (8 frames of 32×32 px, a small Wan-architecture model trained on a
-world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its risk rule `embedded.json` ship with
-Carnator, certified: 2 unsafe of 173 accepted requests on its certification split, U = 0.0305 ≤ α = 0.05 at
-δ = 0.1 (rules/README.md). It is strict: it accepts near-identical requests (prompt similarity ≥ 0.9937 and
-small signature discrepancies). Queue the same prompt twice, or run "warm the cache" first: the second run is a HIT."""
+world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its risk rule `{rule}` ship with Carnator.
+{certificate} Queue a request, then a reworded one, a re-roll or a one-attribute edit of it (colour, size,
+position, motion): the second run is usually a HIT that recomputes only what changed."""
+
+
+def embedded_rule_summary(rule_file: str) -> str:
+    """One sentence on the shipped rule's certificate, read from ``rules/<rule_file>`` (so the workflow note says
+    what the file in the repository says; re-render after a new rule lands)."""
+    c = json.loads((ROOT / "rules" / rule_file).read_text(encoding="utf-8"))["certificate"]
+    if not c.get("passed"):
+        return (f"The rule is NOT certified (U = {c['upper_bound']:.4f} > α = {c['alpha']}); the filter refuses it "
+                "unless allow_uncertified is on.")
+    label = ("reuse failing where the dense run passes, net of the reverse: (b − c)/n = "
+             f"({c['k']} − {c.get('c', 0)})/{c['n']}" if c.get("label") == "excess" else
+             f"{c['k']} unsafe of {c['n']}")
+    return (f"Certified on {label} accepted requests of its certification split, U = {c['upper_bound']:.4f} ≤ α = "
+            f"{c['alpha']} at δ = {c['delta']}, accepting {100 * c['coverage']:.1f} % of them (rules/README.md).")
+
 
 NOTE_WARM = """## Carnator — warm the cache ({model})
 
@@ -606,12 +620,14 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -
         return graph.add("CarnatorEmbeddedDecode", (X5, 0), {"upscale": 4}, {"decoder": decoder, "samples": samples})
 
     settings = Settings(steps=20, cfg=_embedded_config().DEFAULT_CFG, sampler="euler", scheduler="simple",
-                        probe_steps=4, fps=8.0, rule_file="embedded.json")
+                        probe_steps=_embedded_config().DEFAULT_PROBE_STEP, fps=8.0, rule_file="embedded.json")
     carnator_path(g, Sources(loader, pos, neg, latent, decode, prompt,
                              (tokenizer_input, encoder) if tokenizer_input else None),
                   settings, reuse=reuse, prefix="embedded" if reuse else "embedded_warm")
     if reuse:
-        g.note(NOTE_REUSE.format(model="embedded default model", k=4, steps=20, setup=SETUP_EMBEDDED), (X5, 600),
+        setup = SETUP_EMBEDDED.format(rule=settings.rule_file, certificate=embedded_rule_summary(settings.rule_file))
+        g.note(NOTE_REUSE.format(model="embedded default model", k=settings.probe_steps, steps=settings.steps,
+                                 setup=setup), (X5, 600),
                size=(440, 330))
     else:
         g.note(NOTE_WARM.format(model="embedded default model"), (X5, 600), size=(440, 170))
