@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--ref-seeds", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[], help="name:field=value;... (ReuseConfig)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--probe-steps", type=int, default=None,
+                    help="probe length of every request (default: the embedded model's stock probe)")
     ap.add_argument("--weights", type=Path, default=None, help="embedded weights (default: the shipped ones)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None, help="write dense | hit | |diff| frames of each hit here")
@@ -89,6 +91,9 @@ def main() -> int:
     except ValueError as exc:
         raise SystemExit(f"--easycache: {exc}") from None
     ctx = pairs.embedded_context(store, args.weights, easycache=easy)
+    if args.probe_steps is not None:  # warm entries, queries and hits all probe this long
+        ctx = dataclasses.replace(ctx, options=dataclasses.replace(
+            ctx.options, probe=dataclasses.replace(ctx.options.probe, probe_steps=args.probe_steps)))
     frame = pairs.embedded_frame(comfy_glue.model_version(ctx.model).name)  # scenes in the weights' geometry
     warm, scenes = pairs.embedded_warm_set(args.seed, args.warm, frame)
     entry = {}
