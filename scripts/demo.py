@@ -213,6 +213,17 @@ def serve_phase(client: ComfyClient, graph: dict[str, Any], reqs: tuple[Request,
 
 
 # ---------------------------------------------------------------------------------------------------- the rule
+
+def _certificate_line(c: dict[str, Any]) -> str:
+    """A rule file's certificate as one line (the filter's own wording: ``Certificate.line``); a file whose
+    certificate does not parse says so instead of failing the demo."""
+    from carnator.carnator_core.risk.certify import Certificate
+
+    try:
+        return Certificate.from_dict(c).line()
+    except (ValueError, TypeError, KeyError) as e:
+        return f"certificate unreadable ({e})"
+
 def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tuple[str, bool, str]:
     """(rule_file, allow_uncertified, description). Needs the warm cache (for the model/config fingerprints)."""
     stats = server.get("/carnator/cache/stats?" + urllib.parse.urlencode({"directory": CACHE_DIR}))
@@ -229,14 +240,10 @@ def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tup
         certified = bool(rule.get("certificate", {}).get("passed"))
         c = rule.get("certificate", {})
         if same and certified:
-            return "embedded.json", False, (f"certified rule rules/embedded.json: {c['k']} unsafe of {c['n']} "
-                                            f"accepted, U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} "
-                                            f"(δ = {c['delta']})")
+            return "embedded.json", False, f"certified rule rules/embedded.json: {_certificate_line(c)}"
         if same:
             # The shipped rule is for these weights and this config but its certificate fails: use it, marked.
-            return "embedded.json", True, (f"UNCERTIFIED shipped rule rules/embedded.json: {c.get('k')} unsafe of "
-                                           f"{c.get('n')} accepted on its certification split, U = "
-                                           f"{float(c.get('upper_bound', 1.0)):.4f} > α = {c.get('alpha')} "
+            return "embedded.json", True, (f"UNCERTIFIED shipped rule rules/embedded.json: {_certificate_line(c)} "
                                            "(rules/README.md)")
         why = ("rules/embedded.json is not certified" if not certified else
                "rules/embedded.json was calibrated for other weights/config than the ones in use")
