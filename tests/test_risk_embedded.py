@@ -211,6 +211,21 @@ def test_combine_pairs_files(tmp_path):
         pairs.combine_pairs_files([(tmp_path / "a.jsonl", "s0"), (tmp_path / "b.jsonl", "s0")], tmp_path / "x.jsonl")
 
 
+def _one_row_pairs_files(folder, headers: dict) -> list:
+    """Pairs files ``<folder>/<name>.jsonl``, one per header, each with the same single labelled row; returns
+    (path, prefix, split) sources in order, prefixes s0, s1, ... and the split taken from the name ("cal..." =
+    calibration, else certification)."""
+    from carnator.carnator_core.lab import pairs
+
+    row = {"request_id": "q0000", "entry_id": "w0001", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
+           "appearance": 3.0, "missing": False, "unsafe": False}
+    for name, head in headers.items():
+        pairs.write_header(folder / f"{name}.jsonl", head)
+        pairs.append_rows(folder / f"{name}.jsonl", [row])
+    return [(folder / f"{name}.jsonl", f"s{i}", "calib" if name.startswith("cal") else "cert")
+            for i, name in enumerate(headers)]
+
+
 def test_combine_calibration_from_other_reuse_settings_only_when_asked(tmp_path):
     """Calibration runs labelled with earlier reuse settings combine with certification runs of new ones only on
     request; the header then records the certification files' settings (what the rule runs) and lists the
@@ -219,22 +234,17 @@ def test_combine_calibration_from_other_reuse_settings_only_when_asked(tmp_path)
 
     head = {"model_fingerprint": "m", "config_fingerprint": "c", "unsafe_definition": "u", "dataset": "d",
             "top_k": 3, "min_similarity": 0.0, "reuse_mode": "joint"}
-    row = {"request_id": "q0000", "entry_id": "w0001", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
-           "appearance": 3.0, "missing": False, "unsafe": False}
     old, new = {"refreshes": 3}, {"refreshes": 3, "sparse_kernel": "cost"}
-    for name, rc in (("cal", old), ("c1", new), ("c2", new), ("c3", {"refreshes": 2, "sparse_kernel": "cost"})):
-        pairs.write_header(tmp_path / f"{name}.jsonl", {**head, "reuse_config": rc})
-        pairs.append_rows(tmp_path / f"{name}.jsonl", [row])
-    src = [(tmp_path / "cal.jsonl", "s0", "calib"), (tmp_path / "c1.jsonl", "s1", "cert"),
-           (tmp_path / "c2.jsonl", "s2", "cert")]
+    src = _one_row_pairs_files(tmp_path, {name: {**head, "reuse_config": rc} for name, rc in (
+        ("cal", old), ("c1", new), ("c2", new), ("c3", {"refreshes": 2, "sparse_kernel": "cost"}))})
+    src, c3 = src[:3], src[3]
     with pytest.raises(ValueError, match="calib-reuse-may-differ"):
         pairs.combine_pairs_files(src, tmp_path / "x.jsonl")
     h = pairs.combine_pairs_files(src, tmp_path / "x.jsonl", calib_reuse_may_differ=True)
     assert h["reuse_config"] == new
     assert [x.get("reuse_config") for x in h["sources"]] == [old, None, None]
     with pytest.raises(ValueError, match="reuse_config"):  # the certification runs disagree
-        pairs.combine_pairs_files(src + [(tmp_path / "c3.jsonl", "s3", "cert")], tmp_path / "x.jsonl",
-                                  calib_reuse_may_differ=True)
+        pairs.combine_pairs_files(src + [c3], tmp_path / "x.jsonl", calib_reuse_may_differ=True)
     with pytest.raises(ValueError, match="split on every file"):
         pairs.combine_pairs_files([(tmp_path / "cal.jsonl", "s0"), (tmp_path / "c1.jsonl", "s1")],
                                   tmp_path / "x.jsonl", calib_reuse_may_differ=True)
@@ -253,15 +263,11 @@ def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
 
     head = {"model_fingerprint": "m", "unsafe_definition": "u", "dataset": "d", "top_k": 3, "min_similarity": 0.0,
             "reuse_mode": "joint", "arch": "embedded"}
-    row = {"request_id": "q0000", "entry_id": "w0001", "similarity": 0.9, "context": 1.0, "size": 0.1, "shape": 0.2,
-           "appearance": 3.0, "missing": False, "unsafe": False}
     files = {"cal": ("c4", {"probe_steps": 4}), "c1": ("c2", {"probe_steps": 2}), "c2": ("c2", {"probe_steps": 2}),
              "c3": ("c4", {"probe_steps": 4})}
-    for name, (fp, meta) in files.items():
-        pairs.write_header(tmp_path / f"{name}.jsonl", {**head, "config_fingerprint": fp, "config": meta})
-        pairs.append_rows(tmp_path / f"{name}.jsonl", [row])
-    src = [(tmp_path / "cal.jsonl", "s0", "calib"), (tmp_path / "c1.jsonl", "s1", "cert"),
-           (tmp_path / "c2.jsonl", "s2", "cert")]
+    src = _one_row_pairs_files(tmp_path, {name: {**head, "config_fingerprint": fp, "config": meta}
+                                          for name, (fp, meta) in files.items()})
+    src, c3 = src[:3], src[3]
     with pytest.raises(ValueError, match="calib-config-may-differ"):
         pairs.combine_pairs_files(src, tmp_path / "x.jsonl")
     h = pairs.combine_pairs_files(src, tmp_path / "x.jsonl", calib_config_may_differ=True)
@@ -271,8 +277,7 @@ def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
     got, rows = pairs.read_rows(tmp_path / "x.jsonl")
     assert got["config_fingerprint"] == "c2" and [r["split"] for r in rows] == ["calib", "cert", "cert"]
     with pytest.raises(ValueError, match="config_fingerprint"):  # the certification runs disagree
-        pairs.combine_pairs_files(src + [(tmp_path / "c3.jsonl", "s3", "cert")], tmp_path / "x.jsonl",
-                                  calib_config_may_differ=True)
+        pairs.combine_pairs_files(src + [c3], tmp_path / "x.jsonl", calib_config_may_differ=True)
     with pytest.raises(ValueError, match="split on every file"):
         pairs.combine_pairs_files([(tmp_path / "cal.jsonl", "s0"), (tmp_path / "c1.jsonl", "s1")],
                                   tmp_path / "x.jsonl", calib_config_may_differ=True)
