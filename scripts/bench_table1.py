@@ -195,6 +195,8 @@ def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, wri
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import ServeOptions
 
+    if probe_steps is None:
+        probe_steps = (env.easy_probe_steps or env.probe_steps) if method == "carnator_easycache" else env.probe_steps
     mode = {"latent_only": "latent", "attention_only": "attention"}.get(method, "joint")
     filt = "prompt_only" if method == "prompt_only" else ("dense" if method == "dense" else "carnator")
     if mode != "joint" and rule is not None and rule.reuse_config is not None:
@@ -206,9 +208,7 @@ def serve_options(method: str, rule: Any, prompt_threshold: float, env: Env, wri
     return ServeOptions(method=filt, reuse_mode=mode, rule=rule if filt == "carnator" else None,
                         allow_uncertified=bool(rule is not None and not rule.certificate.passed),
                         prompt_threshold=prompt_threshold, top_k=env.top_k, write=write,
-                        probe=ProbeConfig(probe_steps=probe_steps if probe_steps is not None else
-                                          env.easy_probe_steps if method == "carnator_easycache" and
-                                          env.easy_probe_steps else env.probe_steps))
+                        probe=ProbeConfig(probe_steps=probe_steps))
 
 
 def run_request(env: Env, method: str, req: Request, store: Any, options: Any) -> tuple[Any, float, Any]:

@@ -213,7 +213,6 @@ def serve_phase(client: ComfyClient, graph: dict[str, Any], reqs: tuple[Request,
 
 
 # ---------------------------------------------------------------------------------------------------- the rule
-
 def _certificate_line(c: dict[str, Any]) -> str:
     """A rule file's certificate as one line (the filter's own wording: ``Certificate.line``); a file whose
     certificate does not parse says so instead of failing the demo."""
@@ -223,6 +222,7 @@ def _certificate_line(c: dict[str, Any]) -> str:
         return Certificate.from_dict(c).line()
     except (ValueError, TypeError, KeyError) as e:
         return f"certificate unreadable ({e})"
+
 
 def choose_rule(server: ComfyServer, base_dir: Path, dev_thresholds: str) -> tuple[str, bool, str]:
     """(rule_file, allow_uncertified, description). Needs the warm cache (for the model/config fingerprints)."""

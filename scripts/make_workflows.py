@@ -465,7 +465,7 @@ SETUP_STOCK = """**Before the first run:** put the model files into `ComfyUI/mod
 calibrate a risk rule for this model and config as `{rule}` in `ComfyUI/user/default/carnator/rules/`
 (docs/CALIBRATION.md); until then set the Risk Filter's mode to `never` to run dense and fill the cache."""
 
-SETUP_EMBEDDED = """**No downloads:** the embedded model (8 frames of 32×32 px, a small Wan-architecture model trained on a
+SETUP_EMBEDDED = """**No downloads:** the embedded model ({frames} frames of {height}×{width} px, a small Wan-architecture model trained on a
 world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its risk rule `{rule}` ship with Carnator.
 {certificate} Queue a request, then a reworded one, a re-roll or a one-attribute edit of it (colour, size,
 position, motion): the second run is usually a HIT that recomputes only what changed."""
@@ -625,7 +625,9 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -
                              (tokenizer_input, encoder) if tokenizer_input else None),
                   settings, reuse=reuse, prefix="embedded" if reuse else "embedded_warm")
     if reuse:
-        setup = SETUP_EMBEDDED.format(rule=settings.rule_file, certificate=embedded_rule_summary(settings.rule_file))
+        cfg = _embedded_config()
+        setup = SETUP_EMBEDDED.format(frames=cfg.FRAMES, height=cfg.HEIGHT, width=cfg.WIDTH, rule=settings.rule_file,
+                                      certificate=embedded_rule_summary(settings.rule_file))
         g.note(NOTE_REUSE.format(model="embedded default model", k=settings.probe_steps, steps=settings.steps,
                                  setup=setup), (X5, 600),
                size=(440, 330))
