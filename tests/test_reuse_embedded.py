@@ -128,9 +128,10 @@ def test_serve_runs_hits_with_the_rules_reuse_settings(emb):
 
 def test_the_shipped_easycache_rule_applies_behind_comfyuis_easycache_node_only(emb):
     """rules/embedded_easycache.json (attempt E4) was certified on the embedded model behind ComfyUI's EasyCache node
-    at its default settings (0.2, 0.15, 0.95): it must apply to exactly that MODEL — and the plain model's rule must
-    not (the fingerprint covers model patches). A change to the fingerprint or to what the node patches shows here,
-    not as a rule that silently stops applying."""
+    at its default settings (0.2, 0.15, 0.95) and a 4-step probe: it must apply to exactly that MODEL — and the plain
+    model's rule for the same config (rules/embedded_probe4.json) must not (the fingerprint covers model patches).
+    A change to the fingerprint or to what the node patches shows here, not as a rule that silently stops
+    applying."""
     from comfy_extras.nodes_easycache import EasyCacheNode
 
     from carnator.carnator_core.comfy_patch import model_fingerprint
@@ -138,7 +139,7 @@ def test_the_shipped_easycache_rule_applies_behind_comfyuis_easycache_node_only(
 
     model = emb[0]
     easy = EasyCacheNode.execute(model, 0.2, 0.15, 0.95, False).args[0]
-    plain_rule = RiskRule.load(ROOT / "rules" / "embedded.json")
+    plain_rule = RiskRule.load(ROOT / "rules" / "embedded_probe4.json")
     easy_rule = RiskRule.load(ROOT / "rules" / "embedded_easycache.json")
     assert easy_rule.certificate.passed and easy_rule.reuse_config.get("motion_shift") == 0.045
     config_fp = plain_rule.config_fingerprint

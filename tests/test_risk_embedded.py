@@ -287,28 +287,47 @@ def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
                                   tmp_path / "x.jsonl", calib_config_may_differ=True)
 
 
-def test_shipped_rule_loads_and_matches_its_pairs():
-    """The committed rule loads (bound recomputed from n, k, δ), is for the default embedded weights' arch, and
-    was made from the committed pairs."""
+# The embedded model's rules: the stock config's, and attempt 13's for graphs that probe 4 steps.
+SHIPPED = [(RULE_PATH, PAIRS_PATH),
+           (ROOT / "rules" / "embedded_probe4.json", ROOT / "rules" / "embedded_probe4_pairs.jsonl")]
+
+
+@pytest.mark.parametrize("rule_path,pairs_path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_rule_loads_and_matches_its_pairs(rule_path, pairs_path):
+    """Each committed rule loads (bound recomputed from n, k, δ), is for the embedded arch, and was made from its
+    committed pairs."""
     import hashlib
 
     from carnator.carnator_core.risk.rule import RiskRule
 
-    if not RULE_PATH.exists():
-        pytest.fail(f"{RULE_PATH} is missing: the embedded model's rule must ship (rules/README.md)")
-    rule = RiskRule.load(RULE_PATH, allow_uncertified=True)
+    if not rule_path.exists():
+        pytest.fail(f"{rule_path} is missing: the embedded model's rules must ship (rules/README.md)")
+    rule = RiskRule.load(rule_path, allow_uncertified=True)
     assert rule.arch == "embedded"
     assert rule.provenance["unsafe_definition"]
-    digest = hashlib.sha256(PAIRS_PATH.read_bytes()).hexdigest()[:16]
-    assert rule.provenance["pairs_sha256"] == digest, \
-        "rules/embedded_pairs.jsonl is not the file the rule was made from"
+    digest = hashlib.sha256(pairs_path.read_bytes()).hexdigest()[:16]
+    assert rule.provenance["pairs_sha256"] == digest, f"{pairs_path.name} is not the file the rule was made from"
 
 
-def test_shipped_rule_is_certified():
+@pytest.mark.parametrize("rule_path", [r for r, _ in SHIPPED], ids=lambda p: p.name)
+def test_shipped_rule_is_certified(rule_path):
     from carnator.carnator_core.risk.rule import RiskRule
 
-    rule = RiskRule.load(RULE_PATH)  # raises UncertifiedRuleError when U > α
+    rule = RiskRule.load(rule_path)  # raises UncertifiedRuleError when U > α
     assert rule.certificate.passed and rule.certificate.upper_bound <= rule.certificate.alpha
+
+
+def test_the_stock_config_is_the_shipped_rules():
+    """The embedded model's stock probe length is the one rules/embedded.json was certified for (the workflows and
+    the demo probe that long), and the 4-step rule really is for 4 steps."""
+    import json
+
+    from carnator.carnator_core.embedded import config as ecfg
+
+    meta = {p.name: json.loads(p.read_text(encoding="utf-8"))["config"]["meta"] for p, _ in SHIPPED}
+    assert meta["embedded.json"]["probe_steps"] == ecfg.DEFAULT_PROBE_STEP
+    assert meta["embedded_probe4.json"]["probe_steps"] == 4
+    assert meta["embedded.json"]["steps"] == ecfg.DEFAULT_STEPS
 
 
 # ----------------------------------------------------------------------------------------- slow (the model)

@@ -30,7 +30,7 @@ DEFAULT_STEPS = 20
 # DEFAULT_CFG (below, after the versions): the default version's ``ModelVersion.cfg``.
 DEFAULT_SAMPLER = "euler"
 DEFAULT_SCHEDULER = "simple"
-DEFAULT_PROBE_STEP = 4  # the step (0-based count of finished steps) at which the Early Signature probes
+DEFAULT_PROBE_STEP = 2  # the step (0-based count of finished steps) at which the Early Signature probes
 # What a denoiser may be trained to output (train.Recipe.prediction; a weights file's "prediction" metadata, absent
 # = "v"): the flow velocity eps - x0 (ComfyUI's FLOW) or the clean latent (comfy_glue.ModelSamplingFlowX0).
 PREDICTIONS = ("v", "x0")
