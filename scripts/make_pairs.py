@@ -292,6 +292,7 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
         raise SystemExit("no labelled requests yet")
     kinds = sorted({q.kind for q in queries})
     cfg = ecfg.version(pairs.weights_version(args["weights"] or None)).cfg
+    gen = header.get("config") or {}  # what the part files were labelled with, probe included
     labelled = ("all labelled" if args["label_missing"] == "all" else
                 "all labelled except those with a named object on one side only that are not the most similar "
                 "(never accepted by a signature rule, never considered by prompt-only; left out)")
@@ -300,8 +301,8 @@ def merge(args: dict, command: str) -> tuple[int, int, int]:
                     f"cache entries and {args['queries']} query requests, each derived from a random warm request "
                     f"by one change of kind {kinds} (edits keep the source seed with p={args['p_same_seed']}); "
                     f"top-{args['top_k']} recalled candidates per query, {labelled}; reuse mode "
-                    f"{args['reuse_mode']}; the weights' stock config (20 euler steps, simple, CFG {cfg:g}, "
-                    "probe 4 steps)"),
+                    f"{args['reuse_mode']}; the weights' stock config ({gen.get('steps')} {gen.get('sampler')} "
+                    f"steps, {gen.get('scheduler')}, CFG {cfg:g}, probe {gen.get('probe_steps')} steps)"),
         "seeds": {"world": args["seed"], "warm_rng": [args["seed"], 0], "query_rng": [args["seed"], 1]},
         "generator": command,
         "top_k": args["top_k"],
