@@ -287,9 +287,11 @@ def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
                                   tmp_path / "x.jsonl", calib_config_may_differ=True)
 
 
-# The embedded model's rules: the stock config's, and attempt 13's for graphs that probe 4 steps.
+# The embedded model's rules: the stock config's, attempt 13's for graphs that probe 4 steps, and the one for the
+# model behind ComfyUI's EasyCache node.
 SHIPPED = [(RULE_PATH, PAIRS_PATH),
-           (ROOT / "rules" / "embedded_probe4.json", ROOT / "rules" / "embedded_probe4_pairs.jsonl")]
+           (ROOT / "rules" / "embedded_probe4.json", ROOT / "rules" / "embedded_probe4_pairs.jsonl"),
+           (ROOT / "rules" / "embedded_easycache.json", ROOT / "rules" / "embedded_easycache_pairs.jsonl")]
 
 
 @pytest.mark.parametrize("rule_path,pairs_path", SHIPPED, ids=lambda p: p.name)
