@@ -126,12 +126,14 @@ def test_serve_runs_hits_with_the_rules_reuse_settings(emb):
     assert all(h.probe.context_kv for h in hits)  # the probe kept what probe_context reads
 
 
-def test_the_shipped_easycache_rule_applies_behind_comfyuis_easycache_node_only(emb):
-    """rules/embedded_easycache.json (attempt E4) was certified on the embedded model behind ComfyUI's EasyCache node
-    at its default settings (0.2, 0.15, 0.95) and a 4-step probe: it must apply to exactly that MODEL — and the plain
-    model's rule for the same config (rules/embedded_probe4.json) must not (the fingerprint covers model patches).
-    A change to the fingerprint or to what the node patches shows here, not as a rule that silently stops
-    applying."""
+@pytest.mark.parametrize("easy_name,plain_name", [("embedded_easycache.json", "embedded.json"),
+                                                   ("embedded_easycache_probe4.json", "embedded_probe4.json")])
+def test_the_shipped_easycache_rule_applies_behind_comfyuis_easycache_node_only(emb, easy_name, plain_name):
+    """rules/embedded_easycache.json (attempt E5, stock 2-step probe) and rules/embedded_easycache_probe4.json
+    (attempt E4, 4-step probe) were certified on the embedded model behind ComfyUI's EasyCache node at its default
+    settings (0.2, 0.15, 0.95): each must apply to exactly that MODEL — and the plain model's rule for the same config
+    must not (the fingerprint covers model patches). A change to the fingerprint or to what the node patches shows
+    here, not as a rule that silently stops applying."""
     from comfy_extras.nodes_easycache import EasyCacheNode
 
     from carnator.carnator_core.comfy_patch import model_fingerprint
@@ -139,8 +141,8 @@ def test_the_shipped_easycache_rule_applies_behind_comfyuis_easycache_node_only(
 
     model = emb[0]
     easy = EasyCacheNode.execute(model, 0.2, 0.15, 0.95, False).args[0]
-    plain_rule = RiskRule.load(ROOT / "rules" / "embedded_probe4.json")
-    easy_rule = RiskRule.load(ROOT / "rules" / "embedded_easycache.json")
+    plain_rule = RiskRule.load(ROOT / "rules" / plain_name)
+    easy_rule = RiskRule.load(ROOT / "rules" / easy_name)
     assert easy_rule.certificate.passed and easy_rule.reuse_config.get("motion_shift") == 0.045
     config_fp = plain_rule.config_fingerprint
     assert easy_rule.config_fingerprint == config_fp  # same generation config, another MODEL

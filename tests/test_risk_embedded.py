@@ -291,7 +291,9 @@ def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
 # model behind ComfyUI's EasyCache node.
 SHIPPED = [(RULE_PATH, PAIRS_PATH),
            (ROOT / "rules" / "embedded_probe4.json", ROOT / "rules" / "embedded_probe4_pairs.jsonl"),
-           (ROOT / "rules" / "embedded_easycache.json", ROOT / "rules" / "embedded_easycache_pairs.jsonl")]
+           (ROOT / "rules" / "embedded_easycache.json", ROOT / "rules" / "embedded_easycache_pairs.jsonl"),
+           (ROOT / "rules" / "embedded_easycache_probe4.json",
+            ROOT / "rules" / "embedded_easycache_probe4_pairs.jsonl")]
 
 
 @pytest.mark.parametrize("rule_path,pairs_path", SHIPPED, ids=lambda p: p.name)
@@ -320,8 +322,8 @@ def test_shipped_rule_is_certified(rule_path):
 
 
 def test_the_stock_config_is_the_shipped_rules():
-    """The embedded model's stock probe length is the one rules/embedded.json was certified for (the workflows and
-    the demo probe that long), and the 4-step rule really is for 4 steps."""
+    """The embedded model's stock probe length is the one rules/embedded.json and rules/embedded_easycache.json were
+    certified for (the workflows and the demo probe that long), and the 4-step rules really are for 4 steps."""
     import json
 
     from carnator.carnator_core.embedded import config as ecfg
@@ -329,6 +331,8 @@ def test_the_stock_config_is_the_shipped_rules():
     meta = {p.name: json.loads(p.read_text(encoding="utf-8"))["config"]["meta"] for p, _ in SHIPPED}
     assert meta["embedded.json"]["probe_steps"] == ecfg.DEFAULT_PROBE_STEP
     assert meta["embedded_probe4.json"]["probe_steps"] == 4
+    assert meta["embedded_easycache.json"]["probe_steps"] == ecfg.DEFAULT_PROBE_STEP
+    assert meta["embedded_easycache_probe4.json"]["probe_steps"] == 4
     assert meta["embedded.json"]["steps"] == ecfg.DEFAULT_STEPS
 
 
