@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .adapters import ArchAdapter, adapter_for
+from .keys import stable_module_name
 from .sparse_attention import (
     BlockRecorder,
     block_cost_ratio,
@@ -218,16 +219,16 @@ def _digest_value(v: Any, depth: int = 0) -> str:
         if (getattr(v, "__module__", "") or "").startswith(_PACKAGE):
             return "carnator"
         cells = tuple(c.cell_contents for c in (getattr(v, "__closure__", None) or ()) if _has_contents(c))
-        return (f"fn({v.__module__}.{v.__qualname__}:{hashlib.sha256(code.co_code).hexdigest()[:12]},"
+        return (f"fn({stable_module_name(v.__module__)}.{v.__qualname__}:{hashlib.sha256(code.co_code).hexdigest()[:12]},"
                 f"{_digest_value(cells, d)},{_digest_value(getattr(v, '__defaults__', None), d)})")
     t = type(v)
     if (t.__module__ or "").startswith(_PACKAGE):
         return "carnator"
     if isinstance(v, torch.nn.Module):
-        return f"module({t.__module__}.{t.__qualname__})"
+        return f"module({stable_module_name(t.__module__)}.{t.__qualname__})"
     attrs = {k: x for k, x in (vars(v).items() if hasattr(v, "__dict__") else ())
              if not k.startswith("__") and not callable(x) or torch.is_tensor(x)}
-    return f"obj({t.__module__}.{t.__qualname__},{_digest_value(attrs, d)})"
+    return f"obj({stable_module_name(t.__module__)}.{t.__qualname__},{_digest_value(attrs, d)})"
 
 
 def _empty(v: Any) -> bool:

@@ -73,6 +73,26 @@ def _tensor(h: _Hasher, t: torch.Tensor) -> None:
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
+def stable_module_name(name: str | None) -> str:
+    """A module's name as a digest may use it: the same on every machine and install.
+
+    ComfyUI loads ``comfy_extras`` and custom-node packs by file path and names the module after that path, dots
+    written as ``_x_`` (``/opt/ComfyUI/comfy_extras/nodes_easycache_x_py``, ``/srv/ComfyUI/custom_nodes/pack.nodes``).
+    Digesting that name would tie a model fingerprint or request key to where ComfyUI is installed: a rule
+    certified in one process would not apply in a server, and farm workers with different install paths would
+    never share an entry. Keep the last directory and the module path inside it (``comfy_extras.nodes_easycache``,
+    ``custom_nodes.pack.nodes``) — what a plain ``import`` of the same file is called."""
+    name = name or ""
+    if "/" not in name and "\\" not in name:
+        return name
+    head, _, tail = name.replace("\\", "/").rpartition("/")
+    parent = head.rpartition("/")[2]
+    first, dot, rest = tail.partition(".")
+    if first.endswith("_x_py"):
+        first = first[: -len("_x_py")]
+    return f"{parent}.{first}{dot}{rest}" if parent else f"{first}{dot}{rest}"
+
+
 def _feed(h: _Hasher, obj: Any, depth: int, path: tuple[int, ...]) -> None:
     """Feed a canonical description of ``obj`` into ``h``; raises Opaque for what cannot be described."""
     if depth > _MAX_DEPTH:
@@ -122,7 +142,7 @@ def _feed(h: _Hasher, obj: Any, depth: int, path: tuple[int, ...]) -> None:
     if isinstance(obj, types.FunctionType):
         # Name, code and everything the function closes over: RescaleCFG's multiplier lives in a closure.
         code = obj.__code__
-        h.update(f"fn:{obj.__module__}.{obj.__qualname__}:".encode())
+        h.update(f"fn:{stable_module_name(obj.__module__)}.{obj.__qualname__}:".encode())
         h.update(hashlib.sha256(code.co_code).digest())
         h.update(repr(tuple(c for c in code.co_consts if isinstance(c, (int, float, str, bytes, bool)))).encode())
         _feed(h, obj.__defaults__, depth + 1, path)
@@ -136,16 +156,17 @@ def _feed(h: _Hasher, obj: Any, depth: int, path: tuple[int, ...]) -> None:
         _feed(h, cells, depth + 1, path)
         return
     if isinstance(obj, (types.BuiltinFunctionType, type)):
-        h.update(f"named:{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))};".encode())
+        module = stable_module_name(getattr(obj, "__module__", ""))
+        h.update(f"named:{module}.{getattr(obj, '__qualname__', repr(obj))};".encode())
         return
     if isinstance(obj, types.ModuleType):
-        h.update(f"module:{obj.__name__};".encode())
+        h.update(f"module:{stable_module_name(obj.__name__)};".encode())
         return
     state = getattr(obj, "__dict__", None)
     slots = [s for c in type(obj).__mro__ for s in getattr(c, "__slots__", ()) if isinstance(s, str)]
     if state is None and not slots:
         raise Opaque(f"a {type(obj).__module__}.{type(obj).__qualname__} has no inspectable state")
-    h.update(f"obj:{type(obj).__module__}.{type(obj).__qualname__}(".encode())
+    h.update(f"obj:{stable_module_name(type(obj).__module__)}.{type(obj).__qualname__}(".encode())
     fields = dict(state or {})
     for s in slots:
         if hasattr(obj, s):

@@ -143,6 +143,7 @@ class CarnatorJointReuseSampler(io.ComfyNode):
         if decision is not None:
             meta["verdicts"] = decision.to_meta()["verdicts"]
             meta["decision_summary"] = decision.summary
+            meta["rule_id"] = decision.rule_id  # which certified rule decided ("" for prompt-only or forced)
         return io.NodeOutput(out, report, report.summary(), ui={"carnator_report": [meta]})
 
 

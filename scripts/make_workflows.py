@@ -485,6 +485,14 @@ def embedded_rule_summary(rule_file: str) -> str:
             f"{c['alpha']} at δ = {c['delta']}, accepting {100 * c['coverage']:.1f} % of them (rules/README.md).")
 
 
+EASYCACHE_DEFAULTS = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+
+SETUP_EASYCACHE = """**Behind EasyCache:** ComfyUI's EasyCache node (threshold 0.2, 15–95 %) patches the MODEL that both the Early
+Probe and the Joint Reuse Sampler run, so within a request EasyCache skips steps and across requests Carnator
+reuses. `{rule}` was certified for exactly this patched MODEL and a {k}-step probe: other EasyCache settings or
+another probe length are another model or config, and the Risk Filter refuses the rule for them (it names the
+rule files that do apply). The cache keeps these entries apart from the plain model's."""
+
 NOTE_WARM = """## Carnator — warm the cache ({model})
 
 Dense generations written to the cache so that later requests can reuse them. The probe's seed increments after
@@ -600,12 +608,18 @@ def ltxv(reuse: bool = True) -> Graph:
     return g
 
 
-def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -> Graph:
+def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder", easycache: bool = False) -> Graph:
     """The embedded default model: ships with the extension, needs no download, runs in seconds on a CPU.
     ``tokenizer_input``: the Early Probe input that takes the embedded text encoder (it maps object words to
-    token positions), None if the probe has none."""
-    g = Graph("embedded" if reuse else "embedded_warm_cache")
+    token positions), None if the probe has none. ``easycache``: ComfyUI's EasyCache node (its defaults) patches the
+    MODEL the probe and the sampler run, and the Risk Filter loads the rule certified for that patched MODEL."""
+    name = "embedded" + ("_easycache" if easycache else "")
+    g = Graph(name if reuse else name + "_warm_cache")
     loader = g.add("CarnatorEmbeddedLoader", (X0, 0))
+    model = loader
+    if easycache:
+        model = g.add("EasyCache", (X0, 300), dict(EASYCACHE_DEFAULTS), {"model": loader},
+                      title="EasyCache (ComfyUI core)")
     encoder, decoder = Ref(loader.node, 1), Ref(loader.node, 2)
     prompt = prompt_node(g, "a big red ball moves to the right in the top left, on green grass")
     pos = g.add("CarnatorEmbeddedTextEncode", (X1, 200), links={"text_encoder": encoder, "text": prompt},
@@ -613,24 +627,26 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder") -
     neg = g.add("CarnatorEmbeddedTextEncode", (X1, 400), {"text": ""}, {"text_encoder": encoder},
                 title="Embedded Text Encode (Negative)", color="#322", bgcolor="#533")
     latent = g.add("CarnatorEmbeddedEmptyLatent", (X1, 600), {"batch_size": 1})
-    g.group("Model", [loader])
+    g.group("Model", [loader] + ([model] if easycache else []))
     g.group("Prompt & video size", [prompt, pos, neg, latent], color="#3f7a4f")
 
     def decode(graph: Graph, samples: Ref) -> Ref:
         return graph.add("CarnatorEmbeddedDecode", (X5, 0), {"upscale": 4}, {"decoder": decoder, "samples": samples})
 
     settings = Settings(steps=20, cfg=_embedded_config().DEFAULT_CFG, sampler="euler", scheduler="simple",
-                        probe_steps=_embedded_config().DEFAULT_PROBE_STEP, fps=8.0, rule_file="embedded.json")
-    carnator_path(g, Sources(loader, pos, neg, latent, decode, prompt,
+                        probe_steps=_embedded_config().DEFAULT_PROBE_STEP, fps=8.0, rule_file=f"{name}.json")
+    carnator_path(g, Sources(model, pos, neg, latent, decode, prompt,
                              (tokenizer_input, encoder) if tokenizer_input else None),
-                  settings, reuse=reuse, prefix="embedded" if reuse else "embedded_warm")
+                  settings, reuse=reuse, prefix=name if reuse else name + "_warm")
     if reuse:
         cfg = _embedded_config()
         setup = SETUP_EMBEDDED.format(frames=cfg.FRAMES, height=cfg.HEIGHT, width=cfg.WIDTH, rule=settings.rule_file,
                                       certificate=embedded_rule_summary(settings.rule_file))
+        if easycache:
+            setup += "\n\n" + SETUP_EASYCACHE.format(rule=settings.rule_file, k=settings.probe_steps)
         g.note(NOTE_REUSE.format(model="embedded default model", k=settings.probe_steps, steps=settings.steps,
                                  setup=setup), (X5, 600),
-               size=(440, 330))
+               size=(440, 440 if easycache else 330))
     else:
         g.note(NOTE_WARM.format(model="embedded default model"), (X5, 600), size=(440, 170))
     return g
@@ -664,6 +680,7 @@ WORKFLOWS: dict[str, Callable[[Mapping[str, Any]], Graph]] = {
     "ltxv": lambda oi: ltxv(),
     "embedded": lambda oi: embedded(True, probe_input_for(oi, "CARNATOR_TEXT_ENCODER")),
     "embedded_warm_cache": lambda oi: embedded(False, probe_input_for(oi, "CARNATOR_TEXT_ENCODER")),
+    "embedded_easycache": lambda oi: embedded(True, probe_input_for(oi, "CARNATOR_TEXT_ENCODER"), easycache=True),
 }
 
 

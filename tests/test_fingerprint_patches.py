@@ -76,3 +76,30 @@ def test_the_remembered_weight_digest_follows_every_weight_change(tiny):
         setattr(owner, attr, original)
     assert cp.model_fingerprint(m, "wan21") == first
     assert cp.model_fingerprint(m, "ltxv") != first  # the arch is part of what is remembered
+
+
+def test_a_patch_loaded_the_way_comfyui_loads_it_fingerprints_as_imported(tiny, tmp_path):
+    """ComfyUI's server loads comfy_extras by file path and names the module after that path; the EasyCache patch
+    from such a module — at any install path — must fingerprint exactly as the imported module's does, or a rule
+    certified in-process (rules/embedded_easycache.json) never applies in a server and farm workers installed at
+    different paths never share entries."""
+    import importlib.util
+    import shutil
+
+    import comfy_extras.nodes_easycache as imported
+
+    from carnator.carnator_core.comfy_patch import model_fingerprint
+
+    want = model_fingerprint(imported.EasyCacheNode.execute(tiny, 0.2, 0.15, 0.95, False)[0], "wan21")
+    for root in ("a", "b_x_c"):
+        path = tmp_path / root / "ComfyUI" / "comfy_extras" / "nodes_easycache.py"
+        path.parent.mkdir(parents=True)
+        shutil.copy(imported.__file__, path)
+        spec = importlib.util.spec_from_file_location(str(path).replace(".", "_x_"), path)  # as nodes.py names it
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.__name__ != imported.__name__
+        easy = module.EasyCacheNode.execute(tiny, 0.2, 0.15, 0.95, False)[0]
+        assert model_fingerprint(easy, "wan21") == want, root
+        other = module.EasyCacheNode.execute(tiny, 0.3, 0.15, 0.95, False)[0]
+        assert model_fingerprint(other, "wan21") != want

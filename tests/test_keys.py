@@ -105,3 +105,41 @@ def test_conditioning_is_in_the_namespace_but_not_in_the_rule_fingerprint():
     assert with_image.fingerprint() != cfg.fingerprint() and with_image.rule_fingerprint() == cfg.rule_fingerprint()
     assert namespace_key("fp", with_image) != namespace_key("fp", cfg)
     assert GenConfig.from_meta(with_image.to_meta()) == with_image and "conditioning" not in cfg.to_meta()
+
+
+def test_module_names_from_comfyuis_path_loading_are_install_independent():
+    """ComfyUI loads comfy_extras and custom-node packs by file path and names the module after the path ('.' as
+    '_x_'); keys and fingerprints digest the name a plain import would give, so they do not depend on where ComfyUI
+    is installed (farm workers, a rule certified in another process)."""
+    from carnator.carnator_core.keys import stable_module_name
+
+    assert stable_module_name("comfy_extras.nodes_easycache") == "comfy_extras.nodes_easycache"
+    for root in ("/opt/ComfyUI", "/home/u/_x_venv/lib/python3_x_11/site-packages/x/ComfyUI", "C:\\ComfyUI"):
+        sep = "\\" if root.startswith("C:") else "/"
+        assert stable_module_name(f"{root}{sep}comfy_extras{sep}nodes_easycache_x_py") == \
+            "comfy_extras.nodes_easycache"
+        assert stable_module_name(f"{root}{sep}custom_nodes{sep}ComfyUI-Pack.nodes.patch") == \
+            "custom_nodes.ComfyUI-Pack.nodes.patch"
+    assert stable_module_name("/a/custom_nodes/pack_one.nodes") != stable_module_name("/a/custom_nodes/pack_two.nodes")
+    assert stable_module_name(None) == stable_module_name("") == ""
+
+
+def test_a_patch_from_a_path_loaded_module_keys_the_same_at_any_install_path(tmp_path):
+    """The same model options built by the same code, loaded from two install paths the way ComfyUI loads it, give
+    one key; other code under the same name does not."""
+    import importlib.util
+
+    from carnator.carnator_core.keys import model_options_digest
+
+    source = "def patch(args):\n    return args['denoised'] * 0.7\n"
+    digests = []
+    for root, text in (("one", source), ("two", source), ("three", source.replace("0.7", "0.3"))):
+        path = tmp_path / root / "ComfyUI" / "comfy_extras" / "nodes_scale.py"
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(str(path).replace(".", "_x_"), path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert "/" in module.patch.__module__  # named after its path, as ComfyUI names it
+        digests.append(model_options_digest({"sampler_post_cfg_function": [module.patch]}))
+    assert digests[0] == digests[1] != digests[2]

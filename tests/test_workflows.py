@@ -254,7 +254,8 @@ def ui_to_api(wf: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
 
 # --- tests ---------------------------------------------------------------------------------------------------
 def test_every_workflow_is_there() -> None:
-    expected = {"wan21_t2v_1.3b", "wan22_ti2v_5b", "wan22_t2v_14b", "ltxv", "embedded", "embedded_warm_cache"}
+    expected = {"wan21_t2v_1.3b", "wan22_ti2v_5b", "wan22_t2v_14b", "ltxv", "embedded", "embedded_warm_cache",
+                "embedded_easycache"}
     assert expected <= set(NAMES), f"missing UI workflows: {expected - set(NAMES)}"
     assert {p.stem for p in (WORKFLOWS / "api").glob("*.json")} == set(NAMES), "UI and API workflows differ"
 
@@ -279,7 +280,8 @@ def test_ui_workflow_is_valid_and_matches_api(name: str, object_info: dict[str, 
     assert ui_to_api(ui, object_info) == api
 
 
-@pytest.mark.parametrize("name", ["wan21_t2v_1.3b", "wan22_ti2v_5b", "wan22_t2v_14b", "ltxv", "embedded"])
+@pytest.mark.parametrize("name", ["wan21_t2v_1.3b", "wan22_ti2v_5b", "wan22_t2v_14b", "ltxv", "embedded",
+                                  "embedded_easycache"])
 def test_full_reuse_path(name: str) -> None:
     _, api = load(name)
     types = {n["class_type"] for n in api.values()}
@@ -310,6 +312,24 @@ def test_stock_loaders_and_file_names() -> None:
     assert find(ltx, "CheckpointLoaderSimple")[0]["ckpt_name"] == "ltx-video-2b-v0.9.5.safetensors"
     assert find(ltx, "CLIPLoader")[0].items() >= {"clip_name": "t5xxl_fp16.safetensors", "type": "ltxv"}.items()
     assert {"LTXVConditioning", "EmptyLTXVLatentVideo", "ModelSamplingLTXV"} <= {n["class_type"] for n in ltx.values()}
+
+
+def test_embedded_easycache_workflow_runs_carnator_on_the_patched_model() -> None:
+    """EasyCache (the node's defaults, the settings its rule was certified for) patches the loader's MODEL, and that
+    patched MODEL is what both the Early Probe and the sampler run; the Risk Filter loads the rule made for it."""
+    _, api = load("embedded_easycache")
+    (easy_id,) = [i for i, n in api.items() if n["class_type"] == "EasyCache"]
+    (loader_id,) = [i for i, n in api.items() if n["class_type"] == "CarnatorEmbeddedLoader"]
+    easy = api[easy_id]["inputs"]
+    assert easy["model"] == [loader_id, 0]
+    assert (easy["reuse_threshold"], easy["start_percent"], easy["end_percent"]) == (0.2, 0.15, 0.95)
+    for t in ("CarnatorEarlyProbe", "CarnatorJointReuseSampler"):
+        assert [n["inputs"]["model"] for n in api.values() if n["class_type"] == t] == [[easy_id, 0]], t
+    (rule,) = [n["inputs"]["rule_file"] for n in api.values() if n["class_type"] == "CarnatorRiskFilter"]
+    assert rule == "embedded_easycache.json"
+    (probe,) = [n["inputs"] for n in api.values() if n["class_type"] == "CarnatorEarlyProbe"]
+    certified = json.loads((ROOT / "rules" / rule).read_text(encoding="utf-8"))["config"]["meta"]
+    assert probe["probe_steps"] == certified["probe_steps"] and probe["steps"] == certified["steps"]
 
 
 def test_wan22_14b_two_experts_split_at_the_switch() -> None:
@@ -469,6 +489,49 @@ def test_readme_client_example_runs(embedded_runs: dict[str, Any], server: Comfy
                           env={**os.environ, "COMFYUI_URL": server.url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "decision" in proc.stdout, proc.stdout
+
+
+def _report(history: dict[str, Any], api: dict[str, Any]) -> dict[str, Any]:
+    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
+    (report,) = sampler["carnator_report"]
+    return report
+
+
+@pytest.mark.slow
+def test_embedded_easycache_workflow_reuses_only_its_own_entries(embedded_runs: dict[str, Any], server: ComfyServer,
+                                                                 object_info: dict[str, Any]) -> None:
+    """The Carnator + EasyCache workflow through ``POST /prompt``: the plain workflow's seed-42 request is already
+    cached (``embedded_runs``), yet the same request behind EasyCache is another model to Carnator — never answered
+    from the plain entry. Warmed behind EasyCache (the same graph without reuse), the shipped workflow answers it
+    exactly from that entry; a reworded request is decided under the EasyCache rule (a rule for another MODEL
+    would fail the prompt)."""
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    _, api = load("embedded_easycache")
+    tokenizer = make_workflows.probe_input_for(object_info, "CARNATOR_TEXT_ENCODER")
+    warm = make_workflows.render_api(make_workflows.embedded(False, tokenizer, easycache=True), object_info)
+    plain_entries = server.get("/carnator/cache/stats?directory=carnator_cache")["entries"]
+
+    warm_history, _ = server.run_prompt_ws(warm, timeout=600)
+    assert _report(warm_history, warm)["decision"] == "dense"
+    stats = server.get("/carnator/cache/stats?directory=carnator_cache")
+    assert stats["entries"] == plain_entries + 1, "the EasyCache run must be stored as a new entry"
+
+    history, _ = server.run_prompt_ws(api, timeout=600)
+    report = _report(history, api)
+    assert report["decision"] == "hit" and report["mode"] == "exact" and report["model_calls"] == 0, report
+    plain_hit = _report(embedded_runs["reuse"][1], embedded_runs["reuse"][0])  # the plain model's same request
+    assert plain_hit["mode"] == "exact" and report["entry_id"] != plain_hit["entry_id"]
+
+    reworded = json.loads(json.dumps(api))
+    for node in reworded.values():
+        if node["class_type"] == "PrimitiveStringMultiline":
+            node["inputs"]["value"] = "a big red ball moves right in the top left, on green grass"
+    history, _ = server.run_prompt_ws(reworded, timeout=600)
+    report = _report(history, reworded)
+    rule = RiskRule.load(ROOT / "rules" / "embedded_easycache.json")
+    assert report["decision"] in ("hit", "dense"), report
+    assert report["rule_id"] == rule.rule_id, report
 
 
 @pytest.mark.slow
