@@ -14,6 +14,10 @@ first request at its seed, whose hit computes a region. The Sampler node follows
 (``settings = certified``) and ``serve`` follows them (``ServeOptions.following_rule``); the hit reads the Early
 Probe's keys/values on both sides only if the node's defaults keep them, so the outputs agree only if the graph
 runs what the labelling ran.
+
+Last, the same two requests behind ComfyUI's EasyCache node (its defaults): in the server the node's module is
+loaded by file path, in this process by import, yet the patched MODEL must fingerprint the same on both sides — a
+rule made here for it (as the certified EasyCache rule was) must apply there, with the same decision and output.
 """
 from __future__ import annotations
 
@@ -35,7 +39,16 @@ CFG = 2.0  # the default (v3) weights' stock scale
 
 
 def graph(prompt: str, seed: int, prefix: str, rule_file: str = "embedded.json", mode: str = "prompt_only",
-          allow_uncertified: bool = False) -> dict:
+          allow_uncertified: bool = False, easycache: bool = False) -> dict:
+    g = _graph(prompt, seed, prefix, rule_file, mode, allow_uncertified)
+    if easycache:  # ComfyUI's EasyCache node (its defaults) patches the MODEL both the probe and the sampler run
+        g["20"] = {"class_type": "EasyCache", "inputs": {"model": ["1", 0], "reuse_threshold": 0.2,
+                                                         "start_percent": 0.15, "end_percent": 0.95, "verbose": False}}
+        g["5"]["inputs"]["model"] = g["6"]["inputs"]["model"] = ["20", 0]
+    return g
+
+
+def _graph(prompt: str, seed: int, prefix: str, rule_file: str, mode: str, allow_uncertified: bool) -> dict:
     return {
         "1": {"class_type": "CarnatorEmbeddedLoader", "inputs": {}},
         "2": {"class_type": "CarnatorEmbeddedTextEncode", "inputs": {"text_encoder": ["1", 1], "text": prompt}},
@@ -82,6 +95,7 @@ def _test_rule(probe):
 
 
 def test_node_graph_and_serve_reach_the_same_decisions_and_outputs(tmp_path, comfy_env):
+    from comfy_extras.nodes_easycache import EasyCacheNode
     from safetensors.torch import load_file
 
     from carnator.carnator_core.cache.store import Store
@@ -104,8 +118,8 @@ def test_node_graph_and_serve_reach_the_same_decisions_and_outputs(tmp_path, com
         latent = load_file(next((base / "output" / "latents").glob(f"parity{i}_*.latent")))["latent_tensor"]
         server_out.append((report, latent))
 
-    def via_serve(i, prompt, seed, options):
-        res = serve(model, te, te.encode(prompt), te.encode(""), comfy_glue.empty_latent(1),
+    def via_serve(i, prompt, seed, options, m=model):
+        res = serve(m, te, te.encode(prompt), te.encode(""), comfy_glue.empty_latent(1),
                     RequestSpec(prompt, seed, STEPS, CFG), store, options)
         if res.entry_id and not res.exact and res.report.decision != "hit":
             serve_ids[res.entry_id] = i
@@ -122,19 +136,37 @@ def test_node_graph_and_serve_reach_the_same_decisions_and_outputs(tmp_path, com
         rule.save(base / "user" / "carnator" / "rules" / "parity.json")
         i = len(STREAM)
         via_server(server, i, graph(P1C, 7, f"parity{i}", "parity.json", "signature", allow_uncertified=True))
-    via_serve(i, P1C, 7, ServeOptions(method="carnator", rule=rule, allow_uncertified=True,
-                                      probe=ProbeConfig(probe_steps=PROBE)))
+        via_serve(i, P1C, 7, ServeOptions(method="carnator", rule=rule, allow_uncertified=True,
+                                          probe=ProbeConfig(probe_steps=PROBE)))
+        # Behind ComfyUI's EasyCache (the server loads the node by file path, the test imports it): another MODEL
+        # to Carnator, so P1 is a miss in its own namespace; then the colour edit under a rule made in this process
+        # for the patched MODEL — the server must find the same fingerprint, decision and output.
+        easy = EasyCacheNode.execute(model, 0.2, 0.15, 0.95, False).args[0]
+        i += 1
+        ec_first = via_serve(i, P1, 7, options, m=easy)
+        via_server(server, i, graph(P1, 7, f"parity{i}", easycache=True))
+        ec_rule = _test_rule(ec_first.probe)
+        assert ec_rule.model_fingerprint != rule.model_fingerprint
+        ec_rule.save(base / "user" / "carnator" / "rules" / "parity_easycache.json")
+        i += 1
+        via_serve(i, P1C, 7, ServeOptions(method="carnator", rule=ec_rule, allow_uncertified=True,
+                                          probe=ProbeConfig(probe_steps=PROBE)), m=easy)
+        via_server(server, i, graph(P1C, 7, f"parity{i}", "parity_easycache.json", "signature",
+                                    allow_uncertified=True, easycache=True))
 
     decisions = []
     for i, ((srep, slat), (rrep, rlat)) in enumerate(zip(server_out, serve_out)):
         a, b = _outcome(srep, None, server_ids), _outcome(rrep, None, serve_ids)
-        request = STREAM[i] if i < len(STREAM) else (P1C, 7)
+        request = STREAM[i] if i < len(STREAM) else [(P1C, 7), (P1, 7), (P1C, 7)][i - len(STREAM)]
         assert a == b, f"request {i} {request}: node graph {a} vs serve {b}"
         assert torch.allclose(slat, rlat, atol=1e-4, rtol=1e-4), (i, float((slat - rlat).abs().max()))
         decisions.append(a)
     # The stream exercised every path: a dense miss, a reuse of request 0, an exact repeat of request 0, and a
     # hit under the rule's settings that computes a region over the probe's keys/values.
-    assert len(decisions) == len(STREAM) + 1
+    assert len(decisions) == len(STREAM) + 3
     assert decisions[0][0] == "miss" and decisions[1][:3] == ("hit", "joint", 0)
     assert decisions[3][:4] == ("hit", "exact", 0, 0)
     assert decisions[4][:3] == ("hit", "joint", 0) and decisions[4][3] > 0 and 0 < decisions[4][4] < 1, decisions[4]
+    # Behind EasyCache: a miss (the plain model's entries are another namespace), then a hit on that miss's entry.
+    assert decisions[5][0] == "miss", decisions[5]
+    assert decisions[6][:3] == ("hit", "joint", 5) and decisions[6][3] > 0 and 0 < decisions[6][4] < 1, decisions[6]
