@@ -114,7 +114,7 @@ def test_module_names_from_comfyuis_path_loading_are_install_independent():
     from carnator.carnator_core.keys import stable_module_name
 
     assert stable_module_name("comfy_extras.nodes_easycache") == "comfy_extras.nodes_easycache"
-    for root in ("/opt/ComfyUI", "/home/u/_x_venv/lib/python3_x_11/site-packages/x/ComfyUI", "C:\\ComfyUI"):
+    for root in ("/opt/ComfyUI", "/srv/u/_x_venv/lib/python3_x_11/site-packages/x/ComfyUI", "C:\\ComfyUI"):
         sep = "\\" if root.startswith("C:") else "/"
         assert stable_module_name(f"{root}{sep}comfy_extras{sep}nodes_easycache_x_py") == \
             "comfy_extras.nodes_easycache"
