@@ -403,6 +403,13 @@ def _outputs(history: dict[str, Any], class_type: str, api: dict[str, Any]) -> l
     return [history["outputs"][i] for i, n in api.items() if n["class_type"] == class_type and i in history["outputs"]]
 
 
+def _report(history: dict[str, Any], api: dict[str, Any]) -> dict[str, Any]:
+    """The Joint Reuse Sampler's per-run report in a prompt's /history entry (exactly one sampler, one report)."""
+    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
+    (report,) = sampler["carnator_report"]
+    return report
+
+
 @pytest.fixture(scope="module")
 def embedded_runs(server: ComfyServer) -> dict[str, Any]:
     """Warm the cache with the workflow's request (seed 42) and with seed 43, then run the seed-42 request through
@@ -428,8 +435,7 @@ def test_embedded_warm_cache_runs_dense_and_saves(embedded_runs: dict[str, Any])
     api, history, messages = embedded_runs["warm"]
     (saved,) = _outputs(history, "SaveAnimatedWEBP", api)
     assert saved["images"] and saved["images"][0]["filename"].endswith(".webp")
-    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
-    (report,) = sampler["carnator_report"]
+    report = _report(history, api)
     assert report["decision"] == "dense" and report["steps_total"] == 20
     progress_nodes = {m["data"]["node"] for m in messages if m["type"] == "progress"}
     probe_id = next(i for i, n in api.items() if n["class_type"] == "CarnatorEarlyProbe")
@@ -442,8 +448,7 @@ def test_embedded_identical_request_is_a_hit(embedded_runs: dict[str, Any], serv
     api, history, _ = embedded_runs["reuse"]
     (saved,) = _outputs(history, "SaveAnimatedWEBP", api)
     assert saved["images"]
-    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
-    (report,) = sampler["carnator_report"]
+    report = _report(history, api)
     assert report["decision"] == "hit", f"identical request not reused: {json.dumps(report)[:2000]}"
     # The workflow connects the cache to the Early Probe: an identical request is answered before the probe,
     # from the stored dense result, with no model call (the filter passes the exact answer through).
@@ -489,12 +494,6 @@ def test_readme_client_example_runs(embedded_runs: dict[str, Any], server: Comfy
                           env={**os.environ, "COMFYUI_URL": server.url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "decision" in proc.stdout, proc.stdout
-
-
-def _report(history: dict[str, Any], api: dict[str, Any]) -> dict[str, Any]:
-    (sampler,) = _outputs(history, "CarnatorJointReuseSampler", api)
-    (report,) = sampler["carnator_report"]
-    return report
 
 
 @pytest.mark.slow
