@@ -370,6 +370,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         rec.unsafe = bool(rec.regressions)
                         # The model's own texture: dense clips of the same prompt with other seeds (not timed).
                         rec.artifact_ref = artifact_reference(env, req, bg, args.artifact_seeds, ref_cache)
+                        split = M.artifact_split(clip, d_clip, source_clip(env, stores[m], rec.entry_id), bg)
+                        rec.artifact_source, rec.kept_share = split["source"], split["kept_share"]
+                        rec.excess_kept, rec.excess_recomputed = split["excess_kept"], split["excess_recomputed"]
                 records[m].append(rec)
             line = " ".join(f"{m}={outs[m][0].decision[:4]}/{outs[m][0].latency_s:.1f}s" for m in methods)
             print(f"stream {i + 1}/{len(wl.stream)} {req.rid} {req.kind:16s} {line}", flush=True)
@@ -410,12 +413,21 @@ def artifact_reference(env: Env, req: Request, background: Any, n_seeds: int, ca
     return list(cache[key])
 
 
+def source_clip(env: Env, store: Any, entry_id: str) -> Any:
+    """The decoded final clip of the cache entry a hit reused (evaluation only: not timed, not counted as a hit)."""
+    latent = store.load(entry_id, count_hit=False).tensors["latent_final"]
+    return env.dec.decode_clips(latent.reshape(1, *latent.shape[-4:]))[0].numpy()
+
+
 def hits_markdown(info: dict[str, Any]) -> str:
     """Per-hit quality: compute, PSNR/SSIM vs the dense clip of the same request and seed (whole clip and
-    background), artifact score vs the dense clips of the same prompt across seeds."""
+    background), artifact score vs the dense clips of the same prompt across seeds, and its excess over the dense
+    clip split into the background pixels kept from the reused clip and those the hit recomputed
+    (``metrics.artifact_split``)."""
     lines = ["| Method | Request | Kind | Compute (of dense) | PSNR (dB) | PSNR bg (dB) | SSIM bg | Off > 0.25 "
-             "| Artifact (hit) | Artifact (dense, seeds: min–max) | Inside spread | Checker |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| Artifact (hit) | Artifact (dense, seeds: min–max) | Inside spread | Artifact (reused clip) "
+             "| Bg kept | Excess: kept / recomputed | Checker |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, recs in info.get("records", {}).items():
         for r in recs:
             if r.get("decision") != "hit":
@@ -432,6 +444,8 @@ def hits_markdown(info: dict[str, Any]) -> str:
                 f"| {_f(r.get('off_frac'), '.2%')} | {_f(r.get('artifact'), '.2f')} "
                 f"| {(f'{min(ref):.2f}–{max(ref):.2f}' if ref else '—')} "
                 f"| {'—' if inside is None else ('yes' if inside else 'NO')} "
+                f"| {_f(r.get('artifact_source'), '.2f')} | {_f(r.get('kept_share'), '.0%')} "
+                f"| {_f(r.get('excess_kept'), '+.3f')} / {_f(r.get('excess_recomputed'), '+.3f')} "
                 f"| {'pass' if r.get('checker_pass') else 'fail'}{' UNSAFE' if r.get('unsafe') else ''} |")
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,9 @@ Definitions (used by scripts/bench_table1.py and stated in BENCHMARKS.md):
   over background pixels (box3 = 3x3 spatial mean per frame, RGB summed; :func:`artifact_score`). Reuse
   artifacts (rows of short dashes, seams at the region border) raise it; it is judged against the spread of
   dense clips of the same prompt across seeds (the model's own texture), e.g. 3.6 for a dense clip of the
-  embedded model and 6.5 for a hit with the artifacts.
+  embedded model and 6.5 for a hit with the artifacts. A hit's excess over its dense clip is split
+  (:func:`artifact_split`) into the pixels it kept from the reused clip (another request's dense texture) and
+  the pixels it recomputed (what reuse itself drew).
 * **unsafe** (docs/CALIBRATION.md, section 2): a cache hit whose output *fails* the checker on an attribute
   (per object: found, colour, size, position, motion; plus background) where the dense output of the same request
   *passes*. Failures the dense output shares are the model's, not the reuse's. The unsafe rate is unsafe hits /
@@ -89,13 +91,55 @@ def background_mask(dense_clip: Any, caption_or_scene: Any, margin: int = BACKGR
 def artifact_score(clip: Any, mask: Optional[np.ndarray] = None) -> float:
     """High-frequency energy (x1000) of a clip over ``mask`` pixels (all when None): mean over the masked pixels
     of the squared RGB distance to the 3x3 spatial mean of each frame. NaN for an empty mask."""
+    e = _hf_energy(clip)
+    sel = e if mask is None else e[np.asarray(mask, bool)]
+    return float(sel.mean() * 1000.0) if sel.size else math.nan
+
+
+KEPT_TOLERANCE = 0.02  # largest channel difference at which a hit's pixel counts as the reused clip's own
+
+
+def _hf_energy(clip: Any) -> np.ndarray:
+    """Per-pixel high-frequency energy [T, H, W] (what :func:`artifact_score` averages, before the x1000)."""
     from scipy import ndimage
 
     x = as_clip(clip).astype(np.float64)
-    blur = ndimage.uniform_filter(x, size=(1, 3, 3, 1), mode="nearest")
-    e = ((x - blur) ** 2).sum(-1)
-    sel = e if mask is None else e[np.asarray(mask, bool)]
-    return float(sel.mean() * 1000.0) if sel.size else math.nan
+    return ((x - ndimage.uniform_filter(x, size=(1, 3, 3, 1), mode="nearest")) ** 2).sum(-1)
+
+
+def artifact_split(hit_clip: Any, dense_clip: Any, source_clip: Any, mask: np.ndarray,
+                   tol: float = KEPT_TOLERANCE) -> dict[str, float]:
+    """Where a hit's background artifact score differs from its dense clip's: on the pixels it kept from the
+    reused clip, or on the pixels its own computation produced.
+
+    A hit hands back the reused (source) clip outside its recomputed region, so part of its background texture
+    is a dense clip of *another* request — inherited, not made by reuse. ``kept`` = ``mask`` pixels whose 3x3
+    neighbourhood equals ``source_clip`` within ``tol`` (largest channel difference), so their energy is the
+    reused clip's; ``recomputed`` = the other ``mask`` pixels.
+    Returns ``source`` (the reused clip's score over ``mask``), ``kept_share`` (of the mask's pixels), and the
+    excess over the dense clip split into ``excess_kept`` + ``excess_recomputed`` (same units as
+    :func:`artifact_score`; they sum to ``artifact_score(hit) - artifact_score(dense)`` over ``mask``).
+    NaN everywhere for an empty mask."""
+    h, d, s = as_clip(hit_clip), as_clip(dense_clip), as_clip(source_clip)
+    if not (h.shape == d.shape == s.shape):
+        raise ValueError(f"clips differ in shape: hit {h.shape}, dense {d.shape}, source {s.shape}")
+    m = np.asarray(mask, bool)
+    if m.shape != h.shape[:3]:
+        raise ValueError(f"mask shape {m.shape} does not match the clips' {h.shape[:3]}")
+    n = int(m.sum())
+    if n == 0:
+        return {k: math.nan for k in ("source", "kept_share", "excess_kept", "excess_recomputed")}
+    from scipy import ndimage
+
+    # A pixel's energy depends on its 3x3 neighbourhood: it is the reused clip's own only where that whole
+    # neighbourhood was kept (a recomputed pixel raises its kept neighbours' energy too; that is the reuse's).
+    same = np.abs(h - s).max(-1) <= tol
+    kept = m & ndimage.minimum_filter(same, size=(1, 3, 3), mode="nearest")
+    rec = m & ~kept
+    excess = _hf_energy(h) - _hf_energy(d)
+    return {"source": artifact_score(s, m), "kept_share": float(kept.sum() / n),
+            "excess_kept": float(excess[kept].sum() / n * 1000.0),
+            "excess_recomputed": float(excess[rec].sum() / n * 1000.0)}
 
 
 def token_grid_ratio(clips: Any, cell: int = 4) -> float:
@@ -207,6 +251,12 @@ class RequestRecord:
     artifact: Optional[float] = None
     artifact_dense: Optional[float] = None
     artifact_ref: Optional[list[float]] = None  # artifact scores of dense clips of the same prompt, other seeds
+    # A hit's score against its inputs (artifact_split): the reused clip's own score over the same background,
+    # the share of the background kept from it, and the excess over the dense clip on kept / recomputed pixels.
+    artifact_source: Optional[float] = None
+    kept_share: Optional[float] = None
+    excess_kept: Optional[float] = None
+    excess_recomputed: Optional[float] = None
     discrepancies: Optional[dict[str, float]] = None
     summary: str = ""
 
@@ -264,6 +314,8 @@ def summarize(records: Sequence[RequestRecord], dense: Sequence[RequestRecord]) 
         "ssim_bg_hits": _median(r.ssim_bg for r in hits),
         "artifact_hits": _median(r.artifact for r in hits),
         "artifact_inside_spread": sum(1 for r in hits if artifact_inside_spread(r)),
+        "excess_kept_hits": _median(r.excess_kept for r in hits),
+        "excess_recomputed_hits": _median(r.excess_recomputed for r in hits),
         "compute_hits_median": _median(r.compute_fraction for r in hits),
         "compute_nonrepeat_hits_median": _median(r.compute_fraction for r in hits if r.kind not in ("exact", "repeat")),
         "unsafe": unsafe,
@@ -312,5 +364,6 @@ def _by_kind(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
-__all__ = ["BACKGROUND_MARGIN", "GATED", "RequestRecord", "artifact_inside_spread", "artifact_score", "as_clip",
-           "attribute_verdicts", "background_mask", "clip_quality", "psnr", "regressions", "ssim", "summarize"]
+__all__ = ["BACKGROUND_MARGIN", "GATED", "RequestRecord", "artifact_inside_spread", "artifact_score", "artifact_split",
+           "as_clip", "attribute_verdicts", "background_mask", "clip_quality", "psnr", "regressions", "ssim",
+           "summarize"]
