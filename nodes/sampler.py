@@ -93,13 +93,26 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                 "than attending to every key (long sequences, sparse structure); "
                                                 "always = wherever the structure is not nearly dense (what rules "
                                                 "certified before this setting ran).")),
+                advanced(io.String.Input("refresh_at", default="",
+                                         tooltip="Where the dense refreshes after the first run, as fractions of "
+                                                 "the steps after the probe, one per refresh after the first "
+                                                 "(e.g. 0.6,0.9 with refreshes 3: late, where the details form). "
+                                                 "Empty = spread evenly. settings = certified: the rule's value.")),
             ],
             outputs=[io.Latent.Output(display_name="LATENT"), REPORT.Output(display_name="report"),
                      io.String.Output(display_name="summary")],
         )
 
     @classmethod
-    def validate_inputs(cls, start_at_step: int = 0, end_at_step: int = STAGE_END_MAX) -> bool | str:
+    def validate_inputs(cls, start_at_step: int = 0, end_at_step: int = STAGE_END_MAX, refreshes: int = 3,
+                        refresh_at: str = "") -> bool | str:
+        # The placement of the refreshes is checked here, at queue time; with settings = certified the rule's
+        # placement replaces it on a hit, but a malformed one is a mistake either way.
+        if isinstance(refreshes, int) and isinstance(refresh_at, str):
+            try:
+                ReuseConfig(refreshes=refreshes, refresh_at=refresh_at).validate()
+            except ValueError as e:
+                return str(e)
         # The steps are the probe's (known at execution): here only the stage's own range is checked.
         if start_at_step is None or end_at_step is None:  # linked: checked at execution
             return True
@@ -114,12 +127,12 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 mode="joint", dense_first_layers=0, dense_last_layers=0, refreshes=3, x0_threshold=1.0,
                 dilation=1, max_active=0.6, block_size=0, record_mass=0.9, add_noise="enable", start_at_step=0,
                 end_at_step=STAGE_END_MAX, return_with_leftover_noise="disable", probe_context=False,
-                settings="certified", motion_shift=0.0, sparse_kernel="cost") -> io.NodeOutput:
+                settings="certified", motion_shift=0.0, sparse_kernel="cost", refresh_at="") -> io.NodeOutput:
         if settings not in SETTINGS:
             raise ValueError(f"settings must be one of {list(SETTINGS)}, got {settings!r}")
         config = ReuseConfig(mode=mode, first_dense=dense_first_layers, last_dense=dense_last_layers,
-                             refreshes=refreshes, x0_threshold=x0_threshold, dilation=dilation,
-                             max_active=max_active, block_size=block_size, record_mass=record_mass,
+                             refreshes=refreshes, refresh_at=str(refresh_at or ""), x0_threshold=x0_threshold,
+                             dilation=dilation, max_active=max_active, block_size=block_size, record_mass=record_mass,
                              probe_context=bool(probe_context), motion_shift=float(motion_shift),
                              sparse_kernel=sparse_kernel).validate()
         if settings == "certified":

@@ -24,6 +24,16 @@ def test_probe_steps_are_checked_at_queue_time(comfy_dirs):
     assert P.validate_inputs(steps=None, probe_steps=4) is True  # linked input: checked when it runs
 
 
+def test_refresh_placement_is_checked_at_queue_time(comfy_dirs):
+    from carnator.nodes.sampler import CarnatorJointReuseSampler as S
+
+    assert S.validate_inputs(refreshes=3, refresh_at="") is True
+    assert S.validate_inputs(refreshes=3, refresh_at="0.6, 0.9") is True
+    assert "refreshes=3 asks for 2 after the first record" in S.validate_inputs(refreshes=3, refresh_at="0.9")
+    assert "comma-separated fractions" in S.validate_inputs(refreshes=2, refresh_at="late")
+    assert S.validate_inputs(refreshes=None, refresh_at="late") is True  # linked input: checked when it runs
+
+
 def test_rule_file_is_checked_at_queue_time(comfy_dirs):
     from carnator.nodes.risk import CarnatorRiskFilter as F
 

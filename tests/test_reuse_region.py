@@ -3,6 +3,7 @@ a moved or recoloured object is recomputed whole, a few disagreeing x0 tokens st
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from carnator.carnator_core import reuse
 from carnator.carnator_core.types import ObjectSignature, Signature
@@ -76,6 +77,38 @@ def test_refresh_calls_spread_over_the_reuse_steps() -> None:
     assert reuse.refresh_plan_calls(20, 4, 3) == frozenset({4, 9, 14})
     assert reuse.refresh_plan_calls(6, 4, 5) == frozenset({4, 5})
     assert reuse.refresh_plan_calls(4, 4, 3) == frozenset()
+
+
+def test_refresh_at_places_the_later_refreshes() -> None:
+    """``refresh_at`` moves the records after the first to fractions of the calls after the probe; the first
+    record stays on the first call (or is the probe's own); "" keeps the even spacing."""
+    assert reuse.refresh_plan_calls(20, 2, 3, at="0.6,0.9") == frozenset({2, 13, 18})
+    assert reuse.refresh_plan_calls(20, 2, 3, probe_record=True, at="0.6,0.9") == frozenset({13, 18})
+    assert reuse.refresh_plan_calls(20, 2, 3, at="") == frozenset({2, 8, 14})
+    # never past the last call, never on the first record's call
+    assert reuse.refresh_plan_calls(6, 4, 3, at="0.01,0.99") == frozenset({4, 5})
+    assert reuse.refresh_plan_calls(4, 4, 3, at="0.5") == frozenset()
+
+
+def test_refresh_at_is_checked_and_spelt_one_way() -> None:
+    cfg = reuse.ReuseConfig(refreshes=3, refresh_at=" 0.60, 0.9 ").validate()
+    assert cfg.refresh_at == "0.6,0.9"
+    assert reuse.ReuseConfig(refresh_at="  ").refresh_at == ""
+    # the certified placement is compared as a placement, and a rule that records none certified the even one
+    assert cfg.differences({**cfg.to_meta(), "refresh_at": "0.6,0.9"}) == []
+    old = {k: v for k, v in cfg.to_meta().items() if k != "refresh_at"}
+    assert cfg.differences(old) == ["refresh_at '0.6,0.9' (certified: '')"]
+    assert reuse.ReuseConfig.from_meta(old).refresh_at == ""
+    assert reuse.ReuseConfig.from_meta(cfg.to_meta()) == cfg
+    with pytest.raises(ValueError, match="refreshes=3 asks for 2 after the first record"):
+        reuse.ReuseConfig(refreshes=3, refresh_at="0.8").validate()
+    with pytest.raises(ValueError, match="must lie in \\(0, 1\\) and increase"):
+        reuse.ReuseConfig(refreshes=3, refresh_at="0.9,0.6").validate()
+    with pytest.raises(ValueError, match="must lie in"):
+        reuse.ReuseConfig(refreshes=2, refresh_at="1.0").validate()
+    with pytest.raises(ValueError, match="comma-separated fractions"):
+        reuse.ReuseConfig(refreshes=2, refresh_at="late").validate()
+    assert reuse.ReuseConfig.from_meta({"refreshes": 2, "refresh_at": "late"}) is None
 
 
 def test_changed_background_cells_are_recomputed() -> None:

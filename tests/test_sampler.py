@@ -466,6 +466,48 @@ def test_a_refresh_answered_in_front_of_the_blocks_moves_to_the_next_call(env):
     assert [i for i, n in answered.items() if n == n_tokens] == [2, 5, 7], answered
 
 
+def test_refresh_at_runs_the_dense_refreshes_where_it_places_them(env):
+    """A hit with ``refresh_at`` computes every token exactly at the first record and the placed calls, and only
+    there; the same number of dense calls as the even spacing, so the same compute, but another clip."""
+    from carnator.carnator_core import reuse
+
+    tm, models = env
+    state: dict = {"tokens": {}, "call": -1}
+    m = models["wan21"].clone()
+
+    def count_calls(executor, *args, **kwargs):
+        state["call"] += 1
+        return executor(*args, **kwargs)
+
+    def count_tokens(args, extra):
+        i = state["call"]
+        state["tokens"][i] = max(state["tokens"].get(i, 0), int(args["img"].shape[1]))
+        return extra["original_block"](args)
+
+    import comfy.patcher_extension
+
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test-count", count_calls)
+    for i in range(len(m.model.diffusion_model.blocks)):
+        m.set_model_patch_replace(count_tokens, "dit", "double_block", i)
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
+    final, rep = _run(m, pos, neg, lat, probe)
+    cached, target = _moved_target(probe, final, rep)
+    n_tokens = int(np.prod(probe.grid))
+    runs = {}
+    for at in ("", "0.6,0.9"):
+        cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
+                                refreshes=3, refresh_at=at)
+        state.update(tokens={}, call=-1)
+        out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
+        assert r.decision == "hit" and 0 < r.active_fraction < 1 and not r.fallbacks
+        dense = [i + 2 for i, n in sorted(state["tokens"].items()) if n == n_tokens]
+        runs[at] = (out, r, dense)
+    assert runs[""][2] == [2, 4, 7]
+    assert runs["0.6,0.9"][2] == [2, 7, 9]  # 2 + round(0.6 * 8), 2 + min(7, round(0.9 * 8))
+    assert runs[""][1].compute_fraction == pytest.approx(runs["0.6,0.9"][1].compute_fraction)
+    assert not torch.equal(runs[""][0], runs["0.6,0.9"][0])
+
+
 def test_probe_context_over_budget_keeps_nothing_and_the_hit_refreshes_densely(env):
     from carnator.carnator_core import reuse
     from carnator.carnator_core.probe import ProbeConfig, run_probe
