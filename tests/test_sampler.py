@@ -410,13 +410,29 @@ def test_context_records_written_in_place_never_leak_between_runs(env):
     assert r3.decision == "hit" and torch.equal(out1, out3)
 
 
+def _token_counting(base, wrapper, state: dict):
+    """``base`` cloned with ``wrapper`` around the diffusion model (it sets ``state["current"]`` to the call index
+    of a call that reaches the blocks) and every block patched to record the largest token count it saw per call
+    in ``state["tokens"]`` (a dense call computes every token)."""
+    import comfy.patcher_extension
+
+    def count_tokens(args, extra):
+        i = state.get("current")
+        state["tokens"][i] = max(state["tokens"].get(i, 0), int(args["img"].shape[1]))
+        return extra["original_block"](args)
+
+    m = base.clone()
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test-calls", wrapper)
+    for i in range(len(m.model.diffusion_model.blocks)):
+        m.set_model_patch_replace(count_tokens, "dit", "double_block", i)
+    return m
+
+
 def test_a_refresh_answered_in_front_of_the_blocks_moves_to_the_next_call(env):
     """A model patch in front of the transformer (ComfyUI's EasyCache is one) may answer a model call from its own
     cache without running any block. When it answers a planned refresh call, nothing is recorded there, so the
     next call that reaches the blocks must run densely and record instead; without such a patch every planned
     refresh (and only those) runs densely, as before."""
-    import comfy.patcher_extension
-
     from carnator.carnator_core import reuse
 
     tm, models = env
@@ -432,15 +448,7 @@ def test_a_refresh_answered_in_front_of_the_blocks_moves_to_the_next_call(env):
         state["current"] = i
         return executor(*args, **kwargs)
 
-    def count_tokens(args, extra):
-        i = state.get("current")
-        state["tokens"][i] = max(state["tokens"].get(i, 0), int(args["img"].shape[1]))
-        return extra["original_block"](args)
-
-    m = base.clone()
-    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test-answer", answer_some_calls)
-    for i in range(len(m.model.diffusion_model.blocks)):
-        m.set_model_patch_replace(count_tokens, "dit", "double_block", i)
+    m = _token_counting(base, answer_some_calls, state)
     probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
     final, rep = _run(m, pos, neg, lat, probe)
     cached, target = _moved_target(probe, final, rep)
@@ -472,23 +480,14 @@ def test_refresh_at_runs_the_dense_refreshes_where_it_places_them(env):
     from carnator.carnator_core import reuse
 
     tm, models = env
-    state: dict = {"tokens": {}, "call": -1}
-    m = models["wan21"].clone()
+    state: dict = {"tokens": {}, "calls": 0}
 
     def count_calls(executor, *args, **kwargs):
-        state["call"] += 1
+        state["current"] = state["calls"]
+        state["calls"] += 1
         return executor(*args, **kwargs)
 
-    def count_tokens(args, extra):
-        i = state["call"]
-        state["tokens"][i] = max(state["tokens"].get(i, 0), int(args["img"].shape[1]))
-        return extra["original_block"](args)
-
-    import comfy.patcher_extension
-
-    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test-count", count_calls)
-    for i in range(len(m.model.diffusion_model.blocks)):
-        m.set_model_patch_replace(count_tokens, "dit", "double_block", i)
+    m = _token_counting(models["wan21"], count_calls, state)
     probe, pos, neg, lat = _probe(m, tm, "wan21", seed=5, steps=10, k=2)
     final, rep = _run(m, pos, neg, lat, probe)
     cached, target = _moved_target(probe, final, rep)
@@ -497,7 +496,7 @@ def test_refresh_at_runs_the_dense_refreshes_where_it_places_them(env):
     for at in ("", "0.6,0.9"):
         cfg = reuse.ReuseConfig(mode="joint", block_size=8, dilation=0, x0_threshold=1e9, context_margin_blocks=0,
                                 refreshes=3, refresh_at=at)
-        state.update(tokens={}, call=-1)
+        state.update(tokens={}, calls=0)
         out, r = reuse.sample(m, pos, neg, lat, probe, _accept(target), cached, cfg, target_signature=target)
         assert r.decision == "hit" and 0 < r.active_fraction < 1 and not r.fallbacks
         dense = [i + 2 for i, n in sorted(state["tokens"].items()) if n == n_tokens]
