@@ -71,8 +71,9 @@ class ReuseConfig:
                      keys/values of the tokens outside the computed subset come from this run's last dense
                      call (see ``refreshes``). Off = attention among the subset only (an ablation: the
                      lost context leaves rows of dashes around the region on the embedded model).
-    refreshes:       with ``kv_context``: how many reuse calls (spread evenly, the first included) run densely
-                     to record every token's keys/values for the calls that follow. Measured on the embedded
+    refreshes:       with ``kv_context``: how many reuse calls (the first included; the others spread evenly or
+                     where ``refresh_at`` places them) run densely to record every token's keys/values for the
+                     calls that follow. Measured on the embedded
                      model (same-seed wording + region of 34 % of the tokens, PSNR of the hit vs the dense clip):
                      1 refresh 28.5 dB, 2: 30.5, 3: 31.8, 4: 33.6, every second call 36.6 dB; the recorded context
                      goes stale as the noise level falls.
