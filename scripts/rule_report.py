@@ -9,7 +9,9 @@ the excess (b − c)/n and b/n, and the median counter-based compute and active 
 (``diag`` of the pairs rows) — per query kind, per scene (one / two objects), for all requests and for the
 non-repeat ones. Then prompt-only reuse at the same coverage: the most similar candidate of the requests with the
 highest top similarity, as many as the rule accepted (same sampler, so its region gate applies too), with its b
-and c. Reads the pairs and the rule only; nothing is generated.
+and c, and the two compared on the same requests (requests where prompt-only does worse than the rule, and the
+reverse, with the exact one-sided sign test of "prompt-only is no worse"). Reads the pairs and the rule only;
+nothing is generated.
 """
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ import numpy as np  # noqa: E402
 
 from carnator.carnator_core.risk.certify import (  # noqa: E402
     accepted_pairs,
+    certificate_bound,
+    compare_paired,
     evaluate_prompt_only,
+    prompt_only_accepted,
     read_pairs_jsonl,
     split_pairs,
 )
@@ -41,13 +46,14 @@ def _median(xs: list[float]) -> float | None:
     return round(float(np.median(xs)), 3) if xs else None
 
 
-def _row(name: str, n_req: int, acc: list, diag: dict) -> dict:
+def _row(name: str, n_req: int, acc: list, diag: dict, label: str, delta: float) -> dict:
     b = sum(p.unsafe for p in acc)
     c = sum(p.better for p in acc)
     n = len(acc)
     d = [diag.get((p.request_id, p.entry_id), {}) for p in acc]
     return {"group": name, "requests": n_req, "accepted": n, "coverage": round(n / n_req, 3) if n_req else None,
             "b": b, "c": c, "excess": round((b - c) / n, 4) if n else None, "b_rate": round(b / n, 4) if n else None,
+            "U": round(certificate_bound(label, n, b, c, delta), 4) if n else None,
             "compute_median": _median([x["compute_fraction"] for x in d if "compute_fraction" in x]),
             "active_median": _median([x["active_fraction"] for x in d if "active_fraction" in x])}
 
@@ -84,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         calib, cert = split_pairs(pairs)
         pairs = cert if args.split == "cert" else calib
     rule = RiskRule.load(args.rule, allow_uncertified=True)  # a report, not a filter: a failed rule is shown too
+    cert = json.loads(Path(args.rule).read_text(encoding="utf-8")).get("certificate") or {}
+    label, delta = cert.get("label", "excess"), float(cert.get("delta", 0.1))
     th = rule.thresholds
     groups: dict = defaultdict(list)
     for p in pairs:
@@ -93,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for g in sorted(groups, key=lambda x: (x not in ("all", "non-repeat"), "/" in x, x)):
         n_req, acc = accepted_pairs(th, groups[g])
-        rows.append(_row(g, n_req, acc, diag))
-    print(f"rule {args.rule} on the {args.split} split of {args.pairs}")
-    print("| requests | n | accepted | coverage | b | c | excess | b/n | compute (median) | active (median) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        rows.append(_row(g, n_req, acc, diag, label, delta))
+    print(f"rule {args.rule} on the {args.split} split of {args.pairs}; U = the rule's {label} bound at δ = {delta} "
+          "on these rows' counts")
+    print("| requests | n | accepted | coverage | b | c | excess | b/n | U | compute (median) | active (median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['group']} | {r['requests']} | {r['accepted']} | {r['coverage']} | {r['b']} | {r['c']} | "
-              f"{r['excess']} | {r['b_rate']} | {r['compute_median']} | {r['active_median']} |")
+              f"{r['excess']} | {r['b_rate']} | {r['U']} | {r['compute_median']} | {r['active_median']} |")
     out = {"rows": rows}
     for g in ("all", "non-repeat"):
         if g not in groups:
@@ -110,8 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prompt-only at the same coverage ({g}): threshold {t}, accepted {ev.n_accepted} of {ev.n_requests}, "
               f"b = {ev.k_unsafe}, c = {ev.k_better}, excess {(ev.k_unsafe - ev.k_better) / n:.4f}, "
               f"b/n {ev.k_unsafe / n:.4f}")
+        n_req, rule_acc = accepted_pairs(th, groups[g])
+        cmp = compare_paired(prompt_only_accepted(t, groups[g])[1] if t is not None else [], rule_acc, n_req)
+        print(f"  paired ({g}): accepted by both {cmp.both_accepted}; prompt-only worse on {cmp.a_worse} requests, "
+              f"the rule worse on {cmp.b_worse}; exact one-sided sign test p = {cmp.p_one_sided:.4f}")
         out[f"prompt_only_{g}"] = {"threshold": t, "accepted": ev.n_accepted, "requests": ev.n_requests,
-                                   "b": ev.k_unsafe, "c": ev.k_better}
+                                   "b": ev.k_unsafe, "c": ev.k_better, "both_accepted": cmp.both_accepted,
+                                   "prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse,
+                                   "sign_test_p": cmp.p_one_sided}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -17,10 +17,13 @@ from carnator.carnator_core.risk.certify import (
     calibrate_prompt_only,
     certify,
     clopper_pearson_upper,
+    compare_paired,
     evaluate,
     evaluate_prompt_only,
     min_accepted_for_certificate,
+    prompt_only_accepted,
     read_pairs_jsonl,
+    sign_test_p,
     split_pairs,
     write_pairs_jsonl,
 )
@@ -214,6 +217,53 @@ def test_calibrate_prompt_only():
     t, ev = calibrate_prompt_only(pairs, 0.05, 0.1)
     assert ev.unsafe_rate <= 0.05 and clopper_pearson_upper(ev.k_unsafe, ev.n_accepted, 0.1) <= 0.05
     assert evaluate_prompt_only(t, pairs) == ev
+
+
+@pytest.mark.parametrize("worse,better,p", [(6, 1, 8 / 128), (0, 0, 1.0), (3, 0, 1 / 8), (0, 3, 1.0),
+                                          (5, 5, 638 / 1024), (12, 2, 106 / 16384)])
+def test_sign_test_reference_values(worse, better, p):
+    from scipy.stats import binomtest
+
+    assert sign_test_p(worse, better) == pytest.approx(p, rel=1e-12)
+    if worse + better:
+        assert sign_test_p(worse, better) == pytest.approx(
+            binomtest(worse, worse + better, 0.5, alternative="greater").pvalue, rel=1e-12)
+    with pytest.raises(ValueError, match="non-negative"):
+        sign_test_p(-1, 2)
+
+
+def test_sign_test_holds_its_level_by_simulation():
+    # Under the null (each discordant request equally likely either way) the test rejects at 5 % no more than 5 %
+    # of the time; when one side is 4× likelier it rejects most of the time at 20 discordant requests.
+    rng = np.random.default_rng(3)
+    null = [sign_test_p(int(k), 20 - int(k)) <= 0.05 for k in rng.binomial(20, 0.5, 4000)]
+    alt = [sign_test_p(int(k), 20 - int(k)) <= 0.05 for k in rng.binomial(20, 0.8, 4000)]
+    assert np.mean(null) <= 0.05 and np.mean(alt) > 0.7
+
+
+def test_paired_comparison_counts_requests_where_one_policy_is_worse():
+    mk = lambda r, e, s, u=False, b=False: LabelledPair(  # noqa: E731
+        r, e, s, 0, 0, 0, 0, missing=False, unsafe=u, better=b)
+    pairs = [
+        mk("r1", "x", 0.99, u=True), mk("r1", "y", 0.90),  # prompt-only takes x (unsafe); the rule takes y
+        mk("r2", "x", 0.98, u=True),  # both take it: unsafe for both, no information
+        mk("r3", "x", 0.97),  # both take it, safe
+        mk("r4", "x", 0.50, b=True),  # only the rule accepts (prompt-only's threshold refuses): c for the rule
+        mk("r5", "x", 0.96, u=True),  # only prompt-only accepts (the rule refuses)
+    ]
+    n, po = prompt_only_accepted(0.95, pairs)
+    assert n == 5 and sorted(p.request_id for p in po) == ["r1", "r2", "r3", "r5"]
+    rule = [pairs[1], pairs[2], pairs[3], pairs[4]]
+    cmp = compare_paired(po, rule, n)
+    assert (cmp.a_accepted, cmp.b_accepted, cmp.both_accepted) == (4, 4, 3)
+    # prompt-only worse on r1 (unsafe vs safe), r4 (dense 0 vs the rule's better −1) and r5 (unsafe vs dense)
+    assert (cmp.a_worse, cmp.b_worse) == (3, 0)
+    assert cmp.p_one_sided == pytest.approx(1 / 8)
+    swapped = compare_paired(rule, po, n)
+    assert (swapped.a_worse, swapped.b_worse) == (0, 3) and swapped.p_one_sided == 1.0
+    assert evaluate_prompt_only(0.95, pairs).n_accepted == 4
+    with pytest.raises(ValueError, match="accepted twice"):
+        compare_paired([pairs[0], pairs[0]], rule, n)
 
 
 # ----------------------------------------------------------------------------------------- splits and files

@@ -385,19 +385,75 @@ def evaluate(thresholds: Thresholds, pairs: Sequence[LabelledPair]) -> Evaluatio
     return Evaluation(n_req, len(acc), sum(int(p.unsafe) for p in acc), sum(int(p.better) for p in acc))
 
 
-def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Evaluation:
-    """Per-request evaluation of prompt-only acceptance: the most similar candidate, if similarity ≥ threshold
-    (ties in similarity broken by entry_id, as the filter does). Signatures and missing objects are ignored."""
-    n_acc = k = kb = 0
+def prompt_only_accepted(threshold: float, pairs: Sequence[LabelledPair]) -> tuple[int, list[LabelledPair]]:
+    """(number of requests, the pair prompt-only acceptance reuses for each accepted request): the most similar
+    candidate, if similarity ≥ threshold (ties in similarity broken by entry_id, as the filter does) and the
+    sampler's ``max_active`` gate lets it reuse. Signatures and missing objects are ignored."""
     groups = _by_request(pairs)
     limit = prompt_distance(threshold)
+    out = []
     for group in groups.values():
         top = select_best((i, p.similarity, 0.0, p.entry_id) for i, p in enumerate(group))
         if top is not None and prompt_distance(group[top].similarity) <= limit and group[top].reusable:
-            n_acc += 1
-            k += int(group[top].unsafe)
-            kb += int(group[top].better)
-    return Evaluation(len(groups), n_acc, k, kb)
+            out.append(group[top])
+    return len(groups), out
+
+
+def evaluate_prompt_only(threshold: float, pairs: Sequence[LabelledPair]) -> Evaluation:
+    """Per-request evaluation of prompt-only acceptance (:func:`prompt_only_accepted`)."""
+    n_req, acc = prompt_only_accepted(threshold, pairs)
+    return Evaluation(n_req, len(acc), sum(int(p.unsafe) for p in acc), sum(int(p.better) for p in acc))
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """Two acceptance policies judged on the same requests (McNemar-style, per request).
+
+    A request's score under a policy is +1 if the policy reuses and the reuse is unsafe (b), −1 if the reuse is
+    better than dense (c), 0 if it is neither or the policy serves the request dense — so a policy's summed scores
+    are its b − c. ``a_worse`` counts requests whose score under A is higher than under B, ``b_worse`` the
+    reverse; requests where both agree carry no information about which policy is safer. ``p_one_sided`` is the
+    exact sign test of "A is no worse than B": P(X ≥ a_worse) for X ~ Binomial(a_worse + b_worse, 1/2)."""
+
+    requests: int
+    a_accepted: int
+    b_accepted: int
+    both_accepted: int
+    a_worse: int
+    b_worse: int
+    p_one_sided: float
+
+
+def sign_test_p(worse: int, better: int) -> float:
+    """Exact one-sided sign test: P(X ≥ worse) for X ~ Binomial(worse + better, 1/2); 1.0 when no request is
+    discordant."""
+    if worse < 0 or better < 0:
+        raise ValueError(f"sign_test_p: counts must be non-negative, got {worse} and {better}")
+    d = worse + better
+    return sum(math.comb(d, i) for i in range(worse, d + 1)) / 2 ** d if d else 1.0
+
+
+def compare_paired(accepted_a: Sequence[LabelledPair], accepted_b: Sequence[LabelledPair],
+                   n_requests: int) -> PairedComparison:
+    """Compare two policies' accepted pairs on the same requests (one pair per accepted request, as
+    :func:`prompt_only_accepted` and :func:`accepted_pairs` return them); see :class:`PairedComparison`."""
+
+    def scores(acc: Sequence[LabelledPair]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in acc:
+            if p.request_id in out:
+                raise ValueError(f"compare_paired: request {p.request_id!r} is accepted twice by one policy")
+            out[p.request_id] = int(p.unsafe) - int(p.better)
+        return out
+
+    sa, sb = scores(accepted_a), scores(accepted_b)
+    a_worse = b_worse = 0
+    for rid in set(sa) | set(sb):
+        x, y = sa.get(rid, 0), sb.get(rid, 0)
+        a_worse += x > y
+        b_worse += y > x
+    return PairedComparison(n_requests, len(sa), len(sb), len(set(sa) & set(sb)), a_worse, b_worse,
+                            sign_test_p(a_worse, b_worse))
 
 
 # --------------------------------------------------------------------------------------------- calibration
