@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,12 @@ def _row(name: str, n_req: int, acc: list, diag: dict, label: str, delta: float)
             "U": round(certificate_bound(label, n, b, c, delta), 4) if n else None,
             "compute_median": _median([x["compute_fraction"] for x in d if "compute_fraction" in x]),
             "active_median": _median([x["active_fraction"] for x in d if "active_fraction" in x])}
+
+
+def _by_kind(request_ids: tuple[str, ...], kind: dict) -> dict[str, int]:
+    """How many of ``request_ids`` fall in each scene/kind stratum ("1obj/position" …)."""
+    strata = (kind.get(r, ("?", "?")) for r in request_ids)
+    return dict(sorted(Counter(f"{scene}/{k}" for k, scene in strata).items()))
 
 
 def prompt_only_at(n_target: int, pairs: list) -> tuple[float | None, object]:
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         cmp = compare_paired(prompt_only_accepted(t, groups[g])[1] if t is not None else [], rule_acc, n_req)
         print(f"  paired ({g}): accepted by both {cmp.both_accepted}; prompt-only worse on {cmp.a_worse} requests, "
               f"the rule worse on {cmp.b_worse}; exact one-sided sign test p = {cmp.p_one_sided:.4f}")
+        print(f"    prompt-only worse: {_by_kind(cmp.a_worse_ids, kind)}; "
+              f"the rule worse: {_by_kind(cmp.b_worse_ids, kind)}")
         out[f"prompt_only_{g}"] = {"threshold": t, "accepted": ev.n_accepted, "requests": ev.n_requests,
                                    "b": ev.k_unsafe, "c": ev.k_better, "both_accepted": cmp.both_accepted,
                                    "prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse,

@@ -258,6 +258,7 @@ def test_paired_comparison_counts_requests_where_one_policy_is_worse():
     assert (cmp.a_accepted, cmp.b_accepted, cmp.both_accepted) == (4, 4, 3)
     # prompt-only worse on r1 (unsafe vs safe), r4 (dense 0 vs the rule's better −1) and r5 (unsafe vs dense)
     assert (cmp.a_worse, cmp.b_worse) == (3, 0)
+    assert cmp.a_worse_ids == ("r1", "r4", "r5") and cmp.b_worse_ids == ()
     assert cmp.p_one_sided == pytest.approx(1 / 8)
     swapped = compare_paired(rule, po, n)
     assert (swapped.a_worse, swapped.b_worse) == (0, 3) and swapped.p_one_sided == 1.0

@@ -422,6 +422,8 @@ class PairedComparison:
     a_worse: int
     b_worse: int
     p_one_sided: float
+    a_worse_ids: tuple[str, ...] = ()  # the discordant requests themselves (sorted), for a report by kind
+    b_worse_ids: tuple[str, ...] = ()
 
 
 def sign_test_p(worse: int, better: int) -> float:
@@ -447,13 +449,11 @@ def compare_paired(accepted_a: Sequence[LabelledPair], accepted_b: Sequence[Labe
         return out
 
     sa, sb = scores(accepted_a), scores(accepted_b)
-    a_worse = b_worse = 0
-    for rid in set(sa) | set(sb):
-        x, y = sa.get(rid, 0), sb.get(rid, 0)
-        a_worse += x > y
-        b_worse += y > x
-    return PairedComparison(n_requests, len(sa), len(sb), len(set(sa) & set(sb)), a_worse, b_worse,
-                            sign_test_p(a_worse, b_worse))
+    ids = sorted(set(sa) | set(sb))
+    a_ids = tuple(r for r in ids if sa.get(r, 0) > sb.get(r, 0))
+    b_ids = tuple(r for r in ids if sb.get(r, 0) > sa.get(r, 0))
+    return PairedComparison(n_requests, len(sa), len(sb), len(set(sa) & set(sb)), len(a_ids), len(b_ids),
+                            sign_test_p(len(a_ids), len(b_ids)), a_ids, b_ids)
 
 
 # --------------------------------------------------------------------------------------------- calibration
