@@ -64,14 +64,15 @@ def _by_kind(request_ids: tuple[str, ...], kind: dict) -> dict[str, int]:
     return dict(sorted(Counter(f"{scene}/{k}" for k, scene in strata).items()))
 
 
-def prompt_only_at(n_target: int, pairs: list) -> tuple[float | None, object]:
+def prompt_only_at(n_target: int, pairs: list) -> tuple[float, list]:
     """The highest prompt-similarity threshold at which prompt-only reuse accepts at least ``n_target``
-    requests of ``pairs`` (None if it never does), and its evaluation."""
-    for t in sorted({p.similarity for p in pairs}, reverse=True):
-        ev = evaluate_prompt_only(t, pairs)
-        if ev.n_accepted >= n_target:
-            return t, ev
-    return None, evaluate_prompt_only(min(p.similarity for p in pairs), pairs)
+    requests of ``pairs`` (the lowest similarity if it never does), and the pairs it then reuses."""
+    sims = sorted({p.similarity for p in pairs}, reverse=True)
+    for t in sims:
+        _, acc = prompt_only_accepted(t, pairs)
+        if len(acc) >= n_target:
+            return t, acc
+    return sims[-1], prompt_only_accepted(sims[-1], pairs)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         calib, cert = split_pairs(pairs)
         pairs = cert if args.split == "cert" else calib
     rule = RiskRule.load(args.rule, allow_uncertified=True)  # a report, not a filter: a failed rule is shown too
-    cert = json.loads(Path(args.rule).read_text(encoding="utf-8")).get("certificate") or {}
-    label, delta = cert.get("label", "excess"), float(cert.get("delta", 0.1))
+    certificate = json.loads(Path(args.rule).read_text(encoding="utf-8")).get("certificate") or {}
+    label, delta = certificate.get("label", "excess"), float(certificate.get("delta", 0.1))
     th = rule.thresholds
     groups: dict = defaultdict(list)
     for p in pairs:
@@ -120,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         if g not in groups:
             continue
         n_acc = next(r["accepted"] for r in rows if r["group"] == g)
-        t, ev = prompt_only_at(n_acc, groups[g])
+        t, po_acc = prompt_only_at(n_acc, groups[g])
+        n_req, rule_acc = accepted_pairs(th, groups[g])
+        ev = evaluate_prompt_only(t, groups[g])
         n = max(ev.n_accepted, 1)
         print(f"prompt-only at the same coverage ({g}): threshold {t}, accepted {ev.n_accepted} of {ev.n_requests}, "
               f"b = {ev.k_unsafe}, c = {ev.k_better}, excess {(ev.k_unsafe - ev.k_better) / n:.4f}, "
               f"b/n {ev.k_unsafe / n:.4f}")
-        n_req, rule_acc = accepted_pairs(th, groups[g])
-        cmp = compare_paired(prompt_only_accepted(t, groups[g])[1] if t is not None else [], rule_acc, n_req)
+        cmp = compare_paired(po_acc, rule_acc, n_req)
         print(f"  paired ({g}): accepted by both {cmp.both_accepted}; prompt-only worse on {cmp.a_worse} requests, "
               f"the rule worse on {cmp.b_worse}; exact one-sided sign test p = {cmp.p_one_sided:.4f}")
         print(f"    prompt-only worse: {_by_kind(cmp.a_worse_ids, kind)}; "
