@@ -273,3 +273,13 @@ def test_rule_report_counts_what_the_rule_accepts_per_kind(tmp_path, capsys):
                                                                               ev.k_unsafe)
     assert got["repeat"]["accepted"] + got["colour"]["accepted"] == ev.n_accepted
     assert got["all"]["compute_median"] == (0.5 if ev.n_accepted else None)
+    # the paired comparison: its discordant requests account for the difference of the two policies' b − c
+    # (synthetic pairs are never "better", so a request's two scores differ by exactly one)
+    po = json.loads(table.read_text())["prompt_only_all"]
+    assert po["accepted"] >= got["all"]["accepted"]
+    assert po["prompt_only_worse"] - po["rule_worse"] == (po["b"] - po["c"]) - (got["all"]["b"] - got["all"]["c"])
+    assert 0.0 < po["sign_test_p"] <= 1.0 and "paired (all)" in text
+    from carnator.carnator_core.risk.certify import certificate_bound
+
+    label = json.loads(out.read_text())["certificate"]["label"]
+    assert got["all"]["U"] == round(certificate_bound(label, ev.n_accepted, ev.k_unsafe, ev.k_better, 0.1), 4)
