@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         calib, cert = split_pairs(pairs)
         pairs = cert if args.split == "cert" else calib
     rule = RiskRule.load(args.rule, allow_uncertified=True)  # a report, not a filter: a failed rule is shown too
-    certificate = json.loads(Path(args.rule).read_text(encoding="utf-8")).get("certificate") or {}
-    label, delta = certificate.get("label", "excess"), float(certificate.get("delta", 0.1))
+    label, delta = rule.certificate.label, float(rule.certificate.delta)
     th = rule.thresholds
     groups: dict = defaultdict(list)
     for p in pairs:
