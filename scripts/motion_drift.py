@@ -79,14 +79,12 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def gate(args: argparse.Namespace) -> int:
-    from repo_package import register_package
+    from rule_report import prompt_only_at  # prompt-only at the rule's coverage, as the report picks it
 
-    register_package()
     from carnator.carnator_core.risk.certify import (
         accepted_pairs,
         certificate_bound,
         compare_paired,
-        prompt_only_accepted,
         read_pairs_jsonl,
     )
     from carnator.carnator_core.risk.rule import RiskRule
@@ -119,12 +117,9 @@ def gate(args: argparse.Namespace) -> int:
         gated = [p if passes(p) else replace(p, missing=True) for p in pairs]  # a refused candidate, as missing
         n_req, acc = accepted_pairs(rule.thresholds, gated)
         b, c = sum(p.unsafe for p in acc), sum(p.better for p in acc)
-        for t in sorted({p.similarity for p in pairs}, reverse=True):
-            _, po = prompt_only_accepted(t, pairs)
-            if len(po) >= len(acc):
-                break
+        _, po = prompt_only_at(len(acc), pairs)
         cmp = compare_paired(po, acc, n_req)
-        u = certificate_bound("excess", len(acc), b, c, 0.1) if acc else 1.0
+        u = certificate_bound(rule.certificate.label, len(acc), b, c, rule.certificate.delta) if acc else 1.0
         print(f"| {'none' if g is None else g} | {len(acc)} | {len(acc) / n_req:.3f} | {b} | {c} | {u:.4f} | "
               f"{sum(p.unsafe for p in po)}, {sum(p.better for p in po)} | {cmp.a_worse} / {cmp.b_worse} | "
               f"{cmp.p_one_sided:.4f} |")
