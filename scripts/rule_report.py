@@ -34,7 +34,6 @@ from carnator.carnator_core.risk.certify import (  # noqa: E402
     accepted_pairs,
     certificate_bound,
     compare_paired,
-    evaluate_prompt_only,
     prompt_only_accepted,
     read_pairs_jsonl,
     split_pairs,
@@ -122,18 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         n_acc = next(r["accepted"] for r in rows if r["group"] == g)
         t, po_acc = prompt_only_at(n_acc, groups[g])
         n_req, rule_acc = accepted_pairs(th, groups[g])
-        ev = evaluate_prompt_only(t, groups[g])
-        n = max(ev.n_accepted, 1)
-        print(f"prompt-only at the same coverage ({g}): threshold {t}, accepted {ev.n_accepted} of {ev.n_requests}, "
-              f"b = {ev.k_unsafe}, c = {ev.k_better}, excess {(ev.k_unsafe - ev.k_better) / n:.4f}, "
-              f"b/n {ev.k_unsafe / n:.4f}")
+        po_b, po_c = sum(p.unsafe for p in po_acc), sum(p.better for p in po_acc)
+        n = max(len(po_acc), 1)
+        print(f"prompt-only at the same coverage ({g}): threshold {t}, accepted {len(po_acc)} of {n_req}, "
+              f"b = {po_b}, c = {po_c}, excess {(po_b - po_c) / n:.4f}, b/n {po_b / n:.4f}")
         cmp = compare_paired(po_acc, rule_acc, n_req)
         print(f"  paired ({g}): accepted by both {cmp.both_accepted}; prompt-only worse on {cmp.a_worse} requests, "
               f"the rule worse on {cmp.b_worse}; exact one-sided sign test p = {cmp.p_one_sided:.4f}")
         print(f"    prompt-only worse: {_by_kind(cmp.a_worse_ids, kind)}; "
               f"the rule worse: {_by_kind(cmp.b_worse_ids, kind)}")
-        out[f"prompt_only_{g}"] = {"threshold": t, "accepted": ev.n_accepted, "requests": ev.n_requests,
-                                   "b": ev.k_unsafe, "c": ev.k_better, "both_accepted": cmp.both_accepted,
+        out[f"prompt_only_{g}"] = {"threshold": t, "accepted": len(po_acc), "requests": n_req,
+                                   "b": po_b, "c": po_c, "both_accepted": cmp.both_accepted,
                                    "prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse,
                                    "sign_test_p": cmp.p_one_sided}
     if args.json:
