@@ -2,7 +2,7 @@
 PY := .host/venv/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup setup-host setup-registry-tools demo lint test test-fast test-core test-server bench registry-check \
+.PHONY: setup setup-host setup-registry-tools demo lint test test-reversed test-fast test-core test-server bench registry-check \
 	clean-host
 
 setup-host:
@@ -25,6 +25,10 @@ lint: setup-host
 # The whole suite (core, in-process ComfyUI, live server, browser), after the linter.
 test: setup lint
 	$(PYTEST) -q
+
+# The whole suite in reverse order (no test may depend on another having run first; tests/pytest_carnator.py).
+test-reversed: setup
+	$(PYTEST) -q --order reverse
 
 test-fast: setup
 	$(PYTEST) -q -m "not slow and not server and not browser"
