@@ -16,7 +16,9 @@ Contracts
   file; anything else raises ``NotACacheDirectoryError`` and nothing in it is touched. Inside a cache, the only
   files ever removed automatically are the cache's own temp files (name pattern above, older than the grace
   period); entry files are only removed by ``delete`` / ``purge`` / eviction of catalogued entries, and
-  corrupt ones are *moved* to ``quarantine/``.
+  corrupt ones are *moved* to ``quarantine/``. A cache folder deleted by hand while a store has it open is
+  recreated as a fresh, empty cache at the next call (one warning); a folder that holds nothing but the
+  cache's own empty lock files counts as empty.
 * **The catalogue is an index.** Every entry file names its namespace, model, config, prompt and seed, so the
   catalogue can always be rebuilt from the files: it is, into a new file swapped in atomically, when it is
   missing, damaged (``PRAGMA quick_check``), not exactly our schema (e.g. has triggers), a symbolic link, or an
@@ -29,7 +31,9 @@ Contracts
   ``model_fingerprint`` get nothing from a namespace pinned to another model (a key-prefix collision).
 * **Durability.** A write goes to ``tmp/``, is fsynced, renamed into ``entries/`` and then committed in one
   transaction (row + embedding + change-log record). A crash leaves nothing, one of our temp files, or a
-  complete entry file without a row (adopted by ``scan``). Deletes (eviction, purge) unlink the files first
+  complete entry file without a row (adopted by ``scan``). A put whose file another process's scan adopted
+  before the put committed (a forward clock jump, or a writer stalled past the grace period) keeps that file
+  and returns its id: a put never deletes a file that a committed row points to. Deletes (eviction, purge) unlink the files first
   and commit afterwards: a crash leaves rows whose file is gone, which readers treat as "no longer cached" and
   ``scan`` drops; and on a full disk the unlinks free the space the commit needs.
 * **Full disk.** Reads work (counter updates, index persistence and change-log trimming are best-effort);
@@ -120,6 +124,7 @@ SUBDIRS = ("entries", "index", "quarantine", "tmp", "locks")
 _TMP_RE = re.compile(r"^[A-Za-z0-9_.-]+\.\d+\.[0-9a-f]{8}\.tmp$")  # the temp files this cache creates
 _MARKER_TMP_RE = re.compile(r"^\." + re.escape(MARKER) + r"\.\d+\.[0-9a-f]{8}\.tmp$")
 _ENTRY_FILE_RE = re.compile(r"^[0-9a-f]{16}\.safetensors$")
+_LOCK_FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+\.lock$")  # filelock's files in locks/ (empty; never removed on Unix)
 
 
 # ---------------------------------------------------------------------------------------------- values
@@ -304,7 +309,20 @@ def _may_precede_marker(p: Path) -> bool:
         return False
     if p.name == MARKER or (_MARKER_TMP_RE.match(p.name) and p.is_file()):
         return True
+    if p.name == "locks" and p.is_dir():  # a folder deleted under a running store: only its empty lock files came back
+        return all(_LOCK_FILE_RE.match(f.name) and f.is_file() and not f.is_symlink() and f.stat().st_size == 0
+                   for f in p.iterdir())
     return p.name in SUBDIRS and p.is_dir() and not any(p.iterdir())
+
+
+def _prepare_root(root: Path) -> None:
+    """Claim ``root`` (``_claim_directory``) and create the layout's subdirectories (links refused)."""
+    _claim_directory(root)
+    for sub in SUBDIRS:
+        d = root / sub
+        if d.is_symlink():
+            raise CacheError(f"{d} is a symbolic link; a cache directory must not link elsewhere. Remove it.")
+        d.mkdir(exist_ok=True)
 
 
 def _public(fn: Callable) -> Callable:
@@ -336,8 +354,10 @@ class Store:
     (it is thread-safe); several processes (or instances) may open the same directory."""
 
     def __init__(self, root: Path, *, max_bytes: int | None, policy: str, index_params: IndexParams,
-                 key: bytes | None, grace_s: float, durable: bool) -> None:
+                 key: bytes | None, grace_s: float, durable: bool,
+                 clock: Callable[[], float] = time.time) -> None:
         self.root = root
+        self._clock = clock  # wall clock that file ages are measured against (tests inject a jumped one)
         self.max_bytes = int(max_bytes) if max_bytes else None
         self.policy = check_policy(policy)
         self.index_params = index_params
@@ -360,25 +380,22 @@ class Store:
     @classmethod
     def open(cls, path: str | os.PathLike, *, max_bytes: int | None = None, policy: str = "lcbfu",
              index_params: IndexParams | None = None, key_path: str | os.PathLike | None = None,
-             grace_s: float = DEFAULT_GRACE_S, durable: bool = True) -> "Store":
+             grace_s: float = DEFAULT_GRACE_S, durable: bool = True,
+             clock: Callable[[], float] = time.time) -> "Store":
         """Open (creating if needed) the store at ``path``.
 
         max_bytes: byte budget of entry files for this instance's writes (None = unlimited).
         policy: "lcbfu" (default) or "lru". index_params: FAISS index choices. key_path: index-signing key
         (default ``default_key_path()``; must be outside the store). grace_s: age after which our stray temp files
         are removed and entry files without a catalogue row are adopted. durable: fsync entry files before they
-        are committed. Raises NotACacheDirectoryError for a non-empty directory that is not a Carnator cache,
+        are committed. clock: the wall clock file ages are measured with (``time.time``; a test injects a jumped
+        one). Raises NotACacheDirectoryError for a non-empty directory that is not a Carnator cache,
         CacheError for another format version or an unusable directory.
         """
         root = Path(path).expanduser()
         try:
             root = root.resolve()
-            _claim_directory(root)
-            for sub in SUBDIRS:
-                d = root / sub
-                if d.is_symlink():
-                    raise CacheError(f"{d} is a symbolic link; a cache directory must not link elsewhere. Remove it.")
-                d.mkdir(exist_ok=True)
+            _prepare_root(root)
         except OSError as e:
             raise Store._translate_for(root, e, "open the cache directory") from e
         kp = Path(key_path).expanduser() if key_path else default_key_path()
@@ -389,7 +406,7 @@ class Store:
         else:
             key = _load_or_create_key(kp)
         store = cls(root, max_bytes=max_bytes, policy=policy, index_params=index_params or IndexParams(), key=key,
-                    grace_s=grace_s, durable=durable)
+                    grace_s=grace_s, durable=durable, clock=clock)
         try:
             store._open_catalog_checked()
         except CatalogRebuiltError:  # damage the open-time scan ran into: rebuilt; open the new catalogue
@@ -419,8 +436,22 @@ class Store:
     def _catalog_lock(self) -> FileLock:
         return FileLock(str(self.root / "locks" / "catalog.lock"), timeout=600)
 
+    def _reclaim_if_deleted(self) -> None:
+        """The cache folder (or its marker) was deleted while this store was open (by hand, to free space): make
+        it a fresh, empty cache again, with one log line, instead of failing every later call. Taking the
+        catalogue lock first would recreate ``locks/`` alone, which made the folder look foreign (not empty, no
+        marker) to every later open. A folder that meanwhile holds someone else's files is still refused."""
+        if (self.root / MARKER).exists():
+            return
+        log.warning("carnator cache: the cache folder %s was deleted while in use (its marker %s is gone); it is "
+                    "recreated as a fresh, empty cache", self.root, MARKER)
+        self._indexes.clear()
+        self._sigs.clear()
+        _prepare_root(self.root)
+
     def _open_catalog(self) -> None:
         """Connect to a healthy catalogue, rebuilding it from the entry files first if it is missing or unusable."""
+        self._reclaim_if_deleted()
         with self._lock, self._catalog_lock():
             conn, reason = self._try_connect()
             if conn is None:
@@ -741,13 +772,15 @@ class Store:
                                    work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape),
                                    enc.embedding, now, request_key=data.request_key, answer=bool(data.answer_of))
         except sqlite3.IntegrityError:
-            final.unlink(missing_ok=True)  # another process stored the same request first
-            dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
-            if dup:
-                return dup, False
-            raise
+            # Either another process stored the same request first, or its open-time scan adopted *this* file
+            # (renamed, not yet committed: a forward clock jump, or this writer stalled past the grace period).
+            if not self._discard_unless_catalogued(entry_id, final):
+                dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
+                if dup:
+                    return dup, False
+                raise
         except BaseException:
-            final.unlink(missing_ok=True)
+            self._discard_unless_catalogued(entry_id, final)
             raise
         if self._fault:
             self._fault("after_commit")
@@ -757,6 +790,30 @@ class Store:
             log.warning("carnator cache: eviction after writing %s failed (%s); it is retried after the next write",
                         entry_id, e)
         return entry_id, True
+
+    def _discard_unless_catalogued(self, entry_id: str, final: Path) -> bool:
+        """After a put's commit failed: True if a committed row already names ``entry_id`` (another process's scan
+        adopted this very file), and the file is kept; else the file is removed and False returned. Checked and
+        removed under the catalogue's write lock, so no scan can adopt the file in between; when even that lock
+        cannot be had (full disk), a plain read decides, and when nothing can be read the file is kept (``scan``
+        adopts it later): a put never deletes a file that a committed row may point to."""
+        try:
+            try:
+                with self._write() as c:
+                    if c.execute("SELECT 1 FROM entries WHERE id=?", (entry_id,)).fetchone() is not None:
+                        return True
+                    final.unlink(missing_ok=True)
+                    return False
+            except sqlite3.OperationalError:
+                with self._read() as c:
+                    if c.execute("SELECT 1 FROM entries WHERE id=?", (entry_id,)).fetchone() is not None:
+                        return True
+                final.unlink(missing_ok=True)
+                return False
+        except (sqlite3.Error, OSError, CacheError) as e:
+            log.warning("carnator cache: could not check whether entry file %s was catalogued (%s); it is kept and "
+                        "adopted by a later scan", final.name, e)
+            return False
 
     def _find_duplicate(self, ns: str, prompt_digest: str, seed: int, request_key: str = "") -> str | None:
         with self._read() as c:
@@ -1316,7 +1373,7 @@ class Store:
         entry files without a catalogue row are adopted (valid) or quarantined (invalid) — never deleted. Rows
         whose file is missing are dropped. Files that are not ours by name are left alone. Returns counts."""
         grace = self.grace_s if grace_s is None else float(grace_s)
-        now = time.time()
+        now = self._clock()
         out = {"tmp_removed": 0, "orphans_adopted": 0, "orphans_quarantined": 0, "missing_rows_removed": 0,
                "foreign_files": 0}
 
@@ -1383,7 +1440,7 @@ class Store:
         reported as notes (they may be writes in flight)."""
         problems: list[str] = []
         notes: list[str] = []
-        now = time.time()
+        now = self._clock()
         with self._read() as c:
             rows = c.execute("SELECT seq, id, namespace, nbytes FROM entries").fetchall()
             answers = {r[0] for r in c.execute("SELECT seq FROM entries WHERE answer!=0").fetchall()}

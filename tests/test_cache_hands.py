@@ -1,0 +1,139 @@
+"""The cache outlives hands, clocks and full disks: a folder deleted by hand while the store is open, a put whose
+file another process adopts first (a forward clock jump), a wrong size in a catalogue row, a put during a
+rebuild, the write-ahead log of a small cache, a read-only cache, a full disk at the write. Each case is a real
+store on real files; the races run in real child processes. Pure core (no ComfyUI)."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+from test_cache_store import CFG, DIM, carnator_warnings, make_entry, open_store
+
+from carnator.carnator_core.cache import Store, adoption_problem
+from carnator.carnator_core.types import namespace_key
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = namespace_key("model-a", CFG)
+
+# A child process that imports the package once and runs one scripted operation on a store (see _child).
+CHILD = textwrap.dedent("""
+    import importlib.util, json, os, sys, time
+    root, tests, cache, key, op, sync = sys.argv[1:7]
+    sys.path[:0] = [root, tests]
+    spec = importlib.util.spec_from_file_location("carnator", os.path.join(root, "__init__.py"),
+                                                  submodule_search_locations=[root])
+    mod = importlib.util.module_from_spec(spec); sys.modules["carnator"] = mod; spec.loader.exec_module(mod)
+    from carnator.carnator_core.cache import Store, EntryNotFoundError
+    from test_cache_store import make_entry
+
+    def pause_at(stage):
+        # At ``stage``: say so (a file), then wait until the test says go (another file).
+        def fault(s):
+            if s == stage:
+                open(sync + ".at", "w").close()
+                while not os.path.exists(sync + ".go"):
+                    time.sleep(0.01)
+        return fault
+
+    st = Store.open(cache, key_path=key)
+    if op == "put_paused_after_rename":
+        st._fault = pause_at("after_rename")
+        eid, written = st.put_with_status(make_entry(7))
+        try:
+            loaded = st.load(eid, count_hit=False).entry_id == eid
+        except EntryNotFoundError:
+            loaded = False
+        print(json.dumps({"id": eid, "written": written, "loaded": loaded}), flush=True)
+    elif op == "rebuild_paused_before_swap":
+        st._fault = pause_at("rebuild_built")
+        st.rebuild_catalog("test")
+        print(json.dumps({"ids": st.entry_ids()}), flush=True)
+    st.close()
+""")
+
+
+def _child(tmp_path: Path, op: str) -> tuple[subprocess.Popen, Path]:
+    sync = tmp_path / f"sync-{op}"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT), str(ROOT / "tests"), str(tmp_path / "cache"),
+                          str(tmp_path / "index.key"), op, str(sync)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p, sync
+
+
+def _wait_for(p: subprocess.Popen, sync: Path) -> None:
+    for _ in range(6000):  # bounded: 60 s of polling
+        if Path(str(sync) + ".at").exists():
+            return
+        if p.poll() is not None:
+            break
+        time.sleep(0.01)
+    out, err = p.communicate(timeout=60)
+    raise AssertionError(f"the child never reached its pause point: {out} {err}")
+
+
+def _finish(p: subprocess.Popen, sync: Path) -> dict:
+    Path(str(sync) + ".go").touch()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------ 1. deleted by hand
+def test_a_cache_folder_deleted_by_hand_while_open_comes_back_fresh(tmp_path, caplog):
+    st = open_store(tmp_path)
+    first = st.put(make_entry(1))
+    cache = tmp_path / "cache"
+    shutil.rmtree(cache)  # a user cleaning up disk space while ComfyUI runs
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        assert st.candidates(NS, np.ones(DIM, np.float32), k=3).items == ()  # the next read: a fresh, empty cache
+        second = st.put(make_entry(2))
+        assert st.entry_ids() == [second] and st.load(second).prompt == "prompt 2"
+    assert first != second and (cache / "carnator-cache.json").is_file()
+    said = [r.getMessage() for r in carnator_warnings(caplog) if "deleted" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in carnator_warnings(caplog)]
+    assert adoption_problem(cache) is None  # the loader's queue-time check accepts it
+    st.close()
+    assert open_store(tmp_path).entry_ids() == [second]  # and so does a restart
+
+
+def test_a_folder_left_with_only_lock_files_is_adopted(tmp_path):
+    """What an earlier version left after the folder was deleted under it: only ``locks/catalog.lock``. It holds
+    nothing of anyone's, so it is taken as a fresh cache (it was a permanent 400 at every queue)."""
+    d = tmp_path / "cache"
+    (d / "locks").mkdir(parents=True)
+    (d / "locks" / "catalog.lock").touch()
+    assert adoption_problem(d) is None
+    st = open_store(tmp_path)
+    assert st.load(st.put(make_entry(1))).prompt == "prompt 1"
+    st.close()
+    (tmp_path / "other" / "locks").mkdir(parents=True)
+    (tmp_path / "other" / "locks" / "catalog.lock").write_text("somebody's notes")  # not an empty lock file
+    assert "not empty" in adoption_problem(tmp_path / "other")
+
+
+# ------------------------------------------------------------------------------------------ 2. adopted under a put
+def test_a_put_whose_file_another_process_adopts_first_returns_a_loadable_id(tmp_path):
+    """Process A renamed its entry file into place and has not committed the row yet; process B opens the store
+    with its clock jumped forward (or A stalled past the grace period) and its scan adopts A's file. A's commit
+    then meets the row B wrote for the very same file: A must neither delete that file nor return an id that
+    does not load."""
+    open_store(tmp_path).close()
+    p, sync = _child(tmp_path, "put_paused_after_rename")
+    _wait_for(p, sync)
+    b = Store.open(tmp_path / "cache", key_path=tmp_path / "index.key", clock=lambda: time.time() + 3600)
+    adopted = b.entry_ids()
+    assert len(adopted) == 1  # B adopted A's renamed, not yet committed file
+    out = _finish(p, sync)
+    assert out["id"] == adopted[0] and out["loaded"], out
+    assert out["written"]  # A's put wrote it (B only catalogued it first)
+    assert b.load(out["id"], count_hit=False).prompt == "prompt 7"
+    b.close()
+    st = open_store(tmp_path)
+    assert st.entry_ids() == adopted and st.verify(deep=True).ok
