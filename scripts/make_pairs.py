@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-missing", choices=("top", "all"), default="top",
                    help="reuse-label candidates with a named object on one side only: 'top' = only when most "
                    "similar (all that calibration and the prompt-only baseline use; default), 'all' = always")
+    p.add_argument("--clips", action="store_true",
+                   help="also save each labelled request's dense clip and every labelled candidate's reuse clip "
+                   "(uint8, --work/clips/<request>.npz), so the pairs can be labelled again under another label "
+                   "without generating (scripts/relabel_pairs.py)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (1)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (1: on a shared machine more threads per process oversubscribe)")
@@ -226,7 +230,10 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
             if args["limit_s"] and time.time() - t_start > args["limit_s"]:
                 print(f"[q{shard}] time limit reached; re-run to resume", flush=True)
                 return
-            out = pairs.label_request(ctx, req, labeler, missing=args["label_missing"])
+            clips: dict | None = {} if args.get("clips") else None
+            out = pairs.label_request(ctx, req, labeler, missing=args["label_missing"], clips=clips)
+            if clips:
+                save_clips(work / "clips" / f"{req.request_id}.npz", clips, req.prompt)
             probe = out.result.probe
             if header is None:
                 header = pairs.header_for(probe, dataset="", seeds=[], unsafe_definition=labeler.definition,
@@ -245,6 +252,19 @@ def worker(args: dict, shard: int, n_shards: int, phase: str, threads: int) -> N
             print(f"[q{shard}] {req.request_id} {req.kind:>10} {flags:<4} {out.seconds:5.1f} s", flush=True)
     finally:
         store.close()
+
+
+def save_clips(path: Path, clips: dict, prompt: str) -> None:
+    """A request's clips as uint8 arrays keyed "dense" and by store entry id (written atomically: a torn file
+    never looks complete)."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {k: (np.clip(np.asarray(v, dtype=np.float32), 0, 1) * 255 + 0.5).astype(np.uint8)
+              for k, v in clips.items()}
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(tmp, prompt=np.asarray(prompt), **arrays)
+    tmp.replace(path)
 
 
 def _run_phase(args: dict, phase: str, n: int, threads: int) -> None:

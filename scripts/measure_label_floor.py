@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="per-request rows (JSONL; resumable)")
     p.add_argument("--json", type=Path, default=None, help="write the summary here")
     p.add_argument("--png", type=Path, default=None, help="dense | fresh | |diff| strips where b or c is set")
+    p.add_argument("--clips", type=Path, default=None,
+                   help="also save every request's dense and fresh clips (uint8 .npz, one file per request) here, so "
+                   "the floor can be judged again under another label without generating (--rejudge)")
+    p.add_argument("--rejudge", action="store_true",
+                   help="generate nothing: judge the clips saved in --clips again with the current label and write "
+                   "--out / --json from them")
     return p
 
 
@@ -121,8 +127,57 @@ def write_png(path: Path, dense, fresh) -> None:
     Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)).save(path)
 
 
+def save_clips(path: Path, dense, fresh, rec) -> None:
+    """The request's two clips as uint8 (what a viewer sees; the label is re-judged on these)."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, dense=(np.clip(dense, 0, 1) * 255 + 0.5).astype(np.uint8),
+                        fresh=(np.clip(fresh, 0, 1) * 255 + 0.5).astype(np.uint8),
+                        meta=np.asarray(json.dumps({"request_id": rec.request_id, "kind": rec.kind,
+                                                    "prompt": rec.prompt, "seed": rec.seed,
+                                                    "fresh_seed": rec.fresh_seed})))
+    os.replace(tmp, path)
+
+
+def rejudge(args: argparse.Namespace) -> list:
+    """Floor records from the clips saved in ``args.clips`` under the current label (nothing is generated)."""
+    import numpy as np
+
+    from carnator.carnator_core.lab import floor, pairs
+    from carnator.carnator_core.lab.metrics import background_mask
+
+    labeler = pairs.embedded_checker_labeler("request", args.artifact_ratio or None)
+    out = []
+    for path in sorted(args.clips.glob("*.npz")):
+        if path.name.endswith(".tmp.npz"):
+            continue
+        with np.load(path) as z:
+            meta = json.loads(str(z["meta"]))
+            dense, fresh = z["dense"].astype(np.float32) / 255.0, z["fresh"].astype(np.float32) / 255.0
+        verdict = floor.judge_fresh(labeler, dense, fresh, meta["prompt"], background_mask)
+        out.append(floor.FloorRecord(meta["request_id"], meta["kind"], prompt=meta["prompt"], seed=meta["seed"],
+                                     fresh_seed=meta["fresh_seed"], **verdict))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.rejudge:
+        if args.clips is None or not args.clips.is_dir():
+            raise SystemExit("--rejudge needs --clips DIR with the clips of an earlier run")
+        from carnator.carnator_core.lab import floor
+
+        records = rejudge(args)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text("".join(json.dumps(r.to_row()) + "\n" for r in records), encoding="utf-8")
+        summary = floor.summarize_floor(records, args.alpha, args.delta, artifact_ratio=args.artifact_ratio or None)
+        print_summary(summary)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"rejudged": str(args.clips), "summary": summary}, indent=1))
+        return 0
     conftest.ensure_comfy_importable()
     import torch
 
@@ -147,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_record(rec, dense, fresh) -> None:
         count["n"] += 1
+        if args.clips is not None:
+            save_clips(args.clips / f"{rec.request_id}.npz", dense, fresh, rec)
         if args.out is not None:
             with args.out.open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps(rec.to_row()) + "\n")
@@ -165,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
                               skip={r.request_id for r in done}, on_record=on_record)
     records = done + new
     summary = floor.summarize_floor(records, args.alpha, args.delta, artifact_ratio=args.artifact_ratio or None)
+    print_summary(summary)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"run": run, "alpha": args.alpha, "delta": args.delta,
+                                         "requests": len(records), "seconds_this_run": time.perf_counter() - t0,
+                                         "summary": summary}, indent=1))
+    return 0
+
+
+def print_summary(summary: dict) -> None:
     for k, v in summary.items():
         f, ch = v["full"], v["checker"]
         print(f"{k:22s} n={v['n']:4d} | full b={f['b']:3d} c={f['c']:3d} b/n={f['b_rate']:.3f} "
@@ -175,12 +242,6 @@ def main(argv: list[str] | None = None) -> int:
               f"b from art {v['b_from_artifact']}, "
               f"c lost {v['c_lost_to_artifact']}, ratio q50/90/99 {v['artifact_ratio_quantiles']} "
               f"(both-bg {v['artifact_ratio_both_quantiles']})")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"run": run, "alpha": args.alpha, "delta": args.delta,
-                                         "requests": len(records), "seconds_this_run": time.perf_counter() - t0,
-                                         "summary": summary}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -624,7 +624,7 @@ def _region_over_max_active(ctx: PairContext, res: Any, cached: Any, cfg: Any) -
 
 def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
                   only: Iterable[str] | Callable[[Any], Iterable[str]] | None = None,
-                  missing: str = "all") -> RequestOutcome:
+                  missing: str = "all", clips: dict[str, np.ndarray] | None = None) -> RequestOutcome:
     """Serve ``req`` as serving does (probe, signature, top-K recall, dense resume) and label its candidates.
 
     only: which store entry ids to label — None = every recalled candidate; an iterable of ids; or a callable
@@ -636,6 +636,8 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
           A signature rule never accepts such a candidate (automatic reject) and the prompt-only baseline only
           ever considers the most similar one, so "top" loses nothing any evaluation uses and saves their
           reuse runs (often half of them).
+    clips: when given, filled with the decoded clips: ``"dense"`` and each labelled candidate's reuse output under
+          its store entry id (to judge them again later under another label without generating).
     """
     if missing not in ("all", "top"):
         raise ValueError(f"missing must be 'all' or 'top', got {missing!r}")
@@ -649,6 +651,8 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
     from .metrics import artifact_score
 
     dense_clip = ctx.decode(res.latent["samples"])
+    if clips is not None:
+        clips["dense"] = dense_clip
     ref = labeler.reference(dense_clip, req.prompt)
     background = ctx.background(dense_clip, req.prompt) if ctx.background is not None else None
     want = None if only is None else set(only(res) if callable(only) else only)
@@ -681,6 +685,8 @@ def label_request(ctx: PairContext, req: PairRequest, labeler: Labeler, *,
             active, compute, skipped = rep.active_fraction, rep.compute_fraction, rep.skipped_calls
             reused = rep.decision == "hit"
         reuse_s = time.perf_counter() - t1
+        if clips is not None:
+            clips[cand.entry_id] = reuse_clip
         unsafe, diag, artifact_dense = judge_against_dense(labeler, ref, reuse_clip, dense_clip, req.prompt,
                                                            background, artifact_dense)
         diag = {**diag, "candidate_prompt": cand.prompt, "candidate_seed": cand.seed,
