@@ -906,3 +906,85 @@ def latent_rgb(model: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
     b = getattr(fmt, "latent_rgb_factors_bias", None)
     return (np.asarray(f, dtype=np.float32) if f is not None else None,
             np.asarray(b, dtype=np.float32) if b is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the generation-native judge: one-step denoising of a finished clip at a few low noise levels
+
+
+@dataclass
+class LevelDenoise:
+    """What :func:`denoise_levels` measured at one noise level (model space, batch item 0).
+
+    x0: the clip's clean latent; cond_x0 / alt_x0: the model's x0 prediction of the clip re-noised to ``sigma``
+    under the positive conditioning and under the alternative one (the negative slot)."""
+
+    sigma: float
+    x0: torch.Tensor
+    cond_x0: torch.Tensor
+    alt_x0: torch.Tensor
+
+
+@dataclass
+class DenoiseRaw:
+    levels: list[LevelDenoise]
+    object_maps: dict[str, np.ndarray]  # object name -> cross-attention mass over the token grid, mean of calls
+    grid: tuple[int, int, int]
+    model_calls: int
+    seconds: float
+    fallbacks: tuple[str, ...]
+
+
+def denoise_levels(model: Any, positive, alternative, latent: dict, seed: int, sigmas: tuple[float, ...],
+                   capture: CaptureConfig | None = None, models_by_sigma: Callable[[float], Any] | None = None
+                   ) -> DenoiseRaw:
+    """Re-noise a finished clip's latent (``latent["samples"]``, ComfyUI LATENT space, batch 1) to each noise level
+    of ``sigmas`` with the seed's own noise (``comfy.sample.prepare_noise``, as KSampler draws it) and ask the model
+    for its x0 prediction under ``positive`` and ``alternative`` in one CFG batch (one model call per level: a
+    one-step Euler run from ``sigma`` to 0 through ComfyUI's sampler, so every model patch and wrapper applies as in
+    sampling). ``capture`` records the positive prompt's object-token cross-attention over the video tokens in its
+    layers (as the Early Probe does). ``models_by_sigma(sigma)`` picks the MODEL per level (a two-expert pair:
+    the low-noise expert below its switch); default ``model``. The caller's MODEL is never modified."""
+    t0 = time.perf_counter()
+    maps: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    levels: list[LevelDenoise] = []
+    calls = 0
+    fallbacks: set[str] = set()
+    grid: tuple[int, int, int] = (0, 0, 0)
+    sampler = comfy.samplers.sampler_object("euler")
+    for sigma in sigmas:
+        mdl = models_by_sigma(float(sigma)) if models_by_sigma is not None else model
+        adapter = adapter_for(mdl)
+        latent_image = prepare_latent(mdl, latent)
+        patch = adapter.patch_of(mdl)
+        grid = adapter.token_grid(tuple(latent_image.shape), patch)
+        run = _Run(adapter=adapter, n_tokens=int(np.prod(grid)), patch=patch, grid=grid, capture=capture)
+        m = _install(mdl, run, tuple(range(adapter.num_layers(mdl)) if capture is not None else ()))
+        got: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def post(args: dict) -> torch.Tensor:
+            got.append((args["cond_denoised"][:1].detach().float().cpu(),
+                        args["uncond_denoised"][:1].detach().float().cpu()))
+            return args["denoised"]
+
+        # cfg 2 (any scale but 1) makes ComfyUI evaluate both conditionings, batched as in sampling
+        m.set_model_sampler_post_cfg_function(post, disable_cfg1_optimization=True)
+        noise = make_noise(latent_image, seed, latent)
+        sig = torch.tensor([float(sigma), 0.0], dtype=torch.float32)
+        try:
+            comfy.sample.sample_custom(m, noise, 2.0, sampler, sig, positive, alternative, latent_image,
+                                       disable_pbar=True, seed=seed)
+        finally:
+            for name, v in run.maps.items():
+                maps[name] = maps.get(name, 0) + v
+                counts[name] = counts.get(name, 0) + run.map_counts[name]
+            calls += run.stats["model_calls"]
+            fallbacks |= run.fallbacks
+            run.reset()
+        if len(got) != 1:
+            raise RuntimeError(f"expected one model evaluation at sigma {sigma}, saw {len(got)}")
+        x0 = mdl.model.process_latent_in(latent_image[:1].float()).cpu()
+        levels.append(LevelDenoise(float(sigma), x0, got[0][0], got[0][1]))
+    object_maps = {n: (maps[n] / counts[n]).reshape(grid).numpy().astype(np.float32) for n in maps}
+    return DenoiseRaw(levels, object_maps, grid, calls, time.perf_counter() - t0, tuple(sorted(fallbacks)))

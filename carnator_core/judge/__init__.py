@@ -4,7 +4,64 @@ A judge sees one decoded clip and its request; it never sees the other clip of a
 (:func:`excess_label`) holds a reuse clip and the dense clip of the same request and seed against one judge:
 b = the reuse clip fails where the dense clip passes, c = it passes where the dense clip fails. This module is
 part of the runtime (learning mode labels served traffic with it), so it imports neither ComfyUI nor the lab.
-"""
-from .base import ExcessLabel, Judge, JudgeRequest, Verdict, excess_label
 
-__all__ = ["ExcessLabel", "Judge", "JudgeRequest", "Verdict", "excess_label"]
+Judges here: :class:`~.checker.CheckerJudge` (the embedded world's pixel checker, ground truth),
+:class:`~.native.NativeJudge` (the user's own video model, no extra weights), :class:`~.tolerance.ToleranceJudge`
+(a pixel tolerance against the dense clip) and the optional weight-backed judges of :mod:`.optional`
+(an open-vocabulary detector, SigLIP text-video alignment). :func:`judge_for` picks the default for a model.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from .base import ExcessLabel, Judge, JudgeBase, JudgeRequest, Verdict, excess_label
+from .checker import CheckerJudge
+from .tolerance import ToleranceJudge
+
+__all__ = ["CheckerJudge", "ExcessLabel", "Judge", "JudgeBase", "JudgeRequest", "ToleranceJudge", "Verdict",
+           "excess_label", "judge_for"]
+
+
+def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] | None = None, *,
+              encode: Callable[[str], Any] | None = None, text_encoder: Any = None,
+              vae_encode: Callable[[Any], Any] | None = None, second_model: Any = None,
+              switch_sigma: float | None = None) -> Judge:
+    """The default judge for ``model`` (a ComfyUI MODEL; ``arch`` = ``adapters.detect_arch(model)`` when None).
+
+    - the embedded model ("embedded"): :class:`CheckerJudge` — the pixel checker knows the truth there.
+      ``settings``: ``artifact_ratio`` (None = no artifact check).
+    - Wan 2.1 / Wan 2.2 / LTX-Video: :class:`~.native.NativeJudge` on the model itself; needs ``encode``
+      (prompt -> CONDITIONING) and, to read objects, ``text_encoder`` (the CLIP); ``second_model`` +
+      ``switch_sigma`` for a two-expert pair. ``settings``: ``sigmas``, ``layers``, ``support_mass``,
+      ``thresholds`` (``native.NativeSettings``).
+    - ``settings["judge"]`` forces one: "checker", "native" or "tolerance" (``metric``, ``threshold``).
+    Raises ValueError naming what is missing."""
+    settings = dict(settings or {})
+    kind = settings.pop("judge", None)
+    if arch is None and kind in (None, "checker"):
+        from ..adapters import detect_arch
+
+        arch = detect_arch(model)
+    if kind is None:
+        kind = "checker" if arch == "embedded" else "native"
+    if kind == "checker":
+        if arch not in (None, "embedded"):
+            raise ValueError(f"the pixel checker judges only the embedded model's world, not a {arch} model; use "
+                             "judge='native' (or 'tolerance')")
+        return CheckerJudge(settings.get("artifact_ratio"))
+    if kind == "tolerance":
+        return ToleranceJudge(settings.get("metric", "psnr"), float(settings.get("threshold", 25.0)))
+    if kind == "native":
+        from .native import NativeJudge, NativeSettings
+
+        if encode is None:
+            raise ValueError("the native judge needs encode (prompt -> CONDITIONING: the text encoder the requests "
+                             "were generated with) to ask the model about a clip")
+        known = {"sigmas", "layers", "support_mass", "thresholds"}
+        unknown = set(settings) - known
+        if unknown:
+            raise ValueError(f"unknown native-judge settings {sorted(unknown)}; known: {sorted(known)}")
+        cfg = NativeSettings(**{k: (tuple(v) if k in ("sigmas", "layers") else v) for k, v in settings.items()})
+        return NativeJudge(model, encode, text_encoder, vae_encode=vae_encode, second_model=second_model,
+                           switch_sigma=switch_sigma, settings=cfg)
+    raise ValueError(f"unknown judge {kind!r}; choose 'checker', 'native' or 'tolerance'")

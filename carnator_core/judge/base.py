@@ -6,7 +6,9 @@ Contract of a judge (:class:`Judge`):
 - ``name`` and ``settings`` identify the judge in a rule's provenance: two labels are comparable only when both
   were made by the same name and settings.
 - ``reference(dense_clip, request)`` may precompute what every reuse clip of the same request is held against
-  (e.g. the dense clip's own verdict); the default judges the dense clip.
+  (e.g. the dense clip's own verdict); the default judges the dense clip. A reference that is not itself a
+  :class:`Verdict` may carry the dense clip's verdict as its ``verdict`` attribute (the native judge's does), so
+  ``excess_label`` need not judge the dense clip twice.
 - A judge that holds a reuse clip against the dense clip (a pixel artifact ratio, the generation-native judge's
   comparison with the dense clip's quantities) does that in ``judge_pair``; the default judges the reuse clip
   alone. ``excess_label`` always goes through ``judge_pair``.
@@ -102,7 +104,9 @@ def excess_label(judge: Judge, reuse_clip: Any, dense_clip: Any, request: JudgeR
     ``judge``. ``ref`` is ``judge.reference(dense_clip, request)`` when already computed (once per request)."""
     if ref is None:
         ref = judge.reference(dense_clip, request)
-    dense_v = ref if isinstance(ref, Verdict) else judge.judge(dense_clip, request)
+    dense_v = ref if isinstance(ref, Verdict) else getattr(ref, "verdict", None)
+    if not isinstance(dense_v, Verdict):
+        dense_v = judge.judge(dense_clip, request)
     reuse_v = judge.judge_pair(ref, reuse_clip, dense_clip, request)
     return ExcessLabel(b=(not reuse_v.passed) and dense_v.passed, c=reuse_v.passed and not dense_v.passed,
                        reuse=reuse_v, dense=dense_v, judge=judge.name)

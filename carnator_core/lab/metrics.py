@@ -35,18 +35,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..embedded import checker
+from ..judge import pixels
 
 GATED = ("colour", "size", "position", "motion")
 
 
-def as_clip(x: Any) -> np.ndarray:
-    """A clip [T, H, W, 3] float32 in [0, 1] from a numpy array or torch tensor (clamped)."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().float().numpy()
-    a = np.asarray(x, dtype=np.float32)
-    if a.ndim != 4 or a.shape[-1] != 3:
-        raise ValueError(f"expected a clip [T, H, W, 3], got shape {a.shape}")
-    return np.clip(a, 0.0, 1.0)
+as_clip = pixels.as_clip
 
 
 def psnr(a: Any, b: Any) -> float:
@@ -69,42 +63,14 @@ def ssim(a: Any, b: Any) -> float:
                           for f, g in zip(x, y)]))
 
 
-BACKGROUND_MARGIN = 2  # pixels around each segmented object that count as the object's (soft edges, motion blur)
-
-
-def background_mask(dense_clip: Any, caption_or_scene: Any, margin: int = BACKGROUND_MARGIN) -> np.ndarray:
-    """bool [T, H, W]: pixels farther than ``margin`` from every named object the checker finds in the dense
-    clip of the request (what reuse should leave as dense would have it)."""
-    from scipy import ndimage
-
-    from ..embedded import world
-
-    scene = world.parse_caption(caption_or_scene) if isinstance(caption_or_scene, str) else caption_or_scene
-    x = as_clip(dense_clip)
-    masks, _, _ = checker.object_masks(x, scene)
-    objects = masks.any(0) if len(masks) else np.zeros(x.shape[:3], bool)
-    if margin > 0 and objects.any():
-        objects = ndimage.binary_dilation(objects, structure=np.ones((1, 2 * margin + 1, 2 * margin + 1), bool))
-    return ~objects
-
-
-def artifact_score(clip: Any, mask: Optional[np.ndarray] = None) -> float:
-    """High-frequency energy (x1000) of a clip over ``mask`` pixels (all when None): mean over the masked pixels
-    of the squared RGB distance to the 3x3 spatial mean of each frame. NaN for an empty mask."""
-    e = _hf_energy(clip)
-    sel = e if mask is None else e[np.asarray(mask, bool)]
-    return float(sel.mean() * 1000.0) if sel.size else math.nan
+# Shared with the runtime judges (carnator_core/judge/pixels.py), so the lab's labels and theirs measure alike.
+BACKGROUND_MARGIN = pixels.BACKGROUND_MARGIN
+background_mask = pixels.background_mask
+artifact_score = pixels.artifact_score
+_hf_energy = pixels.hf_energy
 
 
 KEPT_TOLERANCE = 0.02  # largest channel difference at which a hit's pixel counts as the reused clip's own
-
-
-def _hf_energy(clip: Any) -> np.ndarray:
-    """Per-pixel high-frequency energy [T, H, W] (what :func:`artifact_score` averages, before the x1000)."""
-    from scipy import ndimage
-
-    x = as_clip(clip).astype(np.float64)
-    return ((x - ndimage.uniform_filter(x, size=(1, 3, 3, 1), mode="nearest")) ** 2).sum(-1)
 
 
 def artifact_split(hit_clip: Any, dense_clip: Any, source_clip: Any, mask: np.ndarray,

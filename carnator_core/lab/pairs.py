@@ -45,6 +45,8 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from ..judge import pixels as _pixels, tolerance as _tolerance
+from ..judge.base import Judge, JudgeRequest, excess_label
 from ..risk.certify import LabelledPair
 from ..risk.discrepancy import discrepancies
 from ..types import Decision
@@ -285,10 +287,18 @@ class CheckerLabeler:
     definition: str
     level: str = "attribute"
     artifact_ratio: float | None = None
+    judge: Judge | None = field(default=None, compare=False, repr=False)  # the same label as a judge, if known
 
     def __post_init__(self) -> None:
         if self.level not in ("attribute", "request"):
             raise ValueError(f"level must be 'attribute' or 'request', got {self.level!r}")
+
+    def as_judge(self) -> Judge:
+        """This labeler's checker as a judge (``judge.excess_label`` gives the request-level label's b / c)."""
+        if self.judge is None:
+            raise ValueError("this CheckerLabeler was built without its judge; wrap its checker in a "
+                             "carnator_core.judge Judge (the embedded one: embedded_checker_labeler(...).as_judge())")
+        return self.judge
 
     def reference(self, dense_clip: np.ndarray, prompt: str) -> dict[str, bool]:
         return dict(self.check(dense_clip, prompt))
@@ -367,26 +377,15 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
         definition = EMBEDDED_EXCESS_DEFINITION.format(ratio=artifact_ratio if artifact_ratio else "inf")
     else:
         definition = EMBEDDED_UNSAFE_DEFINITION
+    from ..judge.checker import CheckerJudge
+
     return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt)), definition, level,
-                          artifact_ratio)
+                          artifact_ratio, judge=CheckerJudge(artifact_ratio if level == "request" else None))
 
 
-def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR (dB) of two clips with values in [0, 1], over all pixels of all frames (inf when identical)."""
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return float("inf") if mse <= 0.0 else float(10.0 * np.log10(1.0 / mse))
-
-
-def mean_ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """Mean over frames of the SSIM of two clips [T, H, W, 3] in [0, 1] (skimage, colour, 7×7 window)."""
-    from skimage.metrics import structural_similarity
-
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    win = min(7, a.shape[1], a.shape[2])
-    win -= (win + 1) % 2  # odd window
-    return float(np.mean([structural_similarity(x, y, data_range=1.0, channel_axis=-1, win_size=win)
-                          for x, y in zip(a, b)]))
+# Shared with the runtime judges (one definition: a label made here equals the judge's).
+psnr_db = _pixels.psnr_db
+mean_ssim = _tolerance.mean_ssim
 
 
 @dataclass(frozen=True)
@@ -422,6 +421,38 @@ class ToleranceLabeler:
             return bool(v < self.threshold), {"psnr_db": None if not np.isfinite(v) else round(v, 3)}
         v = mean_ssim(reuse_clip, ref)
         return bool(v < self.threshold), {"ssim": round(v, 5)}
+
+    def as_judge(self) -> Judge:
+        """The same tolerance as a judge (``judge.tolerance.ToleranceJudge``: b = this labeler's unsafe)."""
+        return _tolerance.ToleranceJudge(self.metric, self.threshold)
+
+
+@dataclass(frozen=True)
+class JudgeLabeler:
+    """Any judge (``carnator_core.judge``) as a :class:`Labeler` of the pairs machinery: unsafe = the excess
+    label's b, ``diag["better"]`` = c, plus the verdicts' reasons. ``request_for(prompt)`` builds the judge's request
+    (default: the prompt alone; the candidate's source prompt is not known to a Labeler). The definition written
+    into a pairs header names the judge and its settings, so pairs labelled by different judges never combine."""
+
+    judge: Judge
+    request_for: Callable[[str], JudgeRequest] = field(default=lambda prompt: JudgeRequest(prompt=prompt))
+    level: str = "judge"
+
+    @property
+    def definition(self) -> str:
+        settings = json.dumps(dict(self.judge.settings), sort_keys=True, default=str)
+        return (f"excess label by the judge {self.judge.name!r} (settings {settings}): unsafe (b) = the joint-reuse "
+                "output fails where the dense output of the same request and seed passes, better (c) = it passes "
+                "where the dense output fails")
+
+    def reference(self, dense_clip: np.ndarray, prompt: str) -> tuple[Any, np.ndarray]:
+        return self.judge.reference(dense_clip, self.request_for(prompt)), dense_clip
+
+    def label(self, ref: tuple[Any, np.ndarray], reuse_clip: np.ndarray, prompt: str) -> tuple[bool, dict[str, Any]]:
+        judge_ref, dense_clip = ref
+        lab = excess_label(self.judge, reuse_clip, dense_clip, self.request_for(prompt), ref=judge_ref)
+        return lab.b, {"better": lab.c, "reuse_reasons": list(lab.reuse.reasons),
+                       "dense_reasons": list(lab.dense.reasons), "judge": lab.judge}
 
 
 # --------------------------------------------------------------------------------------------- the model side
