@@ -216,11 +216,12 @@ def split_key_facts(stage: Stage, steps: int, second_model: Any, second_fingerpr
 
 
 def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, seed: int,
-                 answer_key: str = "", dense: bool = True) -> Probe | None:
+                 answer_key: str = "", dense: bool = True, count_lookup: bool = True) -> Probe | None:
     """The answered Probe of an exact repeat, or None: a cached dense result under ``request_key`` first (unless
     not ``dense``), then an earlier hit's answer-only entry under ``answer_key`` (``answer_key_for`` or
     ``hit_answer_key``; "" = none). Loads the entry
-    (checksums verified), counts one lookup and one hit in its namespace. An entry that vanishes or proves corrupt
+    (checksums verified), counts one hit in its namespace and, with ``count_lookup``, one lookup (off at the
+    sampler: the request's recall already counted its lookup). An entry that vanishes or proves corrupt
     meanwhile is simply not an answer."""
     from .cache.store import CacheError
 
@@ -264,7 +265,8 @@ def lookup_exact(store: Any, request_key: str | None, model: Any, prompt: str, s
         store.record_hit(entry_id)  # the data is loaded and verified: answer even if it is evicted this instant
     except CacheError:
         pass
-    store.record_lookup(entry.namespace)
+    if count_lookup:
+        store.record_lookup(entry.namespace)
     ms = (time.perf_counter() - t0) * 1000
     answer = ExactAnswer(entry_id=entry_id, request_key=request_key, namespace=entry.namespace, prompt=entry.prompt,
                          latent=latent, signature=entry.signature, lookup_ms=ms, stage_latent=stage_latent,
@@ -416,7 +418,8 @@ def signature_settings(rule: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- 5. reuse
 def load_accepted(store: Any, decision: Decision | None) -> tuple[CachedRun | None, str]:
     """The accepted entry as a CachedRun, or (None, reason) when it is gone or corrupt by now (evicted, purged or
-    quarantined after the filter accepted it): the request then continues dense. Logged once."""
+    quarantined after the filter accepted it): the request then continues dense. Logged once. Counts no hit: the
+    sampler may still continue dense (``reuse_stage`` counts the hit once a clip was served from reuse)."""
     from .cache.store import CacheError, CorruptEntryError, EntryNotFoundError
 
     if decision is None or not decision.accepted or decision.candidate is None or decision.mode == "exact":
@@ -425,7 +428,7 @@ def load_accepted(store: Any, decision: Decision | None) -> tuple[CachedRun | No
         raise ValueError("the decision accepted a cache entry but no cache is connected to the sampler")
     entry_id = decision.candidate.entry_id
     try:
-        return store.load(entry_id).cached_run(), ""
+        return store.load(entry_id, count_hit=False).cached_run(), ""
     except EntryNotFoundError:
         why = "is no longer in the cache (evicted, purged or quarantined after the filter accepted it)"
     except CorruptEntryError:
@@ -558,14 +561,16 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
     if answer_hits and store is not None and stage_role(probe.config, stage) == "":
         hit_key = hit_answer_key(probe, decision, config, signature)
         answered = lookup_exact(store, probe.request_key, model, probe.prompt, probe.seed, answer_key=hit_key,
-                                dense=False) if hit_key else None
+                                dense=False, count_lookup=False) if hit_key else None
         if answered is not None:
             return _answered_at_sampler(model, latent, probe, answered, upstream_ms, hit_key)
     fallback = ""
+    loaded_here = False
     if config.mode == "dense":
         cached = None
     elif cached is None:
         cached, fallback = load_accepted(store, decision)
+        loaded_here = cached is not None
     samples, report = sample(model, positive, negative, latent, probe, decision, cached, config,
                              target_signature=signature, record=record, progress=progress, upstream_ms=upstream_ms,
                              stage=stage)
@@ -573,7 +578,21 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
         report = replace(report, reason=fallback)
     if hit_key and report.decision == "hit":
         report = replace(report, answer_key=hit_key)
+    if loaded_here and report.decision == "hit" and report.final:
+        _count_hit(store, cached.entry_id)
     return samples, report
+
+
+def _count_hit(store: Any, entry_id: str) -> None:
+    """One hit for a clip served from reuse of ``entry_id`` (once per request: at the stage that finishes the
+    schedule; a caller that passes its own ``cached`` entry, the pairs labelling, serves nothing and counts
+    nothing). Best-effort: an entry evicted since it was loaded still served this clip."""
+    from .cache.errors import CacheError
+
+    try:
+        store.record_hit(entry_id)
+    except CacheError as e:
+        log.info("carnator request: the hit on entry %s was not counted (%s)", entry_id, e)
 
 
 def finish_stages(model: Any, positive: Any, negative: Any, latent: dict, probe: Probe, decision: Decision | None,
