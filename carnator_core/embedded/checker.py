@@ -42,6 +42,14 @@ FG_THRESHOLD = 0.18
 MIN_AREA = 6
 SIZE_SPLIT = 11.0
 STILL_MAX = 3.0
+# The per-frame track (strict reading, rule 5 of the module doc).
+TRACK_LAG = 2           # frames between the displacements whose signs are counted (the model moves in 2-frame beats)
+TRACK_MONOTONE = 0.75   # share of lag-TRACK_LAG displacements along the named direction
+TRACK_SPEED = (0.35, 2.0)  # fitted travel over the clip, as a multiple of world.TRAVEL x (T-1)/T
+TRACK_CROSS = 0.5       # largest |cross-axis travel| / |along-axis travel| of a moving object
+TRACK_JUMP = 3.0        # px: largest distance of a centroid from the fitted straight track
+STILL_RANGE = 2.5       # px: largest distance of a still object's centroid from its mean
+SHAPE_MIN_IOU = 0.0     # the best template wins whatever its IoU (reported as shape_iou)
 
 _PALETTE_NAMES = tuple(world.PALETTE)
 _PALETTE = np.asarray([world.PALETTE[c] for c in _PALETTE_NAMES], dtype=np.float32)
@@ -61,12 +69,15 @@ class ObjectCheck:
     motion_ok: Optional[bool]
     shape_ok: Optional[bool]
     measured: dict[str, Any] = field(default_factory=dict)
+    strict: bool = False  # checked with check(..., strict=True): shape is gated too
 
     @property
     def all_ok(self) -> bool:
-        """True when every named, gated attribute (colour, size, position, motion) matches."""
-        return self.found and all(v is not False for v in (self.colour_ok, self.size_ok, self.position_ok,
-                                                           self.motion_ok))
+        """True when every named, gated attribute (colour, size, position, motion; and shape when strict)
+        matches."""
+        gated = (self.colour_ok, self.size_ok, self.position_ok, self.motion_ok) + ((self.shape_ok,) if self.strict
+                                                                                   else ())
+        return self.found and all(v is not False for v in gated)
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,117 @@ def _shape_guess(mask: np.ndarray) -> Optional[str]:
     return "triangle" if off > 0.07 else "diamond"
 
 
+def _shape_sdf(shape: str, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndarray:
+    """Signed distance (px) to the world's ``shape`` of half-extent ``r`` centred on its box centre (as
+    world.object_alpha draws it)."""
+    if shape == "ball":
+        return np.sqrt(dx * dx + dy * dy) - r
+    if shape == "cube":
+        return np.maximum(np.abs(dx), np.abs(dy)) - r
+    if shape == "diamond":
+        return (np.abs(dx) + np.abs(dy) - r) / np.sqrt(2.0)
+    if shape == "triangle":
+        return np.maximum(np.maximum(dy - r, (2.0 * np.abs(dx) - (dy + r)) / np.sqrt(5.0)), -r - dy)
+    raise ValueError(f"unknown shape {shape!r}; expected one of {world.SHAPES}")
+
+
+def coverage(shape: str, cx: float, cy: float, r: float, height: int, width: int) -> np.ndarray:
+    """float [H, W] in [0, 1]: the anti-aliased coverage of the world's ``shape`` of half-extent ``r`` whose *area
+    centroid* is (cx, cy) in pixel coordinates (a triangle's area centroid lies r/3 below its box centre)."""
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
+    oy = cy - (r / 3.0 if shape == "triangle" else 0.0)
+    return np.clip(0.5 - _shape_sdf(shape, xs - cx, ys - oy, r), 0.0, 1.0)
+
+
+def silhouette(shape: str, cx: float, cy: float, r: float, height: int, width: int) -> np.ndarray:
+    """bool [H, W]: :func:`coverage` at least one half."""
+    return coverage(shape, cx, cy, r, height, width) >= 0.5
+
+
+# Area of each shape at half-extent r, as a multiple of r^2 (to fit r to an object's coverage mass).
+_AREA_PER_R2 = {"ball": float(np.pi), "cube": 4.0, "diamond": 2.0, "triangle": 2.0}
+
+
+def shape_scores(x: np.ndarray, mask: np.ndarray, bg: np.ndarray) -> dict[str, float]:
+    """Median over frames of the soft IoU (sum of minima / sum of maxima) between the object's coverage and each
+    world shape's anti-aliased coverage of the same mass at the same centroid.
+
+    The object's coverage of a pixel is where its colour lies between the background and the object's own colour
+    (:func:`distinct_colour`), clipped to [0, 1], on the frame's largest component of ``mask`` grown by 2 px.
+    Soft coverage tells a small diamond from a small ball where binary masks of ~30 px cannot. Frames where the
+    object is under ``MIN_AREA`` pixels or touches the frame edge (a clipped silhouette) are skipped; {} when none
+    is left."""
+    from scipy import ndimage as _nd
+
+    per: dict[str, list[float]] = {k: [] for k in world.SHAPES}
+    if not mask.any():
+        return {}
+    colour = distinct_colour(x, mask, bg)
+    axis = colour - bg
+    norm = float(axis @ axis)
+    if norm <= 1e-8:
+        return {}
+    height, width = mask.shape[1:]
+    for t, m in enumerate(mask):
+        m = _largest_component(m)
+        ys, xs = np.nonzero(m)
+        if len(ys) < MIN_AREA or ys.min() == 0 or xs.min() == 0 or ys.max() == height - 1 or xs.max() == width - 1:
+            continue
+        region = _nd.binary_dilation(m, iterations=2)
+        alpha = np.where(region, np.clip((x[t] - bg) @ axis / norm, 0.0, 1.0), 0.0)
+        mass = float(alpha.sum())
+        if mass < MIN_AREA:
+            continue
+        yy, xx = np.mgrid[0:height, 0:width] + 0.5
+        cx, cy = float((alpha * xx).sum() / mass), float((alpha * yy).sum() / mass)
+        for shape in world.SHAPES:
+            tpl = coverage(shape, cx, cy, float(np.sqrt(mass / _AREA_PER_R2[shape])), height, width)
+            per[shape].append(float(np.minimum(tpl, alpha).sum() / max(np.maximum(tpl, alpha).sum(), 1e-8)))
+    return {k: float(np.median(v)) for k, v in per.items() if v}
+
+
+def track_motion(cents: list[Optional[tuple[float, float]]], travel: float = world.TRAVEL) -> dict[str, Any]:
+    """The motion an object's per-frame centroid track shows (strict reading, rule 5 of the module doc).
+
+    A straight line is fitted to the centroids of the frames where the object was found (x and y against the
+    frame index). The object is *still* when the fitted travel over the clip is under ``STILL_MAX`` px on both
+    axes and no centroid is more than ``STILL_RANGE`` px from their mean. It *moves* left/right/up/down when the
+    fitted travel along that axis is at least ``STILL_MAX`` px in that direction, within ``TRACK_SPEED`` x the
+    world's travel, the cross-axis travel is at most ``TRACK_CROSS`` of it, at least ``TRACK_MONOTONE`` of the
+    lag-``TRACK_LAG`` displacements go that way and no centroid is more than ``TRACK_JUMP`` px off the line.
+    Anything else is "erratic" (it matches no named motion). Returns track_motion, track_travel_xy (fitted),
+    track_monotone (share along the fitted direction), track_jump (px), track_range (px)."""
+    t = np.asarray([i for i, c in enumerate(cents) if c is not None], dtype=np.float64)
+    if len(t) < 3:
+        return {"track_motion": "erratic", "track_travel_xy": (0.0, 0.0), "track_monotone": 0.0,
+                "track_jump": 0.0, "track_range": 0.0}
+    xy = np.asarray([c for c in cents if c is not None], dtype=np.float64)
+    span = float(len(cents) - 1)
+    a = np.stack([t, np.ones_like(t)], 1)
+    coef, *_ = np.linalg.lstsq(a, xy, rcond=None)  # [2, 2]: slope and intercept per axis
+    slope = coef[0]
+    fitted = a @ coef
+    jump = float(np.max(np.linalg.norm(xy - fitted, axis=1)))
+    rng = float(np.max(np.linalg.norm(xy - xy.mean(0), axis=1)))
+    trav = slope * span
+    axis = 0 if abs(trav[0]) >= abs(trav[1]) else 1
+    sign = 1.0 if trav[axis] >= 0 else -1.0
+    full = dict(zip(t.astype(int).tolist(), xy[:, axis].tolist()))
+    lagged = [full[i + TRACK_LAG] - full[i] for i in full if i + TRACK_LAG in full]
+    monotone = float(np.mean([d * sign > 0 for d in lagged])) if lagged else 0.0
+    expected = travel  # the world's objects travel ``travel`` px from the first to the last frame
+    along, cross = abs(float(trav[axis])), abs(float(trav[1 - axis]))
+    if along < STILL_MAX and cross < STILL_MAX and rng <= STILL_RANGE:
+        motion = "still"
+    elif (along >= STILL_MAX and TRACK_SPEED[0] * expected <= along <= TRACK_SPEED[1] * expected
+          and cross <= TRACK_CROSS * along and monotone >= TRACK_MONOTONE and jump <= TRACK_JUMP):
+        motion = ("right" if sign > 0 else "left") if axis == 0 else ("down" if sign > 0 else "up")
+    else:
+        motion = "erratic"
+    return {"track_motion": motion, "track_travel_xy": (float(trav[0]), float(trav[1])),
+            "track_monotone": round(monotone, 3), "track_jump": round(jump, 3), "track_range": round(rng, 3)}
+
+
 def distinct_colour(x: np.ndarray, mask: np.ndarray, bg: np.ndarray) -> np.ndarray:
     """Median RGB of the half of ``x[mask]`` most distinct from ``bg`` (a blurred object's own colour; also how
     the quality gate reads the probe-step x0 colour). ``mask`` must select at least one pixel."""
@@ -212,6 +334,8 @@ def _measure(x: np.ndarray, mask: np.ndarray, palette_label: np.ndarray, bg: np.
         motion = "right" if disp[0] > 0 else "left"
     else:
         motion = "down" if disp[1] > 0 else "up"
+    track = track_motion(cents)
+    scores = shape_scores(x, mask, bg)
     anchors = world.anchors(mask.shape[1], mask.shape[2])  # the clip's own frame size
     position = min(anchors, key=lambda p: (anchors[p][0] - cx) ** 2 + (anchors[p][1] - cy) ** 2)
     extent = float(np.median(extents)) if extents else 0.0
@@ -225,12 +349,19 @@ def _measure(x: np.ndarray, mask: np.ndarray, palette_label: np.ndarray, bg: np.
         "displacement_xy": disp,
         "motion": motion,
         "shape_guess": _shape_guess(mask),
+        "shape": max(scores, key=scores.get) if scores else None,
+        "shape_iou": {k: round(v, 3) for k, v in scores.items()},
+        **track,
     })
     return out
 
 
-def check(clip: Any, caption_or_scene: Union[str, Scene]) -> CheckResult:
-    """Check a clip against a caption (parsed with ``world.parse_caption``) or a structured Scene."""
+def check(clip: Any, caption_or_scene: Union[str, Scene], *, strict: bool = False) -> CheckResult:
+    """Check a clip against a caption (parsed with ``world.parse_caption``) or a structured Scene.
+
+    strict=False (the model's quality gates, unchanged since v1): motion from the net centroid shift, shape reported
+    but not gated. strict=True (the second label, rule 5 of the module doc): shape is gated (best silhouette IoU)
+    and motion is read from the per-frame track (:func:`track_motion`)."""
     scene = world.parse_caption(caption_or_scene) if isinstance(caption_or_scene, str) else caption_or_scene
     x = _as_numpy(clip)
     masks, _, bg = object_masks(x, scene)
@@ -248,8 +379,9 @@ def check(clip: Any, caption_or_scene: Union[str, Scene]) -> CheckResult:
         results.append(ObjectCheck(
             expected=obj, found=found,
             colour_ok=verdict("colour", obj.colour), size_ok=verdict("size", obj.size),
-            position_ok=verdict("position", obj.position), motion_ok=verdict("motion", obj.motion),
-            shape_ok=verdict("shape_guess", obj.shape), measured=m,
+            position_ok=verdict("position", obj.position),
+            motion_ok=verdict("track_motion" if strict else "motion", obj.motion),
+            shape_ok=verdict("shape" if strict else "shape_guess", obj.shape), measured=m, strict=strict,
         ))
     bg_name = min(world.BACKGROUND_RGB, key=lambda b: float(np.linalg.norm(np.asarray(world.BACKGROUND_RGB[b]) - bg)))
     bg_ok = None if scene.background is None else bg_name == scene.background

@@ -257,10 +257,11 @@ class Labeler(Protocol):
 
 def _verdicts(result: Any) -> dict[str, bool]:
     """Gated per-attribute verdicts of an embedded checker result: {"o0.colour": True, ..., "background": ...}.
-    Attributes the caption does not name (None) are left out."""
+    Attributes the caption does not name (None) are left out; shape only for a strict result (the second label)."""
     out: dict[str, bool] = {}
     for i, o in enumerate(result.objects):
-        for attr in ("colour", "size", "position", "motion"):
+        gated = ("colour", "size", "position", "motion") + (("shape",) if getattr(o, "strict", False) else ())
+        for attr in gated:
             v = getattr(o, f"{attr}_ok")
             if v is not None:
                 out[f"o{i}.{attr}"] = bool(v)
@@ -288,6 +289,9 @@ class CheckerLabeler:
     level: str = "attribute"
     artifact_ratio: float | None = None
     judge: Judge | None = field(default=None, compare=False, repr=False)  # the same label as a judge, if known
+    # The second label: at request level a clip also fails the detail check (lab.metrics.detail_verdict: blur,
+    # object interiors, ghosts) against the dense clip.
+    detail: bool = False
 
     def __post_init__(self) -> None:
         if self.level not in ("attribute", "request"):
@@ -344,11 +348,21 @@ def judge_against_dense(labeler: Labeler, ref: Any, clip: np.ndarray, dense_clip
     quality = {k: (None if not np.isfinite(v) else round(float(v), 4))
                for k, v in clip_quality(clip, dense_clip, background).items()}
     ratio = getattr(labeler, "artifact_ratio", None)
-    if getattr(labeler, "level", "attribute") == "request" and ratio:
-        if artifact_dense is None:
-            artifact_dense = artifact_score(dense_clip, background)
+    request_level = getattr(labeler, "level", "attribute") == "request"
+    detail_failed: list[str] = []
+    if request_level and getattr(labeler, "detail", False):
+        from .metrics import detail_verdict, object_detail
+
+        detail_failed = detail_verdict(object_detail(clip, prompt), object_detail(dense_clip, prompt))
+        diag = {**diag, "detail_failed": detail_failed}
+    if request_level and (ratio or detail_failed):
         art = quality.get("artifact")
-        unsafe, diag = request_outcome(diag, art is not None and art > ratio * artifact_dense)
+        flagged = False
+        if ratio:
+            if artifact_dense is None:
+                artifact_dense = artifact_score(dense_clip, background)
+            flagged = art is not None and art > ratio * artifact_dense
+        unsafe, diag = request_outcome(diag, flagged or bool(detail_failed))
     return bool(unsafe), {**diag, **quality}, artifact_dense
 
 
@@ -368,11 +382,35 @@ EMBEDDED_EXCESS_DEFINITION = (
 )
 
 
-def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | None = None) -> CheckerLabeler:
+EMBEDDED_EXCESS_DEFINITION_V2 = (
+    "second excess label, request level (docs/CALIBRATION.md): a clip fails when the embedded pixel checker "
+    "(carnator_core/embedded/checker.py, strict) fails it on any named object's colour, size, position, shape or "
+    "motion (read from the per-frame centroid track: direction, speed, still vs moving) or on the background, or when "
+    "its background artifact score (lab/metrics.py) exceeds {ratio} x the dense clip's, or when it fails the detail "
+    "check against the dense clip (lab/metrics.py detail_verdict: blurred object edges, object interiors, ghost "
+    "objects); unsafe (b) = the joint-reuse output fails where the dense output of the same request and seed passes, "
+    "better (c) = it passes where the dense output fails"
+)
+#: The label versions :func:`embedded_checker_labeler` makes (1 = the first excess label, 2 = the second).
+LABEL_VERSIONS = (1, 2)
+
+
+def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | None = None,
+                             version: int = 1) -> CheckerLabeler:
     """The embedded world's ground-truth labeler: level "attribute" (:data:`EMBEDDED_UNSAFE_DEFINITION`) or
-    "request" (the excess label, :data:`EMBEDDED_EXCESS_DEFINITION`)."""
+    "request" (the excess label, :data:`EMBEDDED_EXCESS_DEFINITION`). ``version`` 2 (request level only) is the
+    second label (:data:`EMBEDDED_EXCESS_DEFINITION_V2`): the strict checker (shape gated, motion from the
+    per-frame track) plus the detail check (blur, object interiors, ghosts)."""
     from ..embedded import checker
 
+    if version not in LABEL_VERSIONS:
+        raise ValueError(f"label version must be one of {LABEL_VERSIONS}, got {version!r}")
+    if version == 2:
+        if level != "request":
+            raise ValueError("the second label (version 2) is a request-level label: use level='request'")
+        definition = EMBEDDED_EXCESS_DEFINITION_V2.format(ratio=artifact_ratio if artifact_ratio else "inf")
+        return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt, strict=True)), definition,
+                              level, artifact_ratio, detail=True)
     if level == "request":
         definition = EMBEDDED_EXCESS_DEFINITION.format(ratio=artifact_ratio if artifact_ratio else "inf")
     else:
