@@ -172,11 +172,29 @@ def answer_key_for(request_key: str, spec: RequestSpec, options: ServeOptions) -
 @dataclass(frozen=True)
 class WriteResult:
     """What ``write_result`` did: the entry id ("" when nothing was stored), whether a new file was written, and
-    a one-line explanation for the node's preview."""
+    a one-line explanation for the node's preview. ``not_cached``: when the cache itself could not store the
+    result (full disk, read-only, unreachable, over budget), a few words saying so for the badge ("" otherwise);
+    the clip is fine, only its caching failed."""
 
     entry_id: str
     written: bool
     text: str
+    not_cached: str = ""
+
+
+def _not_cached_reason(e: Exception) -> str:
+    """A few words for the badge on why a result could not be cached (the full message goes to the log)."""
+    from .cache import errors as ce
+
+    for kind, words in ((ce.CacheFullError, "the disk is full"), (ce.CacheReadOnlyError, "the cache is read-only"),
+                        (ce.CacheUnavailableError, "the cache is unreachable"),
+                        (ce.CacheBudgetError, "larger than the cache budget")):
+        if isinstance(e, kind):
+            return words
+    return "a cache error (see the server log)"
+
+
+_NOT_CACHED_SAID: set[str] = set()  # kinds of "not cached" already logged as a warning by this process
 
 
 # ---------------------------------------------------------------------------------------------- 1. exact + probe
@@ -637,7 +655,7 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     only with ``store_reused``; otherwise, given its ``answer_key`` (``answer_key_for``), as an answer-only entry
     that answers exact repeats of this request served the same way and is never recalled or reused (one batch
     item, a whole schedule)."""
-    from .cache.errors import CacheUnavailableError
+    from .cache.errors import CacheError
     from .cache.store import EntryData
 
     if probe.answered is not None:
@@ -698,8 +716,15 @@ def write_result(store: Any, probe: Probe, sig: Signature, samples: Any, report:
     )
     try:
         entry_id, written = store.put_with_status(data)
-    except CacheUnavailableError as e:  # a shared cache that is down: the generation itself succeeded
-        return WriteResult("", False, f"not stored: {e}")
+    except CacheError as e:
+        # The generation itself succeeded (full disk, read-only cache, Redis down, over budget): the clip is
+        # returned and the prompt does not fail; the log and the badge say it was not cached.
+        why = _not_cached_reason(e)
+        first = why not in _NOT_CACHED_SAID
+        _NOT_CACHED_SAID.add(why)
+        (log.warning if first else log.info)("carnator cache: the result was not cached (%s); the generated clip "
+                                             "is returned as usual. %s", why, e)
+        return WriteResult("", False, f"not stored: {e}", not_cached=why)
     ns = namespace_key(probe.model_fingerprint, probe.config)
     if written and answer_of:
         text = (f"stored answer {entry_id} in namespace {ns}: a repeat of this request that reuses entry {answer_of} "

@@ -239,6 +239,10 @@ class CarnatorCacheWriter(io.ComfyNode):
         if report is not None and _seen_before(report):
             # The same report object again: ComfyUI's node cache served the sampler's output without running it.
             served = node_cache_report(_as_probe(probe), report, done.entry_id).to_meta()
+        if done.not_cached and report is not None:
+            # The clip is fine but the cache could not keep it (full disk, read-only, unreachable): say so on the
+            # badge, with the run's report.
+            served = {**(served or report.to_meta()), "not_cached": done.not_cached}
         return io.NodeOutput(done.entry_id, ui=_WriterText(done.text, served))
 
 

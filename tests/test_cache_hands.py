@@ -4,6 +4,7 @@ rebuild, the write-ahead log of a small cache, a read-only cache, a full disk at
 store on real files; the races run in real child processes. Pure core (no ComfyUI)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from test_cache_store import CFG, DIM, carnator_warnings, make_entry, open_store
 
 from carnator.carnator_core.cache import Store, adoption_problem
@@ -137,3 +139,58 @@ def test_a_put_whose_file_another_process_adopts_first_returns_a_loadable_id(tmp
     b.close()
     st = open_store(tmp_path)
     assert st.entry_ids() == adopted and st.verify(deep=True).ok
+
+
+# ------------------------------------------------------------------------------------------ 5. read-only cache
+@pytest.fixture()
+def mounted(tmp_path):
+    """A 4 MiB tmpfs at ``tmp_path/mnt`` (real ENOSPC and real read-only remounts); unmounted afterwards."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root in a container")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _remount(mnt: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], check=True, capture_output=True)
+
+
+def _tree(d: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_read_only_cache_serves_recalls_and_repeats_and_writes_nothing(mounted, tmp_path, caplog):
+    from carnator.carnator_core.cache import CacheReadOnlyError
+
+    st = Store.open(mounted / "cache", key_path=tmp_path / "k")
+    emb = np.ones(DIM, np.float32)
+    key = "ab" * 16
+    ids = [st.put(make_entry(i, emb=emb * (i + 1))) for i in range(3)]
+    keyed = st.put(dataclasses.replace(make_entry(9), namespace="", request_key=key))
+    st.close()
+    _remount(mounted, "ro")  # e.g. a cache shipped on a read-only volume, or a mount gone read-only
+    before = _tree(mounted)
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        ro = Store.open(mounted / "cache", key_path=tmp_path / "k")
+        assert ro.read_only
+        for _ in range(2):
+            assert sorted(c.entry_id for c in ro.candidates(NS, emb, k=3).items) == sorted(ids)  # recalls
+            assert ro.find_request(key) == keyed and ro.load(keyed).prompt == "prompt 9"  # exact repeats
+            ro.record_hit(ids[0])
+            with pytest.raises(CacheReadOnlyError, match="read-only"):
+                ro.put(make_entry(20))
+        assert ro.stats().entries == 4 and ro.verify().ok
+    said = [r.getMessage() for r in carnator_warnings(caplog)]
+    assert sum("read-only" in m for m in said) == 1, said  # said once, not per call
+    assert _tree(mounted) == before  # nothing written
+    ro.close()
+    _remount(mounted, "rw")
+    rw = Store.open(mounted / "cache", key_path=tmp_path / "k")
+    assert not rw.read_only and rw.load(rw.put(make_entry(21))).prompt == "prompt 21"
+    rw.close()

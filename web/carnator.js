@@ -123,6 +123,7 @@ const BODY = [
       : null,
   (r) => ({ text: `saved ${pct(r.saving)} of dense compute · ${seconds((r.timings_ms || {}).total)}` }),
   (r, { kind }) => (kind === "miss" && r.reason ? note(r.reason) : null),
+  (r) => (r.not_cached ? note(`not cached: ${r.not_cached}`) : null), // Cache Writer: the clip is fine
 ];
 
 /** Badge text for a report: {kind, colors, lines: [{text, bold?, color?}]}; lines[0] is the headline.

@@ -19,6 +19,7 @@ from .errors import (
     CacheBudgetError,
     CacheError,
     CacheFullError,
+    CacheReadOnlyError,
     CacheUnavailableError,
     CatalogError,
     CatalogRebuiltError,
@@ -52,5 +53,6 @@ __all__ = [
     "NamespaceMismatchError", "NamespaceStats", "NotACacheDirectoryError", "POLICIES", "Store", "VectorIndex",
     "VerifyReport", "adoption_problem", "decode_entry", "embed_comfy_conditioning", "embed_conditioning",
     "encode_entry", "open_store", "resolve_cache_dir", "roots_from_env",
-    "CacheUnavailableError", "ENV_REDIS_URL", "RedisConfigError", "is_redis_url", "resolve_redis_url",
+    "CacheReadOnlyError", "CacheUnavailableError", "ENV_REDIS_URL", "RedisConfigError", "is_redis_url",
+    "resolve_redis_url",
 ]

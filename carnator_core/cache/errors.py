@@ -38,6 +38,11 @@ class CacheFullError(CacheError):
     """The disk (or quota) holding the cache is full: nothing was written; reads keep working."""
 
 
+class CacheReadOnlyError(CacheError):
+    """The cache is read-only (a read-only mount or volume, a Redis replica): nothing was written; recalls, exact
+    repeats and loads keep working."""
+
+
 class CatalogError(CacheError):
     """The catalogue could not be read or written (locked past the timeout, permissions, damage)."""
 
@@ -54,7 +59,8 @@ class CacheUnavailableError(CacheError):
 
 
 __all__ = [
-    "CacheBudgetError", "CacheError", "CacheFullError", "CacheUnavailableError", "CatalogError", "CatalogRebuiltError",
+    "CacheBudgetError", "CacheError", "CacheFullError", "CacheReadOnlyError", "CacheUnavailableError", "CatalogError",
+    "CatalogRebuiltError",
     "CorruptEntryError",
     "EntryFormatError", "EntryNotFoundError", "NamespaceMismatchError", "NotACacheDirectoryError",
 ]

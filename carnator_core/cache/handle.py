@@ -12,7 +12,6 @@ credentials) opens the shared ``RedisStore`` instead, with the same surface and 
 """
 from __future__ import annotations
 
-import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -62,8 +61,8 @@ def open_store(handle: CacheHandle) -> Any:
         return _open_redis(handle, key)
     with _LOCK:
         st = _STORES.get(key)
-        if st is not None and st.read_only and shutil.disk_usage(handle.path).free >= (64 << 20):
-            st.close()  # opened read-only on a full disk; there is room again: reopen writable
+        if st is not None and st._conn is not None and st._writable_again():  # noqa: SLF001
+            st.close()  # opened read-only (full disk, read-only mount); writable again: reopen writable
         if st is not None and st._conn is not None:  # noqa: SLF001 - closed stores are reopened
             _STORES.move_to_end(key)
             return st

@@ -38,6 +38,11 @@ Contracts
   ``scan`` drops; and on a full disk the unlinks free the space the commit needs.
 * **Full disk.** Reads work (counter updates, index persistence and change-log trimming are best-effort);
   ``delete`` / ``purge`` work; a write fails with ``CacheFullError``.
+* **Read-only cache** (a read-only mount or volume, no write permission): opened read-only with one warning;
+  recalls, exact repeats and loads work, nothing is written (no lock files, no counters, no index files), and a
+  write fails with ``CacheReadOnlyError`` before touching the disk. ``handle.open_store`` reopens it writable
+  once it is (as it does for a full disk that has room again). The Cache Writer turns any ``CacheError`` of a
+  write into "not cached" on its badge and in the log: the clip is returned and the prompt does not fail.
 * **Errors.** Every failure is a ``CacheError`` (``errors.py``) saying what to do; raw ``sqlite3`` / ``OSError``
   never leave the public methods. A damaged catalogue found mid-operation is rebuilt at once and the call
   fails with ``CatalogError`` ("retry").
@@ -59,6 +64,7 @@ Contracts
 """
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -101,6 +107,7 @@ from .errors import (
     CacheBudgetError,
     CacheError,
     CacheFullError,
+    CacheReadOnlyError,
     CatalogError,
     CatalogRebuiltError,
     CorruptEntryError,
@@ -322,7 +329,8 @@ def _prepare_root(root: Path) -> None:
         d = root / sub
         if d.is_symlink():
             raise CacheError(f"{d} is a symbolic link; a cache directory must not link elsewhere. Remove it.")
-        d.mkdir(exist_ok=True)
+        if not d.is_dir() and _writable(root):  # a read-only cache without it is served as it is
+            d.mkdir(exist_ok=True)
 
 
 def _public(fn: Callable) -> Callable:
@@ -374,7 +382,8 @@ class Store:
         self._fault: Callable[[str], None] | None = None
         self._conn: sqlite3.Connection = None  # type: ignore[assignment]
         self._db_id: tuple[int, int] | None = None
-        self.read_only = False  # opened on a full disk: reads only (see _try_connect)
+        self.read_only = False  # opened on a full disk or a read-only mount: reads only (see _try_connect)
+        self._read_only_why = ""  # "full" or "read-only" while read_only
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -450,8 +459,16 @@ class Store:
         _prepare_root(self.root)
 
     def _open_catalog(self) -> None:
-        """Connect to a healthy catalogue, rebuilding it from the entry files first if it is missing or unusable."""
+        """Connect to a healthy catalogue, rebuilding it from the entry files first if it is missing or unusable.
+        A cache this process cannot write to (a read-only mount or volume, no write permission) is opened
+        read-only: recalls, exact repeats and loads work, nothing is written (not even a lock file)."""
         self._reclaim_if_deleted()
+        if not _writable(self.root):
+            with self._lock:
+                self._conn, self._db_id = self._connect_read_only(), None
+                st = os.stat(self.root / CATALOG)
+                self._db_id = (st.st_dev, st.st_ino)
+            return
         with self._lock, self._catalog_lock():
             conn, reason = self._try_connect()
             if conn is None:
@@ -466,6 +483,41 @@ class Store:
             self._conn = conn
             st = os.stat(self.root / CATALOG)
             self._db_id = (st.st_dev, st.st_ino)
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """The catalogue of a cache this process cannot write to, opened immutable (no WAL, no lock files). Said
+        once in the log; a missing or unusable catalogue cannot be rebuilt here and raises CacheReadOnlyError."""
+        db = self.root / CATALOG
+        why = "missing" if not db.is_file() or db.is_symlink() else None
+        conn = None
+        if why is None:
+            try:
+                conn = catalog.connect(db, read_only=True)
+                why = catalog.problem(conn, integrity=db.stat().st_size <= QUICK_CHECK_MAX_BYTES)
+            except sqlite3.DatabaseError as e:
+                why = f"{type(e).__name__}: {e}"
+        if why:
+            if conn is not None:
+                conn.close()
+            raise CacheReadOnlyError(
+                f"the Carnator cache at {self.root} is read-only and its catalogue is unusable ({why}); it cannot be "
+                "rebuilt without writing. Make the directory writable once (it is rebuilt from the entry files), or "
+                "choose another cache directory.")
+        if not (self.read_only and self._read_only_why == "read-only"):
+            log.warning("carnator cache: %s is read-only (a read-only mount, volume or permissions); the cache serves "
+                        "recalls and exact repeats from it and writes nothing (no new entries, no counters) until it "
+                        "is writable and reopened", self.root)
+        self.read_only, self._read_only_why = True, "read-only"
+        return conn
+
+    def _writable_again(self) -> bool:
+        """For a store opened read-only: whether reopening it now would open it writable (space freed, remounted
+        read-write)."""
+        if not self.read_only:
+            return False
+        if self._read_only_why == "read-only":
+            return _writable(self.root)
+        return not _disk_full(self.root) and shutil.disk_usage(self.root).free >= (64 << 20)
 
     def _try_connect(self) -> tuple[sqlite3.Connection | None, str]:
         db = self.root / CATALOG
@@ -494,14 +546,14 @@ class Store:
             if why:
                 conn.close()
                 raise
-            self.read_only = True
+            self.read_only, self._read_only_why = True, "full"
             log.warning("carnator cache: the disk holding %s is full; the cache is open read-only (retrieval and "
                         "loading work, nothing is written) until space is freed and it is reopened", self.root)
             return conn, ""
         if why:
             conn.close()
             return None, why
-        self.read_only = False
+        self.read_only, self._read_only_why = False, ""
         return conn, ""
 
     @_public
@@ -652,7 +704,10 @@ class Store:
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             c = self._current()
-            if self.read_only:  # answered like the full disk it is: best-effort callers skip, others translate
+            if self.read_only:  # best-effort callers skip, others translate (_translate_for)
+                if self._read_only_why == "read-only":
+                    raise sqlite3.OperationalError("attempt to write a readonly database (the cache directory is "
+                                                   "read-only)")
                 raise sqlite3.OperationalError("database or disk is full (the cache was opened read-only on a full "
                                                "disk; free space and reopen it)")
             c.execute("BEGIN IMMEDIATE")
@@ -687,6 +742,8 @@ class Store:
         except (sqlite3.Error, OSError) as e:
             if isinstance(e, sqlite3.Error) and catalog.is_corruption(e):
                 raise
+            if self.read_only:
+                return  # said once when it was opened read-only
             key = f"{what}:{type(e).__name__}"
             if key not in self._warned:
                 self._warned.add(key)
@@ -705,10 +762,15 @@ class Store:
                 "Free disk space, lower the cache's max_gb so it evicts older entries, or purge entries (Carnator "
                 "Cache Stats node or the cache panel); reads, delete and purge keep working.")
         text = str(e).lower()
+        if (isinstance(e, OSError) and e.errno == errno.EROFS) or "readonly" in text or "read-only" in text:
+            return CacheReadOnlyError(
+                f"the Carnator cache at {root} is read-only ({e}) during {what}: nothing was written; recalls, exact "
+                "repeats and loads keep working. To cache new results, make it writable (remount read-write, fix "
+                "permissions) or choose another cache directory.")
         if "locked" in text or "busy" in text:
             return CatalogError(f"the Carnator cache catalogue at {root} stayed locked by another process during "
                                 f"{what} ({e}); retry when the other ComfyUI process is idle.")
-        if isinstance(e, PermissionError) or "readonly" in text or "read-only" in text:
+        if isinstance(e, PermissionError):
             return CatalogError(f"the Carnator cache at {root} is not writable ({e}) during {what}: fix the "
                                 "directory's permissions or choose another cache directory.")
         if isinstance(e, OSError) and e.errno == 36:  # ENAMETOOLONG
@@ -749,6 +811,10 @@ class Store:
             raise TypeError(f"Store.put takes an EntryData, got {type(data).__name__}")
         ns = data.namespace
         self._ns_dir(ns)
+        if self.read_only:  # nothing is attempted (a read-only mount, or opened read-only on a full disk)
+            raise self._translate(sqlite3.OperationalError(
+                "attempt to write a readonly database" if self._read_only_why == "read-only" else
+                "database or disk is full"), "put")
         prompt_digest = _digest(data.prompt)
         seed = int(data.seed)
         existing = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
@@ -1581,6 +1647,11 @@ class Store:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _writable(root: Path) -> bool:
+    """Whether this process may create files in ``root`` (False on a read-only mount or without permission)."""
+    return os.access(root, os.W_OK | os.X_OK)
+
+
 def _disk_full(root: Path) -> bool:
     """Less than 1 MiB free where the cache lives (SQLite's WAL and shared memory need more than that)."""
     try:
