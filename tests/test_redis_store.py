@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -684,3 +685,41 @@ def test_foreign_data_in_redis_is_refused(redis_url):
     st._r.set("carnator:format", '{"format": "something-else", "version": 9}')
     with pytest.raises(Exception, match="something-else"):
         store(redis_url)
+
+
+def test_a_read_only_replica_serves_recalls_and_repeats_and_writes_nothing(redis_url, server, tmp_path, caplog):
+    """A worker pointed at a read-only Redis replica: recalls, exact repeats and loads work, nothing is written
+    (counters are skipped, a put raises CacheReadOnlyError), said once in the log."""
+    from harness_redis import RedisServer
+
+    from carnator.carnator_core.cache import CacheReadOnlyError
+
+    key = "cd" * 16
+    master = store(redis_url)
+    emb = np.ones(DIM, np.float32)
+    ids = [master.put(make_entry(i, emb=emb * (i + 1))) for i in range(3)]
+    keyed = master.put(dataclasses.replace(make_entry(9), namespace="", request_key=key))
+    replica = RedisServer(tmp_path / "replica")
+    replica.start()
+    try:
+        c = replica.client()
+        c.replicaof("127.0.0.1", server.port)
+        for _ in range(600):  # bounded: 30 s for the initial sync
+            if c.info("replication").get("master_link_status") == "up" and c.exists(f"{rs.PREFIX}:requests"):
+                break
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="carnator"):
+            ro = store(replica.url)
+            for _ in range(2):
+                assert sorted(x.entry_id for x in ro.candidates(NS_A, emb, k=3).items) == sorted(ids)
+                assert ro.find_request(key) == keyed and ro.load(keyed).prompt == "prompt 9"
+                ro.record_hit(ids[0])
+                with pytest.raises(CacheReadOnlyError, match="read-only"):
+                    ro.put(make_entry(20))
+        said = [r.getMessage() for r in carnator_warnings(caplog)]
+        assert sum("read-only" in m for m in said) == 1, said
+        assert ro.stats().entries == 4 and (ro.stats().lookups, ro.stats().hits) == (0, 0)  # nothing counted
+        ro.close()
+        c.close()
+    finally:
+        replica.stop()

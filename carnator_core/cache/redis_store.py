@@ -74,7 +74,8 @@ Contracts
 * **Faults.** When Redis cannot be reached, every operation raises ``CacheUnavailableError`` quickly (after a
   failure Redis is not retried for ``retry_s``), except ``candidates``, which answers "no candidates" with the
   reason so the request runs dense. One warning per process is logged when Redis goes away and one info line
-  when it is back; reuse resumes by itself.
+  when it is back; reuse resumes by itself. A read-only Redis (a replica) serves recalls, exact repeats and
+  loads; counters are skipped, a write raises ``CacheReadOnlyError`` (a ``CacheError``), said once in the log.
 """
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ from .entry import (
 from .errors import (
     CacheBudgetError,
     CacheError,
+    CacheReadOnlyError,
     CacheUnavailableError,
     CorruptEntryError,
     EntryFormatError,
@@ -340,6 +342,7 @@ class RedisStore:
         self._sigs = SignatureLRU()
         self._down_until = 0.0
         self._down_reason = ""
+        self._read_only = False  # a write was refused by a read-only replica (logged once)
         self._closed = False
         self._scripts = {name: client.register_script(src) for name, src in
                          (("publish", _PUBLISH), ("delete", _DELETE), ("hit", _HIT), ("purge", _PURGE),
@@ -389,8 +392,11 @@ class RedisStore:
     def _check_format(self, claim: bool = True) -> bool:
         """True if the Redis holds a Carnator cache (after claiming an empty one when ``claim``)."""
         marker = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "backend": "redis"})
-        got = self._call(lambda: (claim and self._r.set(f"{PREFIX}:format", marker, nx=True),
-                                  self._r.get(f"{PREFIX}:format")))
+        try:
+            got = self._call(lambda: (claim and self._r.set(f"{PREFIX}:format", marker, nx=True),
+                                      self._r.get(f"{PREFIX}:format")))
+        except CacheReadOnlyError:  # a read-only replica: check the marker its primary wrote
+            got = (None, self._call(lambda: self._r.get(f"{PREFIX}:format")))
         if got[1] is None and not claim:
             return False
         try:
@@ -429,6 +435,14 @@ class RedisStore:
                                         "continuing without it")
         try:
             out = fn()
+        except redis.ReadOnlyError as e:  # a read-only replica: reads work, writes are refused (said once)
+            if not self._read_only:
+                self._read_only = True
+                log.warning("carnator cache: Redis at %s is read-only (a replica); the cache serves recalls and "
+                            "exact repeats from it and writes nothing (no new entries, no counters)", self.url)
+            raise CacheReadOnlyError(
+                f"the shared cache at {self.url} is read-only ({e}): nothing was written; recalls, exact repeats "
+                "and loads keep working. Point the cache at the primary Redis to cache new results.") from None
         except _CONN_ERRORS as e:
             self._down_reason = f"{type(e).__name__}: {e}"
             self._down_until = time.monotonic() + self.retry_s
@@ -617,7 +631,10 @@ class RedisStore:
             held = self._call(lambda: self._r.hget(self._p(ns) + f"e:{entry_id}", "rk"))
             if held is not None and _s(held) == request_key:
                 return entry_id
-        self._forget_requests([(request_key, entry_id)])  # stale: the entry went between two steps of others
+        try:
+            self._forget_requests([(request_key, entry_id)])  # stale: the entry went between two steps of others
+        except CacheReadOnlyError:
+            pass  # a read-only replica: its primary clears the hint
         return None
 
     # ------------------------------------------------------------------ deletes / eviction / purge
@@ -728,7 +745,7 @@ class RedisStore:
         where = f"{self._p(ns)}q:{entry_id}"
         try:
             removed = self._delete(ns, entry_id, reason=stamped) >= 0
-        except CacheUnavailableError:
+        except (CacheUnavailableError, CacheReadOnlyError):
             removed = False
         if removed:
             log.warning("carnator cache: quarantined entry %s (namespace %s): %s -> %s; other entries are "
@@ -820,9 +837,13 @@ class RedisStore:
         self._sigs.discard(entry_id)
 
     def _bump(self, entry_id: str, ns: str) -> int:
+        """Count one reuse; the entry's hits after it, -1 if the entry is gone, -2 if not counted (read-only)."""
         inflation = self._inflation()
-        return int(self._call(lambda: self._scripts["hit"](keys=[self._p(ns)],
-                                                           args=[entry_id, repr(inflation), repr(time.time())])))
+        try:
+            return int(self._call(lambda: self._scripts["hit"](keys=[self._p(ns)],
+                                                               args=[entry_id, repr(inflation), repr(time.time())])))
+        except CacheReadOnlyError:
+            return -2
 
     def record_hit(self, entry_id: str) -> int:
         """Count one reuse of ``entry_id`` (when it was not loaded with ``count_hit=True``). Returns its hits."""
@@ -830,14 +851,23 @@ class RedisStore:
         if ns is None:
             raise self._gone(entry_id)
         hits = self._bump(entry_id, ns)
+        if hits == -2:  # a read-only replica counts nothing
+            held = self._call(lambda: self._r.hget(self._p(ns) + f"e:{entry_id}", "hits"))
+            if held is None:
+                raise self._gone(entry_id)
+            return int(held)
         if hits < 0:
             raise self._gone(entry_id)
         return hits
 
     def record_lookup(self, namespace: str) -> None:
-        """Count one retrieval request in ``namespace`` (the hit-rate denominator)."""
+        """Count one retrieval request in ``namespace`` (the hit-rate denominator; skipped on a read-only
+        replica)."""
         p = self._p(namespace)
-        self._call(lambda: self._r.hincrby(p + "counters", "lookups", 1))
+        try:
+            self._call(lambda: self._r.hincrby(p + "counters", "lookups", 1))
+        except CacheReadOnlyError:
+            pass
 
     # ------------------------------------------------------------------ retrieval
     def query(self, namespace: str, embedding: np.ndarray, k: int = 5, *, model_fingerprint: str | None = None
