@@ -338,6 +338,9 @@ class Decision:
     # The reuse settings (``ReuseConfig`` fields) the rule was certified with; the sampler reuses only with
     # exactly those. None: not recorded (rules made before they were; prompt-only and forced decisions).
     reuse_config: Mapping[str, Any] | None = None
+    # Learning mode (carnator_core.learn): the rule file being learned, the namespace, the top candidate's stratum
+    # and discrepancies, and whether this request is an audit; the sampler labels from it. None: no learning.
+    learning: Mapping[str, Any] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         return {

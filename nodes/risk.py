@@ -15,9 +15,11 @@ from typing import Any
 
 import folder_paths
 
+from ..carnator_core.learn.rulefile import from_doc as learned_from_doc, read_if_learned
+from ..carnator_core.learn.runtime import learning_decision
 from ..carnator_core.paths import PathNotAllowedError, resolve_confined
 from ..carnator_core.request import exact_decision, signature_settings
-from ..carnator_core.risk.filter import MODES, decide_with_rule_file
+from ..carnator_core.risk.filter import MODES, decide_with_rule_file, probe_fingerprints
 from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
 from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError
 from ._api import CANDIDATES, DECISION, PROBE, SIGNATURE, io
@@ -33,6 +35,34 @@ def user_rules_dir() -> Path:
 
 def rule_roots() -> list[Path]:
     return [user_rules_dir(), SHIPPED_RULES]
+
+
+def rule_path(rule_file: str) -> Path | None:
+    """The rule file a name resolves to, or None when no root holds it yet (learning mode: the learned rule is
+    written to ``user_rules_dir()`` under that name). PathNotAllowedError for a name that is not allowed."""
+    try:
+        return resolve_confined(rule_file, rule_roots(), must_exist=True, what="risk rule file")
+    except PathNotAllowedError:
+        resolve_confined(rule_file, [user_rules_dir()], must_exist=False, what="risk rule file")  # allowed at all?
+        return None
+
+
+def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_file: str) -> Any:
+    """Learning mode's decision (``carnator_core.learn.runtime``) when ``rule_file`` does not exist yet or is a
+    learned rule; None for an ordinary rule file (the certified filter decides)."""
+    path = rule_path(rule_file)
+    data = read_if_learned(path) if path is not None else None
+    if path is not None and data is None:
+        return None
+    if probe is None:
+        raise ValueError(f"rule file {rule_file!r} does not exist yet (learning mode) or is learned: connect the Early "
+                         "Probe's output to the Risk Filter's probe input so the request can be labelled")
+    learned = None
+    if data is not None:
+        learned = learned_from_doc(data, str(path))
+        learned.rule.check_applicable(*probe_fingerprints(probe))
+    target = resolve_confined(rule_file, [user_rules_dir()], must_exist=False, what="risk rule file")
+    return learning_decision(signature, candidates, probe, rule_file=rule_file, rule_path=target, learned=learned)
 
 
 def pairs_roots() -> list[Path]:
@@ -65,7 +95,9 @@ class CarnatorRiskFilter(io.ComfyNode):
                 io.String.Input(
                     "rule_file", default="embedded.json",
                     tooltip="Risk rule file name, looked up in <ComfyUI user dir>/carnator/rules/ then in the "
-                    "extension's rules/ folder. Must be calibrated for this model and generation config.",
+                    "extension's rules/ folder. Must be calibrated for this model and generation config. A name "
+                    "that does not exist yet starts learning mode: requests are served dense while Carnator labels "
+                    "them and learns a rule, written under this name when it certifies.",
                 ),
                 io.Combo.Input(
                     "mode", options=list(MODES), default="signature",
@@ -106,8 +138,14 @@ class CarnatorRiskFilter(io.ComfyNode):
         if mode != "signature":
             return True
         try:
-            path = resolve_confined(rule_file, rule_roots(), must_exist=True, what="risk rule file")
-            RiskRule.load(path, allow_uncertified=bool(allow_uncertified))
+            path = rule_path(rule_file)
+            if path is None:  # no rule yet: learning mode (served dense, labelled in the background)
+                return True
+            learned = read_if_learned(path)
+            if learned is not None:
+                learned_from_doc(learned, str(path))
+            else:
+                RiskRule.load(path, allow_uncertified=bool(allow_uncertified))
         except (PathNotAllowedError, RuleError) as e:
             return f"{e}" if isinstance(e, RuleError) else f"{e}. {CALIBRATE_HINT}"
         return True
@@ -138,6 +176,10 @@ class CarnatorRiskFilter(io.ComfyNode):
         exact = exact_decision(candidates)  # an exact repeat answered before the probe: nothing to filter
         if exact is not None:
             return io.NodeOutput(exact, exact.summary)
+        if mode == "signature":
+            decision = learning_mode_decision(signature, candidates, probe, rule_file)
+            if decision is not None:
+                return io.NodeOutput(decision, decision.summary, ui={"carnator_learning": [decision.summary]})
         decision = decide_with_rule_file(
             signature,
             candidates,

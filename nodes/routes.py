@@ -8,6 +8,9 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
   entries, bytes, lookups, hits, hit_rate, namespaces, ...), or ``exists: false`` and zeros for a directory that
   is not a Carnator cache (yet): reading stats never creates a cache.
 * ``POST /carnator/cache/purge`` with JSON ``{"directory": "carnator_cache"}`` → what the purge removed.
+* ``GET  /carnator/rules?directory=carnator_cache`` → learning mode's state per namespace (model × config) of that
+  cache folder: each namespace's ``rule_state`` ("learning — n labels of about N needed; ...", per stratum), or
+  ``namespaces: []`` when nothing was learned there yet (reading never creates the learning record).
 
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
 resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
@@ -188,6 +191,26 @@ def cache_purge(directory: str | None) -> dict[str, Any]:
     return {**base, "exists": True, "purged": result}
 
 
+def rules_state(directory: str | None) -> dict[str, Any]:
+    """Learning mode's ``rule_state`` of every namespace in the cache folder ``directory`` (confined)."""
+    from ..carnator_core.learn.labels import FILENAME
+
+    if _is_redis(directory):
+        raise RouteError(400, "learning mode keeps its labels in a cache folder, not in Redis; give the folder")
+    path = resolve_directory(directory)
+    base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
+    if not _is_cache_dir(path) or not (path / FILENAME).is_file():
+        return {**base, "exists": False, "namespaces": []}
+    from ..carnator_core.learn.learner import Learner
+
+    learner = Learner(path)
+    try:
+        return {**base, "exists": True, "namespaces": [learner.rule_state(ns, learner.state(ns, update=False))
+                                                       for ns in learner.store.namespaces()]}
+    finally:
+        learner.store.close()
+
+
 async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:
     from aiohttp import web
 
@@ -212,6 +235,10 @@ def register(routes: Any) -> None:
     @routes.get("/carnator/cache/stats")
     async def carnator_cache_stats(request: Any) -> Any:
         return await _answer(cache_stats, request.rel_url.query.get("directory"))
+
+    @routes.get("/carnator/rules")
+    async def carnator_rules(request: Any) -> Any:
+        return await _answer(rules_state, request.rel_url.query.get("directory"))
 
     @routes.post("/carnator/cache/purge")
     async def carnator_cache_purge(request: Any) -> Any:

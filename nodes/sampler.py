@@ -157,7 +157,41 @@ class CarnatorJointReuseSampler(io.ComfyNode):
             meta["verdicts"] = decision.to_meta()["verdicts"]
             meta["decision_summary"] = decision.summary
             meta["rule_id"] = decision.rule_id  # which certified rule decided ("" for prompt-only or forced)
+            if decision.learning is not None:
+                meta["rule_state"] = learning_state(model, positive, negative, latent_image, probe, signature,
+                                                    decision, samples, report, cache, config)
         return io.NodeOutput(out, report, report.summary(), ui={"carnator_report": [meta]})
+
+
+def learning_state(model, positive, negative, latent_image, probe, signature, decision, samples, report, cache,
+                   config) -> dict:
+    """Learning mode after the request is served (``carnator_core.learn.runtime.observe``): label within the
+    budget, and the rule_state the badge shows. A cache on Redis keeps no labels yet (said in the state)."""
+    from ..carnator_core.cache.redis_url import is_redis_url
+    from ..carnator_core.learn.runtime import observe
+
+    ns = str((decision.learning or {}).get("namespace", ""))
+    if cache is None or is_redis_url(cache.path):
+        why = "connect a Carnator Cache folder" if cache is None else "labels are kept in a cache folder, not Redis"
+        return {"state": "learning", "labels": 0, "needed": 0, "namespace": ns,
+                "message": f"learning — no labels: {why}; served dense, reuse stays off"}
+    served_s = (float(report.timings_ms.get("resume", 0.0)) + float(probe.timings.get("probe_ms", 0.0))) / 1000.0
+    return observe(directory=cache.path, model=model, positive=positive, negative=negative, latent=latent_image,
+                   probe=probe, signature=signature, decision=decision, samples=samples, report=report,
+                   store=open_store(cache), reuse_config=config, served_s=served_s, pending=_pending_prompts)
+
+
+def _pending_prompts() -> int:
+    """Prompts waiting in ComfyUI's queue besides the one running (0 when the server cannot be asked)."""
+    import sys
+
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    queue = getattr(instance, "prompt_queue", None)
+    try:
+        return max(int(queue.get_tasks_remaining()) - 1, 0) if queue is not None else 0
+    except Exception:  # noqa: BLE001 — only a preference; never fail a request over it
+        return 0
 
 
 NODES = [CarnatorJointReuseSampler]

@@ -1,0 +1,235 @@
+"""Learning mode's two hooks in the request path: the Risk Filter's decision and the sampler's labelling.
+
+* :func:`learning_decision` — what the Risk Filter decides when its rule file does not exist yet (learning: every
+  request is served dense) or is a learned rule (``rulefile``): accept the top candidate only in a switched-on
+  stratum within that stratum's thresholds; a share of those hits is drawn for audit (served dense, labelled).
+  The decision carries a ``learning`` record (rule file, namespace, the top candidate, its stratum and
+  discrepancies) for the sampler.
+* :func:`observe` — what the Joint Reuse Sampler does after finishing a request whose decision carries that record:
+  charge the compute served, record the covariates, run a shadow label (or the audit's label) within the budget,
+  re-derive the state, rewrite the learned rule file when the state changed, and return the ``rule_state`` for
+  the report and the badge.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..risk.discrepancy import discrepancies
+from ..types import Candidates, CandidateVerdict, Decision, Signature
+from .labels import Covariate, Label
+from .learner import STRATA, LearnSettings, accepts, audit_draw, learner_for, rule_namespace, stratum_of
+
+log = logging.getLogger("carnator")
+
+LEARNING_MODE = "learning"
+
+
+def _top(candidates: Candidates) -> Any:
+    items = tuple(candidates.items)
+    return max(items, key=lambda c: (float(c.similarity), c.entry_id)) if items else None
+
+
+def learning_decision(signature: Signature | None, candidates: Candidates, probe: Any, *, rule_file: str,
+                      rule_path: str | Path, learned: Any = None,
+                      settings: LearnSettings | None = None) -> Decision:
+    """The Risk Filter's decision in learning mode (module docstring). ``learned``: a verified
+    ``rulefile.LearnedRule`` for this model and config (its applicability already checked), or None."""
+    t0 = time.perf_counter()
+    settings = learned.settings if learned is not None else (settings or LearnSettings())
+    model_fp = str(getattr(probe, "model_fingerprint", ""))
+    config = getattr(probe, "config", None)
+    ns = rule_namespace(model_fp, config.rule_fingerprint()) if config is not None else candidates.namespace
+    ctx: dict[str, Any] = {"rule_file": rule_file, "rule_path": str(rule_path), "namespace": ns,
+                           "settings": settings.to_dict(), "audit": False}
+    top = _top(candidates)
+    accept = False
+    reason = ""
+    if top is not None and signature is not None and probe is not None and getattr(probe, "answered", None) is None:
+        d = discrepancies(signature, top.signature)
+        stratum = stratum_of(str(probe.prompt), str(top.prompt),
+                             same_seed=top.seed is not None and int(top.seed) == int(probe.seed))
+        ctx.update(entry_id=top.entry_id, stratum=stratum, vector=[float(v) for v in d.vector()],
+                   missing=bool(d.missing), similarity=float(top.similarity), candidate=top)
+        th = learned.thresholds(stratum) if learned is not None else None
+        if th is None:
+            reason = (f"learning: stratum {stratum!r} is not switched on; served dense"
+                      + (" (its reuse run may be labelled)" if stratum in STRATA else ""))
+        elif not accepts(th, d.vector(), d.missing):
+            reason = f"rejected: outside stratum {stratum!r}'s learned thresholds"
+        elif audit_draw(settings.audit_share, str(getattr(probe, "request_key", "") or "")):
+            ctx["audit"] = True
+            reason = f"audit: stratum {stratum!r} would reuse this entry; served dense and labelled instead"
+        else:
+            accept = True
+            reason = f"accepted: stratum {stratum!r} is certified on own labels and the candidate is within its " \
+                     "thresholds"
+    verdicts = tuple(CandidateVerdict(c.entry_id, float(c.similarity), accept and c is top,
+                                      reason if c is top else "rejected: learning mode considers only the most "
+                                      "similar candidate (recall K = 1)") for c in candidates.items)
+    ms = (time.perf_counter() - t0) * 1000.0
+    if accept:
+        summary = f"ACCEPT {top.entry_id!r} (learned rule, stratum {ctx['stratum']}); filter {ms:.2f} ms"
+    elif top is None:
+        summary = f"LEARNING → dense: no candidates recalled; filter {ms:.2f} ms"
+    else:
+        summary = f"LEARNING → dense: {reason}; filter {ms:.2f} ms"
+    return Decision(accepted=accept, candidate=top if accept else None, verdicts=verdicts,
+                    mode="signature" if accept else LEARNING_MODE,
+                    rule_id=learned.rule.rule_id if learned is not None else "", filter_ms=ms, summary=summary,
+                    reuse_config=learned.rule.reuse_config if (accept and learned is not None) else None,
+                    learning=ctx)
+
+
+# ---------------------------------------------------------------------------------------------- the judge
+class _EmbeddedChecker:
+    """The embedded world's pixel checker as a judge (the judge package's ``CheckerJudge`` when installed)."""
+
+    name = "embedded-checker"
+    settings: Mapping[str, Any] = {}
+
+    def judge(self, clip: Any, request: Any) -> Any:
+        from ..embedded import checker
+        from ..judge.base import Verdict
+
+        return Verdict(passed=bool(checker.check(clip, request.prompt).all_ok))
+
+    def reference(self, dense_clip: Any, request: Any) -> Any:
+        return self.judge(dense_clip, request)
+
+    def judge_pair(self, ref: Any, reuse_clip: Any, dense_clip: Any, request: Any) -> Any:
+        return self.judge(reuse_clip, request)
+
+
+def judge_and_decoder(model: Any) -> tuple[Any, Callable[[Any], Any] | None, str]:
+    """(judge, latent → clip decoder, why-not). The embedded model is judged by the pixel checker on its own
+    decoder's frames; other models need a judge with a decoder the sampler does not have yet (why-not says so)."""
+    from ..adapters import detect_arch
+
+    try:
+        arch = detect_arch(model)
+    except ValueError as e:
+        return None, None, str(e)
+    if arch != "embedded":
+        return None, None, (f"no labels yet: a {arch} model's clips need its VAE and a judge, which the sampler "
+                            "does not have; requests are served dense and cached, exact repeats answered")
+    try:
+        from ..judge import judge_for  # the judge package's default judge for this model
+        judge = judge_for(model, arch)
+    except (ImportError, ValueError):
+        judge = _EmbeddedChecker()
+    from ..embedded import codec
+
+    return judge, (lambda samples: codec.latent_to_rgb(samples.float().cpu())[0].numpy()), ""
+
+
+# ---------------------------------------------------------------------------------------------- the sampler's hook
+def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, latent: dict, probe: Any,
+            signature: Signature | None, decision: Decision, samples: Any, report: Any, store: Any,
+            reuse_config: Any, served_s: float, pending: Callable[[], int] | None = None,
+            judge: Any = None, decode: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """After the sampler finished a request under a learning decision (module docstring). Returns the
+    ``rule_state`` (plus ``label``: what was labelled for this request, if anything). Never raises for a labelling
+    problem: the request is already served; the problem is logged and said in the state's message."""
+    from ..judge.base import JudgeRequest, excess_label
+    from ..request import finish_stages
+    from ..types import Decision as _Decision
+
+    ctx = dict(decision.learning or {})
+    settings = LearnSettings.from_dict(ctx.get("settings") or {})
+    learner = learner_for(directory, settings)
+    ns = str(ctx.get("namespace", ""))
+    answered = getattr(probe, "answered", None) is not None
+    learner.store.charge(ns, served_s=float(served_s), requests=1)
+    done = ""
+    stratum = ctx.get("stratum")
+    key = str(getattr(probe, "request_key", "") or "")
+    served_dense = getattr(report, "decision", "") in ("dense", "miss")
+    if stratum is not None and not answered and served_dense and key:
+        cov = Covariate(key, str(stratum), str(ctx["entry_id"]), float(ctx["similarity"]),
+                        tuple(ctx["vector"]), bool(ctx["missing"]), time.time())
+        learner.store.add_covariate(ns, cov)
+        states = learner.state(ns)
+        st = states.get(str(stratum))
+        audit = bool(ctx.get("audit"))
+        want = audit or (st is not None and not st.on and stratum in STRATA and not cov.missing
+                         and (st.fit is None or accepts(st.fit.thresholds, cov.vector, cov.missing)))
+        busy = bool(pending is not None and pending() > 0)
+        why_not = ""
+        if want and not audit and not learner.budget_allows(ns, busy):
+            want, why_not = False, "budget"
+        if want and reuse_config is not None and getattr(reuse_config, "mode", "joint") == "dense":
+            want, why_not = False, "sampler mode dense"
+        if want and learner.store.has_label(ns, key):
+            want = False
+        if want:
+            if judge is None or decode is None:
+                judge, decode, why_not = judge_and_decoder(model)
+            if judge is None:
+                want = False
+        if want:
+            try:
+                cand = ctx["candidate"]
+                cached = store.load(cand.entry_id, count_hit=False).cached_run()
+                acc = _Decision(accepted=True, candidate=cand, verdicts=(), mode="signature",
+                                summary="learning: the rule-to-be's reuse of the top candidate (counterfactual)")
+                cfg = replace(reuse_config, mode="joint") if reuse_config is not None else None
+                t0 = time.perf_counter()
+                out, rep, _ = finish_stages(model, positive, negative, latent, probe, acc, store, cfg,
+                                            signature=signature, record=False, cached=cached)
+                cost = time.perf_counter() - t0
+                reusable = getattr(rep, "decision", "") == "hit"
+                x = 0
+                if reusable:
+                    jr = JudgeRequest(prompt=str(probe.prompt), seed=int(probe.seed), model=probe.model_fingerprint,
+                                      source_prompt=str(cand.prompt))
+                    lab = excess_label(judge, decode(out), decode(samples), jr)
+                    x = 1 if lab.b else (-1 if lab.c else 0)
+                label = Label(key, str(stratum), str(cand.entry_id), float(ctx["similarity"]), cov.vector,
+                              cov.missing, reusable, x, "audit" if audit else "shadow", str(judge.name),
+                              dict(getattr(judge, "settings", {}) or {}), round(cost, 4), str(probe.prompt),
+                              str(cand.prompt), int(probe.seed), time.time())
+                if learner.store.add_label(ns, label):
+                    learner.store.charge(ns, **({"audit_s": float(served_s)} if audit else {"label_s": cost}))
+                done = f"{'audit' if audit else 'shadow'} label x={x:+d} ({stratum}, {cost:.2f} s)"
+                _write_rule(learner, ns, ctx, probe, reuse_config, judge)
+            except Exception as e:  # noqa: BLE001 — the request is served; a failed label is only lost work
+                log.warning("carnator learning: labelling request %s failed (%s: %s); it is not labelled",
+                            key[:12], type(e).__name__, e)
+                done = f"label failed: {e}"
+        elif why_not and why_not != "budget":
+            done = why_not
+    state = learner.rule_state(ns)
+    state["label"] = done
+    return state
+
+
+_LAST_ON: dict[str, tuple[str, ...]] = {}
+
+
+def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any, judge: Any) -> None:
+    """Rewrite the learned rule file when a stratum switched on or off, and every 25 labels (sharing)."""
+    from . import rulefile
+
+    path = ctx.get("rule_path")
+    if not path:
+        return
+    states = learner.state(ns)
+    on = tuple(sorted(k for k, v in states.items() if v.on))
+    n = len(learner.store.labels(ns))
+    changed = _LAST_ON.get(str(path)) != on and (on or Path(path).exists())
+    if not changed and n % 25 != 0:
+        return
+    _LAST_ON[str(path)] = on
+    cfg = probe.config
+    reuse_meta = replace(reuse_config, mode="joint").to_meta() if reuse_config is not None else None
+    doc = rulefile.build(learner, ns, model_fingerprint=probe.model_fingerprint,
+                         rule_fingerprint=cfg.rule_fingerprint(), arch=cfg.arch, config_meta=cfg.to_meta(),
+                         reuse_meta=reuse_meta, judge={"name": judge.name,
+                                                       "settings": dict(getattr(judge, "settings", {}) or {})},
+                         states=states)
+    rulefile.save(doc, path)
+    log.info("carnator learning: wrote learned rule %s (reuse on for: %s)", Path(path).name, ", ".join(on) or "none")

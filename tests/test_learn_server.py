@@ -1,0 +1,94 @@
+"""Learning mode through a real ComfyUI server: the shipped Wan 2.1 workflow's graph, with no rule file, queues and
+runs (no 400), serves dense bit-identical to a stock KSampler in the same prompt, writes the cache, reports a
+``rule_state`` per namespace, and ``GET /carnator/rules`` lists the namespace's state.
+
+The graph is ``workflows/api/wan21_t2v_1.3b.json`` with what a CPU test can run swapped in: a tiny random-weight Wan
+2.1 (ComfyUI's own WanModel class, tests/tiny_models.py) under the workflow's own UNET file name, the embedded
+text encoder (4096-wide tokens, as umT5's) instead of the umT5 CLIPLoader, a 32x32x9 latent, 10 steps with a
+2-step probe, and SaveLatent instead of the VAE decode. Every Carnator node and link is the workflow's."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE_DIR = "learn_tiny_wan_cache"
+
+
+def tiny_wan_graph(text: str, prefix: str) -> dict[str, Any]:
+    api = json.loads((ROOT / "workflows" / "api" / "wan21_t2v_1.3b.json").read_text(encoding="utf-8"))
+    assert api["13"]["class_type"] == "CarnatorRiskFilter" and api["13"]["inputs"]["mode"] == "signature"
+    g = {k: v for k, v in api.items() if k not in ("4", "16", "17")}  # no VAE: the latent is compared instead
+    g["3"] = {"class_type": "CarnatorEmbeddedLoader", "inputs": {}}  # its text encoder stands in for umT5
+    g["5"] = {"class_type": "PrimitiveStringMultiline", "inputs": {"value": text}}
+    g["6"] = {"class_type": "CarnatorEmbeddedTextEncode", "inputs": {"text_encoder": ["3", 1], "text": ["5", 0]}}
+    g["7"] = {"class_type": "CarnatorEmbeddedTextEncode", "inputs": {"text_encoder": ["3", 1], "text": ""}}
+    g["8"] = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 9,
+                                                                  "batch_size": 1}}
+    probe = dict(g["9"]["inputs"])
+    probe.pop("clip")
+    probe.update(steps=10, probe_steps=2, text_encoder=["3", 1])
+    g["9"] = {**g["9"], "inputs": probe}
+    g["11"] = {**g["11"], "inputs": {**g["11"]["inputs"], "directory": CACHE_DIR}}
+    g["20"] = {"class_type": "SaveLatent", "inputs": {"samples": ["14", 0], "filename_prefix": f"{prefix}/carnator"}}
+    g["21"] = {"class_type": "KSampler", "inputs": {
+        "model": ["2", 0], "positive": ["6", 0], "negative": ["7", 0], "latent_image": ["8", 0],
+        "seed": probe["seed"], "steps": 10, "cfg": probe["cfg"], "sampler_name": probe["sampler_name"],
+        "scheduler": probe["scheduler"], "denoise": 1.0}}
+    g["22"] = {"class_type": "SaveLatent", "inputs": {"samples": ["21", 0], "filename_prefix": f"{prefix}/stock"}}
+    return g
+
+
+@pytest.fixture(scope="module")
+def server(comfy_server, comfy_env):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_models as tm
+
+    # the workflow's own UNET file name, holding the tiny model (ComfyUI detects it as Wan 2.1 from its weights)
+    target = comfy_server.base_dir / "models" / "diffusion_models" / "wan2.1_t2v_1.3B_fp16.safetensors"
+    if not target.exists():
+        tm.save_tiny_model("wan21", target.parent).rename(target)
+    return comfy_server
+
+
+def test_wan_workflow_without_a_rule_learns_and_serves_dense_bit_identical(server) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    rules = server.base_dir / "user" / "carnator" / "rules"
+    assert not (rules / "wan2.1_t2v_1.3B.json").exists()  # no rule for this model: learning mode
+    outs = []
+    # two prompts the embedded text encoder tells apart (words outside its vocabulary encode alike)
+    for i, text in enumerate(["a big red ball moves to the right in the top left, on green grass",
+                              "a big blue ball moves to the right in the top left, on green grass"]):
+        history, _ = server.run_prompt_ws(tiny_wan_graph(text, f"learn{i}"), timeout=600)
+        assert history["status"]["status_str"] == "success", server.log_tail()
+
+        def saved(node: str) -> torch.Tensor:
+            (f,) = history["outputs"][node]["latents"]
+            return load_file(str(server.base_dir / "output" / f["subfolder"] / f["filename"]))["latent_tensor"]
+
+        ours, stock = saved("20"), saved("22")
+        assert torch.equal(ours, stock), f"max diff {(ours - stock).abs().max().item()}"
+        report = history["outputs"]["14"]["carnator_report"][0]
+        assert report["decision"] in ("dense", "miss")  # served dense (a decision that accepted nothing)
+        state = report["rule_state"]
+        assert state["state"] == "learning" and state["message"].startswith("learning")
+        assert state["namespace"] and isinstance(state["labels"], int) and isinstance(state["needed"], int)
+        outs.append((report, state))
+    # the second request recalled the first (written by the Cache Writer) and recorded its covariates
+    second = outs[1][0]
+    assert second["verdicts"] and second["verdicts"][0]["reason"].startswith("learning")
+    assert "reuse switches on when certified" in outs[1][1]["message"]
+    answer = server.get(f"/carnator/rules?directory={CACHE_DIR}")
+    assert answer["exists"] is True
+    (ns,) = answer["namespaces"]
+    assert ns["namespace"] == outs[1][1]["namespace"] and ns["state"] == "learning"
+    assert server.get("/carnator/rules?directory=never_written")["namespaces"] == []
