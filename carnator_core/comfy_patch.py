@@ -668,7 +668,7 @@ def token_tiles_may_pay(device_type: str, keep: torch.Tensor, block_size: int, n
     cost less than plain attention over the same keys?
 
     CPU: the gather kernel's cost model (:func:`~.sparse_attention.tile_cost_ratio` < 1). CUDA: no. Measured on an
-    H200 at Wan 2.1-1.3B's 32,760 tokens (``scripts/gpu_bench_wan.py``, BENCHMARKS.md "On a GPU"): the subset's
+    H200 at Wan 2.1-1.3B's 32,760 tokens (``scripts/bench/gpu_bench_wan.py``, BENCHMARKS.md "On a GPU"): the subset's
     queries over every key took 2.3-2.8x as long on the FlexAttention token-set kernel as on plain SDPA at union
     densities 0.35-0.64, and 3.7-5.9x among the subset alone at 0.1-0.5 -- its query tiles straddle the recorded
     blocks (partial tiles, element-wise ``mask_mod``) while SDPA runs the fused flash kernel -- and a whole hit

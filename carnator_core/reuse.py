@@ -82,7 +82,7 @@ class ReuseConfig:
                      first (``refreshes`` - 1 of them). "" (the default) = spread evenly, as rules recorded before
                      this setting ran. Why: the recorded context matters most late in the schedule, where
                      the noise level is low and the details form. Measured on the embedded model v3 (forced hits,
-                     ``scripts/bench_hits.py``, 16 restricted hits, probe 2, refreshes 3): the two
+                     ``scripts/bench/bench_hits.py``, 16 restricted hits, probe 2, refreshes 3): the two
                      dense refreshes at 0.6 and 0.9 instead of the even calls 8 and 14 of 20 gave +3.0 to +3.7 dB
                      against the dense clip on 16 of 16 hits at the same compute.
     probe_context:   with ``kv_context``: when the probe kept its last call's keys/values

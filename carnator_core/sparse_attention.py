@@ -1175,7 +1175,7 @@ def plan_token_block_sparse(
 # kept key-block set costs a fixed overhead of about TILE_CALL_PAIRS pairs (SDPA call, row gathers, log-sum-exp
 # merges), and a kept pair about TILE_PAIR_COST dense pairs (small gathered tiles run below the fused kernel's
 # rate; the whole-sequence kernel pads its groups: BLOCK_PAIR_COST). Fitted on the 2-core development CPU with
-# `scripts/bench_sparse_attention.py --crossover` (BENCHMARKS.md, "Where block-sparse tiles pay"). Both estimates
+# `scripts/bench/bench_sparse_attention.py --crossover` (BENCHMARKS.md, "Where block-sparse tiles pay"). Both estimates
 # use block counts only (O(Hk * Qb * Kb)): no plan is built to decide, so a short sequence pays nothing for them.
 TILE_CALL_PAIRS = 20_000
 TILE_PAIR_COST = 1.5

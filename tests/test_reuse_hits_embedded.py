@@ -60,7 +60,7 @@ def test_same_seed_paraphrase_recomputes_almost_nothing(ctx) -> None:
 
 
 def test_edit_hit_has_no_reuse_artifacts(ctx) -> None:
-    """A same-seed colour edit (from scripts/bench_hits.py's labelled queries): the region is the object, not
+    """A same-seed colour edit (from scripts/bench/bench_hits.py's labelled queries): the region is the object, not
     the clip, and the hit's background artifact score stays within 10 % of the highest of three dense clips of
     the prompt (its own seed and two others). The attention-among-the-subset path this replaced scored 1.5-2.5x
     the dense clips with rows of dashes (BENCHMARKS.md, "Cache hits")."""

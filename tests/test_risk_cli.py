@@ -116,7 +116,7 @@ def test_cli_calib_alpha_calibrates_tighter_and_certifies_at_alpha(tmp_path, cap
 
 
 def _runs(n_runs: int, per_run: int, split: str, seed: int) -> list:
-    """Pairs of ``n_runs`` independent runs, request ids ``<run>:q<i>`` like scripts/make_pairs.py --combine."""
+    """Pairs of ``n_runs`` independent runs, request ids ``<run>:q<i>`` like scripts/lab/make_pairs.py --combine."""
     import dataclasses
 
     out = []
@@ -240,7 +240,7 @@ def test_plan_for_the_excess_label_simulates_b_and_c():
 
 
 def test_rule_report_counts_what_the_rule_accepts_per_kind(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "lab"))
     import rule_report
 
     from carnator.carnator_core.risk.certify import evaluate, read_pairs_jsonl, split_pairs
@@ -251,7 +251,7 @@ def test_rule_report_counts_what_the_rule_accepts_per_kind(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["--pairs", str(pairs), "--out", str(out), "--write-uncertified"]) in (0, 3)
     capsys.readouterr()
-    # give every row a kind and a compute figure, as scripts/make_pairs.py's diag does
+    # give every row a kind and a compute figure, as scripts/lab/make_pairs.py's diag does
     lines = pairs.read_text().splitlines()
     with_diag = []
     for line in lines:

@@ -344,7 +344,7 @@ def test_block_recorder_errors():
 
 
 def test_record_flops_are_a_small_fraction_of_dense_attention():
-    """Cost is pinned by counted FLOPs (deterministic; wall-clock cost is in scripts/bench_sparse_attention.py):
+    """Cost is pinned by counted FLOPs (deterministic; wall-clock cost is in scripts/bench/bench_sparse_attention.py):
     the estimate scores Qb * S representative queries against the L keys instead of L queries."""
     from torch.utils.flop_counter import FlopCounterMode
 

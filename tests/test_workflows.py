@@ -4,7 +4,7 @@
   server's ``/object_info``: node types exist, required inputs are present, widget values have the right type,
   range and combo option (loader file names excepted: the test server has no model files), links join
   compatible sockets; the UI format converts to exactly the API format (as the frontend's graphToPrompt does);
-  and ``scripts/make_workflows.py`` still renders exactly the committed files.
+  and ``scripts/setup/make_workflows.py`` still renders exactly the committed files.
 * The embedded-model workflows run through ``POST /prompt`` (warm the cache, then the same request again: a hit),
   with the per-run report in ``/history``, one log line per request and progress events on the websocket.
 * ``/carnator/cache/stats`` and ``/purge`` answer, refuse paths outside the allowed roots, and purge.
@@ -39,15 +39,17 @@ MODEL_FILE_INPUTS = {("UNETLoader", "unet_name"), ("CLIPLoader", "clip_name"), (
                      ("CheckpointLoaderSimple", "ckpt_name")}
 
 
-def _load_script(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"carnator_script_{name}", ROOT / "scripts" / f"{name}.py")
+def _load_script(relpath: str) -> Any:
+    """Load ``scripts/<relpath>.py`` as a module (scripts are not a package)."""
+    name = relpath.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(f"carnator_script_{name}", ROOT / "scripts" / f"{relpath}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class body runs
     spec.loader.exec_module(module)
     return module
 
 
-make_workflows = _load_script("make_workflows")
+make_workflows = _load_script("setup/make_workflows")
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +266,7 @@ def test_generator_renders_the_committed_files(object_info: dict[str, Any]) -> N
     rendered = make_workflows.render_all(object_info)
     stale = [name for name, (ui, api) in rendered.items()
              if (ui, api) != load(name)]
-    assert not stale, f"workflows {stale} are stale for these node definitions: run scripts/make_workflows.py"
+    assert not stale, f"workflows {stale} are stale for these node definitions: run scripts/setup/make_workflows.py"
 
 
 @pytest.mark.parametrize("name", NAMES)

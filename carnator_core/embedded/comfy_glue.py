@@ -492,7 +492,7 @@ def count_denoiser_work(model: comfy.model_patcher.ModelPatcher,
 def time_one_clip(prompt: str = "a big red ball moves to the right in the top left, on green grass",
                   repeats: int = 2, model: Optional[comfy.model_patcher.ModelPatcher] = None) -> float:
     """Best-of-``repeats`` seconds to generate one clip with the default settings (stock sampling path);
-    a benchmark figure (scripts/bench_embedded_clip.py), never a test assertion."""
+    a benchmark figure (scripts/model/bench_embedded_clip.py), never a test assertion."""
     import time
 
     if model is None:

@@ -34,7 +34,7 @@ def ensure_comfy_importable() -> None:
         marker = Path(__file__).resolve().parents[2] / ".host" / "comfy-path"
         if not marker.exists():
             raise RuntimeError("ComfyUI is not importable and .host/comfy-path is missing: run "
-                               "`make setup` (scripts/setup_host.sh) or set CARNATOR_COMFY_PATH")
+                               "`make setup` (scripts/setup/setup_host.sh) or set CARNATOR_COMFY_PATH")
         path = marker.read_text().strip()
     sys.path.insert(0, path)
     from comfy.cli_args import args

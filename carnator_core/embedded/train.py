@@ -118,7 +118,7 @@ def make_batch(rng: np.random.Generator, batch: int, p_drop: float, *, frame: wo
                scene_filter: Optional[Callable[[world.Scene], bool]] = None) -> dict[str, Any]:
     """Render ``batch`` fresh training clips: latents [B,16,T,h,w], contexts [B,L,D], the union object mask
     [B,T,h,w] and the per-object masks (a list of [n_objects,T,h,w] per clip). ``scene_filter`` (diagnostics
-    only, e.g. scripts/motion_sign.py: never part of a recipe) redraws scenes it rejects."""
+    only, e.g. the motion-sign probe of docs/MODEL_CARD.md: never part of a recipe) redraws scenes it rejects."""
     rgbs, masks, per_object, conds = [], [], [], []
     for _ in range(batch):
         scene = world.sample_scene(rng, p_two=p_two, frame=frame)

@@ -1,6 +1,6 @@
 """Per-request quality and safety measures for the serving benchmark, and their summary per method.
 
-Definitions (used by scripts/bench_table1.py and stated in BENCHMARKS.md):
+Definitions (used by scripts/bench/bench_table1.py and stated in BENCHMARKS.md):
 
 * **checker pass**: ``embedded.checker.check(clip, caption).all_ok`` — every named object found with the named
   colour, size, position and motion, and the named background.
