@@ -22,7 +22,8 @@ Procedure (:func:`measure_floor`), per request (prompt, seed s):
 :func:`summarize_floor` reports per stratum (all, one-/two-object scenes, and those per request kind): n, b, c,
 b/n with its Clopper–Pearson upper bound, and the exact excess upper bound
 (:func:`..risk.bounds.excess_upper_bound`), for both labels. Measured figures: BENCHMARKS.md, "The excess label's
-floor, measured". Contract: no ComfyUI import here (the generator is passed in); deterministic given the generator.
+floor" (v3; v2 in docs/history/BENCHMARKS_HISTORY.md). Contract: no ComfyUI import here (the generator is passed
+in); deterministic given the generator.
 """
 from __future__ import annotations
 

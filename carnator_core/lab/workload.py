@@ -25,7 +25,7 @@ How it is built (deterministic given ``WorkloadSpec.seed``)
    (distinct colours/positions, no overlap in any frame) and outside the held-out split, so the checker's
    verdicts measure reuse, not the model's generalisation.
 
-Why this is realistic: see BENCHMARKS.md, "Serving benchmark — Table 1 on the embedded model" (workload
+Why this is realistic: see BENCHMARKS.md, "Serving benchmark: Table 1 on the embedded model" (workload
 section), which also measures how much near-duplication a real prompt log (VidProM) shows.
 
 Contract: pure numpy + ``embedded.world``; no torch, no ComfyUI. ``build_workload(spec)`` returns the same
