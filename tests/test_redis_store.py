@@ -723,3 +723,26 @@ def test_a_read_only_replica_serves_recalls_and_repeats_and_writes_nothing(redis
         c.close()
     finally:
         replica.stop()
+
+
+def test_a_full_redis_refuses_writes_as_full_and_keeps_serving(tmp_path):
+    """Redis at its maxmemory (noeviction): a put raises CacheFullError (what the Cache Writer turns into "not
+    cached"), recalls and loads keep working, counters are skipped."""
+    from carnator.carnator_core.cache import CacheFullError
+
+    srv = RedisServer(tmp_path / "full", maxmemory="3mb")
+    srv.start()
+    try:
+        st = store(srv.url)
+        emb = np.ones(DIM, np.float32)
+        ids = []
+        with pytest.raises(CacheFullError, match="full"):
+            for i in range(400):  # bounded: a ~6 KiB entry each, far past 3 MiB
+                ids.append(st.put(make_entry(i, emb=emb * (i + 1))))
+        assert ids
+        for _ in range(2):
+            assert {x.entry_id for x in st.candidates(NS_A, emb, k=3).items} <= set(ids)
+            assert st.load(ids[0]).entry_id == ids[0]
+        st.close()
+    finally:
+        srv.stop()

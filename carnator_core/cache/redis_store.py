@@ -110,6 +110,7 @@ from .entry import (
 from .errors import (
     CacheBudgetError,
     CacheError,
+    CacheFullError,
     CacheReadOnlyError,
     CacheUnavailableError,
     CorruptEntryError,
@@ -343,6 +344,7 @@ class RedisStore:
         self._down_until = 0.0
         self._down_reason = ""
         self._read_only = False  # a write was refused by a read-only replica (logged once)
+        self._full = False  # a command was refused for maxmemory: read without transactions (_read_pipeline)
         self._closed = False
         self._scripts = {name: client.register_script(src) for name, src in
                          (("publish", _PUBLISH), ("delete", _DELETE), ("hit", _HIT), ("purge", _PURGE),
@@ -443,6 +445,15 @@ class RedisStore:
             raise CacheReadOnlyError(
                 f"the shared cache at {self.url} is read-only ({e}): nothing was written; recalls, exact repeats "
                 "and loads keep working. Point the cache at the primary Redis to cache new results.") from None
+        except redis.OutOfMemoryError as e:  # maxmemory reached (noeviction): like a full disk
+            if not self._full:
+                self._full = True
+                log.warning("carnator cache: Redis at %s is full (maxmemory); nothing more is cached until entries "
+                            "are evicted or purged, reads keep working", self.url)
+            raise CacheFullError(
+                f"the shared cache at {self.url} is full (Redis refused a write: {e}): nothing was written; reads "
+                "keep working. Lower max_gb on the Cache node so Carnator evicts older entries first, raise Redis's "
+                "maxmemory, or purge entries.") from None
         except _CONN_ERRORS as e:
             self._down_reason = f"{type(e).__name__}: {e}"
             self._down_until = time.monotonic() + self.retry_s
@@ -462,6 +473,12 @@ class RedisStore:
             if was_down:
                 log.info("carnator cache: Redis at %s is reachable again; reuse resumes", self.url)
         return out
+
+    def _read_pipeline(self) -> Any:
+        """A pipeline for reads that must see one instant (MULTI/EXEC). Redis refuses every command queued in a
+        transaction while it is over its maxmemory, so a full Redis gets a plain pipeline instead (reads keep
+        working; ``load`` re-checks a read torn by a concurrent delete)."""
+        return self._r.pipeline(transaction=not self._full)
 
     @property
     def available(self) -> bool:
@@ -590,6 +607,7 @@ class RedisStore:
             raise CacheError(f"could not find a free entry id in namespace {ns} after 8 tries")
         if self._fault:
             self._fault("after_publish")
+        self._full = False  # a write went through: transactions are accepted again
         self._note_request(rk, entry_id)
         try:
             self._evict_if_needed(protect={entry_id})
@@ -735,6 +753,7 @@ class RedisStore:
         if not namespace:
             self._call(lambda: self._r.set(f"{PREFIX}:inflation", "0"))
         self._sigs.clear()
+        self._full = False
         log.info("carnator cache: purged %d entries (%s) in %s", n, f"namespace {namespace}" if namespace else "all",
                  self.url)
         return n
@@ -765,7 +784,7 @@ class RedisStore:
         p = self._p(ns)
 
         def read() -> list:
-            pipe = self._r.pipeline(transaction=True)  # row and bytes from one instant: never torn by a delete
+            pipe = self._read_pipeline()  # row and bytes from one instant: never torn by a delete
             pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "nbytes", "digest", "created", "hits", "nchunks")
             pipe.lrange(p + f"b:{entry_id}", 0, -1)
             return pipe.execute()
@@ -782,6 +801,8 @@ class RedisStore:
                 raise EntryFormatError(f"value is {len(blob)} bytes, the catalogue recorded {nbytes} (truncated?)")
             dec = decode_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest)
         except ValueError as e:  # EntryFormatError, or a row field that is not a number: "quarantine"
+            if self._full and not self._call(lambda: self._r.exists(p + f"e:{entry_id}")):
+                raise self._gone(entry_id) from None  # a plain (non-transaction) read torn by a delete
             reason = str(e) if isinstance(e, EntryFormatError) else f"{type(e).__name__}: {e}"
             raise self._quarantine(entry_id, ns, reason) from None
         if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
@@ -842,7 +863,7 @@ class RedisStore:
         try:
             return int(self._call(lambda: self._scripts["hit"](keys=[self._p(ns)],
                                                                args=[entry_id, repr(inflation), repr(time.time())])))
-        except CacheReadOnlyError:
+        except (CacheReadOnlyError, CacheFullError):  # counters are best-effort: a read must not fail on them
             return -2
 
     def record_hit(self, entry_id: str) -> int:
@@ -851,7 +872,7 @@ class RedisStore:
         if ns is None:
             raise self._gone(entry_id)
         hits = self._bump(entry_id, ns)
-        if hits == -2:  # a read-only replica counts nothing
+        if hits == -2:  # a read-only replica (or a full Redis) counts nothing
             held = self._call(lambda: self._r.hget(self._p(ns) + f"e:{entry_id}", "hits"))
             if held is None:
                 raise self._gone(entry_id)
@@ -862,11 +883,11 @@ class RedisStore:
 
     def record_lookup(self, namespace: str) -> None:
         """Count one retrieval request in ``namespace`` (the hit-rate denominator; skipped on a read-only
-        replica)."""
+        replica or a full Redis)."""
         p = self._p(namespace)
         try:
             self._call(lambda: self._r.hincrby(p + "counters", "lookups", 1))
-        except CacheReadOnlyError:
+        except (CacheReadOnlyError, CacheFullError):
             pass
 
     # ------------------------------------------------------------------ retrieval
@@ -965,7 +986,7 @@ class RedisStore:
         p = self._p(ns)
 
         def read() -> list:
-            pipe = self._r.pipeline(transaction=True)
+            pipe = self._read_pipeline()
             pipe.hmget(p + "meta", "token", "dim")
             pipe.get(p + "gen")
             pipe.xrevrange(p + "log", count=1)
@@ -1131,7 +1152,7 @@ class RedisStore:
             p = self._p(ns)
 
             def snapshot(p: str = p) -> list:
-                pipe = self._r.pipeline(transaction=True)
+                pipe = self._read_pipeline()
                 pipe.zrange(p + "lru", 0, -1)
                 pipe.zrange(p + "prio", 0, -1)
                 pipe.hgetall(p + "sid")
