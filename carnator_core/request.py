@@ -402,7 +402,7 @@ def decide_stage(signature: Signature, candidates: Candidates, probe: Probe, *, 
                  rule: Any = None, prompt_threshold: float = 0.9, allow_uncertified: bool = False) -> Decision:
     """Stage 4: the Risk Filter on the recalled candidates, checked against the probe's model and config (an
     exact repeat gets its "exact" decision)."""
-    from .risk.filter import decide
+    from .risk.filter import decide, request_of
 
     exact = exact_decision(candidates)
     if exact is not None:
@@ -411,7 +411,8 @@ def decide_stage(signature: Signature, candidates: Candidates, probe: Probe, *, 
     return decide(signature, candidates, rule if mode == "signature" else None, mode, prompt_threshold,
                   model_fingerprint=probe.model_fingerprint, config_fingerprint=probe.config.rule_fingerprint(),
                   allow_uncertified=allow_uncertified,
-                  signature_settings=signature_settings(rule) if mode == "signature" and rule is not None else None)
+                  signature_settings=signature_settings(rule) if mode == "signature" and rule is not None else None,
+                  request=request_of(probe))
 
 
 def signature_settings(rule: Any) -> Any:

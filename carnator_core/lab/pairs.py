@@ -892,7 +892,7 @@ def measure_stream(ctx: PairContext, queries: Sequence[PairRequest], labeler: La
             model_fp, config_fp = probe_fingerprints(res.probe)  # what serving's filter checks
             dec = decide(res.signature, res.candidates, rule, "signature", model_fingerprint=model_fp,
                          config_fingerprint=config_fp, allow_uncertified=allow_uncertified,
-                         signature_settings=signature_settings(rule))
+                         signature_settings=signature_settings(rule), request=(req.prompt, int(req.seed)))
             chosen["rule"] = dec.candidate.entry_id if dec.accepted else None
             for name, t in (prompt_thresholds or {}).items():
                 d = decide(None, res.candidates, None, "prompt_only", float(t))

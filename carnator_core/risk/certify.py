@@ -56,9 +56,13 @@ from .bounds import (
     min_accepted_for_certificate,
 )
 from .discrepancy import AXES, Discrepancies
+from .strata import EXACT, STRATA
 from .thresholds import Thresholds, prompt_distance, select_best
 
 Constraint = Literal["bound", "empirical"]
+
+#: Recognised values of a pair's optional "change" field: a stratum, or "exact" (never certified).
+CHANGE_NAMES: tuple[str, ...] = STRATA + (EXACT,)
 
 #: Recognised values of a pair's optional "split" field.
 CALIB_SPLITS = ("calib", "calibration")
@@ -139,6 +143,9 @@ class LabelledPair:
     # it continued dense). Serving picks the best passing candidate and then continues dense, so a request whose
     # selected candidate is not reusable is a miss: it never counts as accepted (and never tries the next one).
     reusable: bool = True
+    # What changed against the candidate (risk.strata.stratum_of: "reseed", "colour", ...; "exact" for an exact
+    # repeat). Per-stratum certificates (:func:`certify_strata`) group by it. None = not recorded.
+    change: str | None = None
 
     def vector(self) -> tuple[float, float, float, float]:
         return (self.context, self.size, self.shape, self.appearance)
@@ -167,6 +174,8 @@ class LabelledPair:
             row["stratum"] = self.stratum
         if not self.reusable:
             row["reusable"] = False
+        if self.change is not None:
+            row["change"] = self.change
         return row
 
 
@@ -211,6 +220,10 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
     stratum = row.get("stratum")
     if stratum is not None and (not isinstance(stratum, str) or not stratum or len(stratum) > 200):
         raise CalibrationError(f"{where}: field 'stratum' must be a non-empty string (≤ 200 characters) or absent")
+    change = row.get("change")
+    if change is not None and change not in CHANGE_NAMES:
+        raise CalibrationError(f"{where}: field 'change' must be one of {CHANGE_NAMES} (risk.strata) or absent, got "
+                               f"{change!r}")
     return LabelledPair(
         request_id=str(row["request_id"]),
         entry_id=str(row["entry_id"]),
@@ -225,6 +238,7 @@ def pair_from_row(row: Mapping[str, Any], where: str = "row") -> LabelledPair:
         better=better,
         stratum=stratum,
         reusable=reusable,
+        change=change,
     )
 
 
@@ -839,3 +853,207 @@ def certify(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], alpha: f
     strata = {name: _make_certificate(evaluate(thresholds, ps), alpha, delta, label)
               for name, ps in sorted(by_stratum.items())}
     return replace(cert, strata=strata, required_strata=tuple(required_strata))
+
+
+# --------------------------------------------------------------------------------------------- per-stratum
+
+#: How the multiplicity over strata is handled (recorded in every strata certificate).
+STRATA_METHOD = "fixed-sequence"
+#: The unit of independence the strata certificates assume (recorded with them; docs/CALIBRATION.md).
+STRATA_UNIT = ("the request, conditional on its run's cache: within a run the queries are drawn independently given "
+               "the warm set; runs (caches) are pooled per stratum, and each run's own counts are listed")
+
+
+@dataclass(frozen=True)
+class StratumCertificate:
+    """One stratum's certificate under the rule's decisions: n accepted requests whose chosen candidate is in this
+    stratum, k = b unsafe, c better, U the exact bound for the label at the full δ (fixed-sequence testing),
+    ``tested`` False when an earlier stratum of the order failed (then never certified), ``passed`` ⇔ tested and
+    U ≤ α."""
+
+    name: str
+    n: int
+    k: int
+    c: int
+    upper_bound: float
+    tested: bool
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "k": self.k, "c": self.c, "upper_bound": self.upper_bound, "tested": self.tested,
+                "passed": self.passed}
+
+
+@dataclass(frozen=True)
+class StrataCertificate:
+    """Per-stratum certificates of fixed thresholds, with the multiplicity over strata handled by
+    **fixed-sequence testing**: the strata are tested one at a time in ``order`` (fixed before the data), each at
+    the full δ; the first that does not certify stops the sequence, and it and every later one are refused. The
+    family-wise error over the certified strata is ≤ δ: a stratum is claimed only when every earlier hypothesis
+    was rejected, so the first false claim is always the first error of the sequence.
+
+    The filter's decision is the rule's (best passing candidate among the recalled ones); when the chosen
+    candidate's stratum is not certified the request is served dense (no fall-through to another candidate), so
+    the accepted pairs — and hence each stratum's counts — do not depend on which strata certify.
+
+    n_requests: certification requests (exact repeats left out: they never reach the filter);
+    accepted: requests accepted by the thresholds (any stratum); covered: accepted in a certified stratum.
+    runs: per run (the request-id prefix before ":"), per stratum, [n, k, c] — the clusters, for the record.
+    """
+
+    order: tuple[str, ...]
+    alpha: float
+    delta: float
+    label: str
+    strata: Mapping[str, StratumCertificate]
+    n_requests: int
+    accepted: int
+    runs: Mapping[str, Mapping[str, tuple[int, int, int]]] = field(default_factory=dict)
+    method: str = STRATA_METHOD
+    unit: str = STRATA_UNIT
+
+    @property
+    def certified(self) -> tuple[str, ...]:
+        return tuple(s for s in self.order if s in self.strata and self.strata[s].passed)
+
+    @property
+    def covered(self) -> int:
+        return sum(self.strata[s].n for s in self.certified)
+
+    @property
+    def coverage(self) -> float:
+        return self.covered / self.n_requests if self.n_requests else 0.0
+
+    def allows(self, stratum: str) -> bool:
+        return stratum in self.certified
+
+    def describe(self, stratum: str) -> str:
+        """Why a stratum is refused or allowed, in one line (for the filter's verdicts)."""
+        st = self.strata.get(stratum)
+        if st is None:
+            return (f"stratum {stratum!r} was never certified (no certification request of it; certified: "
+                    f"{', '.join(self.certified) or 'none'})")
+        if not st.tested:
+            return (f"stratum {stratum!r} was not tested: an earlier stratum of the fixed sequence failed "
+                    f"(certified: {', '.join(self.certified) or 'none'})")
+        rel = "≤" if st.passed else ">"
+        return (f"stratum {stratum!r}: (b − c)/n = ({st.k} − {st.c})/{st.n}, U = {st.upper_bound:.4f} {rel} "
+                f"α = {self.alpha}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method, "unit": self.unit, "order": list(self.order), "alpha": self.alpha,
+            "delta": self.delta, "label": self.label, "n_requests": self.n_requests, "accepted": self.accepted,
+            "covered": self.covered, "coverage": self.coverage, "certified": list(self.certified),
+            "strata": {name: self.strata[name].to_dict() for name in sorted(self.strata)},
+            "runs": {r: {s: list(v) for s, v in sorted(d.items())} for r, d in sorted(self.runs.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "strata") -> "StrataCertificate":
+        """Validate a strata document: every bound is recomputed and the fixed sequence replayed (a hand-edited
+        number or verdict does not pass). Raises ValueError naming the field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where} must be an object")
+        if d.get("method") != STRATA_METHOD:
+            raise ValueError(f"{where}.method must be {STRATA_METHOD!r}, got {d.get('method')!r}")
+        order = d.get("order")
+        if not isinstance(order, list) or not order or any(s not in STRATA for s in order) \
+                or len(set(order)) != len(order):
+            raise ValueError(f"{where}.order must list distinct strata of {STRATA}, got {order!r}")
+        alpha, delta, label = d.get("alpha"), d.get("delta"), d.get("label", "excess")
+        for key, v in (("alpha", alpha), ("delta", delta)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+                raise ValueError(f"{where}.{key} must be a number in (0, 1), got {v!r}")
+        if label not in LABELS:
+            raise ValueError(f"{where}.label must be one of {LABELS}, got {label!r}")
+        doc = d.get("strata")
+        if not isinstance(doc, Mapping) or any(name not in STRATA for name in doc):
+            raise ValueError(f"{where}.strata must be an object keyed by strata of {STRATA}")
+        counts = {}
+        for name, st in doc.items():
+            if not isinstance(st, Mapping):
+                raise ValueError(f"{where}.strata[{name!r}] must be an object")
+            vals = [st.get(k) for k in ("n", "k", "c")]
+            if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in vals) or vals[1] + vals[2] > vals[0]:
+                raise ValueError(f"{where}.strata[{name!r}] needs integers n, k, c ≥ 0 with k + c ≤ n, got {vals}")
+            counts[name] = tuple(vals)
+        nreq, acc = d.get("n_requests"), d.get("accepted")
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in (nreq, acc)) \
+                or not sum(c[0] for c in counts.values()) <= acc <= nreq:
+            raise ValueError(f"{where}: n_requests and accepted must be integers with Σ n ≤ accepted ≤ n_requests, "
+                             f"got {nreq!r}, {acc!r}")
+        runs = d.get("runs", {})
+        if not isinstance(runs, Mapping):
+            raise ValueError(f"{where}.runs must be an object")
+        cert = fixed_sequence(counts, tuple(order), float(alpha), float(delta), label, int(nreq), int(acc),
+                              {str(r): {str(s): tuple(int(x) for x in v) for s, v in dict(rs).items()}
+                               for r, rs in runs.items()})
+        for name, st in doc.items():
+            got = cert.strata[name]
+            if "upper_bound" in st and abs(float(st["upper_bound"]) - got.upper_bound) > 1e-9:
+                raise ValueError(f"{where}.strata[{name!r}].upper_bound {st['upper_bound']} does not match the "
+                                 f"recomputed {got.upper_bound:.6f} (edited by hand or corrupted)")
+            if "passed" in st and bool(st["passed"]) != got.passed:
+                raise ValueError(f"{where}.strata[{name!r}].passed is {st['passed']} but the fixed sequence gives "
+                                 f"{got.passed}")
+        if "certified" in d and list(d["certified"]) != list(cert.certified):
+            raise ValueError(f"{where}.certified {d['certified']} does not match the fixed sequence's "
+                             f"{list(cert.certified)}")
+        return cert
+
+
+def fixed_sequence(counts: Mapping[str, tuple[int, int, int]], order: Sequence[str], alpha: float, delta: float,
+                   label: str, n_requests: int, accepted: int,
+                   runs: Mapping[str, Mapping[str, tuple[int, int, int]]] | None = None) -> StrataCertificate:
+    """The strata certificate of per-stratum counts ``{stratum: (n, b, c)}`` (see :class:`StrataCertificate`).
+    A stratum of ``order`` without pairs has n = 0 and U = 1 (it fails, and stops the sequence there); strata in
+    ``counts`` but not in ``order`` are never tested."""
+    _check_alpha_delta(alpha, delta)
+    out: dict[str, StratumCertificate] = {}
+    going = True
+    for name in order:
+        n, k, c = counts.get(name, (0, 0, 0))
+        u = certificate_bound(label, n, k, c if label == "excess" else 0, delta) if n else 1.0
+        ok = going and u <= alpha
+        out[name] = StratumCertificate(name, n, k, c, u, going, ok)
+        going = ok
+    for name, (n, k, c) in counts.items():
+        if name not in out:
+            u = certificate_bound(label, n, k, c if label == "excess" else 0, delta) if n else 1.0
+            out[name] = StratumCertificate(name, n, k, c, u, False, False)
+    return StrataCertificate(tuple(order), float(alpha), float(delta), label, out, int(n_requests), int(accepted),
+                             dict(runs or {}))
+
+
+def certify_strata(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], order: Sequence[str] = STRATA,
+                   alpha: float = 0.05, delta: float = 0.1, label: str = "excess") -> StrataCertificate:
+    """Certify fixed thresholds per stratum (each pair's ``change``) by fixed-sequence testing in ``order``.
+
+    Requests are those of ``pairs_cert``; a request with an exact-repeat candidate ("exact": same prompt, same
+    seed) is left out (in serving it is answered from that entry before the filter). Each accepted request (the rule's
+    choice, :func:`accepted_pairs`) counts in its chosen pair's stratum. Raises CalibrationError when a pair has no
+    ``change`` (write it with scripts/relabel_pairs.py or risk.strata.stratum_of).
+    """
+    if label not in LABELS:
+        raise CalibrationError(f"label must be one of {LABELS}, got {label!r}")
+    bad = sorted({p.request_id for p in pairs_cert if p.change is None})
+    if bad:
+        raise CalibrationError(f"{len(bad)} request(s) have pairs without a 'change' (stratum), e.g. {bad[:3]}: "
+                               "compute it with risk.strata.stratum_of (scripts/relabel_pairs.py writes it)")
+    groups = _by_request(pairs_cert)
+    keep = [p for ps in groups.values() if not any(q.change == EXACT for q in ps) for p in ps]
+    n_req, acc = accepted_pairs(thresholds, keep)
+    counts: dict[str, list[int]] = {}
+    runs: dict[str, dict[str, list[int]]] = {}
+    accepted = 0
+    for p in acc:
+        accepted += 1
+        for d in (counts.setdefault(p.change, [0, 0, 0]),
+                  runs.setdefault(p.request_id.split(":", 1)[0] if ":" in p.request_id else "",
+                                  {}).setdefault(p.change, [0, 0, 0])):
+            d[0] += 1
+            d[1] += int(p.unsafe)
+            d[2] += int(p.better)
+    return fixed_sequence({k: tuple(v) for k, v in counts.items()}, tuple(order), alpha, delta, label, n_req,
+                          accepted, {r: {s: tuple(v) for s, v in d.items()} for r, d in runs.items()})

@@ -16,7 +16,7 @@ threshold and a reason), a one-line summary, and the time the filter took (``fil
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -111,6 +111,35 @@ def _within_recall(
     return (kept[best_sub] if best_sub is not None else None), verdicts
 
 
+def _stratum_gate(rule: RiskRule, items: Sequence[Candidate], best: int | None, verdicts: list[CandidateVerdict],
+                  request: tuple[str, int | None] | None) -> tuple[int | None, list[CandidateVerdict]]:
+    """A rule with per-stratum certificates serves its chosen candidate only when what changed against it (the
+    stratum, :func:`.strata.stratum_of` of the request's and the candidate's prompts and seeds) certified on its
+    own; otherwise the request is served dense (no fall-through to another candidate: the certificates were made
+    on exactly this decision)."""
+    strata = getattr(rule, "strata", None)
+    if strata is None or best is None:
+        return best, verdicts
+    chosen = items[best]
+    if request is None:
+        why = ("rejected: the rule certifies per stratum (what changed against the candidate), which needs this "
+               "request's prompt and seed; none were given to the filter (connect the Early Probe)")
+    else:
+        from .strata import stratum_of
+
+        prompt, seed = request
+        stratum = stratum_of(prompt, chosen.prompt, same_seed=seed is not None and chosen.seed == seed)
+        if strata.allows(stratum):
+            v = verdicts[best]
+            verdicts = list(verdicts)
+            verdicts[best] = replace(v, reason=v.reason + f"; {strata.describe(stratum)} (certified)")
+            return best, verdicts
+        why = f"rejected: passes the rule, but {strata.describe(stratum)} — refused, served dense"
+    verdicts = list(verdicts)
+    verdicts[best] = replace(verdicts[best], accepted=False, reason=why)
+    return None, verdicts
+
+
 def _prompt_mode(items: Sequence[Candidate], threshold: float) -> tuple[int | None, list[CandidateVerdict]]:
     top = select_best((i, c.similarity, 0.0, c.entry_id) for i, c in enumerate(items))
     verdicts = []
@@ -141,6 +170,7 @@ def decide(
     config_fingerprint: str | None = None,
     allow_uncertified: bool = False,
     signature_settings: SignatureSettings | None = None,
+    request: tuple[str, int | None] | None = None,
 ) -> Decision:
     """Decide whether (and which) recalled candidate the request reuses.
 
@@ -188,6 +218,7 @@ def decide(
             )
         rule_id = rule.rule_id
         best, verdicts = _within_recall(target, items, rule, signature_settings)
+        best, verdicts = _stratum_gate(rule, items, best, verdicts, request)
     elif mode == "prompt_only":
         best, verdicts = _prompt_mode(items, float(prompt_threshold))
     else:
@@ -240,6 +271,15 @@ def _summary(
     return f"REJECT → dense: none of {n} candidate(s) passes; {how}; {reasons}{more}; filter {ms:.2f} ms"
 
 
+def request_of(probe: Any) -> tuple[str, int | None] | None:
+    """(prompt, seed) of a probe for the stratum gate; None when the probe carries no prompt."""
+    prompt = getattr(probe, "prompt", None)
+    if not isinstance(prompt, str):
+        return None
+    seed = getattr(probe, "seed", None)
+    return prompt, (int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else None)
+
+
 def probe_fingerprints(probe: Any) -> tuple[str, str]:
     """(model fingerprint, config fingerprint) of a probe (``types.Probe`` or anything with
     ``model_fingerprint: str`` and ``config.fingerprint()``)."""
@@ -267,7 +307,8 @@ def decide_with_rule_file(
     allow_uncertified: bool = False,
     signature_settings: Callable[[RiskRule], SignatureSettings] | None = None,
 ) -> Decision:
-    """What the Risk Filter node runs: resolve ``rule_file`` inside ``rule_roots`` (first match wins; absolute
+    """What the Risk Filter node runs (the probe's prompt and seed are the request for per-stratum rules): resolve
+    ``rule_file`` inside ``rule_roots`` (first match wins; absolute
     paths must lie inside a root), load and validate it (signature mode only), check it applies to the probe's
     model/config (or to the candidates' namespace without a probe), and :func:`decide` — with
     ``signature_settings(rule)`` (the node passes ``request.signature_settings``)."""
@@ -291,6 +332,7 @@ def decide_with_rule_file(
             allow_uncertified=allow_uncertified,
             signature_settings=signature_settings(rule) if signature_settings is not None and rule is not None
             else None,
+            request=request_of(probe),
         )
     except RuleMismatchError as e:
         # The usual cause is a rule picked for another MODEL of the same family (e.g. the plain model's rule on
@@ -341,5 +383,5 @@ def applicable_rule_files(
     return found
 
 
-__all__ = ["MODES", "UNCERTIFIED_BANNER", "applicable_rule_files", "decide", "decide_with_rule_file",
+__all__ = ["MODES", "UNCERTIFIED_BANNER", "applicable_rule_files", "decide", "decide_with_rule_file", "request_of",
            "probe_fingerprints"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..types import stable_digest
-from .certify import Certificate
+from .certify import Certificate, StrataCertificate
 from .thresholds import Thresholds
 
 RULE_FORMAT = "carnator-risk-rule"
@@ -84,6 +84,10 @@ class RiskRule:
     recall_min_similarity: float | None = None
     reuse_config: Mapping[str, Any] | None = None
     signature_config: Mapping[str, Any] | None = None
+    # Per-stratum certificates (certify.StrataCertificate): when present the filter serves a request from its chosen
+    # candidate only if what changed against it (risk.strata.stratum_of) is a certified stratum. None = not recorded
+    # (the rule is certified on average only, as every rule before per-stratum certificates).
+    strata: StrataCertificate | None = None
     source: str = field(default="", compare=False)  # the file it was loaded from (not serialised)
 
     # ------------------------------------------------------------------ identity and applicability
@@ -168,6 +172,8 @@ class RiskRule:
             out["reuse"] = dict(self.reuse_config)
         if self.signature_config is not None:  # absent = the defaults (every rule made before it was recorded)
             out["signature"] = dict(self.signature_config)
+        if self.strata is not None:  # absent in rules certified on average only
+            out["strata"] = self.strata.to_dict()
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -241,6 +247,12 @@ class RiskRule:
                          if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))))
             if odd:
                 raise bad(f"reuse fields must have scalar values; not so: {odd}")
+        strata = None
+        if data.get("strata") is not None:
+            try:
+                strata = StrataCertificate.from_dict(data["strata"])
+            except ValueError as e:
+                raise bad(str(e)) from None
         rule = cls(
             thresholds=thresholds,
             certificate=cert,
@@ -255,6 +267,7 @@ class RiskRule:
             recall_min_similarity=recall_min,
             reuse_config=dict(reuse) if reuse is not None else None,
             signature_config=dict(sig_meta) if sig_meta is not None else None,
+            strata=strata,
             source=source,
         )
         if not allow_uncertified:

@@ -1,0 +1,130 @@
+"""Per-stratum certificates: fixed-sequence testing over the strata, the rule file's "strata" section (recomputed on
+load, never trusted), and the filter refusing a candidate whose stratum did not certify."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from test_risk_discrepancy import obj, sig
+from test_risk_rule import make_rule
+
+from carnator.carnator_core.risk.bounds import excess_upper_bound
+from carnator.carnator_core.risk.certify import (
+    CalibrationError,
+    LabelledPair,
+    StrataCertificate,
+    certify_strata,
+    fixed_sequence,
+)
+from carnator.carnator_core.risk.filter import decide
+from carnator.carnator_core.risk.rule import RiskRule, RuleFormatError
+from carnator.carnator_core.risk.thresholds import Thresholds
+from carnator.carnator_core.types import Candidate, Candidates
+
+TH = Thresholds(context=5.0, size=0.3, shape=0.4, appearance=10.0)
+
+
+def pair(rid: str, change: str, unsafe: bool = False, better: bool = False, *, ok: bool = True, sim: float = 0.9,
+         entry: str = "e") -> LabelledPair:
+    """A pair the thresholds accept (ok) or reject (context above its threshold)."""
+    return LabelledPair(rid, entry, sim, 1.0 if ok else 50.0, 0.1, 0.1, 1.0, False, unsafe, better=better,
+                        change=change)
+
+
+def test_fixed_sequence_stops_at_the_first_failure():
+    counts = {"size": (60, 0, 0), "colour": (60, 1, 0), "motion": (60, 9, 0), "reseed": (80, 0, 0)}
+    cert = fixed_sequence(counts, ("size", "colour", "motion", "reseed"), 0.05, 0.1, "excess", 300, 260)
+    assert cert.strata["size"].passed and cert.strata["size"].upper_bound == pytest.approx(
+        excess_upper_bound(60, 0, 0, 0.1))
+    # colour: b = 1 of 60 does not reach 0.05 at n = 60, so the sequence stops there: reseed is never tested
+    assert not cert.strata["colour"].passed and cert.strata["colour"].tested
+    assert not cert.strata["motion"].tested and not cert.strata["reseed"].tested
+    assert cert.certified == ("size",) and cert.covered == 60 and cert.coverage == pytest.approx(0.2)
+    # in another order reseed certifies too: the order is part of the procedure, fixed before the data
+    cert2 = fixed_sequence(counts, ("reseed", "size", "colour"), 0.05, 0.1, "excess", 300, 260)
+    assert cert2.certified == ("reseed", "size")
+    # a stratum of the order without data fails (n = 0, U = 1) and stops the sequence
+    assert fixed_sequence({"size": (60, 0, 0)}, ("colour", "size"), 0.05, 0.1, "excess", 60, 60).certified == ()
+    # strata with data that the order does not list are never certified
+    assert fixed_sequence(counts, ("size",), 0.05, 0.1, "excess", 300, 260).strata["reseed"].tested is False
+
+
+def test_certify_strata_counts_the_rules_choice_and_leaves_exact_repeats_out():
+    pairs = []
+    for i in range(50):  # 50 size edits, accepted and safe
+        pairs.append(pair(f"s1:q{i}", "size"))
+    for i in range(50):  # 50 motion edits, accepted; 5 unsafe, 1 better
+        pairs.append(pair(f"s2:m{i}", "motion", unsafe=i < 5, better=i == 7))
+    for i in range(10):  # rejected by the thresholds: no stratum counts them
+        pairs.append(pair(f"s1:r{i}", "colour", unsafe=True, ok=False))
+    # an exact-repeat request (with another candidate as well): out of n entirely
+    pairs += [pair("s1:x", "exact", entry="a", sim=1.0), pair("s1:x", "rewording", unsafe=True, entry="b", sim=0.8)]
+    cert = certify_strata(TH, pairs, order=("size", "motion", "colour"))
+    assert cert.n_requests == 110 and cert.accepted == 100
+    assert (cert.strata["size"].n, cert.strata["size"].k, cert.strata["size"].c) == (50, 0, 0)
+    assert (cert.strata["motion"].n, cert.strata["motion"].k, cert.strata["motion"].c) == (50, 5, 1)
+    assert cert.certified == ("size",) and not cert.strata["motion"].passed
+    assert cert.runs == {"s1": {"size": (50, 0, 0)}, "s2": {"motion": (50, 5, 1)}}
+    with pytest.raises(CalibrationError, match="without a 'change'"):
+        certify_strata(TH, [dataclasses.replace(pairs[0], change=None)])
+
+
+def _rule_with(strata: StrataCertificate) -> RiskRule:
+    return dataclasses.replace(make_rule(thresholds=TH), strata=strata)
+
+
+def test_rule_file_round_trip_and_recomputation(tmp_path):
+    cert = fixed_sequence({"size": (60, 0, 0), "reseed": (70, 0, 0), "motion": (40, 4, 0)},
+                          ("size", "reseed", "motion"), 0.05, 0.1, "excess", 200, 170)
+    rule = _rule_with(cert)
+    path = rule.save(tmp_path / "r.json")
+    back = RiskRule.load(path)
+    assert back.strata is not None and back.strata.certified == ("size", "reseed")
+    assert back.strata.to_dict() == cert.to_dict() and back.rule_id == rule.rule_id
+    doc = json.loads(path.read_text())
+    # a hand-edited bound, verdict or certified list does not load
+    for edit in (lambda d: d["strata"]["strata"]["motion"].update(upper_bound=0.01),
+                 lambda d: d["strata"]["strata"]["motion"].update(passed=True),
+                 lambda d: d["strata"].update(certified=["size", "reseed", "motion"]),
+                 lambda d: d["strata"]["strata"]["motion"].update(k=0),  # changes U: recomputed bound mismatch
+                 lambda d: d["strata"].update(order=["size", "reseed", "teleport"]),
+                 lambda d: d["strata"].update(method="bonferroni")):
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        with pytest.raises(RuleFormatError):
+            RiskRule.from_json(bad)
+    # a rule without the section still loads (certified on average only)
+    del doc["strata"]
+    assert RiskRule.from_json(doc).strata is None
+
+
+def _cand(entry_id: str, prompt: str, seed: int, similarity: float = 0.95) -> Candidate:
+    return Candidate(entry_id=entry_id, similarity=similarity, prompt=prompt, signature=sig(obj("ball")), seed=seed)
+
+
+def test_filter_refuses_a_candidate_whose_stratum_did_not_certify():
+    rule = _rule_with(fixed_sequence({"reseed": (60, 0, 0), "motion": (60, 9, 0)}, ("reseed", "motion"), 0.05,
+                                     0.1, "excess", 120, 120))
+    target = sig(obj("ball"))
+    prompt = "a big red ball moves to the right in the center, on green grass"
+    ns = rule.namespace
+    # same prompt, another seed: reseed certified -> accepted, and the verdict names the stratum
+    d = decide(target, Candidates(ns, (_cand("a", prompt, 2),)), rule, request=(prompt, 1))
+    assert d.accepted and "'reseed'" in d.verdicts[0].reason
+    # a motion edit: passes the thresholds, but motion did not certify -> dense, and says why
+    moved = prompt.replace("moves to the right", "moves up")
+    d = decide(target, Candidates(ns, (_cand("b", moved, 1),)), rule, request=(prompt, 1))
+    assert not d.accepted and "'motion'" in d.verdicts[0].reason and "refused" in d.verdicts[0].reason
+    assert "REJECT" in d.summary
+    # no fall-through: a certified candidate ranked below the refused choice is not served instead
+    d = decide(target, Candidates(ns, (_cand("b", moved, 1, 0.99), _cand("a", prompt, 2, 0.9))), rule,
+               request=(prompt, 1))
+    assert not d.accepted
+    # without the request's prompt the filter cannot tell the stratum: refused, with the way out
+    d = decide(target, Candidates(ns, (_cand("a", prompt, 2),)), rule)
+    assert not d.accepted and "Early Probe" in d.verdicts[0].reason
+    # a rule without strata decides as before
+    d = decide(target, Candidates(ns, (_cand("b", moved, 1),)), make_rule(thresholds=TH), request=(prompt, 1))
+    assert d.accepted
+
