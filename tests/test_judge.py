@@ -158,3 +158,12 @@ def test_judge_for_picks_and_refuses():
         judge_for(None, "wan21", {"sigma": 0.3}, encode=lambda p: p)
     with pytest.raises(ValueError, match="unknown judge"):
         judge_for(None, "wan21", {"judge": "oracle"})
+    with pytest.raises(ValueError, match="needs settings\\['weights'\\]"):
+        judge_for(None, "wan21", {"judge": "detector"})
+
+
+def test_judge_for_optional_judge_without_weights_says_so(tmp_path):
+    from carnator.carnator_core.judge.optional import OptionalJudgeUnavailable
+
+    with pytest.raises(OptionalJudgeUnavailable, match="never downloads"):
+        judge_for(None, "wan21", {"judge": "alignment", "weights": "siglip-base", "models_dir": str(tmp_path)})

@@ -34,7 +34,9 @@ def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] |
       (prompt -> CONDITIONING) and, to read objects, ``text_encoder`` (the CLIP); ``second_model`` +
       ``switch_sigma`` for a two-expert pair. ``settings``: ``sigmas``, ``layers``, ``support_mass``,
       ``thresholds`` (``native.NativeSettings``).
-    - ``settings["judge"]`` forces one: "checker", "native" or "tolerance" (``metric``, ``threshold``).
+    - ``settings["judge"]`` forces one: "checker", "native", "tolerance" (``metric``, ``threshold``), or an optional
+      weight-backed judge, "detector" (OWLv2) or "alignment" (SigLIP): ``weights`` (a folder, or a name under
+      ``models_dir``/carnator_judges), ``models_dir`` (ComfyUI's models folder); never downloaded.
     Raises ValueError naming what is missing."""
     settings = dict(settings or {})
     kind = settings.pop("judge", None)
@@ -64,4 +66,13 @@ def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] |
         cfg = NativeSettings(**{k: (tuple(v) if k in ("sigmas", "layers") else v) for k, v in settings.items()})
         return NativeJudge(model, encode, text_encoder, vae_encode=vae_encode, second_model=second_model,
                            switch_sigma=switch_sigma, settings=cfg)
-    raise ValueError(f"unknown judge {kind!r}; choose 'checker', 'native' or 'tolerance'")
+    if kind in ("detector", "alignment"):
+        from .optional import AlignmentJudge, DetectorJudge
+
+        if "weights" not in settings:
+            raise ValueError(f"the {kind} judge needs settings['weights']: a folder of transformers weights, or its "
+                             "name under <ComfyUI models>/carnator_judges (pass models_dir)")
+        cls = DetectorJudge if kind == "detector" else AlignmentJudge
+        extra = {k: v for k, v in settings.items() if k not in ("weights", "models_dir")}
+        return cls.load(settings["weights"], settings.get("models_dir"), **extra)
+    raise ValueError(f"unknown judge {kind!r}; choose 'checker', 'native', 'tolerance', 'detector' or 'alignment'")
