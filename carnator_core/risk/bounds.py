@@ -38,12 +38,20 @@ from scipy.special import gammaln
 from scipy.stats import beta as _beta, norm as _norm
 
 __all__ = [
+    "EXACT_MAX_N",
     "clopper_pearson_upper",
     "clopper_pearson_lower",
     "excess_upper_bound",
     "excess_upper_bound_union",
     "excess_upper_bound_approx",
 ]
+
+
+#: Largest n whose exact excess bound is computed. Its cost grows like n² (an (n+1)² table of outcomes, searched
+#: for every bisection step): about 5 s at n = 1,200 and 196 s at n = 4,000 on a 2-core CPU (BENCHMARKS.md,
+#: scripts/bench/bound_cost.py). Above it ``excess_upper_bound`` returns the union bound, which is valid at the
+#: same confidence and never below the exact one, in constant time. Every shipped rule has n ≤ 1,047.
+EXACT_MAX_N = 1200
 
 
 def _check(k: int, n: int, delta: float, name: str = "k") -> tuple[int, int, float]:
@@ -166,11 +174,15 @@ def excess_upper_bound(n: int, b: int, c: int, delta: float, tol: float = 1e-4) 
     sup_q P_{Δ0, q}(approx(B, C) ≤ approx(b, c)) ≤ δ, and the bound is the largest Δ0 ≥ 0 it does not reject
     (bisection, then a check of a grid above the result so a non-monotone p-value cannot hide a larger
     non-rejected Δ0). Returns a value in [0, 1], rounded up to ``tol``; n = 0 gives 1 (no evidence).
-    Cost grows like n²: about a second at n = 600.
+    Cost grows like n²: about a second at n = 600. Above ``EXACT_MAX_N`` the cost is bounded instead: the union
+    bound :func:`excess_upper_bound_union` (clamped to [0, 1]) is returned, valid at the same confidence and
+    looser, so a rule file claiming a huge n cannot make a rule load take minutes (or exhaust memory).
     """
     n, b, c, delta = _check_bc(n, b, c, delta)
     if n == 0:
         return 1.0
+    if n > EXACT_MAX_N:
+        return min(1.0, max(0.0, excess_upper_bound_union(n, b, c, delta)))
     bb, cc, logc = _outcomes(n)
     stat = excess_upper_bound_approx(n, bb, cc, delta)
     obs = excess_upper_bound_approx(n, b, c, delta)

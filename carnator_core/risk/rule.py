@@ -14,12 +14,21 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..types import stable_digest
+from .bounds import EXACT_MAX_N
 from .certify import Certificate, StrataCertificate
 from .thresholds import Thresholds
 
 RULE_FORMAT = "carnator-risk-rule"
 SCHEMA_VERSION = 1
 MAX_RULE_BYTES = 16 << 20  # a rule is a few KB; refuse to parse anything absurd
+# Plausible sizes of a certificate, checked before any bound is computed (a bound is recomputed at every load, not
+# trusted): counts of labelled requests far beyond any calibration run, more strata than the runtime can observe,
+# or more exact-bound work than four times the largest exact bound are refused (a rule with
+# nested strata and per-stratum certificates at n = EXACT_MAX_N needs about three). The exact excess bound costs
+# ~n² (``bounds.EXACT_MAX_N``), so a rule's total exact work Σ n² over its certificate and strata is capped.
+MAX_CERTIFIED_N = 1_000_000
+MAX_STRATA = 64
+MAX_EXACT_WORK = 4 * EXACT_MAX_N**2
 
 #: How to make a rule, quoted in every refusal so the user knows the way out.
 CALIBRATE_HINT = (
@@ -209,6 +218,9 @@ class RiskRule:
         except (ValueError, TypeError) as e:
             raise bad(str(e)) from None
 
+        problem = rule_size_problem(data)
+        if problem:
+            raise bad(problem)
         try:
             cert = Certificate.from_dict(data["certificate"])
         except ValueError as e:
@@ -296,3 +308,71 @@ class RiskRule:
             raise RuleFormatError(f"risk rule {shown!r} cannot be read ({e.strerror or e}). "
                                   + CALIBRATE_HINT) from None
         return cls.from_json(data, source=str(path), allow_uncertified=allow_uncertified)
+
+
+def rule_size_problem(data: Mapping[str, Any]) -> str | None:
+    """Why a rule document's sizes are implausible, or None. Checked before any bound is computed (every load
+    recomputes them: ``Certificate.from_dict``, ``StrataCertificate.from_dict``): counts are integers in
+    [0, ``MAX_CERTIFIED_N``] with k + c ≤ n ≤ n_requests, at most ``MAX_STRATA`` strata in all (each no larger
+    than the certificate it restricts), and the exact bounds the file implies cost at most ``MAX_EXACT_WORK``
+    (Σ n² over the excess bounds with n ≤ ``EXACT_MAX_N``; larger ones get the constant-time union bound).
+    Malformed fields are left to the ``from_dict`` messages."""
+    work = 0
+    count = 0
+
+    def sizes(doc: Mapping[str, Any], name: str, keys: tuple[str, ...]) -> dict[str, int] | str | None:
+        out = {}
+        for key in keys:
+            v = doc.get(key, 0)
+            if not isinstance(v, int) or isinstance(v, bool):
+                return None
+            if not 0 <= v <= MAX_CERTIFIED_N:
+                return (f"{name}.{key} = {v} is implausible (a certificate counts at most {MAX_CERTIFIED_N:,} "
+                        "labelled requests); the file is corrupt or was not made by Carnator's calibration")
+            out[key] = v
+        return out
+
+    def exact(label: Any, n: int) -> int:
+        return n * n if label == "excess" and n <= EXACT_MAX_N else 0
+
+    stack: list[tuple[Any, str, int | None]] = [(data.get("certificate"), "certificate", None)]
+    while stack:
+        cert, name, parent_n = stack.pop()
+        if not isinstance(cert, Mapping):
+            continue  # from_dict says what is wrong
+        got = sizes(cert, name, ("n", "k", "c", "n_requests"))
+        if not isinstance(got, dict):
+            return got
+        n = got["n"]
+        if got["k"] + got["c"] > n or n > got["n_requests"]:
+            continue  # from_dict names the inconsistency
+        if parent_n is not None and n > parent_n:
+            return f"{name} (a stratum) has n = {n}, more than the {parent_n} requests of the certificate it restricts"
+        work += exact(cert.get("label", "unsafe"), n)
+        strata = cert.get("strata") or {}
+        if isinstance(strata, Mapping):
+            count += len(strata)
+            if count > MAX_STRATA:
+                return f"the rule has more than {MAX_STRATA} strata; the runtime observes far fewer kinds of request"
+            stack.extend((sub, f"{name}.strata[{str(key)[:40]!r}]", n) for key, sub in strata.items())
+    doc = data.get("strata")
+    if isinstance(doc, Mapping):
+        top = sizes(doc, "strata", ("n_requests", "accepted"))
+        if not isinstance(top, dict):
+            return top
+        per = doc.get("strata")
+        if isinstance(per, Mapping):
+            count += len(per)
+            if count > MAX_STRATA:
+                return f"the rule has more than {MAX_STRATA} strata; the runtime observes far fewer kinds of request"
+            for key, st in per.items():
+                if not isinstance(st, Mapping):
+                    continue
+                got = sizes(st, f"strata.strata[{str(key)[:40]!r}]", ("n", "k", "c"))
+                if not isinstance(got, dict):
+                    return got
+                work += exact(doc.get("label", "excess"), got["n"])
+    if work > MAX_EXACT_WORK:
+        return (f"the rule's exact bounds would cost Σ n² = {work:,} (at most {MAX_EXACT_WORK:,}: four exact bounds "
+                f"at n = {EXACT_MAX_N}); the file claims more labelled requests than a calibration run produces")
+    return None
