@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -194,3 +195,33 @@ def test_a_read_only_cache_serves_recalls_and_repeats_and_writes_nothing(mounted
     rw = Store.open(mounted / "cache", key_path=tmp_path / "k")
     assert not rw.read_only and rw.load(rw.put(make_entry(21))).prompt == "prompt 21"
     rw.close()
+
+
+# ------------------------------------------------------------------------------------------ 3. a wrong row size
+@pytest.mark.parametrize("delta", [+100, -7])
+@pytest.mark.parametrize("first", ["load", "candidates"])
+def test_a_wrong_size_in_a_catalogue_row_is_corrected_from_the_file(tmp_path, caplog, delta, first):
+    """The row says the file has another size than it has; the file's own header and checksums say it is whole:
+    the entry is served and the row corrected, nothing is quarantined. (A file that really is truncated is still
+    quarantined: test_cache_store.test_corrupt_entry_is_quarantined.)"""
+    st = open_store(tmp_path)
+    emb = np.ones(DIM, np.float32)
+    eid = st.put(make_entry(1, emb=emb))
+    other = st.put(make_entry(2, emb=-emb))
+    size = (tmp_path / "cache" / "entries" / NS / f"{eid}.safetensors").stat().st_size
+    st.close()
+    db = sqlite3.connect(tmp_path / "cache" / "catalog.sqlite3")
+    db.execute("UPDATE entries SET nbytes=nbytes+? WHERE id=?", (delta, eid))
+    db.commit()
+    db.close()
+    st = open_store(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        if first == "candidates":
+            assert eid in [c.entry_id for c in st.candidates(NS, emb, k=2).items]
+        assert st.load(eid).prompt == "prompt 1"
+        assert eid in [c.entry_id for c in st.candidates(NS, emb, k=2).items]
+    assert sorted(st.entry_ids()) == sorted([eid, other])
+    assert not list((tmp_path / "cache" / "quarantine").rglob("*.safetensors"))
+    assert st.stats().bytes == size + (tmp_path / "cache" / "entries" / NS / f"{other}.safetensors").stat().st_size
+    assert st.verify(deep=True).ok
+    assert sum("size" in r.getMessage() for r in carnator_warnings(caplog)) == 1

@@ -746,3 +746,24 @@ def test_a_full_redis_refuses_writes_as_full_and_keeps_serving(tmp_path):
         st.close()
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("delta", [+100, -7])
+def test_a_wrong_size_in_a_row_is_corrected_from_the_entry(redis_url, caplog, delta):
+    """The row (and the byte total with it) records another size than the entry's bytes have; the bytes verify
+    against their own header and checksums: served, the row corrected, nothing quarantined."""
+    st = store(redis_url)
+    eid = st.put(make_entry(1))
+    size = st.stats().bytes
+    c = rs.redis.Redis.from_url(redis_url)
+    p = f"{rs.PREFIX}:{{{NS_A}}}:"
+    c.hincrby(p + f"e:{eid}", "nbytes", delta)
+    c.incrby(p + "bytes", delta)
+    assert st.verify().ok and st.stats().bytes == size + delta
+    with caplog.at_level(logging.WARNING, logger="carnator"):
+        assert st.load(eid).prompt == "prompt 1"
+        assert st.load(eid, count_hit=False).nbytes == size
+    assert st.entry_ids() == [eid] and st.stats().quarantined == 0
+    assert st.stats().bytes == size and st.verify(deep=True).ok
+    assert sum("size" in r.getMessage() for r in carnator_warnings(caplog)) == 1
+    c.close()

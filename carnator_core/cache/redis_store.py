@@ -288,6 +288,17 @@ end
 return n
 """
 
+# ARGV: id, recorded size, actual size. Corrects a row whose size disagrees with its (verified) bytes, and the
+# namespace's byte total with it; only if the row still records that size. Returns 1 if corrected.
+_FIX_SIZE = """
+local p = KEYS[1]
+local e = p .. 'e:' .. ARGV[1]
+if redis.call('HGET', e, 'nbytes') ~= ARGV[2] then return 0 end
+redis.call('HSET', e, 'nbytes', ARGV[3])
+redis.call('INCRBY', p .. 'bytes', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+return 1
+"""
+
 _MAX_UPDATE = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
@@ -348,7 +359,8 @@ class RedisStore:
         self._closed = False
         self._scripts = {name: client.register_script(src) for name, src in
                          (("publish", _PUBLISH), ("delete", _DELETE), ("hit", _HIT), ("purge", _PURGE),
-                          ("max", _MAX_UPDATE), ("unlock", _UNLOCK), ("forget", _FORGET_REQUESTS))}
+                          ("max", _MAX_UPDATE), ("unlock", _UNLOCK), ("forget", _FORGET_REQUESTS),
+                          ("fix_size", _FIX_SIZE))}
         # Fault injection for crash tests: called with a stage name ("after_stage", "after_publish") in put().
         self._fault: Callable[[str], None] | None = None
 
@@ -797,9 +809,14 @@ class RedisStore:
             if len(chunks) != int(nchunks):
                 raise EntryFormatError(f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)")
             blob = b"".join(chunks)
-            if len(blob) != int(nbytes):
-                raise EntryFormatError(f"value is {len(blob)} bytes, the catalogue recorded {nbytes} (truncated?)")
-            dec = decode_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest)
+            # The bytes' own header and checksums decide whether the entry is whole; a row whose size disagrees
+            # with bytes that verify is what is wrong, and is corrected below.
+            try:
+                dec = decode_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest)
+            except EntryFormatError as e:
+                if len(blob) != int(nbytes):
+                    raise EntryFormatError(f"value is {len(blob)} bytes, the row recorded {nbytes}: {e}") from None
+                raise
         except ValueError as e:  # EntryFormatError, or a row field that is not a number: "quarantine"
             if self._full and not self._call(lambda: self._r.exists(p + f"e:{entry_id}")):
                 raise self._gone(entry_id) from None  # a plain (non-transaction) read torn by a delete
@@ -810,6 +827,14 @@ class RedisStore:
                 f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
                 "the two fingerprints share a namespace key prefix; it is never reused across models. Purge the "
                 "namespace or use another Redis database.")
+        if len(blob) != int(nbytes):
+            log.warning("carnator cache: the row of entry %s recorded %s bytes but its value (which verifies) has "
+                        "%d; the recorded size was corrected", entry_id, nbytes, len(blob))
+            try:
+                self._call(lambda: self._scripts["fix_size"](keys=[p], args=[entry_id, nbytes, len(blob)]))
+            except (CacheReadOnlyError, CacheFullError):
+                pass  # best-effort: served all the same
+            nbytes = str(len(blob))
         hits_now = int(hits)
         if count_hit:
             bumped = self._bump(entry_id, ns)

@@ -47,7 +47,9 @@ Contracts
   never leave the public methods. A damaged catalogue found mid-operation is rebuilt at once and the call
   fails with ``CatalogError`` ("retry").
 * **Corruption.** A file that fails to parse, is truncated, or does not match its checksums is moved to
-  ``quarantine/`` with one warning, removed from the catalogue and reported as ``CorruptEntryError``.
+  ``quarantine/`` with one warning, removed from the catalogue and reported as ``CorruptEntryError``. The file's
+  own header and checksums decide: a row whose recorded size disagrees with a file that verifies is corrected
+  (one warning), never a reason to quarantine an intact entry.
 * **Concurrency.** SQLite WAL + ``BEGIN IMMEDIATE`` serialise writers across processes (``busy_timeout`` 60 s);
   readers see consistent snapshots. A process notices a catalogue swapped in by another (inode change) before
   its next transaction. Each process keeps its own in-memory FAISS index per namespace and brings it up to date
@@ -1096,11 +1098,15 @@ class Store:
         except FileNotFoundError:
             raise self._vanished(entry_id, seq) from None
         try:
-            if len(data) != nbytes:
-                raise EntryFormatError(f"file is {len(data)} bytes, the catalogue recorded {nbytes} (truncated?)")
+            # The file's own header and checksums decide whether it is whole (a truncated file fails them); a row
+            # whose size disagrees with a file that verifies is what is wrong, and is corrected.
             dec: DecodedEntry = decode_entry(data, entry_id=entry_id, namespace=ns, meta_digest=meta_digest)
         except EntryFormatError as e:
+            if len(data) != nbytes:
+                e = EntryFormatError(f"file is {len(data)} bytes, the catalogue recorded {nbytes}: {e}")
             raise self._quarantine(entry_id, ns, str(e)) from None
+        if len(data) != nbytes:
+            nbytes = self._fix_size(seq, entry_id, int(nbytes), len(data))
         if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
             raise NamespaceMismatchError(
                 f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
@@ -1125,7 +1131,9 @@ class Store:
         ns, nbytes, meta_digest = row[1], row[4], row[5]
         path = self._entry_path(ns, entry_id)
         try:
-            meta, meta_json, parts = read_entry_parts(path, None, prefix="sig.", expect_size=nbytes)
+            # No expect_size: the header describes the file's size and every tensor read is checksummed, so a
+            # truncated file fails here, and a row whose size disagrees with a whole file is corrected below.
+            meta, meta_json, parts = read_entry_parts(path, None, prefix="sig.")
         except FileNotFoundError:
             raise self._vanished(entry_id, row[0]) from None
         except Exception as e:  # noqa: BLE001 - any defect of a file from disk means "quarantine"
@@ -1137,8 +1145,22 @@ class Store:
             sig = signature_from(meta, {k: torch.from_numpy(v) for k, v in parts.items()})
         except Exception as e:  # noqa: BLE001
             raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
+        size = path.stat().st_size
+        if size != nbytes:
+            self._fix_size(row[0], entry_id, int(nbytes), size)
         self._sigs.put(entry_id, sig, sum(a.nbytes for a in parts.values()))
         return sig
+
+    def _fix_size(self, seq: int, entry_id: str, recorded: int, actual: int) -> int:
+        """A row recorded another size than its entry file has, and the file verified against its own header and
+        checksums: correct the row (best-effort; it is what budgets and eviction add up). Returns ``actual``."""
+        log.warning("carnator cache: the catalogue recorded %d bytes for entry %s but its file (which verifies) has "
+                    "%d; the recorded size was corrected", recorded, entry_id, actual)
+        with self._best_effort("correct an entry's recorded size"):
+            with self._write() as c:  # the LCBFU value per byte changes with the size; its clock L stays
+                c.execute("UPDATE entries SET priority=priority-carnator_priority(0, hits, work, nbytes)"
+                          "+carnator_priority(0, hits, work, ?), nbytes=? WHERE seq=?", (actual, actual, seq))
+        return actual
 
     def _forget_sig(self, entry_id: str) -> None:
         self._sigs.discard(entry_id)
