@@ -383,7 +383,9 @@ def recall(store: Any, probe: Probe, top_k: int = DEFAULT_TOP_K,
     kwargs: dict[str, Any] = {"min_similarity": float(min_similarity)}
     if "model_fingerprint" in inspect.signature(store.candidates).parameters:  # the store compares it on read
         kwargs["model_fingerprint"] = probe.model_fingerprint
-    return store.candidates(ns, probe.embedding, int(top_k), **kwargs)
+    found = store.candidates(ns, probe.embedding, int(top_k), **kwargs)
+    # Record the recall the candidates came from: the filter checks it covers the rule's certified candidate set.
+    return replace(found, k=int(top_k), min_similarity=float(min_similarity))
 
 
 def exact_decision(candidates: Candidates | None) -> Decision | None:

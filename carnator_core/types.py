@@ -302,6 +302,11 @@ class Candidates:
     retrieval_ms: float = 0.0
     note: str = ""
     answered: "ExactAnswer | None" = None  # an exact repeat answered before the probe: passed through, no recall
+    # The recall that produced these candidates (request.recall sets them): top-``k`` of at least ``min_similarity``.
+    # The Risk Filter refuses a recall narrower than the rule's (its certificate is about the rule's candidate set).
+    # None = not recorded (candidates built elsewhere, e.g. in tests or by older code).
+    k: int | None = None
+    min_similarity: float | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ..carnator_core.learn.rulefile import from_doc as learned_from_doc, read_if
 from ..carnator_core.learn.runtime import learning_decision
 from ..carnator_core.paths import PathNotAllowedError, resolve_confined
 from ..carnator_core.request import exact_decision, signature_settings
-from ..carnator_core.risk.filter import MODES, decide_with_rule_file, probe_fingerprints
+from ..carnator_core.risk.filter import MODES, decide_with_rule_file, probe_fingerprints, recall_problem
 from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
 from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError
 from ._api import CANDIDATES, DECISION, PROBE, SIGNATURE, io
@@ -131,6 +131,8 @@ class CarnatorRiskFilter(io.ComfyNode):
                         allow_uncertified: bool | None = None) -> bool | str:
         # At POST /prompt: a missing, unreadable or uncertified rule file is a 400 before anything runs. Naming
         # `mode` turns off ComfyUI's own combo check for it, so it is checked here.
+        if isinstance(rule_file, str) and rule_file.startswith(RECALL_REFUSED):
+            return rule_file[len(RECALL_REFUSED):]  # check_recall_at_queue found the Retriever too narrow
         if mode is None or rule_file is None:  # linked from another node: checked at execution
             return True
         if mode not in MODES:
@@ -272,5 +274,65 @@ class CarnatorCalibrateRule(io.ComfyNode):
         text = report.text()
         return io.NodeOutput(text, ui={"text": [text]})
 
+
+#: Marks a Risk Filter whose Retriever recalls fewer candidates than its rule was certified on (set by
+#: :func:`check_recall_at_queue`, read by ``validate_inputs``: the prompt is refused with the message that follows).
+RECALL_REFUSED = "\x00carnator-recall-refused:"
+
+
+def check_recall_at_queue(json_data: Any) -> Any:
+    """ComfyUI on-prompt handler (runs on POST /prompt before validation): for every Risk Filter in signature mode
+    fed directly by a Cache Retriever, both with literal settings, refuse the prompt when the Retriever's k is below
+    the rule's certified recall K or its min_similarity above the rule's minimum. Node validation sees one node's
+    inputs only, so the handler marks the filter's ``rule_file`` with :data:`RECALL_REFUSED` + the reason and the
+    filter's ``validate_inputs`` turns that into a 400 naming the fix. Linked (computed) settings are checked at
+    execution instead (``risk.filter.decide`` raises RecallNarrowedError). Never raises: a graph it cannot read is
+    left to ComfyUI's own validation."""
+    try:
+        graph = json_data.get("prompt") if isinstance(json_data, dict) else None
+        if not isinstance(graph, dict):
+            return json_data
+        for node in graph.values():
+            if not isinstance(node, dict) or node.get("class_type") != "CarnatorRiskFilter":
+                continue
+            inputs = node.get("inputs") or {}
+            rule_file, link = inputs.get("rule_file"), inputs.get("candidates")
+            if inputs.get("mode", "signature") != "signature" or not isinstance(rule_file, str) \
+                    or not isinstance(link, list) or not link:
+                continue
+            source = graph.get(str(link[0]))
+            if not isinstance(source, dict) or source.get("class_type") != "CarnatorCacheRetriever":
+                continue
+            k, floor = (source.get("inputs") or {}).get("k"), (source.get("inputs") or {}).get("min_similarity")
+            if isinstance(k, list) or isinstance(floor, list):
+                continue  # linked: checked at execution
+            try:
+                path = rule_path(rule_file)
+                if path is None or read_if_learned(path) is not None:
+                    continue  # learning mode / learned rule: no certified recall to cover
+                rule = RiskRule.load(path, allow_uncertified=bool(inputs.get("allow_uncertified", False)))
+            except (PathNotAllowedError, RuleError, OSError, ValueError):
+                continue  # validate_inputs reports those
+            problem = recall_problem(rule, int(k) if isinstance(k, (int, float)) else None,
+                                     float(floor) if isinstance(floor, (int, float)) else None)
+            if problem is not None:
+                inputs["rule_file"] = RECALL_REFUSED + f"Cache Retriever (node {link[0]}): {problem}"
+    except Exception:  # noqa: BLE001 — a queue-time courtesy; execution enforces the same check
+        return json_data
+    return json_data
+
+
+def _register_on_prompt() -> None:
+    import sys
+
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None or getattr(instance, "_carnator_recall_check", False):
+        return
+    instance.add_on_prompt_handler(check_recall_at_queue)
+    instance._carnator_recall_check = True
+
+
+_register_on_prompt()
 
 NODES = [CarnatorRiskFilter, CarnatorCalibrateRule]

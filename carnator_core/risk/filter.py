@@ -111,6 +111,29 @@ def _within_recall(
     return (kept[best_sub] if best_sub is not None else None), verdicts
 
 
+class RecallNarrowedError(RuleError):
+    """The candidates were recalled with a smaller K or a higher minimum similarity than the rule's: the filter
+    would decide among a candidate set the rule was never certified on."""
+
+
+def recall_problem(rule: RiskRule, k: int | None, min_similarity: float | None) -> str | None:
+    """Why a recall of top-``k`` at ``min_similarity`` does not cover the rule's certified candidate set (its
+    ``recall_k`` / ``recall_min_similarity``), or None when it does (a larger K or a lower minimum is fine: the
+    filter keeps only the rule's top-K above its minimum). Unrecorded values on either side are not compared."""
+    rk, rmin = getattr(rule, "recall_k", None), getattr(rule, "recall_min_similarity", None)
+    name = Path(rule.source).name if getattr(rule, "source", "") else rule.rule_id
+    if rk is not None and k is not None and int(k) < int(rk):
+        return (f"the Cache Retriever recalls the top-{int(k)} candidates, but risk rule {name!r} was certified on "
+                f"the top-{int(rk)}: with fewer the filter would choose among a candidate set its certificate says "
+                f"nothing about. Set the Retriever's k to {int(rk)} or more (the filter then considers the rule's "
+                f"top-{int(rk)}).")
+    if rmin is not None and min_similarity is not None and float(min_similarity) > float(rmin) + 1e-12:
+        return (f"the Cache Retriever drops candidates below similarity {float(min_similarity):g}, but risk rule "
+                f"{name!r} was certified on candidates down to {float(rmin):g}. Set the Retriever's min_similarity "
+                f"to {float(rmin):g} or lower (the filter applies the rule's own minimum).")
+    return None
+
+
 def _stratum_gate(rule: RiskRule, items: Sequence[Candidate], best: int | None, verdicts: list[CandidateVerdict],
                   request: tuple[str, int | None] | None) -> tuple[int | None, list[CandidateVerdict]]:
     """A rule with per-stratum certificates serves its chosen candidate only when what changed against it (the
@@ -217,6 +240,9 @@ def decide(
                 "the candidates carry no cache namespace; connect the probe to the Risk Filter"
             )
         rule_id = rule.rule_id
+        narrowed = recall_problem(rule, candidates.k, candidates.min_similarity)
+        if narrowed is not None:
+            raise RecallNarrowedError(narrowed)
         best, verdicts = _within_recall(target, items, rule, signature_settings)
         best, verdicts = _stratum_gate(rule, items, best, verdicts, request)
     elif mode == "prompt_only":
@@ -383,5 +409,5 @@ def applicable_rule_files(
     return found
 
 
-__all__ = ["MODES", "UNCERTIFIED_BANNER", "applicable_rule_files", "decide", "decide_with_rule_file", "request_of",
-           "probe_fingerprints"]
+__all__ = ["MODES", "RecallNarrowedError", "UNCERTIFIED_BANNER", "applicable_rule_files", "decide",
+           "decide_with_rule_file", "probe_fingerprints", "recall_problem", "request_of"]
