@@ -283,3 +283,28 @@ def test_rule_report_counts_what_the_rule_accepts_per_kind(tmp_path, capsys):
 
     label = RiskRule.load(out, allow_uncertified=True).certificate.label  # "unsafe" here, the CLI's default
     assert got["all"]["U"] == round(certificate_bound(label, ev.n_accepted, ev.k_unsafe, ev.k_better, 0.1), 4)
+
+
+def test_rule_report_axis_table_counts_what_each_axis_alone_rejects():
+    sys.path.insert(0, str(ROOT / "scripts" / "lab"))
+    import rule_report
+
+    from carnator.carnator_core.risk.certify import LabelledPair
+    from carnator.carnator_core.risk.thresholds import Thresholds
+
+    th = Thresholds(context=10.0, size=1.0, shape=2.0, appearance=50.0, min_similarity=0.5)
+
+    def p(rid, entry, sim, context=1.0, size=0.1, shape=0.2, appearance=5.0, missing=False):
+        return LabelledPair(rid, entry, sim, context, size, shape, appearance, missing, False)
+
+    pairs = [p("q1", "a", 0.9, context=20.0), p("q1", "b", 0.8),  # context alone rejects a; the rule picks b
+             p("q2", "a", 0.9, context=20.0, size=3.0),  # two axes: neither alone
+             p("q3", "a", 0.4),  # similarity alone
+             p("q4", "a", 0.9, missing=True), p("q4", "b", 0.7, appearance=60.0)]  # missing alone; appearance alone
+    rows = {r["axis"]: r for r in rule_report.axis_table(th, pairs)}
+    assert [rows[a]["pairs_alone_rejected"] for a in ("context", "size", "shape", "appearance", "min_similarity",
+                                                      "missing")] == [1, 0, 0, 1, 1, 1]
+    # with context off q1 picks a (more similar) instead of b; with size off nothing changes (q2 still fails context)
+    assert rows["context"]["requests_alone_decided"] == 1 and rows["size"]["requests_alone_decided"] == 0
+    assert rows["shape"]["can_reject"] is False and rows["shape"]["max"] == 0.2  # threshold 2.0 above every value
+    assert rows["context"]["can_reject"] is True and rows["min_similarity"]["requests_alone_decided"] == 1

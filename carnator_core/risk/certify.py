@@ -1033,14 +1033,14 @@ def certify_strata(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], o
     Requests are those of ``pairs_cert``; a request with an exact-repeat candidate ("exact": same prompt, same
     seed) is left out (in serving it is answered from that entry before the filter). Each accepted request (the rule's
     choice, :func:`accepted_pairs`) counts in its chosen pair's stratum. Raises CalibrationError when a pair has no
-    ``change`` (write it with scripts/relabel_pairs.py or risk.strata.stratum_of).
+    ``change`` (write it with scripts/lab/relabel_pairs.py or risk.strata.stratum_of).
     """
     if label not in LABELS:
         raise CalibrationError(f"label must be one of {LABELS}, got {label!r}")
     bad = sorted({p.request_id for p in pairs_cert if p.change is None})
     if bad:
         raise CalibrationError(f"{len(bad)} request(s) have pairs without a 'change' (stratum), e.g. {bad[:3]}: "
-                               "compute it with risk.strata.stratum_of (scripts/relabel_pairs.py writes it)")
+                               "compute it with risk.strata.stratum_of (scripts/lab/relabel_pairs.py writes it)")
     groups = _by_request(pairs_cert)
     keep = [p for ps in groups.values() if not any(q.change == EXACT for q in ps) for p in ps]
     n_req, acc = accepted_pairs(thresholds, keep)

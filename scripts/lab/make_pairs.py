@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clips", action="store_true",
                    help="also save each labelled request's dense clip and every labelled candidate's reuse clip "
                    "(uint8, --work/clips/<request>.npz), so the pairs can be labelled again under another label "
-                   "without generating (scripts/relabel_pairs.py)")
+                   "without generating (scripts/lab/relabel_pairs.py)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (1)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (1: on a shared machine more threads per process oversubscribe)")

@@ -10,8 +10,12 @@ the excess (b − c)/n and b/n, and the median counter-based compute and active 
 non-repeat ones. Then prompt-only reuse at the same coverage: the most similar candidate of the requests with the
 highest top similarity, as many as the rule accepted (same sampler, so its region gate applies too), with its b
 and c, and the two compared on the same requests (requests where prompt-only does worse than the rule, and the
-reverse, with the exact one-sided sign test of "prompt-only is no worse"). Reads the pairs and the rule only;
-nothing is generated.
+reverse, with the exact one-sided sign test of "prompt-only is no worse"). Then, per axis (the four discrepancies,
+the minimum prompt similarity, and "missing object"): the rule's threshold against the range the axis takes over
+the split's pairs, how many pairs that axis *alone* rejected (every other check passes), and how many requests it
+alone decided (with that check off the rule accepts them, or picks another candidate). An axis whose threshold lies
+above every value it takes rejects nothing. With per-stratum certificates in the rule (and a ``change`` on the
+rows), the strata table as certified. Reads the pairs and the rule only; nothing is generated.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ register_package()
 import numpy as np  # noqa: E402
 
 from carnator.carnator_core.risk.certify import (  # noqa: E402
+    AXES,
     accepted_pairs,
     certificate_bound,
     compare_paired,
@@ -61,6 +66,47 @@ def _by_kind(request_ids: tuple[str, ...], kind: dict) -> dict[str, int]:
     """How many of ``request_ids`` fall in each scene/kind stratum ("1obj/position" …)."""
     strata = (kind.get(r, ("?", "?")) for r in request_ids)
     return dict(sorted(Counter(f"{scene}/{k}" for k, scene in strata).items()))
+
+
+def axis_table(th, pairs: list) -> list[dict]:
+    """Per axis: threshold, range over ``pairs`` (min, max; prompt similarity as the similarity itself), pairs that
+    axis alone rejects, and requests whose decision (accepted or not, and which candidate) changes when that check
+    is switched off."""
+    import dataclasses
+
+    rows = []
+    n_req, base = accepted_pairs(th, pairs)
+    base_choice = {p.request_id: p.entry_id for p in base}
+    names = list(AXES) + (["min_similarity"] if th.min_similarity is not None else []) + ["missing"]
+    for axis in names:
+        alone = 0
+        for p in pairs:
+            checks = {c.axis: c.passed for c in th.checks(p.vector(), p.similarity)}
+            fails = [a for a, ok in checks.items() if not ok] + (["missing"] if p.missing else [])
+            key = axis if axis in AXES or axis == "missing" else next(a for a in checks if a not in AXES)
+            alone += fails == [key]
+        if axis in AXES:
+            vals = [getattr(p, axis) for p in pairs if not p.missing]
+            thr = getattr(th, axis)
+            off = dataclasses.replace(th, **{axis: 1e300})  # the check switched off (thresholds are finite)
+        elif axis == "min_similarity":
+            vals = [p.similarity for p in pairs]
+            thr = th.min_similarity
+            off = dataclasses.replace(th, min_similarity=None)
+        else:
+            vals, thr, off = [float(p.missing) for p in pairs], "reject", None
+        if off is not None:
+            _, acc_off = accepted_pairs(off, pairs)
+        else:  # missing objects are always rejected: count what accepting them would add
+            _, acc_off = accepted_pairs(th, [dataclasses.replace(p, missing=False) for p in pairs])
+        off_choice = {p.request_id: p.entry_id for p in acc_off}
+        decided = sum(1 for r in set(base_choice) | set(off_choice) if base_choice.get(r) != off_choice.get(r))
+        lo, hi = (round(float(min(vals)), 4), round(float(max(vals)), 4)) if vals else (None, None)
+        can_reject = (axis == "missing" or (hi is not None and (thr < hi if axis in AXES else thr > lo)))
+        rows.append({"axis": axis, "threshold": thr if isinstance(thr, str) else round(float(thr), 4),
+                     "min": lo, "max": hi, "can_reject": bool(can_reject), "pairs_alone_rejected": alone,
+                     "requests_alone_decided": decided})
+    return rows
 
 
 def prompt_only_at(n_target: int, pairs: list) -> tuple[float, list]:
@@ -134,6 +180,28 @@ def main(argv: list[str] | None = None) -> int:
                                    "b": po_b, "c": po_c, "both_accepted": cmp.both_accepted,
                                    "prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse,
                                    "sign_test_p": cmp.p_one_sided}
+    axes = axis_table(th, groups.get("all", []))
+    print(f"per axis on the {args.split} split ({len(groups.get('all', []))} pairs): threshold vs the axis range, "
+          "pairs it alone rejected, requests it alone decided")
+    print("| axis | threshold | min | max | can reject | pairs rejected by it alone | requests it alone decided |")
+    print("|---|---|---|---|---|---|---|")
+    for r in axes:
+        print(f"| {r['axis']} | {r['threshold']} | {r['min']} | {r['max']} | {'yes' if r['can_reject'] else 'no'} | "
+              f"{r['pairs_alone_rejected']} | {r['requests_alone_decided']} |")
+    out["axes"] = axes
+    if rule.strata is not None:
+        st = rule.strata
+        print(f"per-stratum certificates ({st.method}, order {', '.join(st.order)}; α = {st.alpha}, δ = {st.delta}): "
+              f"certified {', '.join(st.certified) or 'none'}; coverage {st.covered}/{st.n_requests} = "
+              f"{st.coverage:.3f}")
+        print("| stratum | n | b | c | U | tested | certified |")
+        print("|---|---|---|---|---|---|---|")
+        for name in list(st.order) + sorted(set(st.strata) - set(st.order)):
+            c = st.strata.get(name)
+            if c is not None:
+                print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {'yes' if c.tested else 'no'} | "
+                      f"{'yes' if c.passed else 'no'} |")
+        out["strata"] = st.to_dict()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

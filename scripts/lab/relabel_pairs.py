@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Label a pairs file again under the second label, from the clips its run saved (nothing is generated).
 
-    .host/venv/bin/python scripts/relabel_pairs.py --pairs artifacts/a19/pairs_s84.jsonl \\
+    .host/venv/bin/python scripts/lab/relabel_pairs.py --pairs artifacts/a19/pairs_s84.jsonl \\
         --clips artifacts/a19/w84/clips --out rules/attempt19_s84.jsonl [--cutoff-requests N]
 
 ``make_pairs.py --clips`` saves, per labelled request, the dense clip and every labelled candidate's reuse clip
@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import conftest  # noqa: E402,F401  (registers the `carnator` package)
