@@ -154,13 +154,13 @@ def run_scenes(args) -> None:
     from carnator.carnator_core.lab.pairs import embedded_frame
 
     out = Path(args.out)
-    rows, clips_dir = out / "rows.jsonl", out / "clips"
+    rows, clips_dir = out / f"rows{args.start or ''}.jsonl", out / "clips"
     clips_dir.mkdir(parents=True, exist_ok=True)
-    done = _done(rows)
+    done = set().union(*(_done(f) for f in out.glob("rows*.jsonl")))
     model, enc, nj, cj = _setup(args.threads)
     frame = embedded_frame()
     t_start = time.time()
-    for i in range(args.scenes):
+    for i in range(args.start, args.scenes):
         unit = f"s{i:04d}"
         if unit in done:
             continue
@@ -215,7 +215,7 @@ def run_pairs(args) -> None:
     from carnator.carnator_core.lab import pairs
 
     out = Path(args.out)
-    rows = out / "rows.jsonl"
+    rows = out / "rows_pairs.jsonl"
     done = _done(rows)
     work = Path(args.pairs_work)
     frame = pairs.embedded_frame()
@@ -324,7 +324,7 @@ def _rate(xs) -> str:
 
 def report(args) -> None:
     out = Path(args.out)
-    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for f in sorted(out.glob("rows*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
     recs = _records(rows)
     calib = [r for r in recs if r["split"] == "calib" and r["dense_pass"]]
     pos = [r["x"] for r in calib if not r["clip_pass"]]
@@ -389,10 +389,43 @@ def report(args) -> None:
     dis = [{"unit": r["unit"], "kind": r["kind"], "checker_pass": r["clip_pass"], "attrs": r["attrs"],
             "native_fires": [f for f in th if r["x"][f] > th[f]]}
            for r in valid if _fires(r["x"], th) == r["clip_pass"]]
+    if args.pairs_file and Path(args.pairs_file).exists():
+        lines += ["", *compare_certificates(Path(args.pairs_file), rows, th, th_alone, args.rule)]
     text = "\n".join(lines)
     print(text)
     (out / "report.json").write_text(json.dumps({"thresholds": th, "thresholds_alone": th_alone, "text": text,
                                                  "disagreements": dis}, indent=1))
+
+
+def compare_certificates(pairs_file: Path, rows: list[dict], th: dict, th_alone: dict, rule_file: str) -> list[str]:
+    """The pairs run's certificate under the shipped rule's thresholds, labelled by the checker (as the run labelled
+    it) and by the native judge (b / c from the validation rows of the same clips)."""
+    from dataclasses import replace as dc_replace
+
+    from carnator.carnator_core.risk.certify import certify, read_pairs_jsonl
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    _, labelled = read_pairs_jsonl(pairs_file)
+    native: dict[tuple[str, str], tuple[bool, bool]] = {}
+    for r in rows:
+        if r["part"] != "pair":
+            continue
+        d_ok = not _fires(r["dense_alone"], th_alone)
+        for it in r["items"]:
+            r_ok = not _fires(it["pair"], th) and not _fires(it["clip_alone"], th_alone)
+            native[(r["unit"][1:], it["entry"])] = (d_ok and not r_ok, (not d_ok) and r_ok)
+    both = [p for p in labelled if (p.request_id, p.entry_id) in native]
+    relabelled = [dc_replace(p, unsafe=native[(p.request_id, p.entry_id)][0],
+                             better=native[(p.request_id, p.entry_id)][1]) for p in both]
+    rule = RiskRule.from_json(json.loads(Path(rule_file).read_text()), source=rule_file, allow_uncertified=True)
+    out = [f"certificate of {rule_file}'s thresholds on the {len(both)} pairs of {pairs_file.name} judged both ways "
+           "(excess label, alpha 0.05, delta 0.1):", "", "| label | accepted n | b | c | excess bound | b/n bound |",
+           "|---|---|---|---|---|---|"]
+    for name, ps in (("checker (as labelled)", both), ("native judge", relabelled)):
+        c = certify(rule.thresholds, ps, 0.05, 0.1, label="excess")
+        out.append(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.3f} | "
+                   f"{(c.unsafe_upper_bound if c.unsafe_upper_bound is not None else float('nan')):.3f} |")
+    return out
 
 
 def main(argv=None) -> int:
@@ -404,6 +437,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="phase", required=True)
     s = sub.add_parser("scenes")
     s.add_argument("--scenes", type=int, default=120)
+    s.add_argument("--start", type=int, default=0, help="first unit (a second worker takes a later range; its rows go "
+                   "to rows<start>.jsonl)")
     s.add_argument("--variants", type=int, default=2, help="wrong-scene variants per scene (2)")
     q = sub.add_parser("pairs")
     q.add_argument("--pairs-work", required=True)
@@ -412,6 +447,8 @@ def main(argv=None) -> int:
     q.add_argument("--queries", type=int, default=48)
     r = sub.add_parser("report")
     r.add_argument("--fa-target", type=float, default=0.08)
+    r.add_argument("--pairs-file", default="", help="the pairs run's JSONL (make_pairs --out) to certify both ways")
+    r.add_argument("--rule", default=str(ROOT / "rules" / "embedded.json"), help="rule whose thresholds to apply")
     args = p.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     {"scenes": run_scenes, "pairs": run_pairs, "report": report}[args.phase](args)
