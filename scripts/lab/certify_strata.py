@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Certify a rule's fixed thresholds per stratum on labelled pairs, write the rule's "strata" section, and report
+coverage per request kind and the paired comparison with prompt-only at the same coverage.
+
+    .host/venv/bin/python scripts/lab/certify_strata.py --rule rules/embedded.json --out rules/embedded.json \\
+        --pairs rules/attempt19_s84.jsonl=s84 rules/attempt19_s85.jsonl=s85 \\
+        --combined rules/attempt19_cert_pairs.jsonl [--order size,colour,...] [--json artifacts/a19/report.json]
+
+The pairs must carry each row's ``change`` (the stratum: scripts/lab/relabel_pairs.py writes it). They are combined
+into ``--combined`` (request ids prefixed per run, ``lab.pairs.combine_pairs_files``), certified with
+``risk.certify.certify_strata`` (fixed-sequence testing in ``--order``, at the rule's α and δ, excess label), and the
+rule is written to ``--out`` with the strata certificate and ``provenance.strata_pairs`` naming the combined file
+(tests recompute the certificate from it). The rule's average certificate and thresholds are not touched.
+
+Report (stdout and ``--json``): per stratum n, b, c, U, tested, certified and each run's counts; per request kind
+(the generator's ``diag.kind``) requests, accepted by the thresholds, served (accepted in a certified stratum), b
+and c among the served; prompt-only at the same overall coverage (the highest similarity bar that serves at least as
+many requests) with its b and c per kind, and per kind the paired comparison (``risk.certify.compare_paired``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import conftest  # noqa: E402,F401  (registers the `carnator` package)
+
+#: The order attempt 19's protocol fixed (rules/attempt19_protocol.md).
+PROTOCOL_ORDER = ("size", "colour", "rewording", "reseed", "mixed", "background", "object", "count", "position",
+                  "motion")
+
+
+def served_pairs(th, pairs, strata) -> tuple[int, list]:
+    """(requests, the pairs the filter serves): the rule's choice, kept only when its stratum is certified."""
+    from carnator.carnator_core.risk.certify import EXACT, accepted_pairs
+
+    groups = defaultdict(list)
+    for p in pairs:
+        groups[p.request_id].append(p)
+    keep = [p for ps in groups.values() if not any(q.change == EXACT for q in ps) for p in ps]
+    n, acc = accepted_pairs(th, keep)
+    return n, [p for p in acc if strata.allows(p.change)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from carnator.carnator_core.lab.pairs import combine_pairs_files
+    from carnator.carnator_core.risk.certify import (
+        EXACT,
+        accepted_pairs,
+        certify_strata,
+        compare_paired,
+        prompt_only_accepted,
+        read_pairs_jsonl,
+    )
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rule", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--pairs", nargs="+", required=True, metavar="FILE=PREFIX")
+    ap.add_argument("--combined", type=Path, required=True)
+    ap.add_argument("--order", default=",".join(PROTOCOL_ORDER))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sources = [tuple(x.rsplit("=", 1)) for x in args.pairs]
+    combine_pairs_files(sources, args.combined, generator="scripts/lab/certify_strata.py " + " ".join(
+        a for a in (argv if argv is not None else sys.argv[1:])))
+    header, pairs = read_pairs_jsonl(args.combined)
+    rule = RiskRule.load(args.rule)
+    order = tuple(s for s in args.order.split(",") if s)
+    strata = certify_strata(rule.thresholds, pairs, order=order, alpha=rule.certificate.alpha,
+                            delta=rule.certificate.delta, label="excess")
+    prov = dict(rule.provenance)
+    prov.update({"strata_pairs": [args.combined.name], "strata_protocol": "rules/attempt19_protocol.md",
+                 "strata_label": header.get("unsafe_definition", "")})
+    new = dataclasses.replace(rule, strata=strata, provenance=prov)
+    new.save(args.out)
+    RiskRule.load(args.out)  # what the filter will load: recomputed, never trusted
+
+    kind = {}
+    for line in args.combined.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        if r.get("type") != "header":
+            kind[r["request_id"]] = r["diag"]["kind"]
+    n_req, served = served_pairs(rule.thresholds, pairs, strata)
+    _, accepted = accepted_pairs(rule.thresholds, [p for p in pairs if p.change != EXACT])
+    # prompt-only at the same overall coverage: the highest bar serving at least as many requests
+    sims = sorted({p.similarity for p in pairs}, reverse=True)
+    bar, po = sims[-1], prompt_only_accepted(sims[-1], pairs)[1]
+    for t in sims:
+        acc = prompt_only_accepted(t, pairs)[1]
+        if len(acc) >= len(served):
+            bar, po = t, acc
+            break
+    out = {"strata": strata.to_dict(), "requests": n_req, "served": len(served), "prompt_only_bar": bar,
+           "prompt_only_served": len(po), "by_kind": {}}
+    print(f"strata ({strata.method}, order {', '.join(order)}; α = {strata.alpha}, δ = {strata.delta}): certified "
+          f"{', '.join(strata.certified) or 'none'}; served {strata.covered} of {strata.n_requests} requests "
+          f"({strata.coverage:.3f}); accepted by the thresholds {strata.accepted}")
+    print("| stratum | n | b | c | U | tested | certified | per run [n, b, c] |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in list(order) + sorted(set(strata.strata) - set(order)):
+        c = strata.strata[name]
+        runs = {r: list(d[name]) for r, d in strata.runs.items() if name in d}
+        print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {'yes' if c.tested else 'no'} | "
+              f"{'yes' if c.passed else 'no'} | {runs} |")
+    print(f"prompt-only at the same coverage: similarity ≥ {bar:.4f} serves {len(po)} (the rule {len(served)})")
+    print("| kind | requests | accepted (thresholds) | served (certified stratum) | b | c | prompt-only served | "
+          "b | c | paired: prompt-only worse / rule worse | sign test p |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    kinds = sorted({kind[p.request_id] for p in pairs})
+    for k in kinds:
+        ids = {p.request_id for p in pairs if kind[p.request_id] == k}
+        s_k = [p for p in served if p.request_id in ids]
+        a_k = [p for p in accepted if p.request_id in ids]
+        po_k = [p for p in po if p.request_id in ids]
+        cmp = compare_paired(po_k, s_k, len(ids))
+        row = {"requests": len(ids), "accepted": len(a_k), "served": len(s_k),
+               "b": sum(p.unsafe for p in s_k), "c": sum(p.better for p in s_k),
+               "prompt_only_served": len(po_k), "prompt_only_b": sum(p.unsafe for p in po_k),
+               "prompt_only_c": sum(p.better for p in po_k), "prompt_only_worse": cmp.a_worse,
+               "rule_worse": cmp.b_worse, "sign_test_p": round(cmp.p_one_sided, 4)}
+        out["by_kind"][k] = row
+        print(f"| {k} | {row['requests']} | {row['accepted']} | {row['served']} | {row['b']} | {row['c']} | "
+              f"{row['prompt_only_served']} | {row['prompt_only_b']} | {row['prompt_only_c']} | "
+              f"{row['prompt_only_worse']} / {row['rule_worse']} | {row['sign_test_p']} |")
+    cmp = compare_paired(po, served, n_req)
+    out["paired_all"] = {"prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse, "p": cmp.p_one_sided}
+    print(f"all kinds, paired: prompt-only worse on {cmp.a_worse}, the rule worse on {cmp.b_worse}; exact one-sided "
+          f"sign test of 'prompt-only is no worse' p = {cmp.p_one_sided:.4f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out} (rule id {new.rule_id}) and {args.combined}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
