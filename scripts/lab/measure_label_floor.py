@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
-RUN_KEYS = ("weights", "seed", "warm", "queries", "kinds", "p_same_seed", "artifact_ratio", "salt", "objects")
+RUN_KEYS = ("weights", "seed", "warm", "queries", "kinds", "p_same_seed", "artifact_ratio", "salt", "objects",
+            "label_version")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", type=int, default=300, help="requests (N; 2 dense clips each) (300)")
     p.add_argument("--kinds", default=",".join(QUERY_KINDS), help="query kinds, comma separated")
     p.add_argument("--p-same-seed", type=float, default=0.5, help="as make_pairs (0.5)")
+    p.add_argument("--label-version", type=int, choices=(1, 2), default=1,
+                   help="1 = the first excess label; 2 = the second (strict checker: shape and the motion track; the "
+                   "detail check: blur, interiors, ghosts)")
     p.add_argument("--artifact-ratio", type=float, default=1.25,
                    help="a clip also fails when its background artifact score exceeds this multiple of the dense "
                    "clip's (1.25, the excess label's; 0 = checker only)")
@@ -148,7 +152,8 @@ def rejudge(args: argparse.Namespace) -> list:
     from carnator.carnator_core.lab import floor, pairs
     from carnator.carnator_core.lab.metrics import background_mask
 
-    labeler = pairs.embedded_checker_labeler("request", args.artifact_ratio or None)
+    labeler = pairs.embedded_checker_labeler("request", args.artifact_ratio or None,
+                                             version=args.label_version)
     out = []
     for path in sorted(args.clips.glob("*.npz")):
         if path.name.endswith(".tmp.npz"):
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = open_rows(args.out, run)
     done = [floor.FloorRecord.from_row(r) for r in rows]
     model, _enc, _dec = comfy_glue.load_embedded(args.weights or None)
-    labeler = pairs.embedded_checker_labeler("request", args.artifact_ratio or None)
+    labeler = pairs.embedded_checker_labeler("request", args.artifact_ratio or None,
+                                             version=args.label_version)
     reqs = requests(args)
     if args.png is not None:
         args.png.mkdir(parents=True, exist_ok=True)
