@@ -225,3 +225,52 @@ def test_a_wrong_size_in_a_catalogue_row_is_corrected_from_the_file(tmp_path, ca
     assert st.stats().bytes == size + (tmp_path / "cache" / "entries" / NS / f"{other}.safetensors").stat().st_size
     assert st.verify(deep=True).ok
     assert sum("size" in r.getMessage() for r in carnator_warnings(caplog)) == 1
+
+
+# ------------------------------------------------------------------------------------------ 7. rebuild + WAL
+def test_a_put_during_a_rebuild_is_visible_when_the_rebuild_ends(tmp_path):
+    """Another process rebuilds the catalogue (its new file is built, not yet swapped in) while this one commits
+    a put to the old catalogue: when the rebuild ends the entry is there at once, not after the grace period."""
+    st = open_store(tmp_path)
+    before = [st.put(make_entry(i)) for i in range(3)]
+    p, sync = _child(tmp_path, "rebuild_paused_before_swap")
+    _wait_for(p, sync)
+    during = st.put(make_entry(50))  # committed to the catalogue that is about to be replaced
+    out = _finish(p, sync)
+    assert during in out["ids"], "the rebuild dropped a put committed while it ran"
+    assert sorted(st.entry_ids()) == sorted(before + [during])
+    assert st.load(during).prompt == "prompt 50"
+    late = st.put(make_entry(51))  # and this process writes to the new catalogue
+    st.close()
+    again = open_store(tmp_path)
+    assert sorted(again.entry_ids()) == sorted(before + [during, late]) and again.verify(deep=True).ok
+
+
+def _folder_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def test_a_small_cache_stays_within_its_budget_plus_the_stated_margin(tmp_path):
+    """A long-open store that writes and evicts all the time: entry files stay within max_bytes, and the whole
+    folder within max_bytes + the catalogue's own file + store.WAL_MARGIN_BYTES (the write-ahead log is
+    checkpointed and truncated instead of growing to many times the budget)."""
+    from carnator.carnator_core.cache import store as store_mod
+
+    one = Store.open(tmp_path / "one", key_path=tmp_path / "k")
+    one.put(make_entry(0))
+    entry = one.stats().bytes
+    one.close()
+    budget = 6 * entry
+    st = Store.open(tmp_path / "cache", key_path=tmp_path / "k", max_bytes=budget)
+    reader = Store.open(tmp_path / "cache", key_path=tmp_path / "k")  # a second process's view keeps reading
+    worst = 0
+    for i in range(300):  # bounded: 300 puts of ~8 KiB, each evicting the oldest
+        st.put(make_entry(i, seed=i))
+        reader.candidates(NS, np.ones(DIM, np.float32), k=2)
+        cache = tmp_path / "cache"
+        main = (cache / "catalog.sqlite3").stat().st_size
+        worst = max(worst, _folder_bytes(cache) - main)
+        assert st.stats().bytes <= budget
+    assert worst <= budget + store_mod.WAL_MARGIN_BYTES, (worst, budget)
+    st.close()
+    reader.close()

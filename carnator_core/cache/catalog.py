@@ -34,6 +34,8 @@ CATALOG = "catalog.sqlite3"
 SIDE_FILES = ("-wal", "-shm", "-journal")
 STORE_FORMAT = "carnator-cache"
 STORE_VERSION = 1
+WAL_CHECKPOINT_PAGES = 64  # ~256 KiB of 4 KiB pages between automatic checkpoints
+WAL_LIMIT_BYTES = 256 << 10  # the log is truncated back to this after a checkpoint
 
 SCHEMA = (
     "CREATE TABLE info(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -72,6 +74,11 @@ def connect(path: Path, *, wal: bool = True, read_only: bool = False) -> sqlite3
         if wal and not read_only:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
+            # Keep the write-ahead log small: checkpoint every WAL_CHECKPOINT_PAGES pages (SQLite's default, 1000
+            # pages = 4 MiB, is many times a small cache's whole budget) and truncate the log back to
+            # WAL_LIMIT_BYTES after each checkpoint (by default it never shrinks while the catalogue is open).
+            conn.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
+            conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         conn.create_function("carnator_priority", 4, priority, deterministic=True)
     except BaseException:
         conn.close()

@@ -23,7 +23,11 @@ Contracts
   catalogue can always be rebuilt from the files: it is, into a new file swapped in atomically, when it is
   missing, damaged (``PRAGMA quick_check``), not exactly our schema (e.g. has triggers), a symbolic link, or an
   interrupted rebuild (the old one is moved to ``quarantine/``). An entry file without a row is *adopted*
-  (``scan``), never deleted. Counters (lookups, hits, recency) are the only state a rebuild loses.
+  (``scan``), never deleted. Files that appear while a rebuild runs (puts of other processes, committed to the
+  old catalogue) are adopted right after its swap, so they are visible when it ends; a writer that waited for
+  the write lock across a swap commits to the new catalogue.
+* **Write-ahead log.** Checkpointed every ``catalog.WAL_CHECKPOINT_PAGES`` pages and truncated back to
+  ``catalog.WAL_LIMIT_BYTES``: the folder stays within ``max_bytes`` + the catalogue file + ``WAL_MARGIN_BYTES``. Counters (lookups, hits, recency) are the only state a rebuild loses.
 * **Never pickle.** Tensors are safetensors, metadata JSON; FAISS only parses index files whose HMAC verifies
   under a key kept outside the cache directory (``index.py``). SQLite runs with ``trusted_schema=OFF``.
 * **Namespaces = model x generation config** (``types.namespace_key``); a namespace's first entry pins its full
@@ -128,6 +132,7 @@ MARKER = "carnator-cache.json"
 ENV_KEY_FILE = "CARNATOR_INDEX_KEY_FILE"
 DEFAULT_GRACE_S = 600.0  # files younger than this may be another process's write in flight
 CHANGE_LOG_KEEP = 20000  # change-log rows kept per namespace that has no persisted index
+WAL_MARGIN_BYTES = 1 << 20  # what the folder may hold beyond max_bytes and the catalogue file (WAL, index, notes)
 QUICK_CHECK_MAX_BYTES = 256 << 20  # catalogues up to this size get PRAGMA quick_check at open (~15k entries)
 SUBDIRS = ("entries", "index", "quarantine", "tmp", "locks")
 _TMP_RE = re.compile(r"^[A-Za-z0-9_.-]+\.\d+\.[0-9a-f]{8}\.tmp$")  # the temp files this cache creates
@@ -574,8 +579,7 @@ class Store:
             self._conn = None  # type: ignore[assignment]
         self._indexes.clear()
         self._sigs.clear()
-        files = sorted(p for p in (self.root / "entries").glob("*/*.safetensors")
-                       if valid_namespace(p.parent.name) and _ENTRY_FILE_RE.match(p.name))
+        files = self._entry_files()
         if reason != "missing" or files:
             log.warning("carnator cache: catalogue %s is unusable (%s); setting it aside in quarantine/ and "
                         "rebuilding from the entry files (%d)", self.root / CATALOG, reason, len(files))
@@ -593,8 +597,8 @@ class Store:
                 try:
                     self._adopt_into(conn, path)
                     adopted += 1
-                except CorruptEntryError:
-                    pass  # quarantined and logged
+                except (CorruptEntryError, FileNotFoundError):
+                    pass  # quarantined and logged / deleted meanwhile
             catalog.mark_complete(conn)
             conn.execute("COMMIT")
         except BaseException:
@@ -615,10 +619,40 @@ class Store:
             self._fault("rebuild_set_aside")
         os.replace(build, db)
         catalog.fsync_path(self.root)
+        adopted += self._adopt_late(db, set(files))
         for p in (self.root / "index").glob("*.safetensors"):  # ours (signed); their seqs belonged to the old one
             p.unlink(missing_ok=True)
         if reason != "missing" or files:
             log.warning("carnator cache: catalogue rebuilt with %d entries", adopted)
+
+    def _entry_files(self) -> list[Path]:
+        return sorted(p for p in (self.root / "entries").glob("*/*.safetensors")
+                      if valid_namespace(p.parent.name) and _ENTRY_FILE_RE.match(p.name))
+
+    def _adopt_late(self, db: Path, listed: set[Path]) -> int:
+        """After a rebuild's swap: adopt the entry files that appeared since the rebuild listed them. Puts of other
+        processes committed to the old catalogue while the new one was built (their rows went aside with it) are
+        then visible at once, not after the grace period. A file whose put has not committed yet is adopted too;
+        that put then finds its own row and returns its id (``_discard_unless_catalogued``). Any later commit
+        goes to the new catalogue (``_write`` re-checks which catalogue it locked)."""
+        late = [p for p in self._entry_files() if p not in listed]
+        if not late:
+            return 0
+        n = 0
+        conn = catalog.connect(db)
+        try:
+            for path in late:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    self._adopt_into(conn, path)
+                    n += 1
+                except (CorruptEntryError, FileNotFoundError):
+                    pass  # quarantined and logged / removed meanwhile
+                finally:
+                    conn.execute("COMMIT")
+        finally:
+            conn.close()
+        return n
 
     def _recover(self, reason: str) -> None:
         """A corruption error mid-operation: rebuild the catalogue unless another process already swapped in a new
@@ -702,17 +736,35 @@ class Store:
             self._open_catalog()
         return self._conn
 
+    def _swapped(self) -> bool:
+        """Whether the catalogue file at the path is no longer the one this connection has open (a rebuild by
+        another process swapped a new one in)."""
+        try:
+            st = os.stat(self.root / CATALOG)
+            return (st.st_dev, st.st_ino) != self._db_id
+        except FileNotFoundError:
+            return True
+
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            c = self._current()
-            if self.read_only:  # best-effort callers skip, others translate (_translate_for)
-                if self._read_only_why == "read-only":
-                    raise sqlite3.OperationalError("attempt to write a readonly database (the cache directory is "
-                                                   "read-only)")
-                raise sqlite3.OperationalError("database or disk is full (the cache was opened read-only on a full "
-                                               "disk; free space and reopen it)")
-            c.execute("BEGIN IMMEDIATE")
+            for _ in range(5):
+                c = self._current()
+                if self.read_only:  # best-effort callers skip, others translate (_translate_for)
+                    if self._read_only_why == "read-only":
+                        raise sqlite3.OperationalError("attempt to write a readonly database (the cache directory "
+                                                       "is read-only)")
+                    raise sqlite3.OperationalError("database or disk is full (the cache was opened read-only on a "
+                                                   "full disk; free space and reopen it)")
+                c.execute("BEGIN IMMEDIATE")
+                # Waiting for the write lock, a rebuild may have swapped a new catalogue in: a commit to the old
+                # one would be lost with it. Then write to the new one instead.
+                if not self._swapped():
+                    break
+                c.execute("ROLLBACK")
+            else:
+                raise CatalogError(f"the catalogue at {self.root / CATALOG} kept being replaced while this process "
+                                   "waited to write; retry")
             try:
                 yield c
             except BaseException:
