@@ -3,6 +3,9 @@ exactly as SIGKILL would, or a real SIGKILL at an arbitrary moment) during a cat
 delete and a purge. Afterwards, reopening with the default grace period (entry files are a day old, so the grace
 period protects nothing): every acknowledged entry that was not being removed is there and verifies, nothing
 torn is returned, and a scan leaves the store exactly consistent. The put stages are in test_cache_crash.py.
+Later attacks, same check: a rebuild SIGKILLed while another process writes, a folder deleted under a writing
+store, rows whose recorded sizes are wrong (the races of a put adopted under a jumped clock and of a put during a
+completed rebuild, a read-only remount and a full disk at the write are in test_cache_hands.py).
 Pure core (no ComfyUI); one child process imports once and forks a grandchild per case (bounded CPU on CI)."""
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 N = 12
 
 CHILD = textwrap.dedent("""
-    import importlib.util, json, os, sys
+    import importlib.util, json, os, sys, time
     root, tests, key, cases = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     sys.path[:0] = [root, tests]
     spec = importlib.util.spec_from_file_location("carnator", os.path.join(root, "__init__.py"),
@@ -55,6 +58,14 @@ CHILD = textwrap.dedent("""
             st.delete(arg)
         elif op == "purge":
             st.purge(arg or None)
+        elif op == "rebuild_pause":  # at the stage: say so (a file), then wait to be SIGKILLed
+            def pause(s):
+                if s == stage:
+                    open(arg, "w").close()
+                    while True:
+                        time.sleep(0.05)
+            st._fault = pause
+            st.rebuild_catalog("crash test")
         os._exit(0)
 
     if len(cases) == 1:
@@ -192,3 +203,55 @@ def test_rebuild_interrupted_in_process_leaves_the_old_catalogue_usable(tmp_path
     assert not [p for p in (tmp_path / "cache" / "tmp").iterdir()]  # the partial build is gone
     st.close()
     assert sorted(open_store(tmp_path).entry_ids()) == sorted(ids)
+
+
+# ------------------------------------------------------------------------------------------ later attacks
+@pytest.mark.parametrize("stage", ["rebuild_built", "rebuild_set_aside"])
+def test_sigkill_of_a_rebuild_while_another_process_puts(tmp_path, stage):
+    """A rebuild is SIGKILLed after building (or after setting the old catalogue aside) while this process keeps
+    writing: every put it acknowledged is there after the next open, with the files left by both."""
+    key = tmp_path / "index.key"
+    ids, _ = _prepare(tmp_path, key)
+    writer = open_store(tmp_path, key_path=key)
+    flag = tmp_path / "at-stage"
+    p = _spawn(key, [(str(tmp_path / "cache"), "rebuild_pause", stage, 1, 0, str(flag))])
+    for _ in range(6000):  # bounded: 60 s
+        if flag.exists() or p.poll() is not None:
+            break
+        time.sleep(0.01)
+    assert flag.exists(), p.communicate(timeout=60)
+    acked = set()
+    for i in range(3):  # before the kill: to the old catalogue, or (set aside) after a wait for the rebuild lock
+        if stage == "rebuild_built":
+            acked.add(writer.put(make_entry(500 + i)))
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    for i in range(3, 6):  # after the kill
+        acked.add(writer.put(make_entry(500 + i)))
+    writer.close()
+    st = _check(tmp_path, key, set(ids) | acked, set())
+    assert set(st.entry_ids()) == set(ids) | acked
+    st.close()
+
+
+def test_a_folder_deleted_under_a_writing_store_and_rows_with_wrong_sizes(tmp_path, caplog):
+    """Two hands at once: the whole cache folder deleted while a store writes, then every row's recorded size
+    made wrong. The store recreates a fresh cache; every entry acknowledged after that is kept, none is
+    quarantined for its row's size, and a scan leaves the store consistent."""
+    import shutil
+    import sqlite3
+
+    key = tmp_path / "index.key"
+    st = open_store(tmp_path, key_path=key)
+    st.put(make_entry(1))
+    shutil.rmtree(tmp_path / "cache")
+    acked = {st.put(make_entry(i)) for i in range(2, 8)}
+    st.close()
+    db = sqlite3.connect(tmp_path / "cache" / "catalog.sqlite3")
+    db.execute("UPDATE entries SET nbytes=nbytes+seq*3")
+    db.commit()
+    db.close()
+    st = _check(tmp_path, key, acked, set())
+    assert set(st.entry_ids()) == acked
+    assert not list((tmp_path / "cache" / "quarantine").rglob("*.safetensors"))
+    st.close()
