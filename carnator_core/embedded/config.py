@@ -151,8 +151,9 @@ VERSIONS: dict[str, ModelVersion] = {
     # the always-dense first and last block are 25 % of a step; dim 128 (2 heads x 64) keeps the resumable
     # training state (weights + EMA + AdamW moments, 16-bit) under 20 MB and a training step at ~1.5 s on
     # one core; the contextual text encoder and 60 % two-object clips target two-object binding. Two octaves of
-    # sin/cos coordinate channels (in_dim 27) since the restart of 2026-12-02 (docs/MODEL_CARD.md, "v3's recipe
-    # fix"): the first run (3 ramps, object share 0.3) never read position words. Probe layers (5, 6) and CFG 2
+    # sin/cos coordinate channels (in_dim 27) since the restart of 2026-12-02
+    # (docs/history/MODEL_CARD_HISTORY.md, "v3's recipe fix"): the first run (3 ramps, object share 0.3) never
+    # read position words. Probe layers (5, 6) and CFG 2
     # chosen on the final weights (stage 4) with selection captions (docs/MODEL_CARD.md, "Stage 4").
     "v3": ModelVersion(
         name="v3", frames=8, height=48, width=48, patch_size=(2, 2, 2), dim=128, ffn_dim=512, num_heads=2,

@@ -55,7 +55,8 @@ def _vector(name: str) -> np.ndarray:
 # Direction words as an axis plus a signed direction (``motion_axes`` > 0): "left" = axis:h - a * sign:h,
 # "right" = axis:h + a * sign:h (normalised to a concept vector's length), so the two share their axis and
 # differ by a vector of opposite sign, as antonyms do in a learned text encoder. With independent random
-# concepts a warm-started v3 learned the axis of a motion but never its sign (docs/MODEL_CARD.md, "Stage 4").
+# concepts a warm-started v3 learned the axis of a motion but never its sign
+# (docs/history/MODEL_CARD_HISTORY.md, "Stage 4").
 _DIRECTIONS = {"left": ("h", -1.0), "right": ("h", 1.0), "up": ("v", -1.0), "down": ("v", 1.0)}
 
 

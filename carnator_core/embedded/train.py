@@ -11,7 +11,8 @@ otherwise continues it:
     OMP_NUM_THREADS=1 .host/venv/bin/python -m carnator_core.embedded.train --version v3 --prediction x0 \\
         --init runs/v3r_s7359.safetensors --state carnator_core/embedded/weights/train_state_v3x0 --steps 12000 \\
         --chunk-minutes 140 --threads 1
-    # stage 4 (the motion sign: --motion-axes, --coord-time-scale, --high-sigma-share): docs/MODEL_CARD.md, "Stage 4"
+    # stage 4 (the motion sign: --motion-axes, --coord-time-scale, --high-sigma-share):
+    # docs/history/MODEL_CARD_HISTORY.md, "Stage 4"
 
 v2 (the shipped default weights; one uninterrupted run whose schedule ended with its time budget):
 
@@ -59,8 +60,8 @@ from .model import build_wan
 
 STATE_FORMAT = "carnator-embedded-train-state-1"
 # v3's per-object loss share. 1.0 (each object weighs as much as the rest of the clip): at 0.3 a v3-sized model
-# routed its cross-attention to the padding slots and never read position words (docs/MODEL_CARD.md, "v3's
-# recipe fix"); at 1.0 the same model reads them within ~700 steps.
+# routed its cross-attention to the padding slots and never read position words
+# (docs/history/MODEL_CARD_HISTORY.md, "v3's recipe fix"); at 1.0 the same model reads them within ~700 steps.
 V3_OBJECT_SHARE = 1.0
 _W_DTYPE = torch.float16  # stored weights and EMA
 _M_DTYPE = torch.bfloat16  # stored AdamW moments (bf16: squared gradients underflow in fp16)
@@ -89,7 +90,8 @@ class Recipe:
     # latent; ComfyUI samples it through ``comfy_glue.ModelSamplingFlowX0``). The loss is the same velocity loss
     # either way (for "x0" computed from the implied velocity), so only the parameterisation differs: a "v"
     # model must carry every noise value of a token through its residual stream to predict it, which v3's width
-    # of 128 (= the 128 latent values of a token) cannot do cleanly (docs/MODEL_CARD.md, "v3's background noise").
+    # of 128 (= the 128 latent values of a token) cannot do cleanly
+    # (docs/history/MODEL_CARD_HISTORY.md, "v3's background noise").
     prediction: str = "v"
     # Warm start: an exported weights file whose tensors initialise the model (its final projection is zeroed
     # when the file was trained with another prediction), identified by its SHA-256 so a resume cannot
@@ -100,13 +102,15 @@ class Recipe:
     # [high_sigma_min, 1] instead of the shifted logit-normal. Why: near sigma = 1 the noisy input carries no
     # trace of the clip, so only the caption can say where an object is in each frame; below ~0.9 the object is
     # already visible in the noise and a model can follow it instead. v3 learned that route and never read the
-    # motion direction (docs/MODEL_CARD.md, "Stage 4"); the sampler's first steps run at sigma 1.0-0.95, where a
-    # direction-blind model picks the direction by chance. The logit-normal puts ~3 % of its draws there.
+    # motion direction (docs/history/MODEL_CARD_HISTORY.md, "Stage 4"); the sampler's first steps run at sigma
+    # 1.0-0.95, where a direction-blind model picks the direction by chance. The logit-normal puts ~3 % of its draws
+    # there.
     high_sigma_share: float = 0.0
     high_sigma_min: float = 0.95
     # The t coordinate ramp's scale (``codec.coord_channels(time_scale=...)``), stored in the exported file's
     # metadata so inference feeds the same channels. > 1 makes "which frame am I" a louder input; with it (and a
-    # stronger rate) a warm-started v3 starts to read the motion direction (docs/MODEL_CARD.md, "Stage 4").
+    # stronger rate) a warm-started v3 starts to read the motion direction
+    # (docs/history/MODEL_CARD_HISTORY.md, "Stage 4").
     coord_time_scale: float = 1.0
     # Direction words as axis + signed direction in the text encoder (``text.encode(motion_axes=...)``; 0: each
     # direction its own random concept, as v2 and v3's first stages), stored in the exported metadata.

@@ -60,7 +60,8 @@ def denoise_error(model, version: str, n: int = 16, sigmas=(0.95, 0.6, 0.2)) -> 
     fixed seeds), the RMS error of the denoised prediction (x0, what every sampler uses) over latent cells with no
     object, split into its per-token mean (a wrong background colour) and the part inside a token (per-pixel
     speckle, noise passed through). v-prediction models must carry all 128 noise values of a token through their
-    residual stream to cancel them; at width 128 v3 could not (docs/MODEL_CARD.md, "v3's background noise")."""
+    residual stream to cancel them; at width 128 v3 could not (docs/history/MODEL_CARD_HISTORY.md, "v3's background
+    noise")."""
     import torch
 
     from carnator.carnator_core.embedded import config, train, world
