@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+from machine import cpu_model  # noqa: E402
 from repo_package import register_package  # noqa: E402
 
 register_package()
@@ -59,14 +60,7 @@ DIM = 4096
 
 
 def machine() -> str:
-    model = ""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs ({model or platform.processor()}), python {platform.python_version()}, " \
+    return f"{os.cpu_count()} CPUs ({cpu_model()}), python {platform.python_version()}, " \
            f"faiss {faiss.__version__} ({faiss.get_compile_options().strip()}), numpy {np.__version__}"
 
 

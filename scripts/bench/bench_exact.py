@@ -26,7 +26,6 @@ prints medians and the speedup ratios.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -35,22 +34,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
+from side_by_side import setup  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    conftest.ensure_comfy_importable()
-    import torch
-
-    torch.set_num_threads(args.threads)
+    args = setup(__doc__, repeats=8)
     import comfy.sample
+    import torch
 
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.embedded import comfy_glue, config as ecfg

@@ -46,7 +46,6 @@ import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,17 +82,12 @@ DEFAULT_EASYCACHE_RULE = ROOT / "rules" / "embedded_easycache.json"
 
 # ----------------------------------------------------------------------------------------------------- setup
 def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    from machine import cpu_model  # scripts/bench/machine.py (this folder is on sys.path)
+
     load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     import torch
 
-    return {"nproc": os.cpu_count(), "cpu": model or platform.processor(), "python": platform.python_version(),
+    return {"nproc": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "loadavg_start": [round(x, 2) for x in load]}
 

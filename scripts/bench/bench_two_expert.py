@@ -24,17 +24,15 @@ Prints the medians, the ratios to ``stock`` and the model calls of each variant.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
+from side_by_side import setup  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 
 STEPS, SWITCH, PROBE, CFG = 20, 10, 4, 3.5
 LATENT = (16, 5, 16, 24)  # (C, T, H, W): patch (1, 2, 2) -> 5 x 8 x 12 = 480 tokens
@@ -60,16 +58,10 @@ def _expert(directory: Path, seed: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    conftest.ensure_comfy_importable()
-    import torch
-
-    torch.set_num_threads(args.threads)
+    args = setup(__doc__, repeats=5)
     import comfy.utils
     import tiny_models as tm
+    import torch
 
     comfy.utils.PROGRESS_BAR_ENABLED = False  # KSamplerAdvanced's console bar: noise in the output
 

@@ -58,14 +58,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _import_core():
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    from repo_package import register_package
+    """``carnator_core.sparse_attention``, imported as ``bench_sparse_attention`` (beside this file) imports it:
+    the repository registered as the ``carnator`` package, without ComfyUI."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_sparse_attention
 
-    register_package()
-    from carnator.carnator_core import sparse_attention
-
-    return sparse_attention
+    return bench_sparse_attention.sa
 
 
 def _comfy_path() -> Path:
