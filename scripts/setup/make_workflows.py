@@ -461,9 +461,12 @@ stores the run for later requests. Set the sampler's `mode` to `dense` (or the f
 After a run the sampler shows the decision badge; the **Carnator** sidebar tab shows the cache and can purge it.
 """
 
-SETUP_STOCK = """**Before the first run:** put the model files into `ComfyUI/models/` (the loaders offer the downloads), and
-calibrate a risk rule for this model and config as `{rule}` in `ComfyUI/user/default/carnator/rules/`
-(docs/CALIBRATION.md); until then set the Risk Filter's mode to `never` to run dense and fill the cache."""
+SETUP_STOCK = """**Before the first run:** put the model files into `ComfyUI/models/` (the loaders offer the downloads).
+**No rule yet:** the Risk Filter's `{rule}` does not exist until a rule is learned or calibrated for this model
+and config, and until then Carnator runs in learning mode: every request is served dense (as KSampler would) and
+cached, exact repeats are answered from the cache, and the rule is learned where Carnator has a judge for this
+model (README, "Your own model, day one"). A rule calibrated offline goes to `ComfyUI/user/default/carnator/rules/`
+under that name (docs/CALIBRATION.md)."""
 
 SETUP_EMBEDDED = """**No downloads:** the embedded model ({frames} frames of {height}×{width} px, a small Wan-architecture model trained on a
 world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its risk rule `{rule}` ship with Carnator.
