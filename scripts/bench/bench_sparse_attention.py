@@ -335,34 +335,34 @@ def bench_structured(L: int, heads: int, dim: int, densities, active: float, bs:
     meta["subset_sdpa_unmasked"] = {"density": 1.0, "tokens": S}
     arange = torch.arange(L)
     patterns, plans_ms, checks = {}, {}, {}
+
+    def timed_plan(key: str, keep: torch.Tensor, positions: torch.Tensor):
+        """The kernel's plan for these query/key positions, its build time recorded under ``key``."""
+        t0 = time.perf_counter()
+        plan = sa.plan_token_block_sparse(keep, bs, L, positions)
+        plans_ms[key] = round((time.perf_counter() - t0) * 1e3, 1)
+        return plan
+
+    def add_kernel(name: str, qkv: tuple, keep: torch.Tensor, positions: torch.Tensor, plan, tokens: int) -> None:
+        """A variant: the token-set kernel (gather backend) on ``qkv`` with a plan built beforehand."""
+        variants[name] = lambda: sa.token_block_sparse_attention(*qkv, keep, bs, L, positions, backend="gather",
+                                                                 plan=plan)
+        meta[name] = {"density": round(plan.density, 4), "tokens": tokens, "sdpa_calls": plan.n_calls}
+
     for d in densities:
         keep, pmeta = svg_keep(grid, bs, d, heads)
         patterns[f"{d:g}"] = pmeta
-        t0 = time.perf_counter()
-        plan = sa.plan_token_block_sparse(keep, bs, L, arange)
-        plans_ms[f"full@{d:g}"] = round((time.perf_counter() - t0) * 1e3, 1)
-        name = f"kernel_full@{d:g}"
-        variants[name] = lambda keep=keep, plan=plan: sa.token_block_sparse_attention(
-            q, k, v, keep, bs, L, arange, backend="gather", plan=plan)
-        meta[name] = {"density": round(plan.density, 4), "tokens": L, "sdpa_calls": plan.n_calls}
+        add_kernel(f"kernel_full@{d:g}", (q, k, v), keep, arange, timed_plan(f"full@{d:g}", keep, arange), L)
         plain = sa.plan_token_block_sparse(keep, bs, L, arange, super_rows=0)  # without super-tiles
-        name = f"kernel_full_no_super_tiles@{d:g}"
-        variants[name] = lambda keep=keep, plain=plain: sa.token_block_sparse_attention(
-            q, k, v, keep, bs, L, arange, backend="gather", plan=plain)
-        meta[name] = {"density": round(plain.density, 4), "tokens": L, "sdpa_calls": plain.n_calls}
+        add_kernel(f"kernel_full_no_super_tiles@{d:g}", (q, k, v), keep, arange, plain, L)
         if old_gather:
             oplan = sa.plan_block_sparse(keep, bs, L)
             name = f"old_gather_full@{d:g}"
             variants[name] = lambda keep=keep, oplan=oplan: sa.block_sparse_attention(
                 q, k, v, keep, bs, backend="gather", plan=oplan)
             meta[name] = {"density": round(oplan.density, 4), "tokens": L, "sdpa_calls": len(oplan.groups)}
-        t0 = time.perf_counter()
-        splan = sa.plan_token_block_sparse(keep, bs, L, subset)
-        plans_ms[f"subset@{d:g}"] = round((time.perf_counter() - t0) * 1e3, 1)
-        name = f"kernel_subset@{d:g}"
-        variants[name] = lambda keep=keep, splan=splan: sa.token_block_sparse_attention(
-            qs, ks, vs, keep, bs, L, subset, backend="gather", plan=splan)
-        meta[name] = {"density": round(splan.density, 4), "tokens": S, "sdpa_calls": splan.n_calls}
+        splan = timed_plan(f"subset@{d:g}", keep, subset)
+        add_kernel(f"kernel_subset@{d:g}", (qs, ks, vs), keep, subset, splan, S)
         if masked_subset:
             sb = subset // bs
             mask = keep[:, sb[:, None], sb[None, :]][None]  # the old hit path's token-level mask, per head
