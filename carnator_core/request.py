@@ -373,7 +373,9 @@ def recall_limits(rule: Any, top_k: int, min_similarity: float) -> tuple[int, fl
 def recall(store: Any, probe: Probe, top_k: int = DEFAULT_TOP_K,
            min_similarity: float = DEFAULT_MIN_SIMILARITY) -> Candidates:
     """Stage 3: the top-K entries of the request's namespace (model x config x non-text conditioning) by prompt
-    similarity, at least ``min_similarity``. An answered probe is passed through without a lookup."""
+    similarity, at least ``min_similarity``. An answered probe is passed through without a lookup. The lookup is
+    counted when the request is served (``reuse_stage``), not here: a request interrupted or killed in between
+    counts nothing, so the counters equal the per-request reports."""
     if probe.answered is not None:
         a = probe.answered
         return Candidates(namespace=a.namespace, items=(), note=f"exact repeat of entry {a.entry_id}", answered=a)
@@ -381,8 +383,11 @@ def recall(store: Any, probe: Probe, top_k: int = DEFAULT_TOP_K,
 
     ns = namespace_key(probe.model_fingerprint, probe.config)
     kwargs: dict[str, Any] = {"min_similarity": float(min_similarity)}
-    if "model_fingerprint" in inspect.signature(store.candidates).parameters:  # the store compares it on read
+    params = inspect.signature(store.candidates).parameters
+    if "model_fingerprint" in params:  # the store compares it on read
         kwargs["model_fingerprint"] = probe.model_fingerprint
+    if "count_lookup" in params:  # counted with the outcome, by reuse_stage
+        kwargs["count_lookup"] = False
     found = store.candidates(ns, probe.embedding, int(top_k), **kwargs)
     # Record the recall the candidates came from: the filter checks it covers the rule's certified candidate set.
     return replace(found, k=int(top_k), min_similarity=float(min_similarity))
@@ -584,9 +589,11 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
         answered = lookup_exact(store, probe.request_key, model, probe.prompt, probe.seed, answer_key=hit_key,
                                 dense=False, count_lookup=False) if hit_key else None
         if answered is not None:
+            _count_lookup(store, probe)  # the recall's lookup; lookup_exact counted the hit
             return _answered_at_sampler(model, latent, probe, answered, upstream_ms, hit_key)
     fallback = ""
     loaded_here = False
+    own_load = cached is None  # a caller with its own entry (the pairs labelling) serves nothing: counts nothing
     if config.mode == "dense":
         cached = None
     elif cached is None:
@@ -599,9 +606,21 @@ def reuse_stage(model: Any, positive: Any, negative: Any, latent: dict, probe: P
         report = replace(report, reason=fallback)
     if hit_key and report.decision == "hit":
         report = replace(report, answer_key=hit_key)
+    if own_load and store is not None and decision is not None and report.final:
+        _count_lookup(store, probe)  # this request's recall (stage 3), counted now that it was served
     if loaded_here and report.decision == "hit" and report.final:
         _count_hit(store, cached.entry_id)
     return samples, report
+
+
+def _count_lookup(store: Any, probe: Probe) -> None:
+    """One lookup for a served request that recalled candidates (best-effort, like every counter)."""
+    from .cache.errors import CacheError
+
+    try:
+        store.record_lookup(namespace_key(probe.model_fingerprint, probe.config))
+    except CacheError as e:
+        log.info("carnator request: the lookup was not counted (%s)", e)
 
 
 def _count_hit(store: Any, entry_id: str) -> None:

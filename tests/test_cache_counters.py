@@ -1,8 +1,8 @@
 """The cache's counters agree with what happened: one lookup per request that used the cache, one hit per clip
 actually served from reuse (an accepted entry the sampler did not reuse is no hit; a repeat of an earlier hit
-answered at the sampler is one lookup, not two). Checked through the stage API (``request.serve`` and the node
-graph's stages) on a tiny model built from ComfyUI's own classes, on disk and on a real ``redis-server``: after
-every request the stats equal the per-request reports."""
+answered at the sampler is one lookup, not two; a request interrupted after its recall counts nothing). Checked
+through the stage API (``request.serve`` and the node graph's stages) on a tiny model built from ComfyUI's own
+classes, on disk and on a real ``redis-server``: after every request the stats equal the per-request reports."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -90,6 +90,15 @@ def _check_counters(tm, m, store):
     agree(again, "a repeat of that hit, answered at the sampler")
     agree(_serve(tm, m, store, 5, opts), "an exact repeat of the dense request, answered before the probe")
     agree(_serve(tm, m, store, 7, opts), "a reuse hit through serve")
+    # A request interrupted (or its server killed) after its recall and before it was served counts nothing.
+    from carnator.carnator_core.request import RequestSpec, probe_request, recall
+
+    pos, neg = tm.conditioning("wan21")
+    probe = probe_request(m, pos, neg, tm.empty_latent("wan21"), RequestSpec(PROMPT, 8, 8, 5.0, objects="ball"),
+                          opts.probe, tm.WordTokens(), store=store)
+    assert recall(store, probe, 5, 0.0).items
+    s = store.stats()
+    assert (s.lookups, s.hits) == (len(reports), sum(r.decision == "hit" for r in reports))
 
 
 def test_counters_equal_the_reports_on_disk(env, comfy_dirs):

@@ -947,8 +947,9 @@ class RedisStore:
                 "the namespace or use another Redis database.")
 
     def candidates(self, namespace: str, embedding: np.ndarray | None, k: int = 5, *, min_similarity: float = -1.0,
-                   model_fingerprint: str | None = None) -> Candidates:
-        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup. Corrupt entries are
+                   model_fingerprint: str | None = None, count_lookup: bool = True) -> Candidates:
+        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup unless not
+        ``count_lookup`` (the request path counts it when the request is served). Corrupt entries are
         quarantined and skipped, evicted ones skipped. No embedding (a prompt that could not be embedded), a
         namespace pinned to another ``model_fingerprint`` or Redis unreachable gives no candidates, with the
         reason in ``note``."""
@@ -961,7 +962,8 @@ class RedisStore:
             return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000, note=why)
 
         try:
-            self.record_lookup(namespace)
+            if count_lookup:
+                self.record_lookup(namespace)
             if embedding is None:
                 return none("no retrieval: the request has no retrieval embedding (its prompt could not be embedded)")
             try:

@@ -1283,14 +1283,17 @@ class Store:
 
     @_public
     def candidates(self, namespace: str, embedding: np.ndarray | None, k: int = 5, *, min_similarity: float = -1.0,
-                   model_fingerprint: str | None = None) -> Candidates:
-        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup. Entries that turn out
+                   model_fingerprint: str | None = None, count_lookup: bool = True) -> Candidates:
+        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup unless not
+        ``count_lookup`` (the request path counts it when the request is served: ``request.reuse_stage``). Entries
+        that turn out
         corrupt are quarantined and skipped (said in ``note``); entries evicted meanwhile are skipped. No embedding
         (a prompt that could not be embedded) or a namespace pinned to another ``model_fingerprint`` gives no
         candidates, with the reason in ``note``."""
         t0 = time.perf_counter()
         self._ns_dir(namespace)  # validates the name
-        self.record_lookup(namespace)
+        if count_lookup:
+            self.record_lookup(namespace)
         notes: list[str] = []
 
         def none(why: str) -> Candidates:
