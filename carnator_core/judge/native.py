@@ -14,14 +14,17 @@ those calls it reads:
     frame's attention mass on its top tenth of cells; 0.1 = spread evenly), where (the support's centroid, frame
     fractions), motion (centroid of the last third of frames minus the first third), size (support share of the
     frame) and colour (CIELAB of the clip's pixels under the support, the half most distinct from the clip's
-    background); **scene**: CIELAB means of the clip outside every support on a 2 x 2 grid.
+    background) and ``local`` — (a) localised: the target's denoising error minus the alternative's over the
+    object's support (a share of both errors over the clip; > 0 where the target explains that region worse);
+    **scene**: CIELAB means of the clip outside every support on a 2 x 2 grid.
 
 A clip alone (:meth:`NativeJudge.judge`) fails when a named object's presence is below ``presence_min`` or the
 margin is above ``margin_max_empty`` / ``margin_max_source``. A reuse clip in the excess label
 (:meth:`NativeJudge.judge_pair`) is held against the same quantities of the same-seed dense clip (same noise, same
 alternative): it fails when the margin rose by more than ``d_margin``, the target error rose by more than
 ``d_error`` (relative), or an object moved (``d_where``), moves differently (``d_motion``), changed colour
-(``d_colour``, ΔE2000), size (``d_size``, |log ratio|) or presence (``d_presence``), or the scene's colours changed
+(``d_colour``, ΔE2000), size (``d_size``, |log ratio|) or presence (``d_presence``), its region is explained worse
+(``d_local``), or the scene's colours changed
 (``d_scene``, ΔE2000, worst cell). Default thresholds were fitted on the embedded model (docs/CALIBRATION.md, "Real
 models: which judge, what it sees, what it misses"); they are in the judge's settings, so labels made under other
 thresholds never mix.
@@ -57,6 +60,7 @@ DEFAULT_THRESHOLDS: Mapping[str, float] = {
     "d_size": 0.7,
     "d_presence": 0.15,
     "d_scene": 12.0,
+    "d_local": 0.05,
 }
 
 
@@ -103,6 +107,10 @@ class ObjectMeasure:
     motion: tuple[float, float]
     size: float
     lab: tuple[float, float, float] | None  # None: no pixel under the support
+    # (a) localised: the target's denoising error minus the alternative's, summed over the object's support, over
+    # both errors summed over the whole clip (> 0: the target explains the object's region worse than the
+    # alternative does)
+    local: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,6 +226,24 @@ def context_lab(clip: np.ndarray, objects_px: np.ndarray) -> np.ndarray:
     return _rgb2lab(np.asarray(cells))
 
 
+def _token_excess(raw: Any, patch: tuple[int, int, int]) -> np.ndarray | None:
+    """[T', H', W'] on the token grid: per token, the target's squared x0 error minus the alternative's (summed over
+    its latent cells and channels, mean over levels), over the sum of both errors over the whole latent. None when
+    the latent does not tile into the token grid."""
+    import torch
+
+    maps = []
+    for lv in raw.levels:
+        et = ((lv.cond_x0 - lv.x0) ** 2).sum(1)[0]  # [T, H, W]
+        ea = ((lv.alt_x0 - lv.x0) ** 2).sum(1)[0]
+        total = float((et + ea).sum()) or 1.0
+        d = (et - ea)[None, None].float()
+        pooled = torch.nn.functional.avg_pool3d(d, kernel_size=patch, stride=patch, ceil_mode=True)[0, 0]
+        maps.append(pooled.numpy() * float(np.prod(patch)) / total)
+    out = np.mean(maps, axis=0)
+    return out if tuple(out.shape) == tuple(raw.grid) else None
+
+
 class NativeJudge(JudgeBase):
     """The generation-native judge (see the module doc).
 
@@ -279,6 +305,11 @@ class NativeJudge(JudgeBase):
         objects, _ = objects_for(request.prompt, self.text_encoder, override)
         return tuple(o for o in objects if o.positions)
 
+    def _patch(self) -> tuple[int, int, int]:
+        from ..adapters import adapter_for
+
+        return adapter_for(self.model).patch_of(self.model)
+
     def _layers(self) -> tuple[int, ...]:
         if self.config.layers:
             return tuple(self.config.layers)
@@ -305,6 +336,7 @@ class NativeJudge(JudgeBase):
         self.last_calls = raw.model_calls
         err_t = tuple(float(((lv.cond_x0 - lv.x0) ** 2).mean()) for lv in raw.levels)
         err_a = tuple(float(((lv.alt_x0 - lv.x0) ** 2).mean()) for lv in raw.levels)
+        excess = _token_excess(raw, self._patch())
         bg = np.median(x.reshape(-1, 3), axis=0)
         measures: dict[str, ObjectMeasure] = {}
         covered = np.zeros(x.shape[:3], bool)
@@ -313,6 +345,8 @@ class NativeJudge(JudgeBase):
             if amap is None:
                 continue
             om, pix = object_measure(amap, x, bg, self.config.support_mass)
+            if excess is not None and excess.shape == amap.shape:
+                om = dataclasses.replace(om, local=float((excess * _support(amap, self.config.support_mass)).sum()))
             measures[o.name] = om
             covered |= pix
         return NativeMeasures("source" if alt_prompt is not None else "empty", err_t, err_a, measures,
@@ -375,12 +409,17 @@ class NativeJudge(JudgeBase):
                 "d_size": abs(math.log(max(rm.size, 1e-6) / max(dm.size, 1e-6))),
                 "d_presence": dm.presence - rm.presence,
                 "d_colour": delta_e(rm.lab, dm.lab) if rm.lab is not None and dm.lab is not None else 0.0,
+                "d_local": rm.local - dm.local,
             }
             bad = [k for k, v in d.items() if v > th(k)]
             per_object[name] = not bad
             scores.update({f"{name}.{k}": v for k, v in d.items()})
             for k in bad:
-                reasons.append(f"{name}: {k[2:]} differs from the dense clip ({d[k]:.3f} > {th(k):.3f})")
+                if k == "d_local":
+                    reasons.append(f"{name}: its region is explained worse by the target prompt than in the dense "
+                                   f"clip ({d[k]:.3f} > {th(k):.3f})")
+                else:
+                    reasons.append(f"{name}: {k[2:]} differs from the dense clip ({d[k]:.3f} > {th(k):.3f})")
         return Verdict(passed=scene and all(per_object.values()), per_object=per_object, scene=scene,
                        reasons=tuple(reasons), scores=scores)
 

@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402  (registers the `carnator` package; knows where the host's ComfyUI is)
 import numpy as np  # noqa: E402
 
-PAIR_FEATURES = ("d_margin", "d_error", "d_scene", "d_where", "d_motion", "d_colour", "d_size", "d_presence")
+PAIR_FEATURES = ("d_margin", "d_error", "d_scene", "d_where", "d_motion", "d_colour", "d_size", "d_presence",
+                 "d_local")
 ALONE_FEATURES = ("margin", "neg_presence")
 
 
@@ -105,7 +106,7 @@ def checker_row(cj, clip, caption):
 def pair_scores(nj, reuse_m, dense_m) -> dict:
     v = nj.verdict_pair(reuse_m, dense_m)
     s = {k: float(v.scores[k]) for k in ("d_margin", "d_error", "d_scene")}
-    for f in ("d_where", "d_motion", "d_colour", "d_size", "d_presence"):
+    for f in ("d_where", "d_motion", "d_colour", "d_size", "d_presence", "d_local"):
         vals = [float(x) for k, x in v.scores.items() if k.endswith("." + f)]
         s[f] = max(vals) if vals else 0.0
     s["margin_reuse"], s["margin_dense"] = reuse_m.margin, dense_m.margin
@@ -148,15 +149,24 @@ def _setup(threads: int):
     return model, enc, nj, CheckerJudge(artifact_ratio=1.25)
 
 
+def _u8(x: np.ndarray) -> np.ndarray:
+    return (np.clip(np.asarray(x, np.float32), 0, 1) * 255 + 0.5).astype(np.uint8)
+
+
 def run_scenes(args) -> None:
     from carnator.carnator_core.embedded import world
     from carnator.carnator_core.judge import JudgeRequest
     from carnator.carnator_core.lab.pairs import embedded_frame
 
     out = Path(args.out)
-    rows, clips_dir = out / f"rows{args.start or ''}.jsonl", out / "clips"
+    clips_dir = out / "clips"
     clips_dir.mkdir(parents=True, exist_ok=True)
-    done = set().union(*(_done(f) for f in out.glob("rows*.jsonl")))
+    if args.rejudge:  # judge saved clips again with today's judge (no generation); the report prefers these rows
+        rows = out / "rows_rejudged.jsonl"
+        done = _done(rows) | {f"s{i:04d}" for i in range(args.scenes) if not (clips_dir / f"s{i:04d}.npz").exists()}
+    else:
+        rows = out / f"rows{args.start or ''}.jsonl"
+        done = set().union(*(_done(f) for f in out.glob("rows*.jsonl")))
     model, enc, nj, cj = _setup(args.threads)
     frame = embedded_frame()
     t_start = time.time()
@@ -175,8 +185,16 @@ def run_scenes(args) -> None:
         cands = variants(scene, rng, frame)
         pick = [cands[int(j)] for j in rng.permutation(len(cands))[:args.variants]]
         vcaps = [world.caption(s, np.random.default_rng(cap_seed)) for _, s in pick]
-        clips, _ = generate_same_noise(model, enc, [target] + vcaps, seed)
-        fresh, _ = generate_same_noise(model, enc, [target], seed2)
+        if args.rejudge:
+            with np.load(clips_dir / f"{unit}.npz") as z:
+                saved = [z[k] for k in ["dense"] + [f"v{k}" for k in range(len(vcaps) + 1)]]
+            clips, fresh = np.stack(saved[:-1]), saved[-1][None]
+        else:
+            clips, _ = generate_same_noise(model, enc, [target] + vcaps, seed)
+            fresh, _ = generate_same_noise(model, enc, [target], seed2)
+            clips, fresh = _u8(clips), _u8(fresh)
+        # judged as saved (uint8), so a rejudged unit sees exactly the clips its first judgement saw
+        clips, fresh = clips.astype(np.float32) / 255.0, fresh.astype(np.float32) / 255.0
         dense = clips[0]
         caps = [target] + vcaps
         # every generated clip is a dense clip of its own caption (judged alone); each (target, variant) pair is a
@@ -202,9 +220,9 @@ def run_scenes(args) -> None:
                       "scores": alone_scores(nj.measure(fresh[0], JudgeRequest(target, seed=seed2)))})
         items.append({"kind": "fresh_seed", "source": None, "checker": checker_row(cj, fresh[0], target),
                       "pair": pair_scores(nj, m_fresh, alone_m[0]), "clip_alone": alone_scores(m_fresh)})
-        np.savez_compressed(clips_dir / f"{unit}.npz", dense=(dense * 255 + 0.5).astype(np.uint8),
-                            **{f"v{k}": (c * 255 + 0.5).astype(np.uint8)
-                               for k, c in enumerate(list(clips[1:]) + [fresh[0]])})
+        if not args.rejudge:
+            np.savez_compressed(clips_dir / f"{unit}.npz", dense=_u8(dense),
+                                **{f"v{k}": _u8(c) for k, c in enumerate(list(clips[1:]) + [fresh[0]])})
         _append(rows, {"unit": unit, **base, "items": items, "seconds": round(time.perf_counter() - t0, 2)})
         print(f"{unit} {time.perf_counter() - t0:.1f} s dense_pass={alone[0]['checker']['pass']} "
               f"{[(it['kind'], it['checker']['pass']) for it in items]}", flush=True)
@@ -288,14 +306,15 @@ def _records(rows: list[dict]):
 
 
 def _fires(x: dict, th: dict) -> bool:
-    return any(x[f] > th[f] for f in th)
+    return any(x.get(f, 0.0) > th[f] for f in th)
 
 
 def fit_thresholds(pos: list[dict], neg: list[dict], features, fa_target: float) -> dict:
     """Greedy coordinate search over per-feature quantiles of the negatives: the most positives caught with at most
     ``fa_target`` of the negatives flagged (any feature over its threshold flags)."""
     qs = (0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0)
-    grid = {f: sorted({float(np.quantile([n[f] for n in neg], q)) for q in qs} | {float("inf")}) for f in features}
+    grid = {f: sorted({float(np.quantile([n.get(f, 0.0) for n in neg], q)) for q in qs} | {float("inf")})
+            for f in features}
     th = {f: float("inf") for f in features}
 
     def score(t):
@@ -324,7 +343,13 @@ def _rate(xs) -> str:
 
 def report(args) -> None:
     out = Path(args.out)
-    rows = [json.loads(x) for f in sorted(out.glob("rows*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
+    by_unit: dict[str, dict] = {}
+    for f in sorted(out.glob("rows*.jsonl"), key=lambda f: f.name == "rows_rejudged.jsonl"):  # rejudged rows last
+        for x in f.read_text().splitlines():
+            if x.strip():
+                r = json.loads(x)
+                by_unit[r["unit"]] = r
+    rows = [by_unit[u] for u in sorted(by_unit)]
     recs = _records(rows)
     calib = [r for r in recs if r["split"] == "calib" and r["dense_pass"]]
     pos = [r["x"] for r in calib if not r["clip_pass"]]
@@ -440,6 +465,7 @@ def main(argv=None) -> int:
     s.add_argument("--start", type=int, default=0, help="first unit (a second worker takes a later range; its rows go "
                    "to rows<start>.jsonl)")
     s.add_argument("--variants", type=int, default=2, help="wrong-scene variants per scene (2)")
+    s.add_argument("--rejudge", action="store_true", help="judge the saved clips of done units again (no generation)")
     q = sub.add_parser("pairs")
     q.add_argument("--pairs-work", required=True)
     q.add_argument("--pairs-seed", type=int, default=52)
