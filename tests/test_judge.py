@@ -104,19 +104,20 @@ def test_checker_judge_artifact_ratio_in_judge_pair():
         CheckerJudge(artifact_ratio=-1.0)
 
 
-@pytest.mark.parametrize("ratio", [None, 2.0])
-def test_judge_labeler_equals_the_checker_labeler(ratio):
+@pytest.mark.parametrize("ratio,version", [(None, 1), (2.0, 1), (2.0, 2)])
+def test_judge_labeler_equals_the_checker_labeler(ratio, version):
     """The pairs machinery labels alike through the old request-level CheckerLabeler and through the checker judge
     (so pair files labelled either way mean the same)."""
     from carnator.carnator_core.lab import metrics
     from carnator.carnator_core.lab.pairs import JudgeLabeler, embedded_checker_labeler, judge_against_dense
 
-    old = embedded_checker_labeler("request", ratio)
+    old = embedded_checker_labeler("request", ratio, version=version)
     new = JudgeLabeler(old.as_judge())
     assert isinstance(old.as_judge(), CheckerJudge) and old.as_judge().artifact_ratio == ratio
+    assert old.as_judge().strict == (version == 2)
     dense_variants = [_render(SCENE), _render(_edited(colour="yellow"))]
     reuse_variants = dense_variants + [_render(_edited(motion="still")), _with_background_noise(_render(SCENE)),
-                                       _render(replace(SCENE, background="sand"))]
+                                       _render(replace(SCENE, background="sand")), _render(_edited(shape="cube"))]
     seen = set()
     for dense in dense_variants:
         bg = metrics.background_mask(dense, CAPTION)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..objects import _unique_names
 from . import pixels
@@ -80,27 +80,42 @@ class CheckerJudge(JudgeBase):
     artifact_ratio: in :meth:`judge_pair`, the reuse clip fails when its background artifact score exceeds this
                     multiple of the dense clip's (None or 0 = no artifact check; the shipped excess label uses the
                     ratio its pairs file states).
+    strict:         the checker's strict reading (``check(..., strict=True)``: shape gated, motion from the per-frame
+                    track; the second label's).
+    detail:         in :meth:`judge_pair`, ``detail(reuse_clip, dense_clip, prompt) -> [failed checks]`` (the second
+                    label's detail check — blur, object interiors, ghosts — lives in the lab, which passes it in:
+                    ``lab.pairs.embedded_checker_labeler("request", ratio, version=2).as_judge()``).
     A request's ``extra["scene"]`` (an ``embedded.world.Scene``) replaces parsing its prompt.
     """
 
     name = CHECKER_JUDGE
 
-    def __init__(self, artifact_ratio: float | None = None):
+    def __init__(self, artifact_ratio: float | None = None, *, strict: bool = False,
+                 detail: Callable[[Any, Any, str], Sequence[str]] | None = None):
         if artifact_ratio is not None and not (math.isfinite(artifact_ratio) and artifact_ratio > 0):
             raise ValueError(f"artifact_ratio must be a positive number or None, got {artifact_ratio!r}")
         self.artifact_ratio = artifact_ratio or None
-        self.settings: Mapping[str, Any] = {"artifact_ratio": self.artifact_ratio}
+        self.strict, self.detail = bool(strict), detail
+        self.settings: Mapping[str, Any] = {"artifact_ratio": self.artifact_ratio, "strict": self.strict,
+                                            "detail": detail is not None}
 
     def _check(self, clip: Any, request: JudgeRequest) -> Any:
         from ..embedded import checker
 
-        return checker.check(pixels.as_clip(clip), request.extra.get("scene") or request.prompt)
+        kw = {"strict": True} if self.strict else {}
+        return checker.check(pixels.as_clip(clip), request.extra.get("scene") or request.prompt, **kw)
 
     def judge(self, clip: Any, request: JudgeRequest) -> Verdict:
         return verdict_of(self._check(clip, request), tuple(request.objects))
 
     def judge_pair(self, ref: Any, reuse_clip: Any, dense_clip: Any, request: JudgeRequest) -> Verdict:
         v = self.judge(reuse_clip, request)
+        if self.detail is not None:
+            failed = list(self.detail(pixels.as_clip(reuse_clip), pixels.as_clip(dense_clip), request.prompt))
+            if failed:
+                v = Verdict(passed=False, per_object=v.per_object, scene=v.scene,
+                            reasons=v.reasons + tuple(f"detail: {f} (against the dense clip)" for f in failed),
+                            scores=v.scores)
         if not self.artifact_ratio:
             return v
         background = pixels.background_mask(dense_clip, request.extra.get("scene") or request.prompt)

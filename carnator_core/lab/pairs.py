@@ -351,9 +351,7 @@ def judge_against_dense(labeler: Labeler, ref: Any, clip: np.ndarray, dense_clip
     request_level = getattr(labeler, "level", "attribute") == "request"
     detail_failed: list[str] = []
     if request_level and getattr(labeler, "detail", False):
-        from .metrics import detail_verdict, object_detail
-
-        detail_failed = detail_verdict(object_detail(clip, prompt), object_detail(dense_clip, prompt))
+        detail_failed = _detail_failures(clip, dense_clip, prompt)
         diag = {**diag, "detail_failed": detail_failed}
     if request_level and (ratio or detail_failed):
         art = quality.get("artifact")
@@ -409,8 +407,11 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
         if level != "request":
             raise ValueError("the second label (version 2) is a request-level label: use level='request'")
         definition = EMBEDDED_EXCESS_DEFINITION_V2.format(ratio=artifact_ratio if artifact_ratio else "inf")
+        from ..judge.checker import CheckerJudge
+
         return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt, strict=True)), definition,
-                              level, artifact_ratio, detail=True)
+                              level, artifact_ratio, detail=True,
+                              judge=CheckerJudge(artifact_ratio, strict=True, detail=_detail_failures))
     if level == "request":
         definition = EMBEDDED_EXCESS_DEFINITION.format(ratio=artifact_ratio if artifact_ratio else "inf")
     else:
@@ -419,6 +420,13 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
 
     return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt)), definition, level,
                           artifact_ratio, judge=CheckerJudge(artifact_ratio if level == "request" else None))
+
+
+def _detail_failures(clip: np.ndarray, dense_clip: np.ndarray, prompt: str) -> list[str]:
+    """The second label's detail check of ``clip`` against ``dense_clip`` (what :func:`judge_against_dense` runs)."""
+    from .metrics import detail_verdict, object_detail
+
+    return list(detail_verdict(object_detail(clip, prompt), object_detail(dense_clip, prompt)))
 
 
 # Shared with the runtime judges (one definition: a label made here equals the judge's).
