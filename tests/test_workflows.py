@@ -506,7 +506,6 @@ def test_embedded_easycache_workflow_reuses_only_its_own_entries(embedded_runs: 
     from the plain entry. Warmed behind EasyCache (the same graph without reuse), the shipped workflow answers it
     exactly from that entry; a reworded request is decided under the EasyCache rule (a rule for another MODEL
     would fail the prompt)."""
-    from carnator.carnator_core.risk.rule import RiskRule
 
     _, api = load("embedded_easycache")
     tokenizer = make_workflows.probe_input_for(object_info, "CARNATOR_TEXT_ENCODER")
@@ -530,9 +529,10 @@ def test_embedded_easycache_workflow_reuses_only_its_own_entries(embedded_runs: 
             node["inputs"]["value"] = "a big red ball moves right in the top left, on green grass"
     history, _ = server.run_prompt_ws(reworded, timeout=600)
     report = _report(history, reworded)
-    rule = RiskRule.load(ROOT / "rules" / "embedded_easycache.json")
-    assert report["decision"] in ("hit", "dense"), report
-    assert report["rule_id"] == rule.rule_id, report
+    # E5's EasyCache rule was withdrawn (rules/README.md, "Withdrawn rules"): the workflow's rule file name now starts
+    # learning mode, which serves dense while it labels
+    assert not (ROOT / "rules" / "embedded_easycache.json").exists()
+    assert report["decision"] == "dense", report
 
 
 @pytest.mark.slow

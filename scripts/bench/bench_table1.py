@@ -77,7 +77,7 @@ LABELS = {
 DEFAULT_RULE = ROOT / "rules" / "embedded.json"
 # The Carnator + EasyCache row needs a rule certified on the EasyCache-patched model (its fingerprint covers the
 # patch): pairs labelled with `make_pairs.py --easycache ...`, calibrated as usual.
-DEFAULT_EASYCACHE_RULE = ROOT / "rules" / "embedded_easycache.json"
+DEFAULT_EASYCACHE_RULE = ROOT / "rules" / "withdrawn" / "embedded_easycache.json"  # withdrawn 2026-12-06
 
 
 # ----------------------------------------------------------------------------------------------------- setup

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import conftest  # noqa: E402,F401  (registers the `carnator` package)
 
-#: The order attempt 19's protocol fixed (rules/attempt19_protocol.md).
+#: The order attempt 19's protocol fixed (rules/protocols/attempt19.md).
 PROTOCOL_ORDER = ("size", "colour", "rewording", "reseed", "mixed", "background", "object", "count", "position",
                   "motion")
 
@@ -48,16 +48,47 @@ def served_pairs(th, pairs, strata) -> tuple[int, list]:
     return n, [p for p in acc if strata.allows(p.change)]
 
 
+def compare_table(label: str, policy: list, pairs: list, kind: dict, n_req: int) -> dict:
+    """Prompt-only at the coverage of ``policy`` (the highest similarity bar serving at least as many requests), per
+    request kind: served, b, c of each and the paired comparison (``risk.certify.compare_paired``)."""
+    from carnator.carnator_core.risk.certify import compare_paired, prompt_only_accepted
+
+    sims = sorted({p.similarity for p in pairs}, reverse=True)
+    bar, po = sims[-1], prompt_only_accepted(sims[-1], pairs)[1]
+    for t in sims:
+        acc = prompt_only_accepted(t, pairs)[1]
+        if len(acc) >= len(policy):
+            bar, po = t, acc
+            break
+    res: dict = {"prompt_only_bar": bar, "policy_served": len(policy), "prompt_only_served": len(po), "by_kind": {}}
+    print(f"\n{label}: {len(policy)} requests; prompt-only at the same coverage: similarity ≥ {bar:.4f} serves "
+          f"{len(po)}")
+    print("| kind | requests | rule served | b | c | prompt-only served | b | c | paired: prompt-only worse / rule "
+          "worse | sign test p |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k in sorted(set(kind.values())):
+        ids = {rid for rid, v in kind.items() if v == k}
+        s_k = [p for p in policy if p.request_id in ids]
+        po_k = [p for p in po if p.request_id in ids]
+        cmp = compare_paired(po_k, s_k, len(ids))
+        row = {"requests": len(ids), "served": len(s_k), "b": sum(p.unsafe for p in s_k),
+               "c": sum(p.better for p in s_k), "prompt_only_served": len(po_k),
+               "prompt_only_b": sum(p.unsafe for p in po_k), "prompt_only_c": sum(p.better for p in po_k),
+               "prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse, "sign_test_p": round(cmp.p_one_sided, 4)}
+        res["by_kind"][k] = row
+        print(f"| {k} | {row['requests']} | {row['served']} | {row['b']} | {row['c']} | {row['prompt_only_served']} "
+              f"| {row['prompt_only_b']} | {row['prompt_only_c']} | {row['prompt_only_worse']} / {row['rule_worse']} "
+              f"| {row['sign_test_p']} |")
+    cmp = compare_paired(po, policy, n_req)
+    res["paired_all"] = {"prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse, "p": cmp.p_one_sided}
+    print(f"all kinds, paired: prompt-only worse on {cmp.a_worse}, the rule worse on {cmp.b_worse}; exact one-sided "
+          f"sign test of 'prompt-only is no worse' p = {cmp.p_one_sided:.4f}")
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     from carnator.carnator_core.lab.pairs import combine_pairs_files
-    from carnator.carnator_core.risk.certify import (
-        EXACT,
-        accepted_pairs,
-        certify_strata,
-        compare_paired,
-        prompt_only_accepted,
-        read_pairs_jsonl,
-    )
+    from carnator.carnator_core.risk.certify import EXACT, accepted_pairs, certify_strata, read_pairs_jsonl
     from carnator.carnator_core.risk.rule import RiskRule
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     strata = certify_strata(rule.thresholds, pairs, order=order, alpha=rule.certificate.alpha,
                             delta=rule.certificate.delta, label="excess")
     prov = dict(rule.provenance)
-    prov.update({"strata_pairs": [args.combined.name], "strata_protocol": "rules/attempt19_protocol.md",
+    prov.update({"strata_pairs": [args.combined.name], "strata_protocol": "rules/protocols/attempt19.md",
                  "strata_label": header.get("unsafe_definition", "")})
     new = dataclasses.replace(rule, strata=strata, provenance=prov)
     new.save(args.out)
@@ -90,16 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             kind[r["request_id"]] = r["diag"]["kind"]
     n_req, served = served_pairs(rule.thresholds, pairs, strata)
     _, accepted = accepted_pairs(rule.thresholds, [p for p in pairs if p.change != EXACT])
-    # prompt-only at the same overall coverage: the highest bar serving at least as many requests
-    sims = sorted({p.similarity for p in pairs}, reverse=True)
-    bar, po = sims[-1], prompt_only_accepted(sims[-1], pairs)[1]
-    for t in sims:
-        acc = prompt_only_accepted(t, pairs)[1]
-        if len(acc) >= len(served):
-            bar, po = t, acc
-            break
-    out = {"strata": strata.to_dict(), "requests": n_req, "served": len(served), "prompt_only_bar": bar,
-           "prompt_only_served": len(po), "by_kind": {}}
+    out = {"strata": strata.to_dict(), "requests": n_req, "served": len(served), "comparisons": {}}
     print(f"strata ({strata.method}, order {', '.join(order)}; α = {strata.alpha}, δ = {strata.delta}): certified "
           f"{', '.join(strata.certified) or 'none'}; served {strata.covered} of {strata.n_requests} requests "
           f"({strata.coverage:.3f}); accepted by the thresholds {strata.accepted}")
@@ -110,30 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = {r: list(d[name]) for r, d in strata.runs.items() if name in d}
         print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {'yes' if c.tested else 'no'} | "
               f"{'yes' if c.passed else 'no'} | {runs} |")
-    print(f"prompt-only at the same coverage: similarity ≥ {bar:.4f} serves {len(po)} (the rule {len(served)})")
-    print("| kind | requests | accepted (thresholds) | served (certified stratum) | b | c | prompt-only served | "
-          "b | c | paired: prompt-only worse / rule worse | sign test p |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    kinds = sorted({kind[p.request_id] for p in pairs})
-    for k in kinds:
-        ids = {p.request_id for p in pairs if kind[p.request_id] == k}
-        s_k = [p for p in served if p.request_id in ids]
-        a_k = [p for p in accepted if p.request_id in ids]
-        po_k = [p for p in po if p.request_id in ids]
-        cmp = compare_paired(po_k, s_k, len(ids))
-        row = {"requests": len(ids), "accepted": len(a_k), "served": len(s_k),
-               "b": sum(p.unsafe for p in s_k), "c": sum(p.better for p in s_k),
-               "prompt_only_served": len(po_k), "prompt_only_b": sum(p.unsafe for p in po_k),
-               "prompt_only_c": sum(p.better for p in po_k), "prompt_only_worse": cmp.a_worse,
-               "rule_worse": cmp.b_worse, "sign_test_p": round(cmp.p_one_sided, 4)}
-        out["by_kind"][k] = row
-        print(f"| {k} | {row['requests']} | {row['accepted']} | {row['served']} | {row['b']} | {row['c']} | "
-              f"{row['prompt_only_served']} | {row['prompt_only_b']} | {row['prompt_only_c']} | "
-              f"{row['prompt_only_worse']} / {row['rule_worse']} | {row['sign_test_p']} |")
-    cmp = compare_paired(po, served, n_req)
-    out["paired_all"] = {"prompt_only_worse": cmp.a_worse, "rule_worse": cmp.b_worse, "p": cmp.p_one_sided}
-    print(f"all kinds, paired: prompt-only worse on {cmp.a_worse}, the rule worse on {cmp.b_worse}; exact one-sided "
-          f"sign test of 'prompt-only is no worse' p = {cmp.p_one_sided:.4f}")
+    # The pre-registered comparison is the served set (certified strata only); the thresholds' own accepted set
+    # (the rule as it ran before strata) is compared the same way beside it.
+    for label, policy in (("served (certified strata)", served), ("accepted by the thresholds", accepted)):
+        out["comparisons"][label] = compare_table(label, policy, pairs, kind, n_req)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
