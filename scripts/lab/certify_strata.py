@@ -48,6 +48,17 @@ def served_pairs(th, pairs, strata) -> tuple[int, list]:
     return n, [p for p in acc if strata.allows(p.change)]
 
 
+def heterogeneity(per_run: list) -> float | None:
+    """Two-sided Fisher exact p of "the runs have the same b/n" for two runs' [n, b, c] (None otherwise): the
+    clusters' agreement, for the record (the bound pools them)."""
+    if len(per_run) != 2 or any(n == 0 for n, _, _ in per_run):
+        return None
+    from scipy.stats import fisher_exact
+
+    (n1, b1, _), (n2, b2, _) = per_run
+    return round(float(fisher_exact([[b1, n1 - b1], [b2, n2 - b2]])[1]), 4)
+
+
 def compare_table(label: str, policy: list, pairs: list, kind: dict, n_req: int) -> dict:
     """Prompt-only at the coverage of ``policy`` (the highest similarity bar serving at least as many requests), per
     request kind: served, b, c of each and the paired comparison (``risk.certify.compare_paired``)."""
@@ -125,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strata ({strata.method}, order {', '.join(order)}; α = {strata.alpha}, δ = {strata.delta}): certified "
           f"{', '.join(strata.certified) or 'none'}; served {strata.covered} of {strata.n_requests} requests "
           f"({strata.coverage:.3f}); accepted by the thresholds {strata.accepted}")
-    print("| stratum | n | b | c | U | tested | certified | per run [n, b, c] |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| stratum | n | b | c | U | tested | certified | per run [n, b, c] | runs differ (Fisher p, b/n) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in list(order) + sorted(set(strata.strata) - set(order)):
         c = strata.strata[name]
         runs = {r: list(d[name]) for r, d in strata.runs.items() if name in d}
+        het = heterogeneity(list(runs.values()))
+        out.setdefault("heterogeneity", {})[name] = het
         print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {'yes' if c.tested else 'no'} | "
-              f"{'yes' if c.passed else 'no'} | {runs} |")
+              f"{'yes' if c.passed else 'no'} | {runs} | {het if het is not None else '—'} |")
     # The pre-registered comparison is the served set (certified strata only); the thresholds' own accepted set
     # (the rule as it ran before strata) is compared the same way beside it.
     for label, policy in (("served (certified strata)", served), ("accepted by the thresholds", accepted)):
