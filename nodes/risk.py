@@ -15,6 +15,7 @@ from typing import Any
 
 import folder_paths
 
+from ..carnator_core.learn.learner import LearnSettings
 from ..carnator_core.learn.rulefile import from_doc as learned_from_doc, read_if_learned
 from ..carnator_core.learn.runtime import learning_decision
 from ..carnator_core.paths import PathNotAllowedError, resolve_confined
@@ -47,7 +48,8 @@ def rule_path(rule_file: str) -> Path | None:
         return None
 
 
-def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_file: str) -> Any:
+def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_file: str,
+                           settings: LearnSettings | None = None) -> Any:
     """Learning mode's decision (``carnator_core.learn.runtime``) when ``rule_file`` does not exist yet or is a
     learned rule; None for an ordinary rule file (the certified filter decides)."""
     path = rule_path(rule_file)
@@ -62,7 +64,8 @@ def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_fil
         learned = learned_from_doc(data, str(path))
         learned.rule.check_applicable(*probe_fingerprints(probe))
     target = resolve_confined(rule_file, [user_rules_dir()], must_exist=False, what="risk rule file")
-    return learning_decision(signature, candidates, probe, rule_file=rule_file, rule_path=target, learned=learned)
+    return learning_decision(signature, candidates, probe, rule_file=rule_file, rule_path=target, learned=learned,
+                             settings=settings)
 
 
 def pairs_roots() -> list[Path]:
@@ -117,6 +120,16 @@ class CarnatorRiskFilter(io.ComfyNode):
                     "allow_uncertified", default=False,
                     tooltip="EXPERIMENTS ONLY: accept a rule whose certificate fails (U > α). Decisions are then "
                     "marked UNCERTIFIED; the risk is not bounded.",
+                )),
+                _advanced(io.Float.Input(
+                    "learn_budget", default=0.2, min=0.0, max=2.0, step=0.01, optional=True,
+                    tooltip="Learning mode (no rule file yet, or a learned one): extra compute for labelling served "
+                    "requests, as a share of the compute served (0.2 = 20 %). 0 = never label.",
+                )),
+                _advanced(io.Float.Input(
+                    "audit_share", default=0.05, min=0.0, max=1.0, step=0.01, optional=True,
+                    tooltip="Learning mode: share of a learned rule's hits served dense instead and labelled, to "
+                    "catch a drift (0.05 = 5 %).",
                 )),
             ],
             outputs=[
@@ -174,12 +187,15 @@ class CarnatorRiskFilter(io.ComfyNode):
         allow_uncertified: bool,
         signature: Any = None,
         probe: Any = None,
+        learn_budget: float = 0.2,
+        audit_share: float = 0.05,
     ) -> io.NodeOutput:
         exact = exact_decision(candidates)  # an exact repeat answered before the probe: nothing to filter
         if exact is not None:
             return io.NodeOutput(exact, exact.summary)
         if mode == "signature":
-            decision = learning_mode_decision(signature, candidates, probe, rule_file)
+            settings = LearnSettings(budget=float(learn_budget), audit_share=float(audit_share))
+            decision = learning_mode_decision(signature, candidates, probe, rule_file, settings)
             if decision is not None:
                 return io.NodeOutput(decision, decision.summary, ui={"carnator_learning": [decision.summary]})
         decision = decide_with_rule_file(

@@ -92,3 +92,47 @@ def test_wan_workflow_without_a_rule_learns_and_serves_dense_bit_identical(serve
     (ns,) = answer["namespaces"]
     assert ns["namespace"] == outs[1][1]["namespace"] and ns["state"] == "learning"
     assert server.get("/carnator/rules?directory=never_written")["namespaces"] == []
+
+
+def test_embedded_stream_without_a_rule_gets_shadow_labels_within_the_budget(server) -> None:
+    """The embedded workflow with a rule file that does not exist: served dense, and once the budget has room a
+    served request that recalled a candidate gets its counterfactual reuse labelled by the pixel checker; the
+    labels land in the cache folder's learn.sqlite and the ledger keeps label compute within the budget."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from api_client import set_request
+
+    from carnator.carnator_core.lab.workload import WorkloadSpec, build_workload
+    from carnator.carnator_core.learn.labels import LabelStore
+
+    api = json.loads((ROOT / "workflows" / "api" / "embedded.json").read_text(encoding="utf-8"))
+    cache = "learn_embedded_cache"
+    for n in api.values():
+        if n["class_type"] == "CarnatorRiskFilter":
+            n["inputs"].update(rule_file="learned_embedded_test.json", learn_budget=0.5)
+        if n["class_type"] == "CarnatorCacheLoader":
+            n["inputs"]["directory"] = cache
+        if n["class_type"] == "SaveAnimatedWEBP":
+            n["inputs"]["filename_prefix"] = "learn_embedded/clip"
+    sampler = next(k for k, n in api.items() if n["class_type"] == "CarnatorJointReuseSampler")
+    wl = build_workload(WorkloadSpec(n_warm=0, n_stream=8, n_templates=2, seed=3))
+    states = []
+    for req in wl.stream:
+        history, _ = server.run_prompt_ws(set_request(api, req.prompt, req.seed), timeout=600)
+        assert history["status"]["status_str"] == "success", server.log_tail()
+        report = history["outputs"][sampler]["carnator_report"][0]
+        if report["mode"] == "exact":  # an exact repeat, answered from the cache before any filter
+            continue
+        assert report["decision"] in ("dense", "miss") and report["rule_state"]["state"] == "learning"
+        states.append(report["rule_state"])
+    store = LabelStore(server.base_dir / "output" / cache)
+    (ns,) = store.namespaces()
+    labels = store.labels(ns)
+    assert labels and all(lab.kind == "shadow" and lab.judge == "embedded-checker" for lab in labels)
+    assert all(lab.cost_s > 0 and lab.x in (-1, 0, 1) for lab in labels) and store.corrupt == 0
+    led = store.ledger(ns)
+    assert led["requests"] == len(wl.stream) and led["label_s"] <= 0.5 * led["served_s"] + max(
+        lab.cost_s for lab in labels)
+    assert states[-1]["labels"] == sum(lab.kind == "shadow" for lab in labels)
+    assert states[-1]["message"].startswith("learning — ")

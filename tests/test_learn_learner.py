@@ -1,0 +1,163 @@
+"""Learning mode's state machine on a real learn.sqlite (carnator_core/learn): fits from covariates, switch-on per
+stratum by the anytime-valid sequence, the audit's drift test turning a stratum off (injected drift) and learning
+resuming, the learned rule file (verified on load, refused when edited or for another model), and a process killed
+with SIGKILL in the middle of writing labels losing or corrupting nothing. Labels here are injected (the judge is
+the test); the labelling run itself is covered through a real server in tests/test_learn_server.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from carnator.carnator_core.learn import rulefile
+from carnator.carnator_core.learn.labels import Covariate, Label, LabelStore
+from carnator.carnator_core.learn.learner import Learner, LearnSettings
+from carnator.carnator_core.learn.sequence import family_delta, labels_needed
+from carnator.carnator_core.risk.rule import RuleFormatError, RuleMismatchError
+
+NS = "0123456789abcdef-cfg"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def feed(ln: Learner, n: int, stratum: str, rng: np.random.Generator, *, p_b: float = 0.0, kind: str = "shadow",
+         start: int = 0, check: bool = True, every: int = 1) -> list[str]:
+    """n served requests of ``stratum`` with discrepancies uniform in [0, 1], each labelled (b with probability
+    p_b); returns the state of the stratum after every ``every``-th label (re-derived from the record, as serving
+    does after each request)."""
+    states = []
+    for i in range(start, start + n):
+        key = f"{kind}-{stratum}-{i}"
+        vec = tuple(float(v) for v in rng.uniform(0.0, 1.0, 4))
+        ln.store.add_covariate(NS, Covariate(key, stratum, f"e{i}", 0.9, vec, False))
+        x = int(rng.random() < p_b)
+        ln.store.add_label(NS, Label(key, stratum, f"e{i}", 0.9, vec, False, True, x, kind, "test-judge"))
+        if check and (i - start) % every == every - 1:
+            states.append(ln.state(NS)[stratum].state)
+    return states
+
+
+def test_a_stratum_switches_on_by_itself_and_drift_turns_it_off(tmp_path: Path) -> None:
+    settings = LearnSettings(min_fit=20, level=1.0)  # fit 1 accepts every discrepancy seen in the first 20
+    ln = Learner(tmp_path, settings)
+    rng = np.random.default_rng(0)
+    states = feed(ln, 20, "reseed", rng, check=False)
+    st = ln.state(NS)["reseed"]
+    assert st.fit is not None and st.fit.index == 1 and st.state == "learning"
+    states = feed(ln, 200, "reseed", rng, start=20)
+    need = labels_needed(0.05, family_delta(0.1, n_strata=10, fit_index=1, n_levels=1))
+    first_on = states.index("certified") + 1
+    # the labels accepted by fit 1 (those inside the first 20 requests' per-axis maxima) reach the sequence's count
+    accepted = ln.state(NS)["reseed"].sequence.n
+    assert accepted >= need and first_on <= 200
+    rs = ln.rule_state(NS)
+    assert rs["state"] == "certified" and "reuse on for reseed" in rs["message"]
+    assert any(e["kind"] == "on" for e in ln.store.events(NS))
+    # another stratum with no labels is still learning, with its own count
+    feed(ln, 3, "colour", rng)
+    assert ln.state(NS)["colour"].state == "learning"
+    # audits of the switched-on stratum: fine at first, then an injected drift (every audited hit now fails)
+    feed(ln, 30, "reseed", rng, p_b=0.0, kind="audit", start=1000)
+    assert ln.state(NS)["reseed"].state == "audited"
+    drifted = feed(ln, 60, "reseed", rng, p_b=1.0, kind="audit", start=2000)
+    assert "off" in drifted, drifted
+    after = ln.state(NS)["reseed"]
+    assert after.state == "off" and after.fit.index == 2 and "drift" in after.message
+    assert any(e["kind"] == "drift" for e in ln.store.events(NS))
+    assert ln.rule_state(NS)["state"] == "off"
+    # learning resumes: fit 2 counts only labels after the drift, at its own (smaller) δ share
+    again = feed(ln, 900, "reseed", rng, start=5000, every=25)
+    assert again[0] == "off" and again[-1] == "certified", again
+    st = ln.state(NS)["reseed"]
+    assert st.fit.index == 2 and st.sequence.n >= labels_needed(0.05, family_delta(0.1, n_strata=10, fit_index=2,
+                                                                                      n_levels=1))
+
+
+def test_a_risky_stratum_never_switches_on_and_is_refitted_stricter(tmp_path: Path) -> None:
+    ln = Learner(tmp_path, LearnSettings(min_fit=20, fail_after=40))
+    rng = np.random.default_rng(1)
+    states = feed(ln, 300, "colour", rng, p_b=0.3)
+    assert "certified" not in states
+    fits = ln.fits(NS)["colour"]
+    assert len(fits) >= 2 and fits[1].level < fits[0].level  # refitted stricter after fit 1 failed
+    assert ln.rule_state(NS)["state"] == "learning"
+
+
+def test_learned_rule_file_round_trip_verification_and_refusal(tmp_path: Path) -> None:
+    ln = Learner(tmp_path / "cache", LearnSettings(min_fit=20, level=1.0))
+    rng = np.random.default_rng(2)
+    feed(ln, 20, "reseed", rng, check=False)
+    feed(ln, 150, "reseed", rng, start=20)
+    doc = rulefile.build(ln, NS, model_fingerprint="0123456789abcdef0000", rule_fingerprint="cfg", arch="embedded",
+                         config_meta={"steps": 20}, reuse_meta={"mode": "joint"},
+                         judge={"name": "test-judge", "settings": {}})
+    path = rulefile.save(doc, tmp_path / "rules" / "learned.json")
+    learned = rulefile.load_learned(path)
+    assert learned.on == ["reseed"] and learned.thresholds("reseed") is not None
+    assert learned.rule.recall_k == 1 and learned.settings == ln.settings
+    assert learned.states["reseed"].sequence.to_dict() == ln.state(NS)["reseed"].sequence.to_dict()
+    # the record is recomputed, not trusted: a hand-edited state changes nothing; an edited label is refused
+    data = json.loads(path.read_text())
+    data["learning"]["strata"]["reseed"]["state"] = "learning"
+    assert rulefile.from_doc(data).on == ["reseed"]
+    data["learning"]["labels"][25]["x"] = 1
+    with pytest.raises(RuleFormatError, match="checksum"):
+        rulefile.from_doc(data)
+    # refused for another model or config, as every rule
+    with pytest.raises(RuleMismatchError):
+        learned.rule.check_applicable("another-model", "cfg")
+    learned.rule.check_applicable("0123456789abcdef0000", "cfg")
+
+
+WRITER = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+from tests.repo_package import register_package
+register_package()
+from carnator.carnator_core.learn.labels import Label, LabelStore
+st = LabelStore({d!r})
+print("ready", flush=True)
+i = 0
+while True:
+    st.add_label("ns", Label(f"k{{i}}", "reseed", "e", 0.9, (0.1, 0.2, 0.3, 0.4), False, True, 0, "shadow",
+                             "j", {{}}, 0.5, "p" * 2000, "q" * 2000, i))
+    st.charge("ns", served_s=1.0, label_s=0.5, requests=1)
+    i += 1
+"""
+
+
+def test_sigkill_mid_label_loses_or_corrupts_nothing(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), d=str(tmp_path))],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        deadline = time.time() + 60
+        st = LabelStore(tmp_path)
+        while len(st.labels("ns")) < 50 and time.time() < deadline:  # let it write a while, then kill it mid-write
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    st = LabelStore(tmp_path)
+    labels = st.labels("ns")
+    assert st.corrupt == 0 and len(labels) >= 50
+    assert [lab.seed for lab in labels] == list(range(len(labels)))  # no gap: each label whole or absent
+    led = st.ledger("ns")
+    assert st.corrupt == 0 and led["requests"] in (len(labels), len(labels) - 1)  # the ledger's own transaction
+    # a row edited on disk is skipped and counted, never deleted
+    import sqlite3
+
+    c = sqlite3.connect(str(tmp_path / "learn.sqlite"))
+    c.execute("UPDATE labels SET body = replace(body, '\"x\":0', '\"x\":1') WHERE id = 3")
+    c.commit()
+    c.close()
+    st2 = LabelStore(tmp_path)
+    assert len(st2.labels("ns")) == len(labels) - 1 and st2.corrupt == 1
