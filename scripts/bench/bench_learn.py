@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Learning mode end to end: an empty cache, no rule, the Table-1 workload streamed through a real ComfyUI server.
+
+    nice -n 10 .host/venv/bin/python scripts/bench/bench_learn.py --out artifacts/learn_e2e --stream 300 \
+        > artifacts/learn_e2e.log 2>&1 &
+    .host/venv/bin/python scripts/bench/bench_learn.py --out artifacts/learn_e2e --report   # the figures so far
+
+What it does: starts ComfyUI (``tests/harness_server.py``: ``main.py --cpu`` on a free loopback port) with a base
+directory under ``--out`` (kept: the run is resumable — a restart skips the requests already in
+``requests.jsonl``), and queues every stream request of the workload (``carnator_core/lab/workload.py``, no warm
+set: the cache starts empty) over HTTP as the shipped ``workflows/api/embedded.json`` with its Risk Filter's rule
+file set to a name that does not exist (learning mode) and SaveLatent instead of the preview. Every
+``--dense-every``-th request, every hit and every audit is followed by its dense twin (the same request as a stock
+KSampler graph, nothing cached), so the dense baseline is measured in the same process under the same load.
+Latencies are the server's own (``execution_start`` → ``execution_success`` in ``/history``).
+
+The report (``--report``, also printed at the end): requests until reuse switched on (per stratum), extra compute
+spent labelling and auditing (the learning ledger in the cache folder's ``learn.sqlite``), the stream's speed-up
+against dense over the whole run and after switch-on, the hits' excess failure measured afterwards by labelling each
+served hit against its dense twin with the same judge (the embedded pixel checker), the offline protocol's compute
+for the same labels, and when other learning settings would have switched on, replaying the same labels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+
+from workload import add_workload_args, register_package, spec_from_args  # noqa: E402
+
+register_package()
+
+from api_client import ComfyClient, set_request  # noqa: E402
+from harness_server import ComfyServer  # noqa: E402
+
+from carnator.carnator_core.lab.workload import build_workload  # noqa: E402
+
+WORKFLOW = ROOT / "workflows" / "api" / "embedded.json"
+CACHE_DIR = "learn_e2e_cache"
+RULE_FILE = "learned_e2e.json"
+
+
+def latency_s(entry: dict[str, Any]) -> float | None:
+    """The server's wall time of one prompt (execution_start → execution_success timestamps, ms)."""
+    ts = {ev: data.get("timestamp") for ev, data in entry.get("status", {}).get("messages", [])}
+    if ts.get("execution_start") is None or ts.get("execution_success") is None:
+        return None
+    return (ts["execution_success"] - ts["execution_start"]) / 1000.0
+
+
+def graphs(weights: str, budget: float, audit: float) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(Carnator graph, dense twin graph, the Carnator sampler's node id), both saving their LATENT."""
+    g = json.loads(WORKFLOW.read_text(encoding="utf-8"))
+    sampler = next(k for k, n in g.items() if n["class_type"] == "CarnatorJointReuseSampler")
+    probe = next(n for n in g.values() if n["class_type"] == "CarnatorEarlyProbe")["inputs"]
+    for k in [k for k, n in g.items() if n["class_type"] in ("SaveAnimatedWEBP", "CarnatorEmbeddedDecode")]:
+        del g[k]
+    for n in g.values():
+        t, i = n["class_type"], n["inputs"]
+        if t == "CarnatorEmbeddedLoader":
+            i["weights_path"] = weights
+        elif t == "CarnatorCacheLoader":
+            i["directory"] = CACHE_DIR
+        elif t == "CarnatorRiskFilter":
+            i.update(rule_file=RULE_FILE, mode="signature", learn_budget=budget, audit_share=audit)
+    g["save"] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": "e2e/x"}}
+    d = {k: json.loads(json.dumps(n)) for k, n in g.items()
+         if not (n["class_type"].startswith("Carnator") and not n["class_type"].startswith("CarnatorEmbedded"))
+         and k != "save"}
+    si = g[sampler]["inputs"]
+    d["ks"] = {"class_type": "KSampler", "inputs": {
+        "model": si["model"], "positive": si["positive"], "negative": si["negative"],
+        "latent_image": si["latent_image"],
+        "seed": probe["seed"], "steps": probe["steps"], "cfg": probe["cfg"], "sampler_name": probe["sampler_name"],
+        "scheduler": probe["scheduler"], "denoise": 1.0}}
+    d["save"] = {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0], "filename_prefix": "e2e/d"}}
+    return g, d, sampler
+
+
+def run_one(client: ComfyClient, graph: dict[str, Any], prompt: str, seed: int, prefix: str) -> dict[str, Any]:
+    g = set_request(graph, prompt, seed)
+    g["save"]["inputs"]["filename_prefix"] = prefix
+    pid = client.queue(g)
+    entry = client.wait_all([pid])[pid]
+    if entry.get("status", {}).get("status_str") != "success":
+        raise RuntimeError(f"prompt failed: {json.dumps(entry.get('status'))[:2000]}")
+    return entry
+
+
+def saved(entry: dict[str, Any]) -> str:
+    (f,) = entry["outputs"]["save"]["latents"]
+    return f"{f['subfolder']}/{f['filename']}"
+
+
+def serve(args: argparse.Namespace) -> None:
+    out = Path(args.out).resolve()  # ComfyUI runs from its own folder
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "requests.jsonl"
+    done = {json.loads(line)["rid"] for line in log_path.open(encoding="utf-8")} if log_path.exists() else set()
+    wl = build_workload(spec_from_args(args))
+    (out / "workload.json").write_text(json.dumps({"spec": wl.spec.to_json(), "digest": wl.digest()}, indent=1))
+    graph, dense, sampler = graphs(str(Path(args.weights).resolve()), args.budget, args.audit)
+    with ComfyServer(out / "comfy", startup_timeout=900) as server:
+        client = ComfyClient(server.url, timeout=1800)
+        for i, req in enumerate(wl.stream):
+            if req.rid in done:
+                continue
+            entry = run_one(client, graph, req.prompt, req.seed, f"e2e/{req.rid}_c")
+            rep = entry["outputs"][sampler]["carnator_report"][0]
+            rec = {"i": i, "rid": req.rid, "kind": req.kind, "prompt": req.prompt, "seed": req.seed,
+                   "latency_s": latency_s(entry), "decision": rep["decision"], "mode": rep["mode"],
+                   "compute_fraction": rep.get("compute_fraction"), "latent": saved(entry),
+                   "rule_state": {k: v for k, v in (rep.get("rule_state") or {}).items() if k != "strata"},
+                   "strata_on": sorted(k for k, v in (rep.get("rule_state") or {}).get("strata", {}).items()
+                                       if v["state"] in ("certified", "audited")),
+                   "audit": "audit:" in (rep.get("decision_summary") or ""), "t": time.time()}
+            hit = rep["decision"] == "hit" and rep["mode"] != "exact"
+            if i % args.dense_every == 0 or hit or rec["audit"]:
+                d = run_one(client, dense, req.prompt, req.seed, f"e2e/{req.rid}_d")
+                rec["dense_latency_s"] = latency_s(d)
+                rec["dense_latent"] = saved(d)
+            with log_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            rs = rec["rule_state"]
+            print(f"[{i + 1}/{len(wl.stream)}] {req.kind:15s} {rep['decision']:5s} {rec['latency_s'] or 0:.2f}s "
+                  f"dense {rec.get('dense_latency_s') or 0:.2f}s | {rs.get('state', '-')} {rs.get('labels', '-')}/"
+                  f"{rs.get('needed', '-')} {rs.get('label', '')}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+def offline_label(base: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each served (non-exact) hit judged against its dense twin by the same judge (the embedded checker)."""
+    from safetensors.torch import load_file
+
+    from carnator.carnator_core.embedded import codec
+    from carnator.carnator_core.judge.base import JudgeRequest, excess_label
+    from carnator.carnator_core.learn.runtime import _EmbeddedChecker
+
+    try:
+        from carnator.carnator_core.judge import CheckerJudge
+        judge: Any = CheckerJudge(None)
+    except ImportError:
+        judge = _EmbeddedChecker()
+    b = c = n = 0
+    for r in rows:
+        if not (r["decision"] == "hit" and r["mode"] != "exact" and r.get("dense_latent")):
+            continue
+        clips = []
+        for key in ("latent", "dense_latent"):
+            lat = load_file(str(base / "comfy" / "output" / r[key]))["latent_tensor"]
+            clips.append(codec.latent_to_rgb(lat.float())[0].numpy())
+        lab = excess_label(judge, clips[0], clips[1], JudgeRequest(prompt=r["prompt"], seed=int(r["seed"])))
+        n, b, c = n + 1, b + int(lab.b), c + int(lab.c)
+    return {"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name}
+
+
+def replay(store: Any, ns: str) -> dict[str, Any]:
+    """When other settings would have switched on, replaying the same labels (the label policy unchanged)."""
+    from carnator.carnator_core.learn.learner import Learner, LearnSettings
+
+    out = {}
+    for name, kw in {"default (Bonferroni over 10 strata, α 0.05, δ 0.1)": {},
+                     "strata='none' (each stratum at δ, as the offline per-stratum certificate)": {"strata": "none"},
+                     "α 0.1, Bonferroni": {"alpha": 0.1},
+                     "α 0.1, strata='none'": {"alpha": 0.1, "strata": "none"}}.items():
+        ln = Learner(":memory:", LearnSettings(**kw))
+        first: dict[str, int] = {}
+        labels = store.labels(ns)
+        covs = store.covariates(ns)
+        ci = 0
+        for j, lab in enumerate(labels):
+            while ci < len(covs) and covs[ci].request_key != lab.request_key:
+                ln.store.add_covariate(ns, covs[ci])
+                ci += 1
+            if ci < len(covs):
+                ln.store.add_covariate(ns, covs[ci])
+                ci += 1
+            ln.store.add_label(ns, lab)
+            for st, v in ln.state(ns).items():
+                if v.on and st not in first:
+                    first[st] = j + 1
+        out[name] = {"labels": len(labels), "switched_on_after_labels": first}
+    return out
+
+
+def report(args: argparse.Namespace) -> dict[str, Any]:
+    from carnator.carnator_core.learn.labels import LabelStore
+
+    out = Path(args.out)
+    rows = [json.loads(line) for line in (out / "requests.jsonl").open(encoding="utf-8")]
+    store = LabelStore(out / "comfy" / "output" / CACHE_DIR)
+    (ns,) = store.namespaces() or ("",)
+    led = store.ledger(ns)
+    labels = store.labels(ns)
+    on_at = next((r["i"] + 1 for r in rows if r["strata_on"]), None)
+    dense = [r["dense_latency_s"] for r in rows if r.get("dense_latency_s")]
+    dense_med = statistics.median(dense) if dense else None
+
+    def speedup(rs: list[dict[str, Any]]) -> float | None:
+        served = sum(r["latency_s"] for r in rs if r["latency_s"])
+        return (dense_med * len(rs) / served) if rs and dense_med and served else None
+
+    paired = [r for r in rows if r.get("dense_latency_s") and r["latency_s"]]
+    label_s = sum(lab.cost_s for lab in labels if lab.kind == "shadow")
+    n_shadow = sum(lab.kind == "shadow" for lab in labels)
+    mean_label = label_s / n_shadow if n_shadow else None
+    summary = {
+        "requests": len(rows), "workload": json.loads((out / "workload.json").read_text()),
+        "switched_on_at_request": on_at, "strata_on_at_end": rows[-1]["strata_on"] if rows else [],
+        "rule_state_at_end": rows[-1]["rule_state"] if rows else {},
+        "hits": sum(r["decision"] == "hit" and r["mode"] != "exact" for r in rows),
+        "exact_answers": sum(r["mode"] == "exact" for r in rows),
+        "audits": sum(lab.kind == "audit" for lab in labels), "shadow_labels": n_shadow,
+        "labels_b_c": [sum(lab.x == 1 for lab in labels), sum(lab.x == -1 for lab in labels)],
+        "ledger": led, "extra_share": (led["label_s"] + led["audit_s"]) / led["served_s"] if led["served_s"] else None,
+        "dense_median_s": dense_med, "dense_twins": len(dense),
+        "speedup_whole_run_vs_dense_median": speedup(rows),
+        "speedup_after_switch_on": speedup([r for r in rows if on_at and r["i"] + 1 > on_at]) if on_at else None,
+        "paired_ratio_dense_over_served": (sum(r["dense_latency_s"] for r in paired)
+                                           / sum(r["latency_s"] for r in paired)) if paired else None,
+        "mean_label_s": mean_label,
+        # the offline protocol labels a request with a dense run and a reuse run (its pairs file), on warm caches
+        "offline_equivalent_s": n_shadow * ((dense_med or 0) + (mean_label or 0)),
+        "online_label_s": label_s,
+        "hits_offline_label": offline_label(out, rows),
+        "replay": replay(store, ns) if labels else {},
+    }
+    (out / "report.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(ap, warm=0, stream=300)
+    ap.add_argument("--out", default="artifacts/learn_e2e", help="work folder (kept; the run resumes from it)")
+    ap.add_argument("--weights", default=str(ROOT / "carnator_core" / "embedded" / "weights"
+                                             / "carnator_embedded_v3.safetensors"))
+    ap.add_argument("--budget", type=float, default=0.2, help="learning budget (share of the compute served)")
+    ap.add_argument("--audit", type=float, default=0.05, help="audit share of a learned rule's hits")
+    ap.add_argument("--dense-every", type=int, default=2, help="a dense twin after every k-th request (and every "
+                                                               "hit and audit)")
+    ap.add_argument("--report", action="store_true", help="only print the report of the requests done so far")
+    args = ap.parse_args(argv)
+    if not args.report:
+        serve(args)
+    print(json.dumps(report(args), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
