@@ -290,6 +290,52 @@ def _attr_of(reasons: list[str]) -> set[str]:
     return out
 
 
+def retruth(rows: list[dict], out: Path, pairs_work: Path | None, judge) -> None:
+    """Replace every checker verdict in ``rows`` (in place) by ``judge``'s on the saved clips: a clip judged alone by
+    ``judge.judge``, a clip held against its dense clip by ``excess_label`` (so the artifact and detail checks of the
+    second label apply)."""
+    from carnator.carnator_core.judge import JudgeRequest, excess_label
+
+    def alone(clip, cap):
+        v = judge.judge(clip, JudgeRequest(cap))
+        return {"pass": v.passed, "reasons": list(v.reasons)}
+
+    def against(clip, dense, cap):
+        v = excess_label(judge, clip, dense, JudgeRequest(cap)).reuse
+        return {"pass": v.passed, "reasons": list(v.reasons)}
+
+    store_to_warm: dict[str, str] = {}
+    if pairs_work is not None:
+        for f in sorted(pairs_work.glob("warm-*.jsonl")):
+            for line in f.read_text().splitlines():
+                rec = json.loads(line)
+                store_to_warm[rec["entry_id"]] = rec["request_id"]
+    for r in rows:
+        if r["part"] == "scene":
+            with np.load(out / "clips" / f"{r['unit']}.npz") as z:
+                c = {k: z[k].astype(np.float32) / 255.0 for k in z.files}
+            n_var = len(c) - 2
+            gen = [c["dense"]] + [c[f"v{k}"] for k in range(n_var)]
+            caps = [a["caption"] for a in r["alone"][:n_var + 1]]
+            for a, clip in zip(r["alone"], gen + [c[f"v{n_var}"]]):
+                a["checker"] = alone(clip, a["caption"])
+            r["dense_checker"] = r["alone"][0]["checker"]
+            for k in range(n_var):
+                fwd, rev = r["items"][2 * k], r["items"][2 * k + 1]
+                fwd["checker"] = against(gen[k + 1], gen[0], caps[0])
+                fwd["dense_checker"] = r["alone"][0]["checker"]
+                rev["checker"] = against(gen[0], gen[k + 1], caps[k + 1])
+                rev["dense_checker"] = r["alone"][k + 1]["checker"]
+            r["items"][-1]["checker"] = against(c[f"v{n_var}"], gen[0], caps[0])
+        elif pairs_work is not None:
+            with np.load(pairs_work / "clips" / f"{r['unit'][1:]}.npz") as z:
+                c = {k: z[k].astype(np.float32) / 255.0 for k in z.files if k != "prompt"}
+            r["dense_checker"] = alone(c["dense"], r["target"])
+            warm_to_store = {w: s_ for s_, w in store_to_warm.items() if s_ in c}
+            for it in r["items"]:
+                it["checker"] = against(c[warm_to_store[it["entry"]]], c["dense"], r["target"])
+
+
 def _records(rows: list[dict]):
     """Pair records: dense passes the checker (where b is defined); label = the clip fails the checker."""
     recs = []
@@ -350,6 +396,11 @@ def report(args) -> None:
                 r = json.loads(x)
                 by_unit[r["unit"]] = r
     rows = [by_unit[u] for u in sorted(by_unit)]
+    if args.truth == "v2":
+        from carnator.carnator_core.lab.pairs import embedded_checker_labeler
+
+        retruth(rows, out, Path(args.pairs_work) if args.pairs_work else None,
+                embedded_checker_labeler("request", 1.25, version=2).as_judge())
     recs = _records(rows)
     calib = [r for r in recs if r["split"] == "calib" and r["dense_pass"]]
     pos = [r["x"] for r in calib if not r["clip_pass"]]
@@ -473,6 +524,11 @@ def main(argv=None) -> int:
     q.add_argument("--queries", type=int, default=48)
     r = sub.add_parser("report")
     r.add_argument("--fa-target", type=float, default=0.08)
+    r.add_argument("--truth", choices=("v1", "v2"), default="v2",
+                   help="the checker verdicts to hold the judge against: v2 = the second label (strict checker: shape "
+                   "gated, motion track; detail check and artifact ratio 1.25 against the dense clip), recomputed "
+                   "from the saved clips; v1 = the verdicts recorded when the clips were judged (first checker)")
+    r.add_argument("--pairs-work", default="", help="make_pairs --work folder of the pairs phase (its clips)")
     r.add_argument("--pairs-file", default="", help="the pairs run's JSONL (make_pairs --out) to certify both ways")
     r.add_argument("--rule", default=str(ROOT / "rules" / "embedded.json"), help="rule whose thresholds to apply")
     args = p.parse_args(argv)
