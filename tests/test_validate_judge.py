@@ -39,7 +39,7 @@ def test_report_on_known_rows(tmp_path, capsys):
         rows.append(_row(f"s{i:04d}", True, [("colour_swap", False, "colour", 1.0 + 0.01 * i),
                                               ("fresh_seed", True, "", 0.0)]))
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert vj.main(["--out", str(tmp_path), "report"]) == 0
+    assert vj.main(["--out", str(tmp_path), "report", "--truth", "v1"]) == 0
     text = capsys.readouterr().out
     assert "| colour_swap | 10 | 10 | 100% (10/10) | – |" in text
     assert "| fresh_seed | 10 | 0 | – | 0% (0/10) |" in text
