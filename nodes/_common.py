@@ -30,6 +30,14 @@ def advanced(inp: T) -> T:
     return inp
 
 
+def optional(inp: T) -> T:
+    """An optional input that stays on the node (not advanced): API-format prompts may omit it and get its default
+    (``execute`` must declare the same default). Optional inputs come after the required ones in the widget order,
+    so turning an advanced knob into a shown one with this keeps saved workflows' widget values in place."""
+    inp.optional = True  # type: ignore[attr-defined]
+    return inp
+
+
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     text = (text or "").strip()
     if not text:

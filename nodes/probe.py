@@ -9,7 +9,7 @@ from ..carnator_core.probe import ProbeConfig, ProbeConfigError, stage_bounds
 from ..carnator_core.request import RULE_CONTEXT_KV_MB, RequestSpec, probe_request
 from ..carnator_core.types import STAGE_END_MAX, Stage
 from ._api import CACHE, PROBE, TEXT_ENCODER, io
-from ._common import advanced, parse_int_list, stage_from, stage_inputs
+from ._common import advanced, mark_advanced, parse_int_list, stage_from, stage_inputs
 
 
 class CarnatorEarlyProbe(io.ComfyNode):
@@ -39,8 +39,10 @@ class CarnatorEarlyProbe(io.ComfyNode):
                                tooltip="Sampler; must be resumable (one model call per step)."),
                 io.Combo.Input("scheduler", options=comfy.samplers.SCHEDULER_NAMES, default="simple",
                                tooltip="Sigma schedule."),
-                io.Int.Input("probe_steps", default=4, min=0, max=1000,
-                             tooltip="How many of the first steps to probe (0 = use probe_fraction)."),
+                mark_advanced(io.Int.Input("probe_steps", default=4, min=0, max=1000,
+                                           tooltip="How many of the first steps to probe (0 = use probe_fraction). "
+                                                   "Risk rules are calibrated at a given k (4 for the shipped "
+                                                   "ones).")),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="The prompt text (the same text the positive conditioning was encoded "
                                         "from): objects are the nouns it names."),

@@ -206,9 +206,16 @@ def render_api(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
     return prompt
 
 
-def _estimate_size(n_sockets: int, n_outputs: int, n_widgets: int, multiline: int) -> list[float]:
-    # At least the frontend's own minimum for the node (it keeps a saved size that is not smaller).
-    height = 30 + 22 * max(n_sockets, n_outputs) + 26 * n_widgets + 90 * multiline
+#: Rows the Carnator web extension adds (web/carnator.js): the summary button of a node with advanced inputs, and
+#: the reuse badge of the Joint Reuse Sampler (its fixed height, 3 rows of 17 px + padding, plus the widget margin).
+TOGGLE_ROWS = 1
+BADGE_PX = {"CarnatorJointReuseSampler": 80}
+
+
+def _estimate_size(n_sockets: int, n_outputs: int, n_widgets: int, multiline: int, extra_px: int = 0) -> list[float]:
+    # At least the frontend's own minimum for the node (it keeps a saved size that is not smaller). Widgets are the
+    # ones the node shows by default: advanced ones are folded away (the summary button counts as one row).
+    height = 30 + 22 * max(n_sockets, n_outputs) + 26 * n_widgets + 90 * multiline + extra_px
     return [340.0, float(max(height, 60))]
 
 
@@ -255,13 +262,15 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
         sockets: list[dict[str, Any]] = []
         widget_slots: list[dict[str, Any]] = []
         widgets_values: list[Any] = []
-        n_widgets = multiline = 0
+        n_widgets = multiline = n_advanced = 0
         for name, spec, optional in ordered_inputs(node_def):
             kind = input_type(spec)
             slot: dict[str, Any] = {"localized_name": name, "name": name, "type": kind}
             if is_widget(spec):
                 opts = input_options(spec)
-                n_widgets += 1 + bool(opts.get("control_after_generate"))
+                shown = not opts.get("advanced") or name in node.links  # a linked widget is a socket row
+                n_widgets += (1 + bool(opts.get("control_after_generate"))) if shown else 0
+                n_advanced += not shown
                 multiline += bool(opts.get("multiline"))
                 widgets_values.append(node.values.get(name, widget_default(spec)))
                 if opts.get("control_after_generate"):
@@ -282,8 +291,10 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
         if models:  # lets the frontend offer the download of a missing model file
             properties["models"] = [{"name": m, "url": MODEL_FILES[m][0], "directory": MODEL_FILES[m][1]}
                                     for m in models]
+        if n_advanced and node.type.startswith("Carnator"):
+            n_widgets += TOGGLE_ROWS
         sizes[node.id] = list(node.size) if node.size else _estimate_size(len(sockets), len(out_types), n_widgets,
-                                                                          multiline)
+                                                                          multiline, BADGE_PX.get(node.type, 0))
         ui: dict[str, Any] = {
             "id": node.id, "type": node.type, "pos": None, "size": sizes[node.id], "flags": {}, "order": order,
             "mode": 0, "inputs": ui_inputs,
