@@ -27,8 +27,10 @@ from ..carnator_core.cache import (
     resolve_redis_url,
     roots_from_env,
 )
+from ..carnator_core.cache.store import MARKER
 from ..carnator_core.request import DEFAULT_MIN_SIMILARITY, DEFAULT_TOP_K, node_cache_report, recall, write_result
-from ..carnator_core.types import Probe, Signature
+from ..carnator_core.types import Probe, Signature, namespace_key
+from . import _history
 from ._api import CACHE, CANDIDATES, PROBE, REPORT, SIGNATURE, io, ui
 from ._common import advanced
 
@@ -110,19 +112,40 @@ class CarnatorCacheLoader(io.ComfyNode):
         return adoption_problem(path) or True
 
     @classmethod
+    def fingerprint_inputs(cls, directory: str = "carnator_cache", max_gb: float = 0.0, policy: str = "lcbfu",
+                           **kwargs: Any) -> Any:
+        # ComfyUI re-runs a node, and everything downstream of it, when this value changes. It follows the cache's
+        # purge count: after a purge the same graph runs again (and fills the emptied cache) instead of ComfyUI's
+        # node cache handing back the previous output. Writes do not change it, so a requeued identical graph is
+        # still answered by ComfyUI's node cache.
+        try:
+            if not is_redis_url(directory):
+                path = resolve_cache_dir(directory, allowed_roots())
+                if adoption_problem(path) or not (path / MARKER).is_file():
+                    return (str(path), 0)  # not a cache yet: as a fresh one (its first purge makes it 1)
+            handle = _loader_handle(directory, max_gb, policy)
+            return (handle.path, purge_count(open_store(handle)))
+        except Exception as e:  # noqa: BLE001 — validation and execute report the problem; here only stay stable
+            return ("unusable", str(e))
+
+    @classmethod
     def execute(cls, directory: str, max_gb: float = 0.0, policy: str = "lcbfu") -> io.NodeOutput:
-        if not math.isfinite(max_gb) or max_gb < 0:
-            raise ValueError(f"max_gb must be a finite number >= 0, got {max_gb}")
-        if is_redis_url(directory):
-            handle = CacheHandle(path=resolve_redis_url(directory), max_bytes=int(max_gb * 2**30) or None,
-                                 policy=policy)
-            open_store(handle)  # never fails for an unreachable Redis: requests then run dense (one log line)
-            return io.NodeOutput(handle)
-        path = resolve_cache_dir(directory, allowed_roots())
-        handle = CacheHandle(path=str(path), max_bytes=int(max_gb * 2**30) or None, policy=policy,
-                             key_path=key_path())
-        open_store(handle)  # create/validate now, so a bad directory fails here and not downstream
+        handle = _loader_handle(directory, max_gb, policy)
+        # Create/validate now, so a bad directory fails here and not downstream. Never fails for an unreachable
+        # Redis: requests then run dense (one log line).
+        open_store(handle)
         return io.NodeOutput(handle)
+
+
+def _loader_handle(directory: str, max_gb: float, policy: str) -> CacheHandle:
+    """The handle the Cache loader gives for these inputs (confined directory or configured Redis URL)."""
+    if not math.isfinite(max_gb) or max_gb < 0:
+        raise ValueError(f"max_gb must be a finite number >= 0, got {max_gb}")
+    budget = int(max_gb * 2**30) or None
+    if is_redis_url(directory):
+        return CacheHandle(path=resolve_redis_url(directory), max_bytes=budget, policy=policy)
+    path = resolve_cache_dir(directory, allowed_roots())
+    return CacheHandle(path=str(path), max_bytes=budget, policy=policy, key_path=key_path())
 
 
 class CarnatorCacheStats(io.ComfyNode):
@@ -157,6 +180,7 @@ class CarnatorCacheStats(io.ComfyNode):
         try:
             if purge:
                 n = store.purge(ns)
+                _history.mark_purge()
                 lines.append(f"purged {n} entries" + (f" of namespace {ns}" if ns else ""))
             lines.append(store.stats(ns).to_text())
         except CacheUnavailableError as e:
@@ -239,6 +263,8 @@ class CarnatorCacheWriter(io.ComfyNode):
         if report is not None and _seen_before(report):
             # The same report object again: ComfyUI's node cache served the sampler's output without running it.
             served = node_cache_report(_as_probe(probe), report, done.entry_id).to_meta()
+            p = _as_probe(probe)
+            _history.record(namespace_key(p.model_fingerprint, p.config), served, prompt=p.prompt, seed=p.seed)
         if done.not_cached and report is not None:
             # The clip is fine but the cache could not keep it (full disk, read-only, unreachable): say so on the
             # badge, with the run's report.
@@ -273,6 +299,12 @@ def _seen_before(report: Any) -> bool:
     except TypeError:  # not weak-referenceable: cannot tell, report nothing extra
         pass
     return False
+
+
+def purge_count(store: Any) -> int:
+    """How often ``store`` was purged (0 for a store that does not count its purges)."""
+    count = getattr(store, "purge_count", None)
+    return int(count()) if callable(count) else 0
 
 
 def _as_probe(probe: Any) -> Probe:

@@ -7,10 +7,15 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
 * ``GET  /carnator/cache/stats?directory=carnator_cache`` → the store's statistics as JSON (``Store.stats()``:
   entries, bytes, lookups, hits, hit_rate, namespaces, ...), or ``exists: false`` and zeros for a directory that
   is not a Carnator cache (yet): reading stats never creates a cache.
-* ``POST /carnator/cache/purge`` with JSON ``{"directory": "carnator_cache"}`` → what the purge removed.
+* ``POST /carnator/cache/purge`` with JSON ``{"directory": "carnator_cache"}`` → what the purge removed. The
+  cache's purge count moves, and with it the Cache loader node's change fingerprint: ComfyUI runs the same graph
+  again next time instead of answering it from its own node cache.
 * ``GET  /carnator/rules?directory=carnator_cache`` → learning mode's state per namespace (model × config) of that
   cache folder: each namespace's ``rule_state`` ("learning — n labels of about N needed; ...", per stratum), or
   ``namespaces: []`` when nothing was learned there yet (reading never creates the learning record).
+* ``GET  /carnator/requests?namespace=&limit=50`` → the last requests this server process served, per namespace
+  (``nodes/_history.py``: time, decision, share of compute saved, rule and rule state, a thumbnail), newest last,
+  and ``purges``: when this process purged a cache. Lives in memory: empty after a restart.
 
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
 resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
@@ -27,6 +32,8 @@ import logging
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from . import _history
 
 log = logging.getLogger("carnator")
 
@@ -146,6 +153,7 @@ def _redis_answer(directory: str, purge: bool) -> dict[str, Any]:
         if purge:
             result = store.purge()
             log.info("carnator: cache %s purged from the web panel: %s", store.url, result)
+            _history.mark_purge()
             return {**base, "exists": True, "purged": result}
         return {**base, "exists": True, **_jsonable(store.stats())}
     except CacheUnavailableError as e:
@@ -188,6 +196,7 @@ def cache_purge(directory: str | None) -> dict[str, Any]:
         if callable(close):
             close()
     log.info("carnator: cache %s purged from the web panel: %s", path, result)
+    _history.mark_purge()
     return {**base, "exists": True, "purged": result}
 
 
@@ -209,6 +218,21 @@ def rules_state(directory: str | None) -> dict[str, Any]:
                                                        for ns in learner.store.namespaces()]}
     finally:
         learner.store.close()
+
+
+MAX_LIMIT = 200
+
+
+def recent_requests(namespace: str | None, limit: str | None) -> dict[str, Any]:
+    """The last ``limit`` requests per namespace (all namespaces unless one is named), oldest first."""
+    try:
+        n = int(limit) if limit not in (None, "") else 50
+    except ValueError:
+        raise RouteError(400, f"limit must be an integer between 1 and {MAX_LIMIT}, got {str(limit)[:20]!r}") from None
+    if not 1 <= n <= MAX_LIMIT:
+        raise RouteError(400, f"limit must be an integer between 1 and {MAX_LIMIT}, got {n}")
+    events = _history.recent((namespace or "").strip() or None)
+    return {"namespaces": {ns: ev[-n:] for ns, ev in events.items()}, "purges": _history.purges()}
 
 
 async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:
@@ -239,6 +263,11 @@ def register(routes: Any) -> None:
     @routes.get("/carnator/rules")
     async def carnator_rules(request: Any) -> Any:
         return await _answer(rules_state, request.rel_url.query.get("directory"))
+
+    @routes.get("/carnator/requests")
+    async def carnator_requests(request: Any) -> Any:
+        q = request.rel_url.query
+        return await _answer(lambda _: recent_requests(q.get("namespace"), q.get("limit")), None)
 
     @routes.post("/carnator/cache/purge")
     async def carnator_cache_purge(request: Any) -> Any:

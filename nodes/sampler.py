@@ -8,9 +8,10 @@ import comfy.utils
 from ..carnator_core.cache.handle import open_store
 from ..carnator_core.request import reuse_stage
 from ..carnator_core.reuse import MODES, SPARSE_KERNELS, ReuseConfig, certified_settings
-from ..carnator_core.types import STAGE_END_MAX, Stage
+from ..carnator_core.types import STAGE_END_MAX, Stage, namespace_key
 from ._api import CACHE, DECISION, PROBE, REPORT, SIGNATURE, io
-from ._common import advanced, stage_from, stage_inputs
+from . import _history
+from ._common import advanced, optional, stage_from, stage_inputs
 
 log = logging.getLogger("carnator")
 
@@ -75,12 +76,13 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                                                   "model). Needs the Early Probe's context_kv_mb (default "
                                                   "64 MiB). The shipped rule was certified with it on "
                                                   "(settings = certified: the rule's value).")),
-                advanced(io.Combo.Input("settings", options=list(SETTINGS), default="certified",
+                optional(io.Combo.Input("settings", options=list(SETTINGS), default="certified",
                                         tooltip="certified: on a hit, reuse with exactly the settings the risk "
                                                 "rule was certified with (the decision carries them; the tuning "
                                                 "inputs above then apply only where the rule records none). "
                                                 "custom: the inputs above, always — a hit whose rule certified "
-                                                "other settings then continues dense and names them.")),
+                                                "other settings then continues dense and names them. Shown on the "
+                                                "node (the tuning inputs are advanced).")),
                 advanced(io.Float.Input("motion_shift", default=0.0, min=0.0, max=1.0, step=0.005,
                                         tooltip="Recompute an object whole when its drift over the clip (the "
                                                 "probe's mask centroid, first to last frame) differs from the "
@@ -160,6 +162,12 @@ class CarnatorJointReuseSampler(io.ComfyNode):
             if decision.learning is not None:
                 meta["rule_state"] = learning_state(model, positive, negative, latent_image, probe, signature,
                                                     decision, samples, report, cache, config)
+            meta["filter_mode"] = decision.mode  # "never": the Risk Filter was told to keep every request dense
+        # What the node was asked for: mode "dense" forces dense whatever the filter said (the badge says DENSE).
+        meta["requested_mode"] = mode
+        meta["settings"] = settings
+        _history.record(namespace_key(probe.model_fingerprint, probe.config), meta, prompt=probe.prompt,
+                        seed=probe.seed, thumb=_history.thumbnail(samples, model))
         return io.NodeOutput(out, report, report.summary(), ui={"carnator_report": [meta]})
 
 

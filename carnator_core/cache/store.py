@@ -1061,6 +1061,9 @@ class Store:
             if not namespace:
                 c.execute("UPDATE info SET value='0' WHERE key='inflation'")
             c.execute("UPDATE info SET value=CAST(value AS INTEGER)+1 WHERE key='content_version'")
+            # Counted apart from content_version (which every write moves): ComfyUI re-runs a graph after a purge.
+            c.execute("INSERT INTO info(key, value) VALUES ('purges', '1')"
+                      " ON CONFLICT(key) DO UPDATE SET value=CAST(value AS INTEGER)+1")
 
         self._commit_deletes("purge", body)
         for ns in namespaces:
@@ -1702,6 +1705,13 @@ class Store:
         """A counter that changes whenever any entry is added or removed (any process)."""
         with self._read() as c:
             return int(c.execute("SELECT value FROM info WHERE key='content_version'").fetchone()[0])
+
+    @_public
+    def purge_count(self) -> int:
+        """How many purges this cache has seen (any process; 0 before the first)."""
+        with self._read() as c:
+            row = c.execute("SELECT value FROM info WHERE key='purges'").fetchone()
+        return int(row[0]) if row else 0
 
     @_public
     def namespaces(self) -> list[str]:

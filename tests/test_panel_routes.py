@@ -1,0 +1,57 @@
+"""What the Carnator panel relies on, against the session's shared real ComfyUI server (no browser):
+
+* a purge makes ComfyUI run the same graph again: the Cache node's change fingerprint follows the cache's purge
+  count, so the requeued identical graph is no longer answered by ComfyUI's node cache (and the cache refills),
+  while a requeue without a purge still is;
+* ``GET /carnator/requests`` lists the requests this server served, per namespace, with the decision, the share of
+  compute saved and a PNG thumbnail of the result; it refuses a bad ``limit`` with the reason.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import urllib.error
+
+import pytest
+from harness_server import ComfyServer
+from test_server_exact import graph, queue_without_client, reports, stats
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+DIRECTORY = "panel_routes"
+
+
+def test_purge_makes_the_same_graph_run_again_and_requests_are_listed(comfy_server: ComfyServer) -> None:
+    server = comfy_server
+    prompt = graph(DIRECTORY, seed=11)
+    first = reports(queue_without_client(server, prompt))[0]
+    assert first["decision"] in ("miss", "dense") and first["model_calls"] > 0, first
+    # Control: without a purge, ComfyUI's node cache answers the identical graph (nothing of Carnator runs).
+    again = reports(queue_without_client(server, prompt))[0]
+    assert (again["decision"], again["mode"], again["model_calls"]) == ("hit", "node_cache", 0), again
+    assert stats(server, DIRECTORY)["entries"] == 1
+    purged = server.post("/carnator/cache/purge", {"directory": DIRECTORY})
+    assert purged["purged"] == 1 and stats(server, DIRECTORY)["entries"] == 0, purged
+    # After the purge the same graph runs: the model is called, and the emptied cache has its entry again.
+    after = reports(queue_without_client(server, prompt))[0]
+    assert after["mode"] != "node_cache" and after["model_calls"] > 0, after
+    assert stats(server, DIRECTORY)["entries"] == 1
+
+    listed = server.get("/carnator/requests?limit=200")
+    ours = [e for events in listed["namespaces"].values() for e in events if e.get("seed") == 11]
+    # The node-cache answer is recorded by the Cache Writer (no thumbnail: no new result was made).
+    assert [e["mode"] for e in ours][-3:] == [first["mode"], "node_cache", after["mode"]], ours
+    assert listed["purges"], listed
+    thumbs = [e["thumbnail"] for e in ours if e.get("thumbnail")]
+    assert len(thumbs) >= 2, ours
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(base64.b64decode(thumbs[-1].split(",", 1)[1])))
+    assert img.format == "PNG" and max(img.size) == 96 and min(img.size) >= 32, (img.format, img.size)
+    assert len(set(img.convert("RGB").getdata())) > 8, "the thumbnail is flat: no picture in it"
+    one = server.get("/carnator/requests?limit=1")
+    assert all(len(v) == 1 for v in one["namespaces"].values()), one
+    for bad in ("0", "x", "1000"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            server.get(f"/carnator/requests?limit={bad}")
+        assert err.value.code == 400 and b"limit must be an integer" in err.value.read()
