@@ -2,50 +2,43 @@
 // from `comfyui-frontend-package` 1.58.x in both its classic canvas and its DOM "Vue nodes" mode; served from the
 // extension's WEB_DIRECTORY at /extensions/carnator/carnator.js and loaded as an ES module).
 //
-// 1. Reuse badge: after a Carnator Joint Reuse Sampler runs, the server sends
-//    ui = {carnator_report: [report]} (nodes/sampler.py). The badge in the node shows the decision
-//    (HIT / MISS -> dense / DENSE), the candidate entry, each risk axis' discrepancy against its threshold,
-//    the active fraction and the estimated saving. It is a DOM widget (`addDOMWidget`), not canvas drawing: the
-//    canvas' onDrawForeground never runs for nodes the Vue-nodes mode renders as HTML, a DOM widget shows in both.
-//    The report arrives through the node's onExecuted and, independently, the API's "executed" event (either
-//    alone is enough; the same report object is shown once). The last report stays on the node as
-//    `node.carnatorReport` (tests and other extensions read it there) and every report of the session in
+// 1. Compact nodes: the nodes' tuning knobs are V3 inputs marked advanced (nodes/_common.py). The Vue-nodes mode
+//    folds such widgets away by itself; on the classic canvas (both frontends) this extension marks the widgets
+//    `advanced`, which LiteGraph hides until the node's `showAdvanced` is on, and adds one summary button per node
+//    ("certified settings · ▸ 16 tuning inputs") that toggles them. Values are untouched: hidden widgets still
+//    serialise into the workflow and the API prompt.
+// 2. Reuse badge: after a Carnator Joint Reuse Sampler runs, the server sends ui = {carnator_report: [report]}
+//    (nodes/sampler.py). The badge is a DOM widget of a FIXED height (three rows: the decision, a one-line summary,
+//    the rule's state), reserved when the node is created, so a report never makes the node grow onto the node
+//    below. A click opens the full details (every axis with its unit, the whole reason, timings) in a popover that
+//    floats above the canvas and closes on the next click or Escape. The report arrives through the node's
+//    onExecuted and, independently, the API's "executed" event (either alone is enough; the same report object is
+//    shown once). The last report stays on the node as `node.carnatorReport` and every report of the session in
 //    `window.carnator.reports`.
-// 2. Cache panel: a "Carnator" sidebar tab with the cache's entries, bytes, hits and hit rate, and a purge
-//    button, backed by GET /carnator/cache/stats and POST /carnator/cache/purge (nodes/routes.py).
+// 3. Panel: a "Carnator" sidebar tab: the cache's totals, then per namespace (model × generation config) the rule's
+//    state, hits and misses over the last requests and the compute they saved (a small plot), and the last requests
+//    with their decision and a thumbnail; Purge empties the cache, and ComfyUI then runs the same graph again
+//    (the Cache node's change fingerprint follows the cache's purge count). Backed by GET /carnator/cache/stats,
+//    GET /carnator/requests and POST /carnator/cache/purge (nodes/routes.py).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const SAMPLER = "CarnatorJointReuseSampler";
 const CACHE_LOADER = "CarnatorCacheLoader";
+const WRITER = "CarnatorCacheWriter";
 const DEFAULT_DIRECTORY = "carnator_cache";
 const BADGE_WIDGET = "carnator_badge";
-const LINE_HEIGHT = 15; // px, badge text lines
-const BADGE_PAD = 6; // px, inside the badge's border
+const TOGGLE_WIDGET = "carnator_advanced";
+const FONT_PX = 13; // badge text; 9.75 px on screen at 75 % zoom
+const LINE_HEIGHT = 17; // px per badge row
+const BADGE_PAD = 5; // px, inside the badge's border
+const BADGE_ROWS = 3; // decision, summary, rule: always three, so the node never changes height for a report
+const BADGE_HEIGHT = BADGE_PAD * 2 + 2 + LINE_HEIGHT * BADGE_ROWS;
 
-// What a decision looks like. A new decision in the report is one entry here (unknown ones show their own name in
-// the neutral colours).
-// An exact repeat is answered from the cache before the probe (mode "exact"), or by ComfyUI's own node cache when
-// an identical graph is requeued (mode "node_cache", reported by the Cache Writer): the stored result, no model call.
-const isExact = (r) => r?.decision === "hit" && (r.mode === "exact" || r.mode === "node_cache");
-
-const KINDS = {
-  hit: {
-    headline: (r) => (isExact(r) ? "HIT · exact repeat (no model call)" : `HIT · ${r.mode || "joint"} reuse`),
-    colors: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
-  },
-  miss: {
-    headline: () => "MISS → dense resume",
-    colors: { bg: "#4d3a1f", fg: "#ffe2b3", pill: "#c77d1a" },
-  },
-  dense: {
-    headline: () => "DENSE (no reuse requested)",
-    colors: { bg: "#2f3340", fg: "#d8dce6", pill: "#5b6478" },
-  },
-};
 const PASS_COLOR = "#8fe3a3";
 const FAIL_COLOR = "#ff9a8a";
 const NOTE_COLOR = "#ffcf99";
+const MUTED_COLOR = "#b9bfcc";
 
 const state = (window.carnator = window.carnator || { reports: [], last: null });
 
@@ -81,9 +74,18 @@ function seconds(ms) {
   return typeof ms === "number" && isFinite(ms) ? `${(ms / 1000).toFixed(ms < 10000 ? 2 : 1)} s` : "–";
 }
 
-function note(text) {
-  return { text: String(text).slice(0, 60), color: NOTE_COLOR };
-}
+// ---------------------------------------------------------------------------------------------------------
+// what a report says, in words (pure: tests call these through window.carnator)
+
+/** The risk axes as a user reads them: what is compared, and in which unit. */
+const AXES = {
+  context: { label: "background colour", unit: "ΔE" },
+  size: { label: "object size", unit: "|log ratio|" },
+  shape: { label: "object shape", unit: "1 − overlap" },
+  appearance: { label: "object colour", unit: "ΔE" },
+  prompt_distance: { label: "prompt", unit: "1 − similarity" },
+};
+const OBJECT_AXES = ["size", "shape", "appearance"];
 
 /** The verdict to show: the accepted entry's, else the most similar candidate's (the one that came closest). */
 export function chosenVerdict(report) {
@@ -94,88 +96,240 @@ export function chosenVerdict(report) {
   return [...verdicts].sort((a, b) => (b.similarity ?? -Infinity) - (a.similarity ?? -Infinity))[0];
 }
 
-/** The decision's key in KINDS and its look: a missing decision is "dense"; an unknown one keeps its own name. */
-export function kindOf(report) {
-  const key = report?.decision ? String(report.decision) : "dense";
-  if (KINDS[key]) return { key, ...KINDS[key] };
-  return { key, headline: () => key.toUpperCase(), colors: KINDS.dense.colors };
+/** Object axes that were not compared: no object is named on both sides, so the core reports them as 0 (all three
+ *  exactly 0 — matched objects never give that: the masks of two different requests differ). A check may also say
+ *  so itself (`compared: false`). */
+function notCompared(verdict) {
+  const checks = verdict?.checks || [];
+  const obj = checks.filter((c) => OBJECT_AXES.includes(c.axis));
+  const allZero = obj.length === OBJECT_AXES.length && obj.every((c) => c.value === 0);
+  return new Set(checks.filter((c) => c.compared === false || (allZero && OBJECT_AXES.includes(c.axis)))
+    .map((c) => c.axis));
 }
 
-// The badge's body, in order: each entry maps (report, {kind, verdict}) to a line, a list of lines or nothing.
-// A line is {text, color?}. To show a new report field, add an entry.
-const BODY = [
-  (r, { kind, verdict }) => {
-    if (r.mode === "node_cache") return { text: "ComfyUI node cache · stored result" };
-    if (!verdict) return kind === "dense" ? null : { text: "no cached candidate" };
-    const sim = typeof verdict.similarity === "number" ? ` · sim ${num(verdict.similarity)}` : "";
-    return { text: `${kind === "hit" ? "entry" : "closest"} ${shortId(verdict.entry_id)}${sim}` };
-  },
-  (r, { verdict }) =>
-    (verdict?.checks || []).map((c) => ({
-      text: `${c.passed ? "✓" : "✗"} ${c.axis} ${num(c.value)} ${c.passed ? "≤" : ">"} ${num(c.threshold)}`,
-      color: c.passed ? PASS_COLOR : FAIL_COLOR,
-    })),
-  (r, { verdict }) =>
-    verdict && !verdict.accepted && verdict.reason && !(verdict.checks || []).length ? note(verdict.reason) : null,
-  (r, { kind }) =>
-    kind === "hit" && !isExact(r)
-      ? { text: `active ${pct(r.active_fraction)} · blocks ${pct(r.block_density)}` }
-      : null,
-  (r) => ({ text: `saved ${pct(r.saving)} of dense compute · ${seconds((r.timings_ms || {}).total)}` }),
-  (r, { kind }) => (kind === "miss" && r.reason ? note(r.reason) : null),
-  (r) => (r.not_cached ? note(`not cached: ${r.not_cached}`) : null), // Cache Writer: the clip is fine
-];
+/** One axis check as a line: "✓ object colour ΔE 3.20 ≤ 6.00", or "· object shape: not compared (…)". */
+export function checkLine(c, skipped) {
+  const a = AXES[c.axis] || { label: c.axis, unit: "" };
+  if (skipped) return { text: `· ${a.label}: not compared (no object named on both sides)`, color: MUTED_COLOR };
+  const unit = a.unit ? ` ${a.unit}` : "";
+  return {
+    text: `${c.passed ? "✓" : "✗"} ${a.label}${unit} ${num(c.value)} ${c.passed ? "≤" : ">"} ${num(c.threshold)}`,
+    color: c.passed ? PASS_COLOR : FAIL_COLOR,
+  };
+}
 
-/** Badge text for a report: {kind, colors, lines: [{text, bold?, color?}]}; lines[0] is the headline.
- *  Pure; the DOM badge shows exactly these lines (tests compare them). */
+/** How the request ran: hit (exact / node cache / reuse), miss, or dense — and dense because it was asked to
+ *  (the sampler's mode = dense, the filter's mode = never) or because nothing was connected to decide. */
+export function kindOf(report) {
+  const d = report?.decision ? String(report.decision) : "dense";
+  if (d === "hit") {
+    if (report.mode === "exact") return { key: "hit", sub: "exact" };
+    if (report.mode === "node_cache") return { key: "hit", sub: "node_cache" };
+    return { key: "hit", sub: "reuse" };
+  }
+  if (report?.requested_mode === "dense") return { key: "dense", sub: "forced" };
+  if (report?.filter_mode === "never") return { key: "dense", sub: "never" };
+  if (d === "miss") return { key: "miss", sub: "" };
+  if (d === "dense") return { key: "dense", sub: "unfiltered" };
+  return { key: d, sub: "" }; // a decision this version does not know: shown under its own name
+}
+
+const COLORS = {
+  hit: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
+  miss: { bg: "#4d3a1f", fg: "#ffe2b3", pill: "#c77d1a" },
+  dense: { bg: "#2f3340", fg: "#d8dce6", pill: "#5b6478" },
+  idle: { bg: "#2a2d35", fg: "#aab0bd", pill: "#444a57" },
+};
+
+function headline(report, k) {
+  const saved = `saved ${pct(report.saving)}`;
+  if (k.key === "hit") {
+    if (k.sub === "exact") return "HIT · exact repeat · no model call";
+    if (k.sub === "node_cache") return "HIT · ComfyUI node cache · no model call";
+    return `HIT · ${report.mode || "joint"} reuse · ${saved}`;
+  }
+  if (k.key === "miss") return "MISS · ran dense";
+  if (k.sub === "forced") return "DENSE · reuse off (mode = dense)";
+  if (k.sub === "never") return "DENSE · Risk Filter mode = never";
+  if (k.key === "dense") return "DENSE · no Risk Filter connected";
+  return String(k.key).toUpperCase();
+}
+
+/** The rule's state as one line: contract `rule_state` {state, labels, needed, message, namespace} when the
+ *  report carries it, else what the decision says (the rule file that decided). */
+export function ruleLine(report) {
+  const rs = report?.rule_state;
+  if (rs && typeof rs === "object" && rs.state) {
+    const s = String(rs.state);
+    if (s === "learning") {
+      const n = Number.isFinite(rs.labels) ? rs.labels : "?";
+      const of = Number.isFinite(rs.needed) ? ` of ${rs.needed}` : "";
+      return `rule: learning · ${n}${of} labels (serving dense)`;
+    }
+    if (s === "certified") return "rule: certified · reuse on";
+    if (s === "audited") return "rule: certified, audited · reuse on";
+    if (s === "off") return "rule: off · serving dense";
+    if (s === "shipped") return "rule: shipped, certified · reuse on";
+    return `rule: ${s}`;
+  }
+  if (report?.rule_id) return `rule: ${report.rule_id} (certified)`;
+  if (report?.filter_mode === "prompt_only") return "rule: none · prompt-only baseline, no certificate";
+  if (report?.mode === "exact" || report?.mode === "node_cache") return "rule: not needed (identical request)";
+  return "rule: none connected";
+}
+
+/** The summary row: the one figure that matters for this kind of decision. */
+function summaryLine(report, k, verdict) {
+  const t = seconds((report.timings_ms || {}).total);
+  if (k.key === "hit" && k.sub === "reuse") {
+    return `${pct(report.active_fraction)} of tokens recomputed · ${t}`;
+  }
+  if (k.key === "hit") return `entry ${shortId(report.entry_id)} · ${t}`;
+  if (k.sub === "forced" || k.sub === "never") {
+    const acc = verdict?.accepted ? `filter accepted ${shortId(verdict.entry_id)}, not used · ` : "";
+    return `${acc}${t}`;
+  }
+  if (k.key === "miss") {
+    const rs = report.rule_state?.state;
+    if (rs === "learning" || rs === "off") return `served dense: the rule is ${rs} · ${t}`;
+    if (!verdict) return `no cached candidate · ${t}`;
+    const skipped = notCompared(verdict);
+    const failed = (verdict.checks || []).find((c) => !c.passed && !skipped.has(c.axis));
+    if (/one side only/.test(verdict.reason || "")) return "objects differ from the closest entry";
+    if (failed) {
+      const a = AXES[failed.axis] || { label: failed.axis, unit: "" };
+      return `${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " ");
+    }
+    return report.reason ? String(report.reason) : `closest ${shortId(verdict.entry_id)} · ${t}`;
+  }
+  return `${t}`;
+}
+
+/** Everything the report says, for the details popover: every line in full (wrapped, never cut). */
+function detailLines(report, k, verdict) {
+  const lines = [];
+  if (report.mode === "node_cache") lines.push({ text: "ComfyUI's node cache handed back the stored result." });
+  if (verdict) {
+    const sim = typeof verdict.similarity === "number" ? ` · prompt similarity ${num(verdict.similarity)}` : "";
+    lines.push({ text: `${k.key === "hit" ? "entry" : "closest entry"} ${verdict.entry_id}${sim}` });
+    const skipped = notCompared(verdict);
+    for (const c of verdict.checks || []) lines.push(checkLine(c, skipped.has(c.axis)));
+    if (verdict.reason) lines.push({ text: `filter: ${verdict.reason}`, color: NOTE_COLOR });
+  } else if (k.key !== "dense") {
+    lines.push({ text: "no cached candidate in this namespace" });
+  }
+  if (k.key === "hit" && k.sub === "reuse") {
+    lines.push({ text: `share of tokens recomputed: ${pct(report.active_fraction)}` });
+    if (typeof report.block_density === "number") {
+      lines.push({ text: `share of attention blocks kept: ${pct(report.block_density)}` });
+    }
+  }
+  lines.push({ text: `share of compute saved: ${pct(report.saving)} · model calls ${report.model_calls ?? "–"}` +
+    ` of ${report.steps_total ?? "–"} steps · ${seconds((report.timings_ms || {}).total)}` });
+  if (report.reason && !(verdict && report.reason === report.decision_summary)) {
+    lines.push({ text: `why: ${report.reason}`, color: NOTE_COLOR });
+  }
+  const rs = report.rule_state;
+  if (rs && rs.message) lines.push({ text: `rule: ${rs.message}`, color: MUTED_COLOR });
+  if (rs && rs.namespace) lines.push({ text: `namespace ${rs.namespace}`, color: MUTED_COLOR });
+  for (const f of report.fallbacks || []) lines.push({ text: `fallback: ${f}`, color: NOTE_COLOR });
+  return lines;
+}
+
+/** The badge for a report: {kind, sub, colors, lines: [decision, summary, rule], details: [...]}. Pure; the DOM
+ *  badge shows exactly `lines` (one row each, the full text in the details). */
 export function badgeLines(report) {
   const k = kindOf(report);
-  const ctx = { kind: k.key, verdict: chosenVerdict(report) };
-  const lines = [{ text: k.headline(report), bold: true }];
-  for (const build of BODY) {
-    const out = build(report, ctx);
-    if (out) lines.push(...(Array.isArray(out) ? out : [out]));
-  }
-  return { kind: k.key, colors: k.colors, lines };
+  const verdict = chosenVerdict(report);
+  const lines = [
+    { text: headline(report, k), bold: true },
+    { text: summaryLine(report, k, verdict) },
+    { text: ruleLine(report), color: MUTED_COLOR },
+  ];
+  return { kind: k.key, sub: k.sub, colors: COLORS[k.key] || COLORS.dense, lines,
+    details: detailLines(report, k, verdict) };
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// the badge: a DOM widget, so that it shows in the canvas and in the Vue-nodes mode alike
+// the badge: a DOM widget (shows in the canvas and in the Vue-nodes mode alike) of a fixed height
 
-function badgeHeight(lineCount) {
-  return lineCount ? BADGE_PAD * 2 + 3 + LINE_HEIGHT * lineCount : 0; // + borders, the bar's margin
+function styleRow(row, line, i, colors) {
+  Object.assign(row.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis",
+    height: `${LINE_HEIGHT}px`, color: line.color || "" });
+  if (line.bold) row.style.fontWeight = "bold";
+  if (i === 0) {
+    Object.assign(row.style, { background: colors.pill, color: "#fff", margin: "0 -4px 1px", padding: "0 4px",
+      borderRadius: "4px" });
+  }
 }
 
-/** Fill the badge element with a report's lines (text only: nothing from the report is parsed as HTML). The
- *  headline sits on a bar in the decision's colour, so the decision reads at a glance and when zoomed out. */
+/** Fill the badge element with a report's rows (text only: nothing from the report is parsed as HTML). */
 export function renderBadge(element, report) {
-  const { kind, colors, lines } = badgeLines(report);
+  const view = report ? badgeLines(report) : { kind: "idle", sub: "", colors: COLORS.idle, details: [],
+    lines: [{ text: "Carnator · not run yet", bold: true }, { text: "queue the graph: the decision shows here" },
+      { text: "click for details after a run", color: MUTED_COLOR }] };
+  const { kind, colors, lines } = view;
   element.dataset.decision = kind;
+  element.dataset.sub = view.sub || "";
   element.dataset.lines = String(lines.length);
   Object.assign(element.style, {
-    display: "block", boxSizing: "border-box", width: "100%", height: `${badgeHeight(lines.length)}px`,
+    display: "block", boxSizing: "border-box", width: "100%", height: `${BADGE_HEIGHT}px`,
     // The Vue-nodes layout stretches widget elements to fill the node (flex-1): keep the badge its own height.
     flex: "0 0 auto", padding: `${BADGE_PAD}px 8px`, background: colors.bg, color: colors.fg,
-    border: `1px solid ${colors.pill}`, borderRadius: "6px", font: `12px/${LINE_HEIGHT}px Arial, Helvetica, sans-serif`,
-    overflow: "hidden", pointerEvents: "none",
+    border: `1px solid ${colors.pill}`, borderRadius: "6px",
+    font: `${FONT_PX}px/${LINE_HEIGHT}px Arial, Helvetica, sans-serif`, overflow: "hidden",
+    cursor: report ? "pointer" : "default", pointerEvents: "auto",
   });
-  const rows = lines.map((line, i) => {
+  element.title = report ? "Click for the full decision" : "";
+  element.replaceChildren(...lines.map((line, i) => {
     const row = document.createElement("div");
     row.className = i ? "carnator-badge-line" : "carnator-badge-head";
-    Object.assign(row.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis",
-      height: `${LINE_HEIGHT}px` });
+    styleRow(row, line, i, colors);
+    row.textContent = line.text;
+    return row;
+  }));
+  return lines.length;
+}
+
+function closeDetails() {
+  document.querySelector(".carnator-details")?.remove();
+}
+
+/** The full decision of `report`, in a popover next to `anchor` (wrapped text, never cut); a second click, a click
+ *  elsewhere, Escape or a canvas move closes it. It floats above the canvas and moves no node. */
+function openDetails(anchor, report) {
+  const open = document.querySelector(".carnator-details");
+  closeDetails();
+  if (!report || open?.dataset.for === String(state.reports.indexOf(report))) return;
+  const view = badgeLines(report);
+  const box = document.createElement("div");
+  box.className = "carnator-details";
+  box.dataset.for = String(state.reports.indexOf(report));
+  const r = anchor.getBoundingClientRect();
+  const width = Math.min(480, window.innerWidth - 16);
+  Object.assign(box.style, {
+    position: "fixed", zIndex: "10000", left: `${Math.max(8, Math.min(r.left, window.innerWidth - width - 8))}px`,
+    top: `${Math.min(r.bottom + 4, window.innerHeight - 60)}px`, width: `${width}px`, maxHeight: "60vh",
+    overflowY: "auto", boxSizing: "border-box", padding: "8px 10px", background: view.colors.bg, color: view.colors.fg,
+    border: `1px solid ${view.colors.pill}`, borderRadius: "6px", boxShadow: "0 6px 24px rgba(0,0,0,.5)",
+    font: "13px/18px Arial, Helvetica, sans-serif", whiteSpace: "normal", overflowWrap: "anywhere",
+  });
+  for (const [i, line] of [...view.lines, ...view.details].entries()) {
+    const row = document.createElement("div");
+    row.className = i < view.lines.length ? "carnator-details-head" : "carnator-details-line";
+    row.textContent = line.text;
     if (line.color) row.style.color = line.color;
     if (line.bold) row.style.fontWeight = "bold";
-    if (i === 0) {
-      Object.assign(row.style, { background: colors.pill, color: "#fff", margin: `0 -4px 1px`, padding: "0 4px",
-        borderRadius: "4px" });
-    }
-    row.textContent = line.text;
-    row.title = line.text;
-    return row;
-  });
-  element.replaceChildren(...rows);
-  return lines.length;
+    box.append(row);
+  }
+  document.body.append(box);
+  const off = (e) => {
+    if (e.type === "keydown" && e.key !== "Escape") return;
+    if (e.type === "pointerdown" && (box.contains(e.target) || anchor.contains(e.target))) return;
+    closeDetails();
+    for (const t of ["pointerdown", "keydown", "wheel"]) window.removeEventListener(t, off, true);
+  };
+  setTimeout(() => { for (const t of ["pointerdown", "keydown", "wheel"]) window.addEventListener(t, off, true); });
 }
 
 function badgeWidget(node) {
@@ -183,23 +337,30 @@ function badgeWidget(node) {
   if (existing) return existing;
   const element = document.createElement("div");
   element.className = "carnator-badge";
+  element.addEventListener("click", (e) => {
+    e.stopPropagation();
+    openDetails(element, node.carnatorReport);
+  });
   const widget = node.addDOMWidget(BADGE_WIDGET, "carnator_badge", element, {
     serialize: false, // not a value: never in the workflow's widgets_values nor in the API prompt
     hideOnZoom: false, // the decision stays readable when zoomed out
     getValue: () => undefined,
     setValue: () => {},
-    getMinHeight: () => badgeHeight(Number(element.dataset.lines || 0)),
-    getMaxHeight: () => badgeHeight(Number(element.dataset.lines || 0)),
+    getMinHeight: () => BADGE_HEIGHT,
+    getMaxHeight: () => BADGE_HEIGHT,
     // The current frontend's visibility per surface (older frontends ignore it): the node on the canvas and as
     // a Vue node, not the properties panel.
     surfaces: { canvas: "shown", vueNode: "shown", panel: "never" },
   });
   widget.serialize = false;
   widget.element = widget.element || element;
+  renderBadge(widget.element, node.carnatorReport || null);
   return widget;
 }
 
-/** Show a report on a sampler node (idempotent for the same report object: both delivery paths may call it). */
+/** Show a report on a sampler node (idempotent for the same report object: both delivery paths may call it).
+ *  The badge's height never changes, so the node keeps its size; only a node too small for the badge (a workflow
+ *  saved before it existed) grows to its minimum. */
 function showReport(node, report) {
   if (!node || !report || node.carnatorReport === report) return;
   node.carnatorReport = report;
@@ -208,15 +369,21 @@ function showReport(node, report) {
   try {
     const widget = badgeWidget(node);
     renderBadge(widget.element, report);
-    // On the canvas, grow the node to fit the badge (never shrink what the user sized). A Vue node lays out its
-    // own HTML; there computeSize also counts the advanced inputs it hides, which would leave a gap.
-    const min = window.LiteGraph?.vueNodesMode ? null : node.computeSize?.();
-    if (min && node.size) node.setSize([Math.max(node.size[0], min[0], 240), Math.max(node.size[1], min[1])]);
+    fitNode(node);
   } catch (e) {
     console.error("carnator: could not show the reuse badge", e);
   }
   state.refreshPanel?.();
   node.setDirtyCanvas?.(true, true);
+}
+
+/** Grow a canvas node to its minimum size (never shrink what the user sized). A Vue node lays out its own HTML. */
+function fitNode(node) {
+  if (window.LiteGraph?.vueNodesMode) return;
+  const min = node.computeSize?.();
+  if (min && node.size && (node.size[0] < min[0] || node.size[1] < min[1])) {
+    node.setSize([Math.max(node.size[0], min[0]), Math.max(node.size[1], min[1])]);
+  }
 }
 
 /** The sampler node an "executed" event is about, or null (also for nodes inside a subgraph that the plain id
@@ -226,11 +393,81 @@ function executedNode(detail) {
   if (id == null) return null;
   const graph = app.rootGraph || app.graph;
   const node = graph?.getNodeById?.(id) ?? graph?.getNodeById?.(Number(id));
-  return node && (node.comfyClass === SAMPLER || node.type === SAMPLER) ? node : null;
+  if (!node) return null;
+  if (node.comfyClass === SAMPLER || node.type === SAMPLER) return node;
+  // A requeued identical graph: ComfyUI's node cache answered it, no sampler ran, and the Cache Writer reports
+  // the run instead. Show it on the sampler whose LATENT the Writer stored.
+  if (node.comfyClass === WRITER || node.type === WRITER) {
+    const slot = (node.inputs || []).findIndex((i) => i.name === "latent");
+    const src = slot >= 0 ? node.getInputNode?.(slot) : null;
+    return src && (src.comfyClass === SAMPLER || src.type === SAMPLER) ? src : null;
+  }
+  return null;
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// cache panel
+// compact nodes: tuning knobs folded away, one summary button
+
+/** Names of a node definition's inputs marked advanced (V3 `advanced`, sent in the input's options). */
+function advancedNames(nodeData) {
+  const names = [];
+  for (const section of ["required", "optional"]) {
+    for (const [name, spec] of Object.entries(nodeData?.input?.[section] || {})) {
+      if (Array.isArray(spec) && spec[1] && spec[1].advanced === true) names.push(name);
+    }
+  }
+  return names;
+}
+
+function toggleLabel(node) {
+  const n = (node.widgets || []).filter((w) => w.advanced && w.name !== TOGGLE_WIDGET).length;
+  const what = `${node.comfyClass === SAMPLER ? "tuning" : "advanced"} input${n === 1 ? "" : "s"}`;
+  if (node.showAdvanced) return `▾ hide ${n} ${what}`;
+  const settings = (node.widgets || []).find((w) => w.name === "settings")?.value;
+  const prefix = settings === "certified" ? "certified settings · " : settings === "custom" ? "custom settings · " : "";
+  return `${prefix}▸ ${n} ${what}`;
+}
+
+/** Fold a Carnator node's advanced widgets away (canvas) and add the summary button that shows them. */
+function compactNode(node, names) {
+  if (!names?.length || (node.widgets || []).some((w) => w.name === TOGGLE_WIDGET)) return;
+  const folded = (node.widgets || []).filter((w) => names.includes(w.name));
+  if (!folded.length) return;
+  for (const w of folded) {
+    // LiteGraph (1.32 and 1.58) draws an `advanced` widget only while node.showAdvanced is on, but still gives it
+    // its row when it lays the widgets out; a zero height (the frontend's own way of hiding a converted widget)
+    // gives the row back. Shown, the widget has its usual height.
+    w.advanced = true;
+    const own = w.computeSize;
+    w.computeSize = function (width) {
+      if (!node.showAdvanced) return [0, -4];
+      return own ? own.call(this, width) : [width ?? node.size?.[0] ?? 0, window.LiteGraph?.NODE_WIDGET_HEIGHT ?? 20];
+    };
+  }
+  const button = node.addWidget("button", TOGGLE_WIDGET, null, () => {
+    const before = node.size?.[1];
+    if (typeof node.toggleAdvanced === "function") node.toggleAdvanced();
+    else node.showAdvanced = !node.showAdvanced;
+    if (!node.showAdvanced && node.size && !window.LiteGraph?.vueNodesMode) {
+      // Folding gives the space back (toggleAdvanced only ever grows a node).
+      const min = node.computeSize();
+      if (before && min[1] < node.size[1]) node.setSize([node.size[0], min[1]]);
+    }
+    node.setDirtyCanvas?.(true, true);
+  }, {
+    serialize: false,
+    // The newest frontend's Vue nodes have their own "Show advanced inputs" button: this one is for the canvas.
+    surfaces: { canvas: "shown", vueNode: "never", panel: "never" },
+  });
+  button.serialize = false; // never in widgets_values nor in the API prompt
+  // The label follows the node's state (canvas draws read it each frame; the Vue node reads it when it renders).
+  Object.defineProperty(button, "label", { get: () => toggleLabel(node), set: () => {}, configurable: true });
+  button.tooltip = "Show or hide the tuning inputs. Their values are kept and used either way; with settings = "
+    + "certified a hit uses the rule's certified values instead.";
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// the panel
 
 async function fetchJson(path, init) {
   const res = await api.fetchApi(path, init);
@@ -256,16 +493,129 @@ function graphCacheDirectories() {
 
 function el(tag, props = {}, children = []) {
   const e = document.createElement(tag);
-  Object.assign(e, props);
-  if (props.style && typeof props.style === "object") Object.assign(e.style, props.style);
+  const { style, dataset, ...rest } = props;
+  Object.assign(e, rest);
+  if (style) Object.assign(e.style, style);
+  if (dataset) Object.assign(e.dataset, dataset);
+  for (const c of children) if (c != null) e.append(c);
+  return e;
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, children = []) {
+  const e = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
   for (const c of children) e.append(c);
   return e;
+}
+
+/** A namespace's label: the generation config a user recognises (architecture, latent, steps, sampler, cfg). */
+function namespaceLabel(ns, stats) {
+  const c = stats?.config || {};
+  const shape = Array.isArray(c.latent_shape) ? c.latent_shape.join("×") : "";
+  const parts = [c.arch, shape && `latent ${shape}`, c.steps && `${c.steps} steps`,
+    c.sampler && `${c.sampler}/${c.scheduler}`, c.cfg != null && `cfg ${c.cfg}`].filter(Boolean);
+  return parts.length ? parts.join(" · ") : ns;
+}
+
+/** Hits and misses (cumulative) and the compute each request saved (bars), over the last requests, with the
+ *  purges as dashed lines. Pure SVG, 100 % wide. */
+function historyPlot(events, purges) {
+  const W = 300, H = 90, pad = 4;
+  const n = events.length;
+  const g = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", class: "carnator-plot",
+    role: "img", "aria-label": "hits, misses and compute saved over the last requests" });
+  g.append(svg("rect", { x: 0, y: 0, width: W, height: H, fill: "rgba(255,255,255,0.04)", rx: 4 }));
+  if (!n) return g;
+  const x = (i) => pad + ((W - 2 * pad) * (i + 0.5)) / n;
+  const bw = Math.max(1, (W - 2 * pad) / n - 1);
+  let hits = 0, misses = 0;
+  const hp = [], mp = [];
+  events.forEach((e, i) => {
+    if (e.decision === "hit") hits++;
+    else misses++;
+    hp.push([x(i), hits]);
+    mp.push([x(i), misses]);
+    const s = typeof e.saving === "number" ? Math.max(0, Math.min(1, e.saving)) : 0;
+    g.append(svg("rect", { x: x(i) - bw / 2, y: H - pad - s * (H / 2 - pad), width: bw, height: s * (H / 2 - pad),
+      fill: "#2e9e4f", opacity: 0.55, class: "carnator-saved-bar" }));
+  });
+  const top = Math.max(hits, misses, 1);
+  const y = (v) => H / 2 - pad - (v / top) * (H / 2 - 2 * pad) + pad;
+  const line = (pts, color, cls) => svg("polyline", { points: pts.map(([a, b]) => `${a},${y(b)}`).join(" "),
+    fill: "none", stroke: color, "stroke-width": 2, class: cls });
+  g.append(line(hp, "#8fe3a3", "carnator-hits-line"), line(mp, "#ffb35c", "carnator-misses-line"));
+  for (const t of purges || []) {
+    const i = events.findIndex((e) => e.time > t);
+    if (i <= 0) continue;
+    const px = (x(i - 1) + x(i)) / 2;
+    g.append(svg("line", { x1: px, x2: px, y1: 0, y2: H, stroke: "#ff9a8a", "stroke-dasharray": "3,3",
+      class: "carnator-purge-mark" }));
+  }
+  return g;
+}
+
+function requestRow(e) {
+  const k = kindOf(e);
+  const colors = COLORS[k.key] || COLORS.dense;
+  const when = new Date((e.time || 0) * 1000).toLocaleTimeString();
+  const thumb = e.thumbnail
+    ? el("img", { src: e.thumbnail, alt: "result", className: "carnator-thumb",
+      style: { width: "40px", height: "40px", objectFit: "cover", imageRendering: "pixelated", borderRadius: "3px",
+        flex: "0 0 auto" } })
+    : el("div", { className: "carnator-thumb-none", textContent: "–", style: { width: "40px", height: "40px",
+      flex: "0 0 auto", textAlign: "center", lineHeight: "40px", opacity: "0.5" } });
+  const head = headline(e, k);
+  return el("div", { className: "carnator-req", dataset: { decision: k.key },
+    style: { display: "flex", gap: "8px", alignItems: "center", padding: "3px 0",
+      borderTop: "1px solid rgba(255,255,255,0.06)" } }, [
+    thumb,
+    el("div", { style: { minWidth: "0", flex: "1 1 auto" } }, [
+      el("div", { textContent: head, className: "carnator-req-decision",
+        style: { color: colors.fg, background: colors.bg, borderLeft: `3px solid ${colors.pill}`, padding: "0 4px",
+          fontSize: "12px", whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }),
+      el("div", { textContent: `${when} · seed ${e.seed ?? "–"} · ${e.prompt || ""}`, title: e.prompt || "",
+        style: { fontSize: "11px", opacity: "0.8", whiteSpace: "nowrap", overflow: "hidden",
+          textOverflow: "ellipsis" } }),
+    ]),
+  ]);
+}
+
+function namespaceCard(ns, stats, events, purges) {
+  // The rule's state as the last request that went through the Risk Filter saw it (exact repeats need no rule).
+  const decided = [...events].reverse().find((e) => e.rule_state || e.rule_id || e.filter_mode);
+  const rule = decided ? ruleLine(decided)
+    : events.length ? ruleLine(events[events.length - 1]) : "rule: – (no request served since the server started)";
+  const hits = events.filter((e) => e.decision === "hit").length;
+  const saved = events.reduce((s, e) => s + (typeof e.saving === "number" ? e.saving : 0), 0);
+  const counts = stats
+    ? `${stats.entries} entries · ${bytes(stats.bytes)} · hits ${stats.hits}/${stats.lookups} lookups (all time)`
+    : "no entries (purged, or not written yet)";
+  return el("div", { className: "carnator-ns", dataset: { namespace: ns },
+    style: { margin: "10px 0", padding: "8px", border: "1px solid var(--border-color, #444)", borderRadius: "6px" } },
+  [
+    el("div", { textContent: namespaceLabel(ns, stats), title: ns,
+      style: { fontWeight: "bold", whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }),
+    el("div", { className: "carnator-ns-rule", textContent: rule, style: { margin: "2px 0" } }),
+    el("div", { className: "carnator-ns-counts", textContent: counts, style: { opacity: "0.8", fontSize: "12px" } }),
+    el("div", { className: "carnator-ns-recent", style: { fontSize: "12px", margin: "4px 0 2px" },
+      textContent: events.length
+        ? `last ${events.length} requests: ${hits} hits, ${events.length - hits} misses/dense · saved ` +
+          `${pct(saved / events.length)} of their compute on average`
+        : "no requests served since the server started" }),
+    events.length ? historyPlot(events, purges) : null,
+    events.length ? el("div", { style: { fontSize: "11px", opacity: "0.7" },
+      textContent: "lines: hits (green), misses and dense runs (orange), cumulative · bars: share of compute " +
+        "saved per request · dashed: purge" }) : null,
+    ...events.slice(-6).reverse().map(requestRow),
+  ]);
 }
 
 function renderPanel(root) {
   root.innerHTML = "";
   root.classList.add("carnator-panel");
-  Object.assign(root.style, { padding: "12px", fontSize: "13px", color: "var(--fg-color, #ddd)" });
+  Object.assign(root.style, { padding: "12px", fontSize: "13px", color: "var(--fg-color, #ddd)", overflowY: "auto",
+    height: "100%", boxSizing: "border-box" });
   const dirInput = el("input", {
     type: "text",
     value: graphCacheDirectories()[0] || DEFAULT_DIRECTORY,
@@ -276,9 +626,10 @@ function renderPanel(root) {
   });
   const table = el("table", { className: "carnator-stats", style: { width: "100%", borderCollapse: "collapse" } });
   const message = el("div", { className: "carnator-message", style: { margin: "8px 0", minHeight: "1.2em" } });
-  const button = (text, cls, onclick) =>
+  const spaces = el("div", { className: "carnator-namespaces" });
+  const button = (text, cls, onclick, title) =>
     el("button", {
-      textContent: text, className: cls, onclick,
+      textContent: text, className: cls, onclick, title,
       style: { marginRight: "6px", padding: "4px 10px", cursor: "pointer", background: "var(--comfy-input-bg, #333)",
         color: "inherit", border: "1px solid var(--border-color, #555)", borderRadius: "4px" },
     });
@@ -296,28 +647,38 @@ function renderPanel(root) {
     if (fromGraph && !dirInput.dataset.edited) dirInput.value = fromGraph;
     message.textContent = "…";
     try {
-      const s = await fetchJson(`/carnator/cache/stats?directory=${encodeURIComponent(dirInput.value)}`);
+      const [s, h] = await Promise.all([
+        fetchJson(`/carnator/cache/stats?directory=${encodeURIComponent(dirInput.value)}`),
+        fetchJson("/carnator/requests?limit=60"),
+      ]);
       state.lastStats = s;
+      state.lastRequests = h;
+      const answers = s.answers ? ` (${s.answers} of them kept answers of hits, for exact repeats)` : "";
       table.replaceChildren(
-        // Answer-only entries hold a hit's result for exact repeats; they are never recalled or reused.
-        row("entries", String(s.entries ?? 0) + (s.answers ? ` (${s.answers} answers of hits)` : "")),
-        row("bytes", bytes(s.bytes ?? 0)),
-        row("hits", String(s.hits ?? 0)),
-        row("hit rate", s.hit_rate == null ? "–" : pct(s.hit_rate, 1)),
-        ...(s.namespaces != null
-          ? [row("namespaces", String(Array.isArray(s.namespaces) ? s.namespaces.length : s.namespaces))]
-          : []),
+        row("entries", String(s.entries ?? 0) + answers),
+        row("size", bytes(s.bytes ?? 0)),
+        row("hits", `${s.hits ?? 0} of ${s.lookups ?? 0} lookups` +
+          (s.hit_rate == null || !s.lookups ? "" : ` (${pct(s.hit_rate, 1)})`)),
         row("this session", sessionLine()),
       );
+      const byNs = new Map((Array.isArray(s.namespaces) ? s.namespaces : []).map((n) => [n.namespace, n]));
+      const events = h?.namespaces || {};
+      const names = [...new Set([...Object.keys(events), ...byNs.keys()])];
+      spaces.replaceChildren(...(names.length
+        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || []))
+        : [el("div", { textContent: "no namespace yet: queue a workflow with a Carnator Cache node",
+          style: { opacity: "0.7" } })]));
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";
       root.dataset.entries = String(s.entries ?? 0);
+      root.dataset.requests = String(Object.values(events).reduce((k, v) => k + v.length, 0));
     } catch (e) {
       message.textContent = `⚠ ${e.message}`;
     }
   }
 
   async function purge() {
-    if (!window.confirm(`Delete every entry of the Carnator cache in "${dirInput.value}"?`)) return;
+    if (!window.confirm(`Delete every entry of the Carnator cache in "${dirInput.value}"? The next run of a graph `
+      + "computes again (ComfyUI's own node cache is bypassed for it).")) return;
     try {
       const r = await fetchJson("/carnator/cache/purge", {
         method: "POST",
@@ -325,7 +686,8 @@ function renderPanel(root) {
         body: JSON.stringify({ directory: dirInput.value }),
       });
       await refresh();
-      message.textContent = `purged: ${typeof r.purged === "object" ? JSON.stringify(r.purged) : r.purged}`;
+      message.textContent = `purged ${typeof r.purged === "object" ? JSON.stringify(r.purged) : r.purged} entries;`
+        + " queue again to recompute";
     } catch (e) {
       message.textContent = `⚠ ${e.message}`;
     }
@@ -334,9 +696,11 @@ function renderPanel(root) {
   root.append(
     el("h3", { textContent: "Carnator cache", style: { margin: "0 0 8px 0", fontSize: "15px" } }),
     dirInput,
-    el("div", {}, [button("Refresh", "carnator-refresh", refresh), button("Purge…", "carnator-purge", purge)]),
+    el("div", {}, [button("Refresh", "carnator-refresh", refresh),
+      button("Purge…", "carnator-purge", purge, "Delete every entry; the next queue recomputes")]),
     message,
     table,
+    spaces,
   );
   state.refreshPanel = refresh;
   refresh();
@@ -350,7 +714,8 @@ function sessionLine() {
 
 // ---------------------------------------------------------------------------------------------------------
 
-state.badgeLines = badgeLines; // for tests and other extensions: the text the badge shows for a report
+// For tests and other extensions: the text the badge shows for a report, and its details.
+Object.assign(state, { badgeLines, ruleLine, kindOf, BADGE_HEIGHT });
 
 app.registerExtension({
   name: "carnator.ReuseBadge",
@@ -360,7 +725,7 @@ app.registerExtension({
       id: "carnator-cache",
       icon: "pi pi-database",
       title: "Carnator",
-      tooltip: "Carnator cache: entries, bytes, hit rate, purge",
+      tooltip: "Carnator cache: rule state, hits and misses, last requests, purge",
       label: "Carnator",
       type: "custom",
       render: (root) => renderPanel(root),
@@ -374,10 +739,27 @@ app.registerExtension({
       const report = detail?.output?.carnator_report?.[0];
       if (report) showReport(executedNode(detail), report);
     });
+    // The Cache Writer stores the entry after the sampler reported: refresh the panel when the prompt is done.
+    api.addEventListener("execution_success", () => state.refreshPanel?.());
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== SAMPLER) return;
+    if (!String(nodeData?.name || "").startsWith("Carnator")) return;
+    const names = advancedNames(nodeData);
+    const onNodeCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const r = onNodeCreated?.apply(this, arguments);
+      try {
+        compactNode(this, names);
+        if (nodeData.name === SAMPLER) badgeWidget(this); // reserve the badge's rows now: a report never grows it
+        const min = this.computeSize?.();
+        if (min && this.size) this.setSize([Math.max(this.size[0], min[0]), min[1]]);
+      } catch (e) {
+        console.error("carnator: could not lay out the node", e);
+      }
+      return r;
+    };
+    if (nodeData.name !== SAMPLER) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       const r = onExecuted?.apply(this, arguments);
