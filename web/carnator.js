@@ -181,6 +181,8 @@ export function ruleLine(report) {
 /** The summary row: the one figure that matters for this kind of decision. */
 function summaryLine(report, k, verdict) {
   const t = seconds((report.timings_ms || {}).total);
+  // The Cache Writer could not keep the clip (full disk, read-only, unreachable): the clip itself is fine.
+  if (report.not_cached) return `⚠ not cached: ${report.not_cached}`;
   if (k.key === "hit" && k.sub === "reuse") {
     return `${pct(report.active_fraction)} of tokens recomputed · ${t}`;
   }
@@ -233,6 +235,7 @@ function detailLines(report, k, verdict) {
   if (rs && rs.message) lines.push({ text: `rule: ${rs.message}`, color: MUTED_COLOR });
   if (rs && rs.namespace) lines.push({ text: `namespace ${rs.namespace}`, color: MUTED_COLOR });
   for (const f of report.fallbacks || []) lines.push({ text: `fallback: ${f}`, color: NOTE_COLOR });
+  if (report.not_cached) lines.push({ text: `not cached (the clip is fine): ${report.not_cached}`, color: NOTE_COLOR });
   return lines;
 }
 
