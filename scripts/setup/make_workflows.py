@@ -488,7 +488,11 @@ position, motion): the second run is usually a HIT that recomputes only what cha
 def embedded_rule_summary(rule_file: str) -> str:
     """One sentence on the shipped rule's certificate, read from ``rules/<rule_file>`` (so the workflow note says
     what the file in the repository says; re-render after a new rule lands)."""
-    c = json.loads((ROOT / "rules" / rule_file).read_text(encoding="utf-8"))["certificate"]
+    path = ROOT / "rules" / rule_file
+    if not path.is_file():  # withdrawn (rules/withdrawn/): the Risk Filter serves dense and learns one
+        return (f"No `{rule_file}` ships (the rule was withdrawn, rules/README.md): the Risk Filter serves dense, "
+                "caches and learns a rule for this model (learning mode, docs/LEARNING.md).")
+    c = json.loads(path.read_text(encoding="utf-8"))["certificate"]
     if not c.get("passed"):
         return (f"The rule is NOT certified (U = {c['upper_bound']:.4f} > α = {c['alpha']}); the filter refuses it "
                 "unless allow_uncertified is on.")
