@@ -94,13 +94,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from safetensors.torch import load as st_load, save as st_save
 
-from ..types import Candidate, Candidates, Signature
+from ..types import Candidates, Signature
+from . import common
 from .catalog import STORE_FORMAT, STORE_VERSION
 from .entry import (
     REQUEST_KEY_RE,
     Entry,
     EntryData,
-    decode_entry,
     encode_entry,
     signature_from,
     signature_tensors,
@@ -108,7 +108,6 @@ from .entry import (
     valid_namespace,
 )
 from .errors import (
-    CacheBudgetError,
     CacheError,
     CacheFullError,
     CacheReadOnlyError,
@@ -560,12 +559,8 @@ class RedisStore:
         self._register_ns(ns)
         created = time.time()
         entry_id = ns_tag(ns) + secrets.token_hex(4)
-        enc = encode_entry(data, entry_id=entry_id, created=created)
+        enc = common.encode_checked(data, entry_id=entry_id, created=created, max_bytes=self.max_bytes)
         blob, emb, sig_blob = enc.blob, enc.embedding, _signature_blob(entry_id, data.signature)
-        if self.max_bytes and len(blob) > self.max_bytes:
-            raise CacheBudgetError(
-                f"the entry is {format_bytes(len(blob))} but the cache budget is {format_bytes(self.max_bytes)}: "
-                "raise max_gb on the cache loader (or 0 for no limit)")
         cfg_json = json.dumps(data.config.to_meta(), sort_keys=True)
         work = work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape)
         for _ in range(8):  # a random-id collision within the namespace: retry with a fresh id
@@ -811,22 +806,14 @@ class RedisStore:
             blob = b"".join(chunks)
             # The bytes' own header and checksums decide whether the entry is whole; a row whose size disagrees
             # with bytes that verify is what is wrong, and is corrected below.
-            try:
-                dec = decode_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest)
-            except EntryFormatError as e:
-                if len(blob) != int(nbytes):
-                    raise EntryFormatError(f"value is {len(blob)} bytes, the row recorded {nbytes}: {e}") from None
-                raise
+            dec = common.verify_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest,
+                                      recorded_size=int(nbytes), what="value")
         except ValueError as e:  # EntryFormatError, or a row field that is not a number: "quarantine"
             if self._full and not self._call(lambda: self._r.exists(p + f"e:{entry_id}")):
                 raise self._gone(entry_id) from None  # a plain (non-transaction) read torn by a delete
             reason = str(e) if isinstance(e, EntryFormatError) else f"{type(e).__name__}: {e}"
             raise self._quarantine(entry_id, ns, reason) from None
-        if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
-            raise NamespaceMismatchError(
-                f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
-                "the two fingerprints share a namespace key prefix; it is never reused across models. Purge the "
-                "namespace or use another Redis database.")
+        common.check_model(dec, entry_id, model_fingerprint, "Redis database")
         if len(blob) != int(nbytes):
             log.warning("carnator cache: the row of entry %s recorded %s bytes but its value (which verifies) has "
                         "%d; the recorded size was corrected", entry_id, nbytes, len(blob))
@@ -839,10 +826,8 @@ class RedisStore:
         if count_hit:
             bumped = self._bump(entry_id, ns)
             hits_now = bumped if bumped >= 0 else hits_now  # evicted since the read: the bytes are still valid
-        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=dec.model_fingerprint, config=dec.config,
-                     prompt=prompt, seed=int(seed), created=float(created), hits=hits_now, nbytes=int(nbytes),
-                     embedding=dec.embedding, signature=dec.signature, tensors=dec.tensors,
-                     block_structure=dec.block_structure, meta=dec.meta, answer_of=dec.answer_of)
+        return common.entry_of(dec, entry_id=entry_id, namespace=ns, prompt=prompt, seed=seed, created=created,
+                               hits=hits_now, nbytes=int(nbytes))
 
     def _decode_sig(self, entry_id: str, ns: str, blob: bytes | None, sigsum: bytes | None) -> Signature:
         try:
@@ -955,49 +940,30 @@ class RedisStore:
         reason in ``note``."""
         t0 = time.perf_counter()
         p = self._p(namespace)
-        notes: list[str] = []
-        items: list[Candidate] = []
+        held: dict[str, list] = {}
 
-        def none(why: str) -> Candidates:
-            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000, note=why)
+        def rows(ids: list[str]) -> dict[str, tuple[str, int]]:
+            pipe = self._r.pipeline(transaction=False)
+            for entry_id in ids:
+                pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "sig", "sigsum")
+            held.update((i, r) for i, r in zip(ids, self._call(pipe.execute)) if r[0] is not None)
+            return {i: (_s(r[0]), int(_s(r[1]))) for i, r in held.items()}
+
+        def signature(entry_id: str) -> Signature:
+            sig = self._sigs.get(entry_id)
+            if sig is None:
+                sig = self._decode_sig(entry_id, namespace, held[entry_id][2], held[entry_id][3])
+                self._remember_sig(entry_id, sig)
+            return sig
 
         try:
             if count_lookup:
                 self.record_lookup(namespace)
-            if embedding is None:
-                return none("no retrieval: the request has no retrieval embedding (its prompt could not be embedded)")
-            try:
-                found = self.query(namespace, embedding, k, model_fingerprint=model_fingerprint)
-            except (NamespaceMismatchError, ValueError) as e:
-                return none(f"no retrieval: {e}")
-            recalled = bool(found)
-            found = [(i, s) for i, s in found if s >= min_similarity]
-            if found:
-                pipe = self._r.pipeline(transaction=False)
-                for entry_id, _ in found:
-                    pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "sig", "sigsum")
-                rows = self._call(pipe.execute)
-                for (entry_id, sim), row in zip(found, rows):
-                    if row[0] is None:
-                        continue  # evicted since the query
-                    cached = self._sigs.get(entry_id)
-                    try:
-                        sig = cached if cached is not None else self._decode_sig(entry_id, namespace, row[2], row[3])
-                    except CorruptEntryError:
-                        notes.append(f"skipped corrupt entry {entry_id} (quarantined)")
-                        continue
-                    if not cached:
-                        self._remember_sig(entry_id, sig)
-                    items.append(Candidate(entry_id=entry_id, similarity=float(sim), prompt=_s(row[0]),
-                                           signature=sig, seed=int(_s(row[1]))))
-            if not items and not notes:
-                notes.append("no cached entry in this namespace (same model + config)" if not recalled
-                             else f"no entry with similarity >= {min_similarity}")
+            return common.recall(namespace, embedding, k, min_similarity, model_fingerprint, query=self.query,
+                                 rows=rows, signature=signature, t0=t0)
         except CacheUnavailableError as e:
-            notes.append(f"cache unavailable: {e}")
-            items = []
-        return Candidates(namespace=namespace, items=tuple(items), retrieval_ms=(time.perf_counter() - t0) * 1000,
-                          note="; ".join(notes))
+            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000,
+                              note=f"cache unavailable: {e}")
 
     def _fetch_vectors(self, ns: str, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         want = [int(s) for s in seqs]

@@ -91,19 +91,17 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from ..types import Candidate, Candidates, GenConfig, Signature, namespace_key
-from . import catalog
+from ..types import Candidates, GenConfig, Signature, namespace_key
+from . import catalog, common
 from .catalog import CATALOG, SIDE_FILES, STORE_FORMAT, STORE_VERSION
+from .common import format_bytes
 from .entry import (
     REQUEST_KEY_RE,
-    DecodedEntry,
     Entry,
     EntryData,
     adopted_answer_of,
     adopted_request_key,
     check_meta,
-    decode_entry,
-    encode_entry,
     read_entry_parts,
     signature_from,
     valid_entry_id,
@@ -216,15 +214,6 @@ class _NsIndex:
     token: str
     generation: int
     index: VectorIndex
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes for a message: "512 B", "1.50 MiB", "2.00 GiB" (binary units, GiB at most)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def default_key_path() -> Path:
@@ -876,11 +865,7 @@ class Store:
             return existing, False
         entry_id = secrets.token_hex(8)
         now = time.time()
-        enc = encode_entry(data, entry_id=entry_id, created=now)
-        if self.max_bytes and len(enc.blob) > self.max_bytes:
-            raise CacheBudgetError(
-                f"the entry is {format_bytes(len(enc.blob))} but the cache budget is {format_bytes(self.max_bytes)}: "
-                "raise max_gb on the cache loader (or 0 for no limit)")
+        enc = common.encode_checked(data, entry_id=entry_id, created=now, max_bytes=self.max_bytes)
         final = self._entry_path(ns, entry_id)
         final.parent.mkdir(exist_ok=True)
         self._ns_dir(ns)  # re-check after mkdir: a link planted meanwhile is refused
@@ -1155,24 +1140,17 @@ class Store:
         try:
             # The file's own header and checksums decide whether it is whole (a truncated file fails them); a row
             # whose size disagrees with a file that verifies is what is wrong, and is corrected.
-            dec: DecodedEntry = decode_entry(data, entry_id=entry_id, namespace=ns, meta_digest=meta_digest)
+            dec = common.verify_entry(data, entry_id=entry_id, namespace=ns, meta_digest=meta_digest,
+                                      recorded_size=nbytes)
         except EntryFormatError as e:
-            if len(data) != nbytes:
-                e = EntryFormatError(f"file is {len(data)} bytes, the catalogue recorded {nbytes}: {e}")
             raise self._quarantine(entry_id, ns, str(e)) from None
         if len(data) != nbytes:
             nbytes = self._fix_size(seq, entry_id, int(nbytes), len(data))
-        if model_fingerprint is not None and dec.model_fingerprint != str(model_fingerprint):
-            raise NamespaceMismatchError(
-                f"cache entry {entry_id} was made by model {dec.model_fingerprint}, not {model_fingerprint}: "
-                "the two fingerprints share a namespace key prefix; it is never reused across models. Purge the "
-                "namespace or use another cache directory.")
+        common.check_model(dec, entry_id, model_fingerprint, "cache directory")
         if count_hit:
             hits = self._bump(entry_id, ns, int(hits))
-        return Entry(entry_id=entry_id, namespace=ns, model_fingerprint=dec.model_fingerprint, config=dec.config,
-                     prompt=prompt, seed=int(seed), created=float(created), hits=int(hits), nbytes=int(nbytes),
-                     embedding=dec.embedding, signature=dec.signature, tensors=dec.tensors,
-                     block_structure=dec.block_structure, meta=dec.meta, answer_of=dec.answer_of)
+        return common.entry_of(dec, entry_id=entry_id, namespace=ns, prompt=prompt, seed=seed, created=created,
+                               hits=hits, nbytes=nbytes)
 
     @_public
     def load_signature(self, entry_id: str) -> Signature:
@@ -1297,45 +1275,14 @@ class Store:
         self._ns_dir(namespace)  # validates the name
         if count_lookup:
             self.record_lookup(namespace)
-        notes: list[str] = []
 
-        def none(why: str) -> Candidates:
-            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000, note=why)
-
-        if embedding is None:
-            return none("no retrieval: the request has no retrieval embedding (its prompt could not be embedded)")
-        try:
-            found = self.query(namespace, embedding, k, model_fingerprint=model_fingerprint)
-        except NamespaceMismatchError as e:
-            return none(f"no retrieval: {e}")
-        except ValueError as e:
-            return none(f"no retrieval: {e}")
-        items = []
-        if found:
+        def rows(ids: list[str]) -> dict[str, tuple[str, int]]:
             with self._lock:
-                rows = {r[0]: r for r in self._require_conn().execute(
-                    f"SELECT id, prompt, seed FROM entries WHERE id IN ({','.join('?' * len(found))})",
-                    [i for i, _ in found]).fetchall()}
-            for entry_id, sim in found:
-                if sim < min_similarity or entry_id not in rows:
-                    continue
-                try:
-                    sig = self.load_signature(entry_id)
-                except EntryNotFoundError:
-                    continue
-                except CorruptEntryError:
-                    notes.append(f"skipped corrupt entry {entry_id} (quarantined)")
-                    continue
-                except CacheError as e:  # e.g. a namespace directory that links out of the cache
-                    notes.append(f"skipped entry {entry_id}: {e}")
-                    continue
-                items.append(Candidate(entry_id=entry_id, similarity=float(sim), prompt=rows[entry_id][1],
-                                       signature=sig, seed=int(rows[entry_id][2])))
-        if not items and not notes:
-            notes.append("no cached entry in this namespace (same model + config)" if not found
-                         else f"no entry with similarity >= {min_similarity}")
-        return Candidates(namespace=namespace, items=tuple(items), retrieval_ms=(time.perf_counter() - t0) * 1000,
-                          note="; ".join(notes))
+                return {r[0]: (r[1], int(r[2])) for r in self._require_conn().execute(
+                    f"SELECT id, prompt, seed FROM entries WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()}
+
+        return common.recall(namespace, embedding, k, min_similarity, model_fingerprint, query=self.query, rows=rows,
+                             signature=self.load_signature, t0=t0)
 
     def _fetch_vectors(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out_ids, out_vecs = [], []
