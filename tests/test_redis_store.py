@@ -767,3 +767,21 @@ def test_a_wrong_size_in_a_row_is_corrected_from_the_entry(redis_url, caplog, de
     assert st.stats().bytes == size and st.verify(deep=True).ok
     assert sum("size" in r.getMessage() for r in carnator_warnings(caplog)) == 1
     c.close()
+
+
+def test_a_redis_flushed_by_hand_while_workers_run_comes_back_fresh(redis_url):
+    """The shared store's counterpart of a cache folder deleted by hand: FLUSHALL while a worker holds the store
+    and its index. The next calls see an empty cache, the next put writes a fresh one (format marker, namespace,
+    tag), and a worker opened afterwards uses it; nothing is refused."""
+    st = store(redis_url)
+    emb = np.ones(DIM, np.float32)
+    st.put(make_entry(1, emb=emb))
+    assert st.candidates(NS_A, emb, k=2).items
+    c = rs.redis.Redis.from_url(redis_url)
+    c.flushall()
+    assert st.candidates(NS_A, emb, k=2).items == () and st.stats().entries == 0
+    eid = st.put(make_entry(2, emb=emb))
+    assert [x.entry_id for x in st.candidates(NS_A, emb, k=2).items] == [eid]
+    other = store(redis_url)  # a worker started after the flush
+    assert other.load(eid).prompt == "prompt 2" and other.exists() and other.verify().ok
+    c.close()
