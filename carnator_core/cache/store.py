@@ -65,8 +65,11 @@ Contracts
   Duplicates are (namespace, prompt, seed, request key). An *answer-only* entry (``EntryData.answer_of``, column
   ``entries.answer``) holds a hit's result under its answer key: found by ``find_request``, never in a recall
   index (no embedding row, no change record), evicted, verified and adopted like any entry.
-* **Hits.** ``candidates()`` counts a lookup per request; ``load(count_hit=True)`` or ``record_hit()`` counts a
-  reuse (call exactly one of them per reuse). Hit rate = hits / lookups per namespace.
+* **Hits.** ``candidates()`` counts a lookup (``count_lookup=False``: the caller counts it with
+  ``record_lookup``); ``load(count_hit=True)`` or ``record_hit()`` counts a reuse (call exactly one of them per
+  reuse). Hit rate = hits / lookups per namespace. The request path (``request.py``) counts a request's lookup and
+  its hit once, when the request is served (an accepted entry the sampler did not reuse is no hit; an interrupted
+  request counts nothing), so the counters equal the per-request reports.
 """
 from __future__ import annotations
 
