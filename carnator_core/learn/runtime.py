@@ -178,10 +178,15 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                                 summary="learning: the rule-to-be's reuse of the top candidate (counterfactual)")
                 cfg = replace(reuse_config, mode="joint") if reuse_config is not None else None
                 t0 = time.perf_counter()
-                out, rep, _ = finish_stages(model, positive, negative, latent, probe, acc, store, cfg,
-                                            signature=signature, record=False, cached=cached)
+                if _over_max_active(model, probe, signature, cached, cfg):
+                    # the sampler would continue dense (changed region > max_active): a miss under any rule, and
+                    # its output is the clip just served — nothing to run or judge
+                    out, reusable = None, False
+                else:
+                    out, rep, _ = finish_stages(model, positive, negative, latent, probe, acc, store, cfg,
+                                                signature=signature, record=False, cached=cached)
+                    reusable = getattr(rep, "decision", "") == "hit"
                 cost = time.perf_counter() - t0
-                reusable = getattr(rep, "decision", "") == "hit"
                 x = 0
                 if reusable:
                     jr = JudgeRequest(prompt=str(probe.prompt), seed=int(probe.seed), model=probe.model_fingerprint,
@@ -205,6 +210,16 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     state = learner.rule_state(ns)
     state["label"] = done
     return state
+
+
+def _over_max_active(model: Any, probe: Any, signature: Any, cached: Any, cfg: Any) -> bool:
+    """Whether the reuse of ``cached`` would continue dense because its changed region covers more than
+    ``cfg.max_active`` of the tokens (single-stage schedules in a mode with a region; others are run)."""
+    from ..reuse import region_of
+
+    if cfg is None or cfg.mode not in ("joint", "latent") or probe.config.leftover_noise or signature is None:
+        return False
+    return float(region_of(model, probe, signature, cached, cfg).mean()) > float(cfg.max_active)
 
 
 _LAST_ON: dict[str, tuple[str, ...]] = {}
