@@ -584,10 +584,11 @@ function requestRow(e) {
   ]);
 }
 
-function namespaceCard(ns, stats, events, purges) {
-  // The rule's state as the last request that went through the Risk Filter saw it (exact repeats need no rule).
+function namespaceCard(ns, stats, events, purges, learned) {
+  // The rule's state: learning mode's record for this namespace (kept in the cache folder) when there is one, else
+  // as the last request that went through the Risk Filter saw it (exact repeats need no rule).
   const decided = [...events].reverse().find((e) => e.rule_state || e.rule_id || e.filter_mode);
-  const rule = decided ? ruleLine(decided)
+  const rule = learned ? ruleLine({ rule_state: learned }) : decided ? ruleLine(decided)
     : events.length ? ruleLine(events[events.length - 1]) : "rule: – (no request served since the server started)";
   const hits = events.filter((e) => e.decision === "hit").length;
   const saved = events.reduce((s, e) => s + (typeof e.saving === "number" ? e.saving : 0), 0);
@@ -650,10 +651,14 @@ function renderPanel(root) {
     if (fromGraph && !dirInput.dataset.edited) dirInput.value = fromGraph;
     message.textContent = "…";
     try {
-      const [s, h] = await Promise.all([
-        fetchJson(`/carnator/cache/stats?directory=${encodeURIComponent(dirInput.value)}`),
+      const dir = encodeURIComponent(dirInput.value);
+      const [s, h, rules] = await Promise.all([
+        fetchJson(`/carnator/cache/stats?directory=${dir}`),
         fetchJson("/carnator/requests?limit=60"),
+        // Learning mode's state per namespace; a server without it, or a Redis cache, has none to show.
+        fetchJson(`/carnator/rules?directory=${dir}`).catch(() => null),
       ]);
+      const learned = new Map((rules?.namespaces || []).filter((r) => r?.namespace).map((r) => [r.namespace, r]));
       state.lastStats = s;
       state.lastRequests = h;
       const answers = s.answers ? ` (${s.answers} of them kept answers of hits, for exact repeats)` : "";
@@ -668,7 +673,7 @@ function renderPanel(root) {
       const events = h?.namespaces || {};
       const names = [...new Set([...Object.keys(events), ...byNs.keys()])];
       spaces.replaceChildren(...(names.length
-        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || []))
+        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || [], learned.get(ns)))
         : [el("div", { textContent: "no namespace yet: queue a workflow with a Carnator Cache node",
           style: { opacity: "0.7" } })]));
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";
@@ -739,8 +744,15 @@ app.registerExtension({
       console.warn("carnator: this ComfyUI frontend has no sidebar tabs; the cache panel is unavailable");
     }
     api.addEventListener("executed", ({ detail }) => {
-      const report = detail?.output?.carnator_report?.[0];
-      if (report) showReport(executedNode(detail), report);
+      let report = detail?.output?.carnator_report?.[0];
+      if (!report) return;
+      const node = executedNode(detail);
+      // The Cache Writer adds to the run its sampler already reported (e.g. "not cached"): keep the sampler's
+      // decision and add the Writer's word. A node-cache answer is a run of its own.
+      if (node?.carnatorReport && report.mode !== "node_cache" && detail.node !== String(node.id)) {
+        report = { ...node.carnatorReport, not_cached: report.not_cached };
+      }
+      showReport(node, report);
     });
     // The Cache Writer stores the entry after the sampler reported: refresh the panel when the prompt is done.
     api.addEventListener("execution_success", () => state.refreshPanel?.());
