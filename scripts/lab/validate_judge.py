@@ -355,9 +355,14 @@ def _fires(x: dict, th: dict) -> bool:
     return any(x.get(f, 0.0) > th[f] for f in th)
 
 
-def fit_thresholds(pos: list[dict], neg: list[dict], features, fa_target: float) -> dict:
-    """Greedy coordinate search over per-feature quantiles of the negatives: the most positives caught with at most
-    ``fa_target`` of the negatives flagged (any feature over its threshold flags)."""
+def fit_thresholds(pos: list[dict], neg: list[dict], features, fa_target: float, det_target: float | None = None
+                   ) -> dict:
+    """Greedy coordinate search over per-feature quantiles of the negatives (any feature over its threshold flags):
+    without ``det_target``, the most positives caught with at most ``fa_target`` of the negatives flagged; with it,
+    the fewest negatives flagged while catching at least ``det_target`` of the positives (a label for certification
+    pays for every false alarm on a legitimate reuse). Each threshold used then moves to the middle of the interval of
+    values (over every observed value) that give the same calibration result, so it sits between the classes rather
+    than on the last negative."""
     qs = (0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0)
     grid = {f: sorted({float(np.quantile([n.get(f, 0.0) for n in neg], q)) for q in qs} | {float("inf")})
             for f in features}
@@ -366,7 +371,9 @@ def fit_thresholds(pos: list[dict], neg: list[dict], features, fa_target: float)
     def score(t):
         fa = np.mean([_fires(n, t) for n in neg]) if neg else 0.0
         det = np.mean([_fires(p, t) for p in pos]) if pos else 0.0
-        return (det if fa <= fa_target else -1.0), fa
+        if det_target is not None:  # fewest false alarms, then the most detections
+            return (float(-fa) if det >= det_target - 1e-12 else -2.0), float(det)
+        return (float(det) if fa <= fa_target else -1.0), float(-fa)  # most detections, then fewest false alarms
 
     best = score(th)
     for _ in range(4):
@@ -375,10 +382,18 @@ def fit_thresholds(pos: list[dict], neg: list[dict], features, fa_target: float)
             for v in grid[f]:
                 t = {**th, f: v}
                 s = score(t)
-                if s[0] > best[0] + 1e-12 or (abs(s[0] - best[0]) < 1e-12 and s[1] < best[1] - 1e-12):
+                if s > best:
                     th, best, improved = t, s, True
         if not improved:
             break
+    for f in features:
+        if not np.isfinite(th[f]):
+            continue
+        values = sorted({float(x.get(f, 0.0)) for x in pos + neg})
+        same = [v for v in values if score({**th, f: v}) == best]
+        above = [v for v in values if v > max(same)] if same else []
+        if same:  # [lowest value giving the result, next observed value that changes it): its middle
+            th[f] = (min(same) + (above[0] if above else max(same))) / 2.0
     return th
 
 
@@ -405,7 +420,7 @@ def report(args) -> None:
     calib = [r for r in recs if r["split"] == "calib" and r["dense_pass"]]
     pos = [r["x"] for r in calib if not r["clip_pass"]]
     neg = [r["x"] for r in calib if r["clip_pass"]]
-    th = fit_thresholds(pos, neg, PAIR_FEATURES, args.fa_target)
+    th = fit_thresholds(pos, neg, PAIR_FEATURES, args.fa_target, args.det_target or None)
     # the judge alone (dense clips): thresholds on margin (vs the empty prompt) and presence
     def alone_recs(parity):
         out = []
@@ -441,8 +456,10 @@ def report(args) -> None:
     allv = [r for r in recs if r["split"] == "valid"]
     b_chk = [r["dense_pass"] and not r["clip_pass"] for r in allv]
     c_chk = [(not r["dense_pass"]) and r["clip_pass"] for r in allv]
-    d_nat = [not _fires(r["dense_alone"], th_alone) for r in allv]
-    r_nat = [(not _fires(r["x"], th)) and not _fires(r["clip_alone"], th_alone) for r in allv]
+    # the judge alone is off in the shipped defaults (it tells too few failing dense clips, see the line below), so
+    # every dense clip passes it: native c is never produced
+    d_nat = [True for r in allv]
+    r_nat = [not _fires(r["x"], th) for r in allv]
     b_nat = [d and not c for d, c in zip(d_nat, r_nat)]
     c_nat = [(not d) and c for d, c in zip(d_nat, r_nat)]
     lines += ["", f"excess label on {len(allv)} validation pairs: checker b = {sum(b_chk)}, native b = {sum(b_nat)}, "
@@ -483,21 +500,26 @@ def compare_certificates(pairs_file: Path, rows: list[dict], th: dict, th_alone:
 
     _, labelled = read_pairs_jsonl(pairs_file)
     native: dict[tuple[str, str], tuple[bool, bool]] = {}
+    second: dict[tuple[str, str], tuple[bool, bool]] = {}  # the checker verdicts of ``rows`` (--truth)
     for r in rows:
         if r["part"] != "pair":
             continue
-        d_ok = not _fires(r["dense_alone"], th_alone)
-        for it in r["items"]:
-            r_ok = not _fires(it["pair"], th) and not _fires(it["clip_alone"], th_alone)
-            native[(r["unit"][1:], it["entry"])] = (d_ok and not r_ok, (not d_ok) and r_ok)
+        d_pass = r["dense_checker"]["pass"]
+        for it in r["items"]:  # the judge alone is off (as shipped): the dense clip passes, so b = the pair verdict
+            native[(r["unit"][1:], it["entry"])] = (_fires(it["pair"], th), False)
+            second[(r["unit"][1:], it["entry"])] = (d_pass and not it["checker"]["pass"],
+                                                    (not d_pass) and it["checker"]["pass"])
     both = [p for p in labelled if (p.request_id, p.entry_id) in native]
     relabelled = [dc_replace(p, unsafe=native[(p.request_id, p.entry_id)][0],
                              better=native[(p.request_id, p.entry_id)][1]) for p in both]
+    truth = [dc_replace(p, unsafe=second[(p.request_id, p.entry_id)][0],
+                        better=second[(p.request_id, p.entry_id)][1]) for p in both]
     rule = RiskRule.from_json(json.loads(Path(rule_file).read_text()), source=rule_file, allow_uncertified=True)
     out = [f"certificate of {rule_file}'s thresholds on the {len(both)} pairs of {pairs_file.name} judged both ways "
            "(excess label, alpha 0.05, delta 0.1):", "", "| label | accepted n | b | c | excess bound | b/n bound |",
            "|---|---|---|---|---|---|"]
-    for name, ps in (("checker (as labelled)", both), ("native judge", relabelled)):
+    for name, ps in (("checker, first label (as the run labelled it)", both),
+                     ("checker, the report's truth (--truth)", truth), ("native judge", relabelled)):
         c = certify(rule.thresholds, ps, 0.05, 0.1, label="excess")
         out.append(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.3f} | "
                    f"{(c.unsafe_upper_bound if c.unsafe_upper_bound is not None else float('nan')):.3f} |")
@@ -523,7 +545,11 @@ def main(argv=None) -> int:
     q.add_argument("--warm", type=int, default=24)
     q.add_argument("--queries", type=int, default=48)
     r = sub.add_parser("report")
-    r.add_argument("--fa-target", type=float, default=0.08)
+    r.add_argument("--fa-target", type=float, default=0.08,
+                   help="most false alarms (of the calibration half's checker passes) the fit may spend (0.08)")
+    r.add_argument("--det-target", type=float, default=0.9,
+                   help="instead: the fewest false alarms catching at least this share of the checker's failures "
+                   "(0.9; 0 = use --fa-target)")
     r.add_argument("--truth", choices=("v1", "v2"), default="v2",
                    help="the checker verdicts to hold the judge against: v2 = the second label (strict checker: shape "
                    "gated, motion track; detail check and artifact ratio 1.25 against the dense clip), recomputed "
