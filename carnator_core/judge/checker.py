@@ -61,7 +61,9 @@ def verdict_of(result: Any, object_names: tuple[str, ...] = ()) -> Verdict:
             scores[f"o{i}.{attr}"] = float(bool(v))
             if v is False and not ok:  # a passing object's other readings (e.g. a shape guess) are not failures
                 expected = getattr(o.expected, attr, None)
-                seen = o.measured.get(attr, o.measured.get(f"{attr}_guess"))
+                # what the gating reading saw: the strict checker reads motion from the track
+                keys = ((f"track_{attr}",) if getattr(o, "strict", False) else ()) + (attr, f"{attr}_guess")
+                seen = next((o.measured[k] for k in keys if k in o.measured), None)
                 reasons.append(f"{name}: {attr} {seen}, expected {expected}")
     scene_fields = {k: v for k, v in _ok_fields(result).items() if v is not None}
     for k, v in scene_fields.items():
