@@ -16,6 +16,7 @@ from carnator.carnator_core.risk.certify import (
     StrataCertificate,
     certify_strata,
     fixed_sequence,
+    read_pairs_jsonl,
 )
 from carnator.carnator_core.risk.filter import decide
 from carnator.carnator_core.risk.rule import RiskRule, RuleFormatError
@@ -128,3 +129,21 @@ def test_filter_refuses_a_candidate_whose_stratum_did_not_certify():
     d = decide(target, Candidates(ns, (_cand("b", moved, 1),)), make_rule(thresholds=TH), request=(prompt, 1))
     assert d.accepted
 
+
+def test_shipped_rule_strata_recompute_from_their_pairs():
+    """Each stratum certificate of rules/embedded.json is recomputed from the certification pairs it names."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rule = RiskRule.load(root / "rules" / "embedded.json")
+    if rule.strata is None:
+        pytest.fail("rules/embedded.json has no per-stratum certificates")
+    files = rule.provenance.get("strata_pairs")
+    assert files, "the rule must name the pairs its strata were certified on (provenance.strata_pairs)"
+    pairs = []
+    for name in files:
+        _h, ps = read_pairs_jsonl(root / "rules" / name)
+        pairs += ps
+    got = certify_strata(rule.thresholds, pairs, order=rule.strata.order, alpha=rule.strata.alpha,
+                         delta=rule.strata.delta, label=rule.strata.label)
+    assert got.to_dict() == rule.strata.to_dict()
