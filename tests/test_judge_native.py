@@ -88,6 +88,11 @@ def test_native_judge_plumbing(env, name):
     assert after == before  # the caller's MODEL is untouched
     with pytest.raises(ValueError, match="latent"):
         j.measure(dense, JudgeRequest(PROMPT, seed=5))
+    # no decoded clip (no VAE at hand): the same model readings from the latent alone, no colours
+    bare = j.measure(None, JudgeRequest(PROMPT, seed=5, source_prompt=SOURCE, extra={"latent": dense_lat}))
+    assert bare.err_target == ref.measures.err_target and bare.objects["ball"].lab is None
+    assert bare.objects["ball"].local == ref.measures.objects["ball"].local
+    assert excess_label(j, None, None, req).reuse.scores["d_margin"] == lab.reuse.scores["d_margin"]
 
 
 def test_native_judge_two_experts_run_each_level_on_its_expert(env, tmp_path_factory):

@@ -185,10 +185,10 @@ def _to_pixels(mask: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
     return mask[it][:, ih][:, :, iw]
 
 
-def object_measure(amap: np.ndarray, clip: np.ndarray, bg_rgb: np.ndarray, support_mass: float
-                   ) -> tuple[ObjectMeasure, np.ndarray]:
+def object_measure(amap: np.ndarray, clip: np.ndarray | None, bg_rgb: np.ndarray | None, support_mass: float
+                   ) -> tuple[ObjectMeasure, np.ndarray | None]:
     """An object's :class:`ObjectMeasure` from its attention map [T', H', W'] and the clip [T, H, W, 3]; also its
-    support resampled to the clip's pixels."""
+    support resampled to the clip's pixels. Without a clip (None) there is no colour and no pixel support."""
     m = np.clip(np.asarray(amap, np.float64), 0, None)
     t, h, w = m.shape
     flat = m.reshape(t, -1)
@@ -207,9 +207,9 @@ def object_measure(amap: np.ndarray, clip: np.ndarray, bg_rgb: np.ndarray, suppo
     third = max(1, t // 3)
     motion = cents_a[-third:].mean(0) - cents_a[:third].mean(0) if t > 1 else np.zeros(2)
     size = float(sup.reshape(t, -1).mean())
-    pix = _to_pixels(sup, clip.shape[:3])
+    pix = _to_pixels(sup, clip.shape[:3]) if clip is not None else None
     lab = None
-    if pix.any():
+    if pix is not None and pix.any():
         px = clip[pix]
         dist = np.linalg.norm(px - bg_rgb, axis=-1)
         lab = tuple(float(v) for v in _rgb2lab(np.median(px[dist >= np.median(dist)], axis=0))[0])
@@ -324,12 +324,14 @@ class NativeJudge(JudgeBase):
         return adapter_for(self.model).middle_layers(self.model)
 
     def measure(self, clip: Any, request: JudgeRequest) -> NativeMeasures:
-        """Run the model on ``clip`` (``len(sigmas)`` calls) and read :class:`NativeMeasures`."""
+        """Run the model on ``clip`` (``len(sigmas)`` calls) and read :class:`NativeMeasures`. ``clip`` may be None
+        when the request carries the latent (``extra["latent"]``): everything but the colours is read from the model
+        (the default verdict uses none of the colours), so a model whose VAE the caller does not have can be judged."""
         from .. import comfy_patch as cp
         from .pixels import as_clip
 
         t0 = time.perf_counter()
-        x = as_clip(clip)
+        x = as_clip(clip) if clip is not None else None
         objects = self._objects(request)
         alt_prompt = request.source_prompt
         if self._negative is None:
@@ -343,9 +345,9 @@ class NativeJudge(JudgeBase):
         err_t = tuple(float(((lv.cond_x0 - lv.x0) ** 2).mean()) for lv in raw.levels)
         err_a = tuple(float(((lv.alt_x0 - lv.x0) ** 2).mean()) for lv in raw.levels)
         excess = _token_excess(raw, self._patch())
-        bg = np.median(x.reshape(-1, 3), axis=0)
+        bg = np.median(x.reshape(-1, 3), axis=0) if x is not None else None
         measures: dict[str, ObjectMeasure] = {}
-        covered = np.zeros(x.shape[:3], bool)
+        covered = np.zeros(x.shape[:3], bool) if x is not None else None
         for o in objects:
             amap = raw.object_maps.get(o.name)
             if amap is None:
@@ -354,9 +356,12 @@ class NativeJudge(JudgeBase):
             if excess is not None and excess.shape == amap.shape:
                 om = dataclasses.replace(om, local=float((excess * _support(amap, self.config.support_mass)).sum()))
             measures[o.name] = om
-            covered |= pix
-        return NativeMeasures("source" if alt_prompt is not None else "empty", err_t, err_a, measures,
-                              context_lab(x, covered), raw.model_calls, time.perf_counter() - t0)
+            if covered is not None:
+                covered |= pix
+        # without a decoded clip (the latent alone) no colour is read: the scene's colours are a constant
+        ctx = context_lab(x, covered) if x is not None else np.zeros((4, 3))
+        return NativeMeasures("source" if alt_prompt is not None else "empty", err_t, err_a, measures, ctx,
+                              raw.model_calls, time.perf_counter() - t0)
 
     # -- verdicts -----------------------------------------------------------------------------------------------
     def verdict_alone(self, m: NativeMeasures) -> Verdict:
