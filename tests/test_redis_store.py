@@ -389,6 +389,7 @@ def test_query_is_exact_and_ordered(redis_url):
 def test_hits_lookups_stats_purge(redis_url):
     st, other = store(redis_url), store(redis_url)
     ns_b = namespace_key("model-b", CFG)
+    purges = st.purge_count()
     a = [st.put(make_entry(i)) for i in range(3)]
     b = [st.put(make_entry(10 + i, fp="model-b")) for i in range(2)]
     for _ in range(4):
@@ -410,6 +411,8 @@ def test_hits_lookups_stats_purge(redis_url):
     assert other.purge() == 3
     s = st.stats()
     assert (s.entries, s.bytes, s.lookups, s.hits) == (0, 0, 0, 0)
+    # every purge, by any worker, moves the count the Cache node's change fingerprint follows (puts do not)
+    assert st.purge_count() == other.purge_count() == purges + 2
     assert st.query(NS_A, np.ones(DIM)) == [] and st.verify().ok
     # nothing of the purged namespaces is left in Redis but the bookkeeping of which namespaces exist
     left = {k.decode() for k in st._r.scan_iter(match="carnator:{*")}

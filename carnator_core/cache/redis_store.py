@@ -759,11 +759,18 @@ class RedisStore:
                 self._indexes.pop(ns, None)
         if not namespace:
             self._call(lambda: self._r.set(f"{PREFIX}:inflation", "0"))
+        # Counted after the entries are gone: the Cache node's change fingerprint follows it, so ComfyUI runs a graph
+        # again after a purge instead of answering it from its own node cache (as the disk store's info row does).
+        self._call(lambda: self._r.incr(f"{PREFIX}:purges"))
         self._sigs.clear()
         self._full = False
         log.info("carnator cache: purged %d entries (%s) in %s", n, f"namespace {namespace}" if namespace else "all",
                  self.url)
         return n
+
+    def purge_count(self) -> int:
+        """How many purges this cache has seen (any worker; 0 before the first)."""
+        return int(self._call(lambda: self._r.get(f"{PREFIX}:purges")) or 0)
 
     # ------------------------------------------------------------------ quarantine
     def _quarantine(self, entry_id: str, ns: str, reason: str) -> CorruptEntryError:
