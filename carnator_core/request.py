@@ -351,7 +351,7 @@ def probe_request(model: Any, positive: Any, negative: Any, latent: dict, spec: 
         note = (note + "; " if note else "") + ("the conditioning holds values Carnator cannot identify: nothing is "
                                                 "reused for this request and it is not cached")
     return replace(probe, config=replace(probe.config, conditioning=cond), request_key=key or "", note=note,
-                   timings={**probe.timings, "key_ms": key_ms})
+                   timings={**probe.timings, "key_ms": key_ms}, text_encoder=text_encoder)
 
 
 # ---------------------------------------------------------------------------------------------- 2-4

@@ -440,6 +440,9 @@ class Probe:
     note: str = ""
     request_key: str = ""  # keys.request_key of the request ("" when it could not be digested)
     answered: "ExactAnswer | None" = None  # set: an exact repeat, answered from the cache without running the model
+    # The text encoder (ComfyUI CLIP) the prompt was tokenised with, when one was connected: learning mode's native
+    # judge encodes a candidate's prompt with it. A live object of this process: never serialised, never compared.
+    text_encoder: Any = field(default=None, repr=False, compare=False)
 
     @property
     def probe_steps(self) -> int:

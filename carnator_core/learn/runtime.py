@@ -104,9 +104,25 @@ class _EmbeddedChecker:
         return self.judge(reuse_clip, request)
 
 
-def judge_and_decoder(model: Any) -> tuple[Any, Callable[[Any], Any] | None, str]:
-    """(judge, latent → clip decoder, why-not). The embedded model is judged by the pixel checker on its own
-    decoder's frames; other models need a judge with a decoder the sampler does not have yet (why-not says so)."""
+def text_encode_fn(text_encoder: Any) -> Callable[[str], Any] | None:
+    """prompt -> CONDITIONING with the text encoder the request was tokenised with: a ComfyUI CLIP
+    (``tokenize`` + ``encode_from_tokens_scheduled``, as CLIPTextEncode does) or an encoder with ``encode(text)``
+    (the embedded model's); None when there is none."""
+    if text_encoder is None:
+        return None
+    if hasattr(text_encoder, "tokenize") and hasattr(text_encoder, "encode_from_tokens_scheduled"):
+        return lambda prompt: text_encoder.encode_from_tokens_scheduled(text_encoder.tokenize(prompt))
+    encode = getattr(text_encoder, "encode", None)
+    return encode if callable(encode) else None
+
+
+def judge_and_decoder(model: Any, probe: Any = None) -> tuple[Any, Callable[[Any], Any] | None, str]:
+    """(judge, samples -> what the judge is shown, why-not).
+
+    The embedded model is judged by the pixel checker on its own decoder's frames. Wan 2.1 / 2.2 / LTX-Video are
+    judged by the generation-native judge (``judge.judge_for``) on the served latents themselves: it needs no VAE,
+    only the text encoder the Early Probe was given (to encode the candidate's prompt); without one, or for a
+    two-expert split stage, nothing is labelled and why-not says so."""
     from ..adapters import detect_arch
 
     try:
@@ -114,8 +130,20 @@ def judge_and_decoder(model: Any) -> tuple[Any, Callable[[Any], Any] | None, str
     except ValueError as e:
         return None, None, str(e)
     if arch != "embedded":
-        return None, None, (f"no labels yet: a {arch} model's clips need its VAE and a judge, which the sampler "
-                            "does not have; requests are served dense and cached, exact repeats answered")
+        if probe is not None and probe.config.split:
+            return None, None, ("no labels yet: a split (two-expert) stage is not labelled; requests are served "
+                                "dense and cached, exact repeats answered")
+        encode = text_encode_fn(getattr(probe, "text_encoder", None))
+        if encode is None:
+            return None, None, (f"no labels: a {arch} model is judged with its own text encoder; connect the CLIP to "
+                                "the Early Probe's clip input (requests are served dense and cached meanwhile)")
+        from ..judge import judge_for
+
+        try:
+            judge = judge_for(model, arch, encode=encode, text_encoder=probe.text_encoder)
+        except (ImportError, ValueError) as e:
+            return None, None, f"no labels: the native judge is unavailable ({e})"
+        return judge, (lambda samples: None), ""
     try:
         from ..judge import judge_for  # the judge package's default judge for this model
         judge = judge_for(model, arch)
@@ -126,6 +154,18 @@ def judge_and_decoder(model: Any) -> tuple[Any, Callable[[Any], Any] | None, str
     return judge, (lambda samples: codec.latent_to_rgb(samples.float().cpu())[0].numpy()), ""
 
 
+def label_counterfactual(judge: Any, decode: Callable[[Any], Any], probe: Any, source_prompt: str, dense: Any,
+                         reuse: Any) -> Any:
+    """The excess label (``judge.excess_label``) of the counterfactual reuse output ``reuse`` against ``dense``, the
+    clip just served for the same request and seed (both latent samples). A pixel judge sees the decoded clips; the
+    native judge reads the two latents from the request's ``extra`` ("latent": dense, "reuse_latent": reuse)."""
+    from ..judge.base import JudgeRequest, excess_label
+
+    jr = JudgeRequest(prompt=str(probe.prompt), seed=int(probe.seed), model=str(probe.model_fingerprint),
+                      source_prompt=source_prompt, extra={"latent": dense, "reuse_latent": reuse})
+    return excess_label(judge, decode(reuse), decode(dense), jr)
+
+
 # ---------------------------------------------------------------------------------------------- the sampler's hook
 def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, latent: dict, probe: Any,
             signature: Signature | None, decision: Decision, samples: Any, report: Any, store: Any,
@@ -134,7 +174,6 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     """After the sampler finished a request under a learning decision (module docstring). Returns the
     ``rule_state`` (plus ``label``: what was labelled for this request, if anything). Never raises for a labelling
     problem: the request is already served; the problem is logged and said in the state's message."""
-    from ..judge.base import JudgeRequest, excess_label
     from ..request import finish_stages
     from ..types import Decision as _Decision
 
@@ -167,7 +206,7 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
             want = False
         if want:
             if judge is None or decode is None:
-                judge, decode, why_not = judge_and_decoder(model)
+                judge, decode, why_not = judge_and_decoder(model, probe)
             if judge is None:
                 want = False
         if want:
@@ -186,13 +225,11 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                     out, rep, _ = finish_stages(model, positive, negative, latent, probe, acc, store, cfg,
                                                 signature=signature, record=False, cached=cached)
                     reusable = getattr(rep, "decision", "") == "hit"
-                cost = time.perf_counter() - t0
                 x = 0
                 if reusable:
-                    jr = JudgeRequest(prompt=str(probe.prompt), seed=int(probe.seed), model=probe.model_fingerprint,
-                                      source_prompt=str(cand.prompt))
-                    lab = excess_label(judge, decode(out), decode(samples), jr)
+                    lab = label_counterfactual(judge, decode, probe, str(cand.prompt), samples, out)
                     x = 1 if lab.b else (-1 if lab.c else 0)
+                cost = time.perf_counter() - t0  # the counterfactual run and its judging: both are labelling compute
                 label = Label(key, str(stratum), str(cand.entry_id), float(ctx["similarity"]), cov.vector,
                               cov.missing, reusable, x, "audit" if audit else "shadow", str(judge.name),
                               dict(getattr(judge, "settings", {}) or {}), round(cost, 4), str(probe.prompt),
