@@ -318,7 +318,9 @@ def test_stock_loaders_and_file_names() -> None:
 
 def test_embedded_easycache_workflow_runs_carnator_on_the_patched_model() -> None:
     """EasyCache (the node's defaults, the settings its rule was certified for) patches the loader's MODEL, and that
-    patched MODEL is what both the Early Probe and the sampler run; the Risk Filter loads the rule made for it."""
+    patched MODEL is what both the Early Probe and the sampler run. The Risk Filter names the rule made for it, which
+    was withdrawn (never re-tested on fresh data): no such file in rules/, so the workflow starts learning mode; the
+    withdrawn record still says which settings it was made for, and the workflow keeps them."""
     _, api = load("embedded_easycache")
     (easy_id,) = [i for i, n in api.items() if n["class_type"] == "EasyCache"]
     (loader_id,) = [i for i, n in api.items() if n["class_type"] == "CarnatorEmbeddedLoader"]
@@ -330,7 +332,8 @@ def test_embedded_easycache_workflow_runs_carnator_on_the_patched_model() -> Non
     (rule,) = [n["inputs"]["rule_file"] for n in api.values() if n["class_type"] == "CarnatorRiskFilter"]
     assert rule == "embedded_easycache.json"
     (probe,) = [n["inputs"] for n in api.values() if n["class_type"] == "CarnatorEarlyProbe"]
-    certified = json.loads((ROOT / "rules" / rule).read_text(encoding="utf-8"))["config"]["meta"]
+    assert not (ROOT / "rules" / rule).exists()
+    certified = json.loads((ROOT / "rules" / "withdrawn" / rule).read_text(encoding="utf-8"))["config"]["meta"]
     assert probe["probe_steps"] == certified["probe_steps"] and probe["steps"] == certified["steps"]
 
 
@@ -531,8 +534,10 @@ def test_embedded_easycache_workflow_reuses_only_its_own_entries(embedded_runs: 
     report = _report(history, reworded)
     # E5's EasyCache rule was withdrawn (rules/README.md, "Withdrawn rules"): the workflow's rule file name now starts
     # learning mode, which serves dense while it labels
+    # (a miss: candidates were recalled and compared, none may be reused before a kind of change is certified)
     assert not (ROOT / "rules" / "embedded_easycache.json").exists()
-    assert report["decision"] == "dense", report
+    assert report["decision"] == "miss" and report["mode"] == "dense", report
+    assert report["rule_state"]["state"] == "learning", report["rule_state"]
 
 
 @pytest.mark.slow
