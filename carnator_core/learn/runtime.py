@@ -85,25 +85,6 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
 
 
 # ---------------------------------------------------------------------------------------------- the judge
-class _EmbeddedChecker:
-    """The embedded world's pixel checker as a judge (the judge package's ``CheckerJudge`` when installed)."""
-
-    name = "embedded-checker"
-    settings: Mapping[str, Any] = {}
-
-    def judge(self, clip: Any, request: Any) -> Any:
-        from ..embedded import checker
-        from ..judge.base import Verdict
-
-        return Verdict(passed=bool(checker.check(clip, request.prompt).all_ok))
-
-    def reference(self, dense_clip: Any, request: Any) -> Any:
-        return self.judge(dense_clip, request)
-
-    def judge_pair(self, ref: Any, reuse_clip: Any, dense_clip: Any, request: Any) -> Any:
-        return self.judge(reuse_clip, request)
-
-
 def text_encode_fn(text_encoder: Any) -> Callable[[str], Any] | None:
     """prompt -> CONDITIONING with the text encoder the request was tokenised with: a ComfyUI CLIP
     (``tokenize`` + ``encode_from_tokens_scheduled``, as CLIPTextEncode does) or an encoder with ``encode(text)``
@@ -144,12 +125,10 @@ def judge_and_decoder(model: Any, probe: Any = None) -> tuple[Any, Callable[[Any
         except (ImportError, ValueError) as e:
             return None, None, f"no labels: the native judge is unavailable ({e})"
         return judge, (lambda samples: None), ""
-    try:
-        from ..judge import judge_for  # the judge package's default judge for this model
-        judge = judge_for(model, arch)
-    except (ImportError, ValueError):
-        judge = _EmbeddedChecker()
     from ..embedded import codec
+    from ..judge import judge_for
+
+    judge = judge_for(model, arch)  # the pixel checker (judge.CheckerJudge)
 
     return judge, (lambda samples: codec.latent_to_rgb(samples.float().cpu())[0].numpy()), ""
 
