@@ -3,7 +3,7 @@ PY := .host/venv/bin/python
 PYTEST := $(PY) -m pytest
 
 .PHONY: setup setup-host setup-registry-tools demo lint test test-reversed test-fast test-core test-server bench \
-	bench-table1 workload workflows pairs rule-report floor registry-check clean-host
+	bench-table1 workload workflows pairs rule-report axes floor registry-check clean-host
 
 setup-host:
 	@bash scripts/setup/setup_host.sh
@@ -70,6 +70,12 @@ pairs: setup-host
 
 rule-report: setup-host
 	$(PY) scripts/lab/rule_report.py --pairs $(PAIRS) --rule $(RULE)
+
+# Whether the signature's axes separate safe from unsafe reuses where the region cannot repair (rules/protocols/axes.md).
+axes: setup-host
+	OMP_NUM_THREADS=1 $(PY) scripts/lab/axis_separation.py --out artifacts/axes/pairs.jsonl --work artifacts/axes/work \
+		--seed 53 --per-kind 25
+	$(PY) scripts/lab/axis_separation.py --out artifacts/axes/pairs.jsonl --report --json artifacts/axes/summary.json
 
 floor: setup-host
 	OMP_NUM_THREADS=1 $(PY) scripts/lab/measure_label_floor.py --queries $(QUERIES) --threads 1 \
