@@ -346,6 +346,10 @@ class Decision:
     # Learning mode (carnator_core.learn): the rule file being learned, the namespace, the top candidate's stratum
     # and discrepancies, and whether this request is an audit; the sampler labels from it. None: no learning.
     learning: Mapping[str, Any] | None = None
+    # The strata (what changed against the candidate) the deciding rule certified on their own, in its order; only a
+    # candidate of one of them is ever served. None: the rule certifies on average only (no per-stratum section), or
+    # no rule decided. An empty tuple: no stratum certified, so only exact repeats (answered before the filter) reuse.
+    certified_strata: tuple[str, ...] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -353,6 +357,7 @@ class Decision:
             "entry_id": self.candidate.entry_id if self.candidate else None,
             "mode": self.mode,
             "rule_id": self.rule_id,
+            "certified_strata": list(self.certified_strata) if self.certified_strata is not None else None,
             "reuse_config": dict(self.reuse_config) if self.reuse_config is not None else None,
             "filter_ms": self.filter_ms,
             "summary": self.summary,

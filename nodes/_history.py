@@ -29,7 +29,7 @@ _PURGES: "deque[float]" = deque(maxlen=MAX_EVENTS)
 
 #: Report fields an event keeps (the rest of a report is per-axis detail the badge already shows).
 _KEEP = ("decision", "mode", "entry_id", "saving", "model_calls", "steps_total", "active_fraction", "reason",
-         "requested_mode", "filter_mode", "rule_id", "rule_state", "decision_summary")
+         "requested_mode", "filter_mode", "rule_id", "certified_strata", "rule_state", "decision_summary")
 
 
 def thumbnail(samples: Any, model: Any = None) -> str | None:

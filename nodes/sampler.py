@@ -159,6 +159,8 @@ class CarnatorJointReuseSampler(io.ComfyNode):
             meta["verdicts"] = decision.to_meta()["verdicts"]
             meta["decision_summary"] = decision.summary
             meta["rule_id"] = decision.rule_id  # which certified rule decided ("" for prompt-only or forced)
+            if decision.certified_strata is not None:  # the badge names them: a rule may certify none of them
+                meta["certified_strata"] = list(decision.certified_strata)
             if decision.learning is not None:
                 meta["rule_state"] = learning_state(model, positive, negative, latent_image, probe, signature,
                                                     decision, samples, report, cache, config)

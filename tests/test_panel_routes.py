@@ -4,7 +4,10 @@
   count, so the requeued identical graph is no longer answered by ComfyUI's node cache (and the cache refills),
   while a requeue without a purge still is;
 * ``GET /carnator/requests`` lists the requests this server served, per namespace, with the decision, the share of
-  compute saved and a PNG thumbnail of the result; it refuses a bad ``limit`` with the reason.
+  compute saved and a PNG thumbnail of the result; it refuses a bad ``limit`` with the reason;
+* the rule line says which strata the deciding rule certified: the shipped embedded rule certifies none (its pooled
+  certificate passes, its per-stratum section does not), so report and panel say "none", and a reseed of a cached
+  request is refused although it passes the thresholds.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import urllib.error
 
 import pytest
 from harness_server import ComfyServer
+from repo_package import ROOT
 from test_server_exact import graph, queue_without_client, reports, stats
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -55,3 +59,27 @@ def test_purge_makes_the_same_graph_run_again_and_requests_are_listed(comfy_serv
         with pytest.raises(urllib.error.HTTPError) as err:
             server.get(f"/carnator/requests?limit={bad}")
         assert err.value.code == 400 and b"limit must be an integer" in err.value.read()
+
+
+def test_the_rule_line_says_which_strata_are_certified(comfy_server: ComfyServer) -> None:
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    server = comfy_server
+    rule = RiskRule.load(ROOT / "rules" / "embedded.json")
+    assert rule.certificate.passed and rule.strata is not None  # certified on average, per stratum ...
+    assert rule.strata.certified == ()  # ... nothing: the filter serves exact repeats only
+    shown: list[dict] = []
+    for seed in (21, 22):  # the second request is a reseed of the first, which is then in the cache
+        prompt = graph(DIRECTORY + "_strata", seed=seed)
+        prompt["5"]["inputs"].update(steps=20, cfg=2.0)  # the rule's config (probe 2 of 20 steps, CFG 2)
+        prompt["13"]["inputs"]["mode"] = "signature"
+        shown.append(reports(queue_without_client(server, prompt))[0])
+    for rep in shown:
+        assert rep["rule_id"] == rule.rule_id and rep["certified_strata"] == [], rep
+    reseed = shown[1]
+    assert reseed["decision"] == "miss" and reseed["model_calls"] > 0, reseed
+    assert any("stratum 'reseed'" in v["reason"] and "refused" in v["reason"] for v in reseed["verdicts"]), reseed
+    # the panel's list keeps what the rule line needs
+    listed = server.get("/carnator/requests?limit=200")
+    ours = [e for events in listed["namespaces"].values() for e in events if e.get("seed") in (21, 22)]
+    assert [e["certified_strata"] for e in ours] == [[], []], ours

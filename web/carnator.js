@@ -172,7 +172,15 @@ export function ruleLine(report) {
     if (s === "shipped") return "rule: shipped, certified · reuse on";
     return `rule: ${s}`;
   }
-  if (report?.rule_id) return `rule: ${report.rule_id} (certified)`;
+  if (report?.rule_id) {
+    // A rule with per-stratum certificates serves only the strata that certified alone; its pooled certificate
+    // says nothing about the others. With none certified only exact repeats (answered before the filter) reuse.
+    const cs = report.certified_strata;
+    if (Array.isArray(cs)) {
+      return cs.length ? `rule: certified strata: ${cs.join(", ")}` : "rule: certified strata: none — exact repeats only";
+    }
+    return `rule: ${report.rule_id} (certified)`;
+  }
   if (report?.filter_mode === "prompt_only") return "rule: none · prompt-only baseline, no certificate";
   if (report?.mode === "exact" || report?.mode === "node_cache") return "rule: not needed (identical request)";
   return "rule: none connected";

@@ -264,6 +264,8 @@ def decide(
         filter_ms=ms,
         summary=summary,
         reuse_config=rule.reuse_config if mode == "signature" and rule is not None else None,
+        certified_strata=(tuple(rule.strata.certified) if mode == "signature" and rule is not None
+                          and getattr(rule, "strata", None) is not None else None),
     )
 
 
