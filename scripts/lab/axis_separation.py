@@ -6,7 +6,7 @@
     .host/venv/bin/python scripts/lab/axis_separation.py --out artifacts/axes/pairs.jsonl --report \\
         [--json artifacts/axes/summary.json]
     .host/venv/bin/python scripts/lab/axis_separation.py --out artifacts/axes/pairs.jsonl --png artifacts/axes/png \\
-        PAIR_ID [PAIR_ID ...]
+        PAIR_ID [PAIR_ID ...]      # rows: the candidate's cached clip, dense, reuse, |reuse - dense| x2
 
 The pairs (``carnator_core/lab/hard_pairs.py``): hard kinds designed from how ``reuse.active_region`` is computed
 (motion reversed or started in place, a big object moved onto its own old support, touching objects, big objects,
@@ -176,25 +176,55 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _candidate_clip(ctx_holder: dict, prompt: str, seed: int, folder: Path):
+    """The candidate's cached clip, generated again (dense generation is deterministic given prompt and seed): what
+    the reuse started from. One throw-away cache under ``folder``."""
+    from dataclasses import replace
+
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.lab import pairs
+
+    shutil.rmtree(folder, ignore_errors=True)
+    store = Store.open(folder / "store", key_path=folder / "index.key", durable=False)
+    try:
+        if "ctx" not in ctx_holder:
+            from carnator.carnator_core.reuse import ReuseConfig
+
+            ctx_holder["ctx"] = pairs.embedded_context(store, None, top_k=1,
+                                                       reuse=ReuseConfig.from_meta(ctx_holder["reuse"]))
+        ctx = replace(ctx_holder["ctx"], store=store)
+        _entry, res = pairs.warm_entry(ctx, pairs.PairRequest("c", prompt, seed))
+        return ctx.decode(res.latent["samples"])
+    finally:
+        store.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def png(args: argparse.Namespace) -> int:
-    """Frames of the named pairs: the dense clip on top, the reuse clip below, |difference| x2 at the bottom."""
+    """Frames of the named pairs: the candidate's cached clip (generated again) on top, then the dense clip of the
+    request, the reuse clip, and |reuse - dense| x2 at the bottom."""
+    conftest.ensure_comfy_importable()
     import numpy as np
     from look_label_disagreements import strip
     from PIL import Image
 
     from carnator.carnator_core.lab import pairs
 
-    _header, rows = pairs.read_rows(args.out)
+    header, rows = pairs.read_rows(args.out)
     by_id = {r["design"]["pair_id"]: r for r in rows}
     Path(args.png).mkdir(parents=True, exist_ok=True)
+    holder: dict = {"reuse": header["reuse_config"]}
     for pid in args.pair_ids:
         r = by_id[pid]
         name = pid.replace(":", "_")
         with np.load(Path(args.work) / "clips" / f"{name}.npz") as z:
             dense, reuse = (z[k].astype(np.float32) / 255.0 for k in ("dense", "reuse"))
-        label = "b" if r["unsafe"] else ("c" if r.get("better") else "ok")
-        Image.fromarray((strip(dense, reuse) * 255 + 0.5).astype(np.uint8)).save(Path(args.png) / f"{name}_{label}.png")
         d = r["diag"]
+        cached = np.clip(_candidate_clip(holder, d["candidate_prompt"], int(d["candidate_seed"]),
+                                         Path(args.work) / "png_store"), 0, 1)
+        label = "b" if r["unsafe"] else ("c" if r.get("better") else "ok")
+        img = np.concatenate([np.kron(np.concatenate(list(cached), 1), np.ones((3, 3, 1))), strip(dense, reuse)], 0)
+        Image.fromarray((img * 255 + 0.5).astype(np.uint8)).save(Path(args.png) / f"{name}_{label}.png")
         print(f"{pid} {label}: target {d['prompt']!r}; candidate {d['candidate_prompt']!r}; reuse_failed "
               f"{d.get('reuse_failed')} dense_failed {d.get('dense_failed')} detail {d.get('detail_failed')}; "
               f"active {d['active_fraction']}; " + " ".join(f"{a}={float(r[a]):.3f}" for a in AXES))
