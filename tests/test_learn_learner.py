@@ -18,8 +18,8 @@ import pytest
 
 from carnator.carnator_core.learn import rulefile
 from carnator.carnator_core.learn.labels import Covariate, Label, LabelStore
-from carnator.carnator_core.learn.learner import Learner, LearnSettings
-from carnator.carnator_core.learn.sequence import family_delta, labels_needed
+from carnator.carnator_core.learn.learner import STRATA, Learner, LearnSettings
+from carnator.carnator_core.learn.sequence import fit_share, labels_needed
 from carnator.carnator_core.risk.rule import RuleFormatError, RuleMismatchError
 
 NS = "0123456789abcdef-cfg"
@@ -43,19 +43,29 @@ def feed(ln: Learner, n: int, stratum: str, rng: np.random.Generator, *, p_b: fl
     return states
 
 
+def head_needed(settings: LearnSettings) -> int:
+    """Accepted labels without a failure the first stratum of the order needs (its level: δ · head_weight · 3/4)."""
+    return labels_needed(settings.alpha, settings.delta * settings.head_weight * fit_share(1))
+
+
 def test_a_stratum_switches_on_by_itself_and_drift_turns_it_off(tmp_path: Path) -> None:
-    settings = LearnSettings(min_fit=20, level=1.0)  # fit 1 accepts every discrepancy seen in the first 20
+    settings = LearnSettings(min_fit=20, level=1.0, pilot=30)  # fit 1 accepts every discrepancy of the first 20
     ln = Learner(tmp_path, settings)
     rng = np.random.default_rng(0)
-    states = feed(ln, 20, "reseed", rng, check=False)
+    feed(ln, 20, "reseed", rng, check=False)
     st = ln.state(NS)["reseed"]
-    assert st.fit is not None and st.fit.index == 1 and st.state == "learning"
+    assert st.fit is not None and st.fit.index == 1 and st.state == "learning" and "pilot" in st.message
     states = feed(ln, 200, "reseed", rng, start=20)
-    need = labels_needed(0.05, family_delta(0.1, n_strata=10, fit_index=1, n_levels=1))
+    order = [e for e in ln.store.events(NS) if e["kind"] == "order"]
+    assert len(order) == 1 and order[0]["order"][0] == "reseed" and order[0]["since"] == 30
     first_on = states.index("certified") + 1
-    # the labels accepted by fit 1 (those inside the first 20 requests' per-axis maxima) reach the sequence's count
-    accepted = ln.state(NS)["reseed"].sequence.n
-    assert accepted >= need and first_on <= 200
+    seq = ln.state(NS)["reseed"].sequence
+    # the pilot's 30 labels count for no test; after it, the head of the order certifies at its own level exactly
+    # when the sequence at δ · 0.8 · 3/4 does (the accepted labels are those inside the first 20's maxima)
+    accepted = [lab for lab in ln.store.labels(NS) if lab.id > 30 and lab.id <= 20 + first_on
+                and all(v <= t for v, t in zip(lab.vector, ln.state(NS)["reseed"].fit.thresholds.vector()))]
+    assert len(accepted) == head_needed(settings) == seq.n or seq.n >= head_needed(settings)
+    assert len(accepted) == head_needed(settings)
     rs = ln.rule_state(NS)
     assert rs["state"] == "certified" and "reuse on for reseed" in rs["message"]
     assert any(e["kind"] == "on" for e in ln.store.events(NS))
@@ -71,12 +81,53 @@ def test_a_stratum_switches_on_by_itself_and_drift_turns_it_off(tmp_path: Path) 
     assert after.state == "off" and after.fit.index == 2 and "drift" in after.message
     assert any(e["kind"] == "drift" for e in ln.store.events(NS))
     assert ln.rule_state(NS)["state"] == "off"
-    # learning resumes: fit 2 counts only labels after the drift, at its own (smaller) δ share
+    # learning resumes: fit 2 counts only labels after the drift, at its own (smaller) level
     again = feed(ln, 900, "reseed", rng, start=5000, every=25)
     assert again[0] == "off" and again[-1] == "certified", again
     st = ln.state(NS)["reseed"]
-    assert st.fit.index == 2 and st.sequence.n >= labels_needed(0.05, family_delta(0.1, n_strata=10, fit_index=2,
-                                                                                      n_levels=1))
+    assert st.fit.index == 2 and st.sequence.n >= labels_needed(0.05, settings.delta * settings.head_weight *
+                                                                 fit_share(2))
+
+
+def test_the_pilot_orders_the_strata_and_a_certified_stratum_passes_its_level_on(tmp_path: Path) -> None:
+    """The frequent kind leads the order; once it certifies, the next kind is tested at (nearly) the head's
+    level instead of its own small share — it certifies with as few labels as the head did."""
+    settings = LearnSettings(min_fit=10, level=1.0, pilot=40)
+    ln = Learner(tmp_path, settings)
+    rng = np.random.default_rng(5)
+    # the pilot: 30 colour requests and 10 size requests (one in four), all labelled, no failure
+    for i in range(40):
+        feed(ln, 1, "colour" if i % 4 else "size", rng, start=i, check=False)
+    ln.state(NS)
+    order = next(e for e in ln.store.events(NS) if e["kind"] == "order")
+    assert order["order"][:2] == ["colour", "size"] and order["since"] == 40
+    assert order["order"][2:] == [s for s in STRATA if s not in ("colour", "size")]
+    # size alone, before colour certifies: its own share is (1 − 0.8)/9 · 3/4 of δ
+    size_alone = labels_needed(0.05, 0.1 * 0.2 / 9 * 0.75)
+    assert size_alone > head_needed(settings) + 30
+    # colour certifies (about two in three labels fall inside fit 1's maxima); size, fed after it, then needs no
+    # more accepted labels than the head did
+    feed(ln, 2 * head_needed(settings), "colour", rng, start=100, check=False)
+    assert ln.state(NS)["colour"].state == "certified"
+    feed(ln, size_alone, "size", rng, start=1000, check=False)
+    st = ln.state(NS)["size"]
+    assert st.state == "certified"
+    acc = [lab for lab in ln.store.labels(NS) if lab.stratum == "size" and 40 < lab.id <= st.switched_on_at
+           and all(v <= t for v, t in zip(lab.vector, st.fit.thresholds.vector()))]
+    # its level: its own share plus colour's, passed on over size's fits (3/4 of it to fit 1)
+    assert st.level == pytest.approx(0.1 * 0.75 * (0.2 / 9 + 0.8 * 0.75 / sum(fit_share(j) for j in range(1, 7))))
+    assert len(acc) == labels_needed(0.05, st.level) <= head_needed(settings) + 5 < size_alone - 25
+
+
+def test_the_pilot_puts_a_kind_that_fails_last(tmp_path: Path) -> None:
+    settings = LearnSettings(min_fit=10, level=1.0, pilot=40)
+    ln = Learner(tmp_path, settings)
+    rng = np.random.default_rng(6)
+    for i in range(40):  # motion is the most frequent kind but fails half its labels in the pilot
+        feed(ln, 1, "motion" if i % 2 else "colour", rng, start=i, check=False, p_b=0.5 if i % 2 else 0.0)
+    ln.state(NS)
+    order = next(e for e in ln.store.events(NS) if e["kind"] == "order")["order"]
+    assert order[0] == "colour" and order.index("motion") == len(order) - 1 - (len(STRATA) - 2)
 
 
 def test_a_risky_stratum_never_switches_on_and_is_refitted_stricter(tmp_path: Path) -> None:

@@ -4,15 +4,19 @@ nuisance rates), a rule with a small excess switches on within a reasonable numb
 Pure numpy; every simulation is bounded in labels and repetitions (not in wall time)."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 
+from carnator_core.learn.learner import STRATA, LearnSettings, build_graph
 from carnator_core.learn.sequence import (
     BettingSequence,
     DriftTest,
+    GraphProcedure,
     family_delta,
+    fit_share,
     kelly_bet,
     labels_needed,
 )
@@ -117,3 +121,69 @@ def test_drift_test_fires_on_drift_and_rarely_on_a_fine_rule() -> None:
                 false += 1
                 break
     assert false / 200 <= 0.2 + 3 * math.sqrt(0.2 * 0.8 / 200)
+
+
+def test_the_graph_is_a_fallback_procedure_whose_result_does_not_depend_on_the_order_of_offers() -> None:
+    def run(offers: list[tuple[str, float]]) -> list[str]:
+        g = GraphProcedure(0.1)
+        g.add("a", 0.5, {"b": 1.0})
+        g.add("b", 0.25, {"c": 1.0})
+        g.add("c", 0.25, {"a": 1.0})
+        for node, p in offers:
+            g.offer(node, p)
+        return sorted(g.rejected)
+
+    # a alone at 0.05; b at its own 0.025, or 0.075 once a is rejected; c gets everything after a and b
+    assert run([("b", 0.07)]) == []
+    assert run([("b", 0.07), ("a", 0.05)]) == ["a", "b"]
+    assert run([("a", 0.05), ("b", 0.07), ("c", 0.099)]) == ["a", "b", "c"]
+    # cyclic: c rejected at its 0.025 passes it to a (0.075), which then passes everything on to b
+    assert run([("a", 0.051), ("b", 0.07), ("c", 0.024)]) == ["a", "b", "c"]
+    assert run([("a", 0.08), ("b", 0.07), ("c", 0.024)]) == ["c"]
+    offers = [("a", 0.04), ("b", 0.07), ("c", 0.09)]
+    for perm in itertools.permutations(offers):
+        assert run(list(perm)) == ["a", "b", "c"]
+    # running p-values only shrink: a rejection once made stands
+    g = GraphProcedure(0.1)
+    g.add("a", 1.0)
+    g.offer("a", 0.05)
+    g.offer("a", 0.9)
+    assert g.rejected == ["a"] and g.rejected_level["a"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("excess,q,reps", [(0.05, 0.05, 200), (0.05, 0.2, 100), (0.1, 0.1, 100)])
+def test_the_family_rarely_ever_switches_on_an_unsafe_kind_even_after_safe_kinds_pass_their_level_on(
+        excess: float, q: float, reps: int) -> None:
+    """Continuous monitoring of the whole learning family (build_graph over the ten strata): two safe kinds lead
+    the order, certify and pass their level on to eight kinds whose true excess is ≥ α. P(any unsafe kind ever
+    switches on) ≤ δ. (Each kind tested at the whole δ instead — ``strata="none"`` — fails this: 0.415 of 200
+    runs at the first setting.)"""
+    settings = LearnSettings(delta=0.2)
+    order = list(STRATA)
+    unsafe = set(order[2:])
+    horizon = 1000
+    rng = np.random.default_rng(int(100 * excess + 10 * q))
+    wrong = 0
+    safe_on = 0
+    for _ in range(reps):
+        g = build_graph(order, settings)
+        seqs = {st: BettingSequence(settings.alpha, settings.delta) for st in order}
+        kinds = rng.choice(order, size=horizon)
+        xs = {st: iter(draws(rng, horizon, excess if st in unsafe else 0.0, q if st in unsafe else 0.0))
+              for st in order}
+        for st in kinds:
+            seqs[st].update(int(next(xs[st])))
+            g.offer((st, 1), math.exp(-seqs[st].max_log_capital))
+        rejected = {node[0] for node in g.rejected}
+        wrong += bool(rejected & unsafe)
+        safe_on += set(order[:2]) <= rejected
+    assert wrong / reps <= settings.delta + 3 * math.sqrt(settings.delta * (1 - settings.delta) / reps), wrong
+    assert safe_on >= 0.9 * reps  # the safe kinds do certify (the test is not vacuous)
+
+
+def test_the_floor_no_valid_test_escapes() -> None:
+    """45 labels without a failure are the least any valid test at α = 0.05, δ = 0.1 certifies on: after 44 a kind
+    at exactly α shows no failure with probability 0.95^44 > δ. The head of the learning order needs 63."""
+    assert 0.95 ** 44 > 0.1 >= 0.95 ** 45
+    assert labels_needed(0.05, 0.1 * 0.8 * fit_share(1)) == 63
+    assert labels_needed(0.05, family_delta(0.1, n_strata=10, fit_index=1, n_levels=1)) == 114

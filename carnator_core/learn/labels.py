@@ -200,13 +200,19 @@ class LabelStore:
         return out
 
     # ------------------------------------------------------------------ labels
-    def add_label(self, namespace: str, label: Label) -> bool:
-        """Persist one label (one transaction; once per request key and kind; True if new)."""
+    def add_label(self, namespace: str, label: Label, *, keep_id: bool = False) -> bool:
+        """Persist one label (one transaction; once per request key and kind; True if new). ``keep_id``: store it
+        under ``label.id`` (replaying a learned rule file, whose fits and pilot refer to labels by id)."""
         body = _dump(label.to_row())
         with self._tx() as c:
-            cur = c.execute("INSERT OR IGNORE INTO labels (namespace, request_key, kind, body, checksum) "
-                            "VALUES (?, ?, ?, ?, ?)", (namespace, label.request_key, label.kind, body,
-                                                       checksum(body)))
+            if keep_id and label.id > 0:
+                cur = c.execute("INSERT OR IGNORE INTO labels (id, namespace, request_key, kind, body, checksum) "
+                                "VALUES (?, ?, ?, ?, ?, ?)", (int(label.id), namespace, label.request_key,
+                                                              label.kind, body, checksum(body)))
+            else:
+                cur = c.execute("INSERT OR IGNORE INTO labels (namespace, request_key, kind, body, checksum) "
+                                "VALUES (?, ?, ?, ?, ?)", (namespace, label.request_key, label.kind, body,
+                                                           checksum(body)))
             return cur.rowcount > 0
 
     def has_label(self, namespace: str, request_key: str) -> bool:

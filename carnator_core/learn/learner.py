@@ -10,21 +10,29 @@ against the candidate, ``risk.strata``):
    (recall K = 1, the learned rule's recall), judged b/c against the clip just served.
 2. **Fit.** A stratum's thresholds are fitted from covariates alone: fit j takes per-axis quantiles at level
    ``level·tighten^(j−1)`` of the namespace's first ``min_fit·2^(j−1)`` covariates (or a seed rule's thresholds
-   for fit 1). No label outcome enters a fit, so a fit's test may use every label (earlier ones too).
-   A fit whose accepted labels show an excess ≥ α after ``fail_after`` labels is replaced by the next, stricter
-   one; a drift (below) replaces it by the next one on labels after the drift only.
-3. **Certify.** Fit j of stratum s is tested with ``sequence.BettingSequence`` at the δ share
-   ``sequence.family_delta`` (Bonferroni over strata, alpha-spending 2^−j over fits): reuse switches on for the
-   stratum by itself once that test certifies (anytime-valid: checked after every label).
+   for fit 1). No label outcome enters a fit. A fit whose accepted labels show an excess ≥ α after
+   ``fail_after`` labels is replaced by the next, stricter one; a drift (below) replaces it by the next one on
+   labels after the drift only.
+3. **Pilot, then certify.** The first ``pilot`` served requests with a candidate are a pilot: their labels fix
+   the order in which the strata are certified (``pilot_order``: the stratum expected to certify first in the
+   fewest requests leads) and are counted by no test. After it, fit j of stratum s is tested with
+   ``sequence.BettingSequence`` inside the graph of tests (``build_graph``; ``sequence`` module docstring,
+   "Multiplicity"): reuse switches on for the stratum by itself once its test certifies at the level the graph
+   gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the next.
 4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %) is served dense instead and its
    reuse labelled against it; ``sequence.DriftTest`` (H0: excess ≤ α) watches these labels, and when it fires the
    stratum is switched off ("off", with the message) and learning resumes with the next fit.
 
 Which requests get labelled (the policy): only requests whose top candidate the stratum's current fit would accept
-(other labels cannot move its certificate), in strata not yet switched on, in arrival order, whenever the budget
-has room for one more label; while ComfyUI's queue holds other prompts the budget must have room for three (so a
+(other labels cannot move its certificate), in strata not yet switched on, whenever the budget has room — room for
+one label for the first stratum of the order still learning, for 1 + 2k labels for the k-th after it (so the
+budget goes first where a certificate is nearest), and two more while ComfyUI's queue holds other prompts (so a
 waiting user rarely waits for a label, and learning does not starve under constant load). The choice depends on
-costs and covariates only, never on an outcome.
+costs, covariates and the order, never on the outcome of the label it is about to make.
+
+How soon: a stratum needs about 63 accepted labels without a failure at the head of the order (α = 0.05,
+δ = 0.1), and no valid test can do with fewer than 45 (``sequence``). On a stream that spreads over many kinds
+of change the first switch-on therefore comes after roughly 63 / (the head kind's share of requests) requests.
 
 The guarantee: P(some stratum is ever switched on while its fitted rule's true excess (b − c)/n is ≥ α) ≤ δ, for
 labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not
@@ -44,7 +52,16 @@ import numpy as np
 
 from ..risk.thresholds import Thresholds
 from .labels import Covariate, Label, LabelStore
-from .sequence import METHOD, BettingSequence, DriftTest, family_delta, labels_needed
+from .sequence import (
+    METHOD,
+    PRIOR_B,
+    PRIOR_WEIGHT,
+    BettingSequence,
+    DriftTest,
+    GraphProcedure,
+    fit_share,
+    labels_needed,
+)
 
 log = logging.getLogger("carnator")
 
@@ -68,8 +85,14 @@ class LearnSettings:
     alpha, delta:  the certified level: excess (b − c)/n ≤ α with probability ≥ 1 − δ (family-wise).
     budget:        extra compute for shadow labels, as a share of the compute served (0.2 = 20 %).
     audit_share:   share of a switched-on stratum's hits that is run dense and labelled (0.05 = 5 %).
-    strata:        "bonferroni" (δ split over the strata) or "none" (each stratum at its own δ, as the offline
-                   per-stratum certificates; the family-wise guarantee then does not hold).
+    strata:        how δ is shared by the (stratum, fit) tests (``sequence`` module docstring): "graph" (the
+                   default: a graphical procedure over the strata in the pilot's order), "bonferroni" (δ split
+                   evenly, fits halving) or "none" (each stratum at the whole δ, as the offline per-stratum
+                   certificates; the family-wise guarantee then does not hold).
+    pilot:         served requests with a candidate before the order of the strata is fixed ("graph" only); the
+                   labels made until then order the strata and are not counted by any test.
+    head_weight:   the share of δ the first stratum of the order starts with ("graph" only); the others share
+                   the rest evenly, and a stratum that certifies passes its share on to the next.
     level:         per-axis covariate quantile of the first fit; ``tighten`` multiplies it at each refit.
     min_fit:       covariates (served requests with a candidate) before the first fit.
     fail_after:    accepted labels after which a fit with an empirical excess ≥ α is replaced.
@@ -81,8 +104,10 @@ class LearnSettings:
     delta: float = 0.1
     budget: float = 0.2
     audit_share: float = 0.05
-    strata: str = "bonferroni"
-    level: float = 0.8
+    strata: str = "graph"
+    pilot: int = 30
+    head_weight: float = 0.8
+    level: float = 0.9
     tighten: float = 0.7
     min_fit: int = 20
     fail_after: int = 40
@@ -92,7 +117,8 @@ class LearnSettings:
     def __post_init__(self) -> None:
         checks = [(0 < self.alpha < 1, "alpha in (0, 1)"), (0 < self.delta < 1, "delta in (0, 1)"),
                   (0 <= self.budget <= 10, "budget in [0, 10]"), (0 <= self.audit_share <= 1, "audit_share in [0, 1]"),
-                  (self.strata in ("bonferroni", "none"), "strata 'bonferroni' or 'none'"),
+                  (self.strata in ("graph", "bonferroni", "none"), "strata 'graph', 'bonferroni' or 'none'"),
+                  (self.pilot >= 0 and 0 < self.head_weight <= 1, "pilot ≥ 0 and head_weight in (0, 1]"),
                   (0 < self.level <= 1 and 0 < self.tighten <= 1, "level and tighten in (0, 1]"),
                   (self.min_fit >= 1 and self.fail_after >= 1 and 1 <= self.max_fits <= 30,
                    "min_fit, fail_after ≥ 1 and max_fits in [1, 30]")]
@@ -161,6 +187,8 @@ class StratumState:
     message: str
     covariates: int = 0
     switched_on_at: int = 0  # label id at which it certified (0: not)
+    rank: int = -1           # its place in the order the strata are certified in (−1: the pilot runs)
+    level: float = 0.0       # the δ its current fit is tested at now (the graph's level; 0 once passed on)
 
     @property
     def on(self) -> bool:
@@ -168,7 +196,8 @@ class StratumState:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stratum": self.stratum, "state": self.state, "labels": self.labels, "needed": self.needed,
-                "covariates": self.covariates, "message": self.message,
+                "covariates": self.covariates, "message": self.message, "rank": self.rank,
+                "level": round(self.level, 8),
                 "fit": self.fit.to_dict() if self.fit is not None else None,
                 "sequence": self.sequence.to_dict() if self.sequence is not None else None,
                 "drift": self.drift.to_dict() if self.drift is not None else None}
@@ -198,6 +227,62 @@ def estimate_needed(seq: BettingSequence | None, alpha: float, delta: float) -> 
         return max(floor, 10 * seq.n)  # at this rate the stratum may never certify: say "many"
     left = (seq.threshold - seq.log_capital) / growth
     return int(max(floor, seq.n + math.ceil(max(left, 0.0))))
+
+
+def build_graph(order: Sequence[str], settings: LearnSettings) -> GraphProcedure:
+    """The family of (stratum, fit) tests as a graph (``sequence`` module docstring, "Multiplicity"): under "graph"
+    the first stratum of ``order`` weighs ``head_weight``, the others share the rest, fit j takes ``fit_share(j)``
+    of its stratum, and a rejected node passes its level to the next stratum's fits (cyclic). Under "bonferroni"
+    the strata weigh 1/m each and nothing is passed on; under "none" every stratum weighs 1."""
+    s = settings
+    m = max(len(order), 1)
+    fits = range(1, s.max_fits + 1)
+    shares = {j: fit_share(j, s.strata) for j in fits}
+    total = sum(shares.values())
+    g = GraphProcedure(s.delta)
+    for k, st in enumerate(order):
+        if s.strata == "graph":
+            w = s.head_weight if k == 0 else (1.0 - s.head_weight) / max(m - 1, 1)
+            if m == 1:
+                w = 1.0
+            nxt = order[(k + 1) % m]
+            out = {(nxt, j): shares[j] / total for j in fits} if m > 1 else {}
+        else:
+            w, out = (1.0 / m if s.strata == "bonferroni" else 1.0), {}
+        for j in fits:
+            g.add((st, j), w * shares[j], out)
+    return g
+
+
+def pilot_order(covs: Sequence[Covariate], shadow: Sequence[Label], first_fits: Mapping[str, Fit],
+                settings: LearnSettings) -> tuple[list[str], dict[str, float]]:
+    """The order the strata are certified in, from the pilot: by the expected number of served requests until the
+    stratum's test certifies at the head's level — labels needed at the pilot's b/c rates (with the test's prior)
+    divided by the share of requests that would give the stratum an accepted, reusable label. Strata the pilot
+    never saw follow in :data:`STRATA` order. Returns (order, the expected requests per stratum)."""
+    s = settings
+    total = max(len(covs), 1)
+    head = s.delta * s.head_weight * fit_share(1, s.strata)
+    score: dict[str, float] = {}
+    for st in STRATA:
+        fit = first_fits.get(st)
+        mine = [c for c in covs if c.stratum == st and (fit is None or accepts(fit.thresholds, c.vector, c.missing))]
+        labs = [lab for lab in shadow if lab.stratum == st and (fit is None or accepts(fit.thresholds, lab.vector,
+                                                                                           lab.missing))]
+        if not mine:
+            continue
+        reusable = (sum(lab.reusable for lab in labs) + 1.0) / (len(labs) + 1.0)
+        xs = [lab.x for lab in labs if lab.reusable]
+        w = PRIOR_WEIGHT
+        pb = (sum(x == 1 for x in xs) + w * PRIOR_B * s.alpha) / (len(xs) + w)
+        pc = sum(x == -1 for x in xs) / (len(xs) + w)
+        lam = min(0.95 / (1 - s.alpha), max(0.0, (s.alpha - (pb - pc)) / max(pb + pc, s.alpha ** 2)))
+        growth = pb * math.log1p(lam * (s.alpha - 1)) + pc * math.log1p(lam * (s.alpha + 1)) + \
+            (1 - pb - pc) * math.log1p(lam * s.alpha)
+        needed = math.log(1.0 / head) / growth if growth > 1e-9 else 1e9
+        score[st] = needed / (len(mine) / total * reusable)
+    seen = sorted(score, key=lambda st: (score[st], STRATA.index(st)))
+    return seen + [st for st in STRATA if st not in score], {k: round(v, 2) for k, v in score.items()}
 
 
 class Learner:
@@ -239,8 +324,18 @@ class Learner:
         return fit
 
     def state(self, namespace: str, *, update: bool = True) -> dict[str, StratumState]:
-        """Every stratum's state. With ``update``, also records what the labels now imply (new fits, switch-on,
-        drift): the record stays the single source of truth."""
+        """Every stratum's state. With ``update``, also records what the labels now imply (the pilot's order, new
+        fits, switch-on, drift): the record stays the single source of truth. Deterministic given the record."""
+        for _ in range(4 * len(STRATA) * self.settings.max_fits + 4):
+            changed, out = self._derive(namespace, update)
+            if not changed:
+                return out
+        return out  # pragma: no cover - every pass that changes something adds a fit or an event, which are bounded
+
+    # The record → (graph, sequences) → states. Returns (whether it recorded something new, states); the caller
+    # derives again after a change, so every decision is made on the record as it now stands.
+    def _derive(self, namespace: str, update: bool) -> tuple[bool, dict[str, StratumState]]:
+        s = self.settings
         covs = self.store.covariates(namespace)
         labels = self.store.labels(namespace)
         shadow = [lab for lab in labels if lab.kind == "shadow"]
@@ -248,87 +343,130 @@ class Learner:
         fits = self.fits(namespace)
         events = self.store.events(namespace)
         strata = sorted({c.stratum for c in covs if c.stratum in STRATA} | set(fits))
+        if update:
+            for st in strata:
+                if st not in fits and self._new_fit(namespace, st, 1, 0, covs, "first fit") is not None:
+                    return True, {}
+        order = self._order(namespace, covs, shadow, fits, events, update)
+        if order is None:
+            return False, {st: self._pilot_state(st, fits.get(st, []), shadow, covs) for st in strata}
+        ranking, since = order
+        if since < 0:
+            return True, {}
+        graph = build_graph(ranking, s)
+        seqs: dict[tuple[str, int], BettingSequence] = {}
+        switched: dict[tuple[str, int], int] = {}
+        by_stratum = {st: fits.get(st, []) for st in ranking}
+        for lab in sorted(shadow, key=lambda x: x.id):
+            if lab.id <= since or not lab.reusable or lab.stratum not in by_stratum:
+                continue
+            for fit in by_stratum[lab.stratum]:
+                if lab.id <= fit.since or not accepts(fit.thresholds, lab.vector, lab.missing):
+                    continue
+                node = (lab.stratum, fit.index)
+                seq = seqs.setdefault(node, BettingSequence(s.alpha, s.delta))
+                seq.update(lab.x)
+                for j in graph.offer(node, math.exp(-seq.max_log_capital)):
+                    switched[j] = lab.id
         out: dict[str, StratumState] = {}
         for st in strata:
             n_cov = sum(c.stratum == st for c in covs)
             mine = fits.get(st, [])
             fit = mine[-1] if mine else None
-            if fit is None and update:
-                fit = self._new_fit(namespace, st, 1, 0, covs, "first fit")
-            state = self._stratum(namespace, st, fit, shadow, audits, events, covs, update)
-            state.covariates = n_cov
-            out[st] = state
-        return out
+            rank = ranking.index(st) if st in ranking else len(ranking)
+            n_labels = sum(lab.stratum == st for lab in shadow)
+            if fit is None:
+                need = labels_needed(s.alpha, graph.level((st, 1)) or s.delta)
+                out[st] = StratumState(st, None, None, None, "learning", n_labels, need,
+                                       f"learning ({st}) — {n_labels} labels; thresholds are fitted after "
+                                       f"{s.min_fit} served requests with a cached candidate", n_cov, rank=rank)
+                continue
+            node = (st, fit.index)
+            level = graph.rejected_level.get(node, graph.level(node))
+            seq = seqs.get(node) or BettingSequence(s.alpha, s.delta)
+            if level > 0:
+                seq.delta = level  # what its U_t and "certified" are read at (the graph's level for this node)
+            switched_at = switched.get(node, 0)
+            drifted = any(e.get("kind") == "drift" and e.get("stratum") == st and e.get("fit") == fit.index
+                          for e in events)
+            drift = None
+            if switched_at:
+                drift = DriftTest(s.alpha, level)
+                for lab in audits:
+                    if lab.stratum == st and lab.id > switched_at and lab.reusable and \
+                            accepts(fit.thresholds, lab.vector, lab.missing):
+                        drift.update(lab.x)
+                if drift.drifted and not drifted and update:
+                    msg = (f"drift in stratum {st}: the audited hits' excess is above α = {s.alpha} "
+                           f"({drift.b} b, {drift.c} c of {drift.n} audits; anytime-valid test at δ = {level:.4g}); "
+                           "reuse is off for this stratum and learning resumes on new labels")
+                    log.warning("carnator learning: %s", msg)
+                    self.store.add_event(namespace, "drift", msg, stratum=st, fit=fit.index)
+                    last = max((lab.id for lab in labels), default=0)
+                    self._new_fit(namespace, st, fit.index + 1, last, covs, "after drift")
+                    return True, {}
+            if not switched_at and not drifted and update and seq.n >= s.fail_after and \
+                    (seq.b - seq.c) / seq.n >= s.alpha and \
+                    self._new_fit(namespace, st, fit.index + 1, max(fit.since, since), covs,
+                                  f"fit {fit.index} showed excess {(seq.b - seq.c) / seq.n:.3f} ≥ α on "
+                                  f"{seq.n} labels") is not None:
+                return True, {}
+            if switched_at and not drifted:
+                if update and not any(e.get("kind") == "on" and e.get("stratum") == st and e.get("fit") == fit.index
+                                      for e in events):
+                    self.store.add_event(namespace, "on", f"stratum {st}: reuse switched on (fit {fit.index}, "
+                                         f"{seq.n} labels, U = {seq.upper:.4f} ≤ α = {s.alpha})", stratum=st,
+                                         fit=fit.index)
+                    return True, {}
+                state = "audited" if drift is not None and drift.n > 0 else "certified"
+                msg = (f"{st}: reuse on — certified on {seq.n} labels (b {seq.b}, c {seq.c}; U = {seq.upper:.4f} ≤ "
+                       f"α = {s.alpha}, anytime-valid at δ = {level:.4g})"
+                       + (f"; {drift.n} audits, no drift" if drift is not None and drift.n else ""))
+                out[st] = StratumState(st, fit, seq, drift, state, n_labels, seq.n, msg, n_cov, switched_at,
+                                       rank=rank, level=level)
+                continue
+            off = drifted or any(e.get("kind") == "drift" and e.get("stratum") == st for e in events)
+            if drifted:  # the drifted fit has no successor left (max_fits): off for good
+                needed, what = 0, f"off after a drift; no fit left (max_fits = {s.max_fits})"
+            else:
+                needed = estimate_needed(seq, s.alpha, level) if level > 0 else 10 * max(seq.n, 1)
+                what = "off after a drift, learning again" if off else "learning"
+            msg = (f"{what} ({st}) — {seq.n} labels of about {needed} needed; reuse switches on when certified "
+                   f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha}, kind {rank + 1} of the order)")
+            out[st] = StratumState(st, fit, seq, drift, "off" if off else "learning", n_labels, needed, msg, n_cov,
+                                   rank=rank, level=level)
+        return False, out
 
-    def _stratum(self, namespace: str, st: str, fit: Fit | None, shadow: Sequence[Label], audits: Sequence[Label],
-                 events: Sequence[Mapping[str, Any]], covs: Sequence[Covariate], update: bool) -> StratumState:
+    def _order(self, namespace: str, covs: Sequence[Covariate], shadow: Sequence[Label],
+               fits: Mapping[str, Sequence[Fit]], events: Sequence[Mapping[str, Any]],
+               update: bool) -> tuple[list[str], int] | None:
+        """(the order of the strata, the last label id of the pilot); None while the pilot runs. Under
+        "bonferroni"/"none" there is no pilot (STRATA's order, every label counts). A since of −1 means the order
+        was just recorded (derive again)."""
+        s = self.settings
+        if s.strata != "graph":
+            return list(STRATA), 0
+        for e in events:
+            if e.get("kind") == "order":
+                return [str(x) for x in e["order"]], int(e["since"])
+        if not update or len(covs) < s.pilot:
+            return None
+        ranking, why = pilot_order(covs, shadow, {k: v[0] for k, v in fits.items() if v}, s)
+        since = max((lab.id for lab in self.store.labels(namespace)), default=0)
+        self.store.add_event(namespace, "order", f"pilot over ({len(covs)} served requests with a candidate): kinds "
+                             f"are certified in the order {', '.join(ranking)}; tests count labels after label "
+                             f"{since}", order=ranking, since=since, why=why)
+        return ranking, -1
+
+    def _pilot_state(self, st: str, fits: Sequence[Fit], shadow: Sequence[Label],
+                     covs: Sequence[Covariate]) -> StratumState:
         s = self.settings
         n_labels = sum(lab.stratum == st for lab in shadow)
-        if fit is None:
-            need = labels_needed(s.alpha, family_delta(s.delta, n_strata=len(STRATA), fit_index=1, n_levels=1,
-                                                       strata=s.strata))
-            return StratumState(st, None, None, None, "learning", n_labels, need,
-                                f"learning ({st}) — {n_labels} labels; thresholds are fitted after "
-                                f"{s.min_fit} served requests with a cached candidate")
-        d = family_delta(s.delta, n_strata=len(STRATA), fit_index=fit.index, n_levels=1, strata=s.strata)
-        seq = BettingSequence(s.alpha, d)
-        switched_at = 0
-        for lab in shadow:
-            if lab.stratum != st or lab.id <= fit.since or not lab.reusable or not accepts(fit.thresholds,
-                                                                                            lab.vector, lab.missing):
-                continue
-            seq.update(lab.x)
-            if seq.certified and not switched_at:
-                switched_at = lab.id
-        drift = None
-        drifted = any(e.get("kind") == "drift" and e.get("stratum") == st and e.get("fit") == fit.index
-                      for e in events)
-        if switched_at:
-            drift = DriftTest(s.alpha, d)
-            for lab in audits:
-                if lab.stratum == st and lab.id > switched_at and lab.reusable and \
-                        accepts(fit.thresholds, lab.vector, lab.missing):
-                    drift.update(lab.x)
-            if drift.drifted and not drifted and update:
-                msg = (f"drift in stratum {st}: the audited hits' excess is above α = {s.alpha} "
-                       f"({drift.b} b, {drift.c} c of {drift.n} audits; anytime-valid test at δ = {d:.4g}); reuse "
-                       "is off for this stratum and learning resumes on new labels")
-                log.warning("carnator learning: %s", msg)
-                self.store.add_event(namespace, "drift", msg, stratum=st, fit=fit.index)
-                last = max((lab.id for lab in list(shadow) + list(audits)), default=0)
-                nxt = self._new_fit(namespace, st, fit.index + 1, last, covs, "after drift")
-                return self._after_refit(namespace, st, nxt, msg, n_labels, fit)
-        n_acc = seq.n
-        if not switched_at and update and n_acc >= s.fail_after and (seq.b - seq.c) / n_acc >= s.alpha:
-            nxt = self._new_fit(namespace, st, fit.index + 1, fit.since, covs,
-                                f"fit {fit.index} showed excess {(seq.b - seq.c) / n_acc:.3f} ≥ α on {n_acc} labels")
-            if nxt is not None:
-                return self._stratum(namespace, st, nxt, shadow, audits, events, covs, update)
-        needed = estimate_needed(seq, s.alpha, d)
-        if switched_at:
-            if update and not any(e.get("kind") == "on" and e.get("stratum") == st and e.get("fit") == fit.index
-                                  for e in events):
-                self.store.add_event(namespace, "on", f"stratum {st}: reuse switched on (fit {fit.index}, "
-                                     f"{seq.n} labels, U = {seq.upper:.4f} ≤ α = {s.alpha})", stratum=st,
-                                     fit=fit.index)
-            state = "audited" if drift is not None and drift.n > 0 else "certified"
-            msg = (f"{st}: reuse on — certified on {seq.n} labels (b {seq.b}, c {seq.c}; U = {seq.upper:.4f} ≤ "
-                   f"α = {s.alpha}, anytime-valid at δ = {d:.4g})"
-                   + (f"; {drift.n} audits, no drift" if drift is not None and drift.n else ""))
-            return StratumState(st, fit, seq, drift, state, n_labels, seq.n, msg, switched_on_at=switched_at)
-        off = drifted or any(e.get("kind") == "drift" and e.get("stratum") == st for e in events)
-        what = "off after a drift, learning again" if off else "learning"
-        msg = (f"{what} ({st}) — {seq.n} labels of about {needed} needed; reuse switches on when certified "
-               f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha})")
-        return StratumState(st, fit, seq, drift, "off" if off else "learning", n_labels, needed, msg)
-
-    def _after_refit(self, namespace: str, st: str, fit: Fit | None, msg: str, n_labels: int,
-                     old: Fit) -> StratumState:
-        s = self.settings
-        d = family_delta(s.delta, n_strata=len(STRATA), fit_index=old.index + 1, n_levels=1, strata=s.strata)
-        need = labels_needed(s.alpha, d)
-        return StratumState(st, fit, None, None, "off", n_labels, need,
-                            msg if fit is not None else msg + f"; no fit left (max_fits = {s.max_fits})")
+        need = labels_needed(s.alpha, s.delta * s.head_weight * fit_share(1, s.strata))
+        msg = (f"learning ({st}) — pilot: {len(covs)} of {s.pilot} served requests with a candidate; the order in "
+               f"which kinds are certified is fixed after it ({n_labels} pilot labels of this kind)")
+        return StratumState(st, fits[-1] if fits else None, None, None, "learning", n_labels, need, msg,
+                            sum(c.stratum == st for c in covs))
 
     def rule_state(self, namespace: str, states: Mapping[str, StratumState] | None = None) -> dict[str, Any]:
         """The per-namespace ``rule_state`` the badge and the panel render (shared contract)."""
@@ -357,14 +495,25 @@ class Learner:
                 "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())}}
 
     # ------------------------------------------------------------------ budget
-    def budget_allows(self, namespace: str, busy: bool) -> bool:
+    def budget_allows(self, namespace: str, busy: bool, rank: int = 0) -> bool:
+        """Whether the budget has room for one more label of a stratum ``rank`` places behind the first stratum
+        still learning in the order: room for 1 + 2·rank labels (+2 while other prompts wait), so the head of the
+        order is labelled first and a waiting user rarely waits for a label."""
         s = self.settings
         led = self.store.ledger(namespace)
         costs = [lab.cost_s for lab in self.store.labels(namespace, "shadow") if lab.cost_s > 0]
         per_request = led["served_s"] / max(led["requests"], 1)
         est = float(np.median(costs)) if costs else 0.6 * per_request
         room = s.budget * led["served_s"] - led["label_s"]
-        return room >= est * (3.0 if busy else 1.0)
+        return room >= est * (1.0 + 2.0 * max(rank, 0) + (2.0 if busy else 0.0))
+
+    @staticmethod
+    def rank_among_learning(states: Mapping[str, StratumState], stratum: str) -> int:
+        """``stratum``'s place among the strata still learning, in the order (0 while the pilot runs)."""
+        st = states.get(stratum)
+        if st is None or st.rank < 0:
+            return 0
+        return sum(1 for x in states.values() if not x.on and 0 <= x.rank < st.rank)
 
 
 def audit_draw(share: float, request_key: str) -> bool:

@@ -69,7 +69,7 @@ def build(learner: Learner, namespace: str, *, model_fingerprint: str, rule_fing
     doc[KEY] = {
         "format": FORMAT, "version": VERSION, "namespace": namespace, "settings": s.to_dict(),
         "judge": dict(judge), "sequence": {"method": METHOD},
-        "labels": [{**lab.to_row(), "checksum": checksum(_dump(lab.to_row()))} for lab in labels],
+        "labels": [{**lab.to_row(), "checksum": checksum(_dump(lab.to_row())), "id": lab.id} for lab in labels],
         "events": learner.store.events(namespace),
         "strata": {k: v.to_dict() for k, v in sorted(states.items())},
         "on": sorted(st.stratum for st in on),
@@ -119,11 +119,16 @@ def from_doc(data: Mapping[str, Any], source: str = "") -> LearnedRule:
         for i, row in enumerate(rec["labels"]):
             row = dict(row)
             digest = row.pop("checksum", None)
+            # the record's own ids: fits and the pilot's end refer to labels by id (outside the checksum; they
+            # must increase, or the history's order is not the one recorded)
+            row_id = int(row.pop("id", i + 1))
+            if labels and row_id <= labels[-1].id:
+                raise RuleFormatError(f"{where}: label {i} is out of order (ids must increase)")
             if digest != checksum(_dump(row)):
                 raise RuleFormatError(f"{where}: label {i} fails its checksum (edited or corrupted); the file "
                                       "cannot be trusted — use the learning record in the cache folder, or delete "
                                       "this file to learn again")
-            labels.append(Label.from_row(row, i + 1))
+            labels.append(Label.from_row(row, row_id))
         events = [dict(e) for e in rec.get("events", [])]
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, RuleFormatError):
@@ -132,7 +137,7 @@ def from_doc(data: Mapping[str, Any], source: str = "") -> LearnedRule:
     learner = Learner(":memory:", settings)
     ns = str(rec.get("namespace", rule.namespace))
     for lab in labels:
-        learner.store.add_label(ns, lab)
+        learner.store.add_label(ns, lab, keep_id=True)
     for e in events:
         e = dict(e)
         learner.store.add_event(ns, str(e.pop("kind", "")), str(e.pop("message", "")), **e)

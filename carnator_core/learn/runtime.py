@@ -177,7 +177,8 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                          and (st.fit is None or accepts(st.fit.thresholds, cov.vector, cov.missing)))
         busy = bool(pending is not None and pending() > 0)
         why_not = ""
-        if want and not audit and not learner.budget_allows(ns, busy):
+        if want and not audit and not learner.budget_allows(ns, busy, learner.rank_among_learning(states,
+                                                                                                  str(stratum))):
             want, why_not = False, "budget"
         if want and reuse_config is not None and getattr(reuse_config, "mode", "joint") == "dense":
             want, why_not = False, "sampler mode dense"

@@ -142,14 +142,10 @@ def offline_label(base: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from carnator.carnator_core.embedded import codec
+    from carnator.carnator_core.judge import judge_for
     from carnator.carnator_core.judge.base import JudgeRequest, excess_label
-    from carnator.carnator_core.learn.runtime import _EmbeddedChecker
 
-    try:
-        from carnator.carnator_core.judge import CheckerJudge
-        judge: Any = CheckerJudge(None)
-    except ImportError:
-        judge = _EmbeddedChecker()
+    judge = judge_for(None, "embedded")  # the judge learning mode labels the embedded model with
     b = c = n = 0
     for r in rows:
         if not (r["decision"] == "hit" and r["mode"] != "exact" and r.get("dense_latent")):
@@ -168,10 +164,10 @@ def replay(store: Any, ns: str) -> dict[str, Any]:
     from carnator.carnator_core.learn.learner import Learner, LearnSettings
 
     out = {}
-    for name, kw in {"default (Bonferroni over 10 strata, α 0.05, δ 0.1)": {},
+    for name, kw in {"default (graph over the pilot's order, α 0.05, δ 0.1)": {},
+                     "Bonferroni over 10 strata, fits halving (the earlier procedure)": {"strata": "bonferroni"},
                      "strata='none' (each stratum at δ, as the offline per-stratum certificate)": {"strata": "none"},
-                     "α 0.1, Bonferroni": {"alpha": 0.1},
-                     "α 0.1, strata='none'": {"alpha": 0.1, "strata": "none"}}.items():
+                     "α 0.1, graph": {"alpha": 0.1}}.items():
         ln = Learner(":memory:", LearnSettings(**kw))
         first: dict[str, int] = {}
         labels = store.labels(ns)
@@ -246,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                                              / "carnator_embedded_v3.safetensors"))
     ap.add_argument("--budget", type=float, default=0.2, help="learning budget (share of the compute served)")
     ap.add_argument("--audit", type=float, default=0.05, help="audit share of a learned rule's hits")
-    ap.add_argument("--dense-every", type=int, default=2, help="a dense twin after every k-th request (and every "
+    ap.add_argument("--dense-every", type=int, default=3, help="a dense twin after every k-th request (and every "
                                                                "hit and audit)")
     ap.add_argument("--report", action="store_true", help="only print the report of the requests done so far")
     args = ap.parse_args(argv)
