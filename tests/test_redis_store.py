@@ -25,6 +25,7 @@ from carnator.carnator_core.cache import (
     NamespaceMismatchError,
     RedisConfigError,
     open_store,
+    orchestra,
     redis_store as rs,
     resolve_redis_url,
 )
@@ -372,6 +373,20 @@ def test_surface_matches_the_local_store(redis_url, tmp_path):
     local.close()
 
 
+def test_the_catalogue_logic_is_written_once():
+    """Both stores are the one orchestration over their own storage: no public method of ``StoreOrchestra`` (nor
+    its eviction or quarantine) is redefined by a backend, and each backend implements the whole ``Storage``
+    interface (nothing abstract left)."""
+    from carnator.carnator_core.cache import Store
+
+    shared = {n for n, v in vars(orchestra.StoreOrchestra).items() if callable(v) and not n.startswith("_")}
+    assert {"put_with_status", "load", "load_signature", "candidates", "query", "find_request", "record_hit",
+            "record_lookup", "delete", "purge", "stats", "verify"} <= shared
+    for cls in (Store, RedisStore):
+        assert issubclass(cls, orchestra.StoreOrchestra) and not cls.__abstractmethods__
+        assert not (shared | {"_evict_if_needed", "_quarantine"}) & set(vars(cls)), cls.__name__
+
+
 def test_query_is_exact_and_ordered(redis_url):
     st = store(redis_url)
     rng = np.random.default_rng(5)
@@ -437,10 +452,17 @@ class _Clock:
         return getattr(time, name)
 
 
+def _use_clock(monkeypatch) -> None:
+    """One ``_Clock`` for the Redis storage (recency, hits) and the orchestration (an entry's creation time)."""
+    clock = _Clock()
+    monkeypatch.setattr(rs, "time", clock)
+    monkeypatch.setattr(orchestra, "time", clock)
+
+
 @pytest.mark.parametrize("policy,evicted", [("lru", 0), ("lcbfu", 1)])
 def test_eviction_policies(redis_url, policy, evicted, monkeypatch):
     """As on disk: entry 0 reused once, 1 and 2 written; writing 3 evicts LRU's 0 or LCBFU's 1."""
-    monkeypatch.setattr(rs, "time", _Clock())
+    _use_clock(monkeypatch)
     size = _entry_bytes(redis_url)
     st = store(redis_url, max_bytes=int(size * 3.5), policy=policy)
     reader = store(redis_url)
@@ -461,7 +483,7 @@ def test_eviction_policies(redis_url, policy, evicted, monkeypatch):
 
 
 def test_lcbfu_ages_and_budget_error(redis_url, monkeypatch):
-    monkeypatch.setattr(rs, "time", _Clock())
+    _use_clock(monkeypatch)
     size = _entry_bytes(redis_url)
     st = store(redis_url, max_bytes=int(size * 2.5))
     first = st.put(make_entry(0))
@@ -485,6 +507,25 @@ def test_budget_spans_namespaces(redis_url):
     for i in range(4):
         st.put(make_entry(i, fp="model-a" if i % 2 else "model-b"))
     assert st.stats().entries == 3 and st.stats().bytes <= int(size * 3.5)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lcbfu"])
+def test_eviction_order_merges_namespaces_page_by_page(redis_url, policy):
+    """The eviction walk reads each namespace's sorted set a page at a time and merges them: it yields every entry
+    once, in the order of all the sets together (ties: the older entry), with its recorded size."""
+    st = store(redis_url, policy=policy)
+    for i in range(7):
+        st.put(make_entry(i, fp="model-a" if i % 3 else "model-b"))
+    st.load(st.entry_ids()[4])  # a hit moves one entry in both orders
+    nss = st.namespaces()
+    zset = "prio" if policy == "lcbfu" else "lru"
+    want = sorted((score, m.decode()) for ns in nss
+                  for m, score in st._r.zrange(f"carnator:{{{ns}}}:{zset}", 0, -1, withscores=True))
+    for page in (1, 2, 32):
+        got = list(st._eviction_order(nss, page=page))
+        assert [v.entry_id for v in got] == [m[13:] for _, m in want]
+        assert sum(v.nbytes for v in got) == st.stats().bytes
+        assert all((v.priority is not None) == (policy == "lcbfu") for v in got)
 
 
 # ------------------------------------------------------------------------------------------ corruption

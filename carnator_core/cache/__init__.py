@@ -11,6 +11,9 @@ Public API (see each module's docstring for contracts)::
     resolve_cache_dir(user_path, allowed_roots) -> Path
     CacheHandle(path, max_bytes, policy).store() -> Store (one per process and directory)
     CacheHandle("redis://host:port/db", ...).store() -> RedisStore (shared by many workers; redis_store.py)
+
+Both stores are ``orchestra.StoreOrchestra`` (the catalogue logic, written once) over a storage backend
+(``orchestra.Storage``: the local folder + SQLite in ``store.py``, Redis in ``redis_store.py``).
 """
 from ..paths import ENV_ROOTS, CachePathError, resolve_cache_dir, roots_from_env
 from .embed import embed_comfy_conditioning, embed_conditioning

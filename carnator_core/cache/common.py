@@ -10,6 +10,7 @@ Contracts
   metadata digest; ``EntryFormatError`` (the caller quarantines) names a size disagreement only when the bytes do
   not verify, because a row whose recorded size disagrees with bytes that verify is the row's fault (the caller
   corrects it). ``NamespaceMismatchError`` when the entry was made by another model than ``model_fingerprint``.
+* ``check_namespace_model``: NamespaceMismatchError when a namespace is pinned to another model (``query``).
 * ``entry_of``: the public ``Entry`` of a verified entry.
 * ``recall``: top-k ``Candidates`` from a store's ``query`` (model checked), its rows (prompt, seed) and its
   signatures, with the same notes on both stores (no embedding, another model, corrupt or vanished entries, nothing
@@ -75,6 +76,15 @@ def check_model(dec: DecodedEntry, entry_id: str, model_fingerprint: str | None,
             f"namespace or use another {elsewhere}.")
 
 
+def check_namespace_model(namespace: str, pinned: str | None, model_fingerprint: str, elsewhere: str) -> None:
+    """NamespaceMismatchError when ``namespace`` is pinned to another model than ``model_fingerprint``."""
+    if pinned is not None and pinned != str(model_fingerprint):
+        raise NamespaceMismatchError(
+            f"namespace {namespace} holds entries of model {pinned}, not {model_fingerprint}: the fingerprints share "
+            "the namespace key's prefix, and entries are never reused across models. Purge the namespace or use "
+            f"another {elsewhere}.")
+
+
 def entry_of(dec: DecodedEntry, *, entry_id: str, namespace: str, prompt: str, seed: Any, created: Any, hits: int,
              nbytes: int) -> Entry:
     """The public Entry of a verified entry and its catalogue row."""
@@ -131,4 +141,5 @@ def recall(namespace: str, embedding: np.ndarray | None, k: int, min_similarity:
     return done(tuple(items))
 
 
-__all__ = ["check_model", "encode_checked", "entry_of", "format_bytes", "recall", "verify_entry"]
+__all__ = ["check_model", "check_namespace_model", "encode_checked", "entry_of", "format_bytes", "recall",
+           "verify_entry"]

@@ -1,6 +1,8 @@
 """Carnator's shared cache store on Redis: one cache for a farm of ComfyUI workers (processes and machines).
 
-Same public surface and semantics as the on-disk ``Store`` (``store.py``): ``put`` / ``put_with_status``,
+The same public surface and semantics as the on-disk ``Store`` (``store.py``), because both are one
+orchestration (``orchestra.StoreOrchestra``: recall, the put/publish protocol, eviction, quarantine, answer-only
+entries, statistics) over their own storage; this module is the Redis storage. ``put`` / ``put_with_status``,
 ``load``, ``load_signature``, ``record_hit``, ``record_lookup``, ``query``, ``candidates``, ``find_request``,
 ``stats``, ``purge``, ``delete``, ``verify``, ``scan``, ``namespaces``, ``entry_ids``, ``index_kind``,
 ``content_version``, ``close`` (``query`` / ``candidates`` / ``load`` take ``model_fingerprint=`` and refuse
@@ -80,11 +82,13 @@ Contracts
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import secrets
 import threading
 import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -94,12 +98,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from safetensors.torch import load as st_load, save as st_save
 
-from ..types import Candidates, Signature
-from . import common
+from ..types import Signature
 from .catalog import STORE_FORMAT, STORE_VERSION
+from .common import format_bytes
 from .entry import (
-    REQUEST_KEY_RE,
-    Entry,
+    EncodedEntry,
     EntryData,
     encode_entry,
     signature_from,
@@ -112,16 +115,14 @@ from .errors import (
     CacheFullError,
     CacheReadOnlyError,
     CacheUnavailableError,
-    CorruptEntryError,
-    EntryFormatError,
     EntryNotFoundError,
     NamespaceMismatchError,
 )
-from .index import IndexParams, VectorIndex, query_vector
+from .index import IndexParams, VectorIndex
+from .orchestra import NamespaceCounts, StoredEntry, StoredSignature, StoreOrchestra, Victim
 from .policy import check_policy, priority, work_of
 from .redis_url import connect_url, public_url
 from .sigcache import SignatureLRU
-from .store import CacheStats, NamespaceStats, VerifyReport, format_bytes
 
 log = logging.getLogger("carnator")
 
@@ -134,6 +135,7 @@ STAGE_TTL_S = 600  # a staging key outlives any healthy write, and vanishes afte
 QUARANTINE_TTL_S = 7 * 86400  # quarantined bytes are kept a week for inspection (memory is precious in Redis)
 STREAM_KEEP = 50_000  # change records kept per namespace; a worker further behind rebuilds its index
 LOCK_TTL_MS = 30_000
+_EVICT_LOCK = f"{PREFIX}:evict-lock"
 
 T = TypeVar("T")
 
@@ -335,9 +337,13 @@ def ns_tag(ns: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the store
-class RedisStore:
-    """The shared cache store on one Redis (see the module docstring). Thread-safe; one per process and URL is
-    enough (``handle.open_store`` keeps it), and any number of processes on any machines may share the Redis."""
+class RedisStore(StoreOrchestra):
+    """The shared cache store on one Redis: the catalogue logic of ``StoreOrchestra`` over the key layout of the
+    module docstring. Thread-safe; one per process and URL is enough (``handle.open_store`` keeps it), and any
+    number of processes on any machines may share the Redis."""
+
+    _ELSEWHERE = "Redis database"
+    _PUBLISHED_STAGE = "after_publish"
 
     def __init__(self, url: str, client: redis.Redis, *, max_bytes: int | None, policy: str,
                  index_params: IndexParams, retry_s: float) -> None:
@@ -432,12 +438,6 @@ class RedisStore:
             self._indexes.clear()
             self._r.close()
 
-    def __enter__(self) -> "RedisStore":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ connection faults
     def _call(self, fn: Callable[[], T]) -> T:
         """Run one Redis interaction; connection failures become CacheUnavailableError (logged once per outage)."""
@@ -530,40 +530,47 @@ class RedisStore:
                                          "hash collision): purge one of them or use another Redis database")
         self._tags[tag] = ns
 
-    def _gone(self, entry_id: str) -> EntryNotFoundError:
-        return EntryNotFoundError(f"cache entry {entry_id} is no longer in the cache (evicted, purged or "
-                                  "quarantined meanwhile); retrieve candidates again")
-
     def _inflation(self) -> float:
         return float(self._call(lambda: self._r.get(f"{PREFIX}:inflation")) or 0.0)
 
     # ------------------------------------------------------------------ write path
-    def put(self, data: EntryData) -> str:
-        """Store one entry; returns its id (an existing id if the same namespace + prompt + seed is cached)."""
-        return self.put_with_status(data)[0]
+    # ------------------------------------------------------------------ storage: put / publish
+    def _boundary(self, what: str) -> AbstractContextManager[None]:
+        return nullcontext()  # every Redis interaction is translated where it is made (_call)
 
-    def put_with_status(self, data: EntryData) -> tuple[str, bool]:
-        """Like ``put``; also says whether a new entry was written (False: an identical request was cached).
-        Raises CacheUnavailableError when Redis is unreachable (nothing is written)."""
-        if not isinstance(data, EntryData):
-            raise TypeError(f"Store.put takes an EntryData, got {type(data).__name__}")
+    def _validate_namespace(self, namespace: str) -> None:
+        self._p(namespace)
+
+    def _check_writable(self) -> None:
+        pass  # a read-only replica or a full Redis refuses the first write (_call says which)
+
+    @property
+    def _where(self) -> str:
+        return self.url
+
+    @staticmethod
+    def _dedup_key(data: EntryData) -> str:
+        """As on disk, one entry per (namespace, prompt, seed, request key); "" keeps the key of keyless entries."""
+        rk = data.request_key
+        return f"{hashlib.sha256(data.prompt.encode()).hexdigest()}:{int(data.seed)}" + (f":{rk}" if rk else "")
+
+    def _find_duplicate(self, data: EntryData) -> str | None:
+        existing = self._call(lambda: self._r.hget(self._p(data.namespace) + "dedup", self._dedup_key(data)))
+        return None if existing is None else _s(existing)
+
+    def _new_entry_id(self, namespace: str) -> str:
+        self._register_ns(namespace)
+        return ns_tag(namespace) + secrets.token_hex(4)
+
+    def _publish(self, data: EntryData, entry_id: str, enc: EncodedEntry, created: float) -> tuple[str, bool]:
+        """Stage the chunks under a TTL, then one Lua script publishes everything (see the module docstring)."""
         ns = data.namespace
         p = self._p(ns)
-        rk = data.request_key
-        # As on disk, one entry per (namespace, prompt, seed, request key); "" keeps the key of keyless entries.
-        dedup_key = f"{hashlib.sha256(data.prompt.encode()).hexdigest()}:{int(data.seed)}" + (f":{rk}" if rk else "")
-        existing = self._call(lambda: self._r.hget(p + "dedup", dedup_key))
-        if existing is not None:
-            self._note_request(rk, _s(existing))
-            return _s(existing), False
-        self._register_ns(ns)
-        created = time.time()
-        entry_id = ns_tag(ns) + secrets.token_hex(4)
-        enc = common.encode_checked(data, entry_id=entry_id, created=created, max_bytes=self.max_bytes)
-        blob, emb, sig_blob = enc.blob, enc.embedding, _signature_blob(entry_id, data.signature)
+        dedup_key = self._dedup_key(data)
         cfg_json = json.dumps(data.config.to_meta(), sort_keys=True)
         work = work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape)
         for _ in range(8):  # a random-id collision within the namespace: retry with a fresh id
+            blob, emb, sig_blob = enc.blob, enc.embedding, _signature_blob(entry_id, data.signature)
             stage = f"{p}stage:{entry_id}"
             chunks = [blob[i : i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
 
@@ -585,13 +592,13 @@ class RedisStore:
             args = [entry_id, data.model_fingerprint, cfg_json, int(emb.shape[0]), secrets.token_hex(8),
                     repr(created), data.prompt, int(data.seed), len(blob), enc.meta_digest, repr(work), len(chunks),
                     sig_blob, dedup_key, repr(prio), np.ascontiguousarray(emb, np.float32).tobytes(),
-                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP, rk, "1" if data.answer_of else "0"]
+                    hashlib.sha256(sig_blob).hexdigest(), STREAM_KEEP, data.request_key,
+                    "1" if data.answer_of else "0"]
             res = self._call(lambda: self._scripts["publish"](keys=[p], args=args))
             status = _s(res[0])
             if status == "ok":
                 break
             if status == "dup":
-                self._note_request(rk, _s(res[1]))
                 return _s(res[1]), False
             if status == "mismatch":
                 what = _s(res[1])
@@ -609,17 +616,9 @@ class RedisStore:
             self._call(lambda: self._r.delete(stage))  # collision: drop this staging, retry with a new id
             entry_id = ns_tag(ns) + secrets.token_hex(4)
             enc = encode_entry(data, entry_id=entry_id, created=created)  # the id is part of the entry's metadata
-            blob, emb, sig_blob = enc.blob, enc.embedding, _signature_blob(entry_id, data.signature)
         else:
             raise CacheError(f"could not find a free entry id in namespace {ns} after 8 tries")
-        if self._fault:
-            self._fault("after_publish")
         self._full = False  # a write went through: transactions are accepted again
-        self._note_request(rk, entry_id)
-        try:
-            self._evict_if_needed(protect={entry_id})
-        except CacheUnavailableError:
-            pass  # published; the next write enforces the budget (the outage is logged once)
         return entry_id, True
 
     # ------------------------------------------------------------------ exact repeats
@@ -641,12 +640,9 @@ class RedisStore:
             return 0
         return int(self._call(lambda: self._scripts["forget"](keys=[f"{PREFIX}:requests"], args=args)))
 
-    def find_request(self, request_key: str) -> str | None:
-        """The id of the entry holding the dense output of exactly this request (``EntryData.request_key``), or
-        None (a malformed key, none cached, or a hint whose entry is gone: then the hint is removed). Counts
-        nothing (the caller loads the entry and counts the hit). Raises CacheUnavailableError if Redis is down."""
-        if not isinstance(request_key, str) or not request_key or not REQUEST_KEY_RE.match(request_key):
-            return None
+    def _find_request(self, request_key: str) -> str | None:
+        """The hint, trusted only when the entry's row holds exactly this key; a stale hint (the entry went between
+        two steps of other workers) answers None and is removed."""
         raw = self._call(lambda: self._r.hget(f"{PREFIX}:requests", request_key))
         if raw is None:
             return None
@@ -668,18 +664,13 @@ class RedisStore:
         bytes, -1 if it was gone."""
         n, rk = self._call(lambda: self._scripts["delete"](keys=[self._p(ns)],
                                                            args=[entry_id, STREAM_KEEP, reason, QUARANTINE_TTL_S]))
-        self._forget_sig(entry_id)
+        self._sigs.discard(entry_id)
         if rk:
             try:
                 self._forget_requests([(_s(rk), entry_id)])
             except CacheUnavailableError:
                 pass  # the hint is stale now; find_request and scan drop it
         return int(n)
-
-    def delete(self, entry_id: str) -> bool:
-        """Remove one entry. Returns False if it was not there."""
-        ns = self._ns_of(entry_id)
-        return ns is not None and self._delete(ns, entry_id) >= 0
 
     def _known_namespaces(self) -> list[str]:
         return sorted(_s(x) for x in self._call(lambda: self._r.smembers(f"{PREFIX}:namespaces")))
@@ -690,64 +681,80 @@ class RedisStore:
             pipe.get(self._p(ns) + "bytes")
         return sum(int(v or 0) for v in self._call(pipe.execute))
 
-    def _evict_if_needed(self, protect: set[str]) -> int:
-        """Evict the lowest-priority entries (all namespaces) until the total is within ``max_bytes``. One worker
-        evicts at a time (a Redis lock with a TTL, so a worker that dies holding it blocks nobody for long)."""
-        if not self.max_bytes:
-            return 0
-        nss = self._known_namespaces()
-        if self._total_bytes(nss) <= self.max_bytes:
-            return 0
+    def _remove(self, namespace: str, entry_id: str) -> bool:
+        return self._delete(namespace, entry_id) >= 0
+
+    def _stored_bytes(self) -> int:
+        return self._total_bytes(self._known_namespaces())
+
+    @contextmanager
+    def _eviction_lock(self) -> Iterator[None]:
+        """A Redis lock with a TTL (renewed after each removal), so a worker that dies holding it blocks nobody for
+        long."""
         token = secrets.token_hex(8)
-        lock = f"{PREFIX}:evict-lock"
         deadline = time.monotonic() + 120
-        while not self._call(lambda: self._r.set(lock, token, nx=True, px=LOCK_TTL_MS)):
+        while not self._call(lambda: self._r.set(_EVICT_LOCK, token, nx=True, px=LOCK_TTL_MS)):
             if time.monotonic() > deadline:
                 raise CacheError(f"could not take the eviction lock of {self.url} within 120 s")
             time.sleep(0.02)
-        evicted, top = 0, None
         try:
-            nss = self._known_namespaces()
-            total = self._total_bytes(nss)
-            zset = "prio" if self.policy == "lcbfu" else "lru"
-            while total > self.max_bytes:
-                pipe = self._r.pipeline(transaction=False)
-                for ns in nss:
-                    pipe.zrange(self._p(ns) + zset, 0, 31, withscores=True)
-                heads = self._call(pipe.execute)
-                order = sorted((float(score), _s(m), ns) for ns, head in zip(nss, heads) for m, score in head)
-                order = [o for o in order if o[1][13:] not in protect]
-                if not order:
-                    break
-                progressed = False
-                for score, member, ns in order:
-                    if total <= self.max_bytes:
-                        break
-                    freed = self._delete(ns, member[13:])
-                    if freed >= 0:
-                        total -= freed
-                        evicted += 1
-                        progressed = True
-                        top = score if top is None else max(top, score)
-                    self._call(lambda: self._r.pexpire(lock, LOCK_TTL_MS))
-                if not progressed:
-                    break
-                total = self._total_bytes(nss)
-            if top is not None and self.policy == "lcbfu":
-                self._call(lambda: self._scripts["max"](keys=[f"{PREFIX}:inflation"], args=[repr(top)]))
+            yield
         finally:
             try:
-                self._call(lambda: self._scripts["unlock"](keys=[lock], args=[token]))
+                self._call(lambda: self._scripts["unlock"](keys=[_EVICT_LOCK], args=[token]))
             except CacheUnavailableError:
                 pass  # the lock expires by itself
-        if evicted:
-            log.info("carnator cache: evicted %d entr%s (%s policy) to stay within %s", evicted,
-                     "y" if evicted == 1 else "ies", self.policy, format_bytes(self.max_bytes))
-        return evicted
 
-    def purge(self, namespace: str | None = None) -> int:
-        """Delete every entry (``namespace=None``) or those of one namespace, with their counters.
-        Returns how many entries were removed."""
+    def _eviction_plan(self) -> tuple[int, Iterator[Victim]]:
+        nss = self._known_namespaces()
+        return self._total_bytes(nss), self._eviction_order(nss)
+
+    def _eviction_order(self, nss: list[str], page: int = 32) -> Iterator[Victim]:
+        """Every entry of ``nss`` in eviction order: a merge of the namespaces' sorted sets (priority or recency;
+        ties go to the oldest entry of a namespace), read ``page`` members at a time per namespace."""
+        zset = "prio" if self.policy == "lcbfu" else "lru"
+        heap: list[tuple[float, str, str, int]] = []
+        offset = {ns: 0 for ns in nss}
+        left: dict[str, int] = {}
+
+        def fetch(batch: list[str]) -> None:
+            pipe = self._r.pipeline(transaction=False)
+            for ns in batch:
+                pipe.zrange(self._p(ns) + zset, offset[ns], offset[ns] + page - 1, withscores=True)
+            heads = self._call(pipe.execute)
+            pipe = self._r.pipeline(transaction=False)
+            for ns, head in zip(batch, heads):
+                for m, _ in head:
+                    pipe.hget(self._p(ns) + f"e:{_s(m)[13:]}", "nbytes")
+            sizes = iter(self._call(pipe.execute))
+            for ns, head in zip(batch, heads):
+                offset[ns] += len(head)
+                left[ns] = len(head) if len(head) == page else -1  # -1: nothing after this page
+                for m, score in head:
+                    nb = next(sizes)
+                    heapq.heappush(heap, (float(score), _s(m), ns, -1 if nb is None else int(_s(nb))))
+
+        fetch(list(nss))
+        while heap:
+            score, member, ns, nbytes = heapq.heappop(heap)
+            if left[ns] > 0:
+                left[ns] -= 1
+                if left[ns] == 0:
+                    fetch([ns])  # the namespace's next page, before its next member is compared
+            if nbytes >= 0:  # else removed since the page was read
+                yield Victim(entry_id=member[13:], namespace=ns, nbytes=nbytes,
+                             priority=score if zset == "prio" else None)
+
+    def _remove_victims(self, victims: list[Victim], inflation: float | None) -> int:
+        n = 0
+        for v in victims:
+            n += self._delete(v.namespace, v.entry_id) >= 0
+            self._call(lambda: self._r.pexpire(_EVICT_LOCK, LOCK_TTL_MS))
+        if inflation is not None:
+            self._call(lambda: self._scripts["max"](keys=[f"{PREFIX}:inflation"], args=[repr(inflation)]))
+        return n
+
+    def _purge_storage(self, namespace: str | None) -> tuple[int, list[str]]:
         nss = [namespace] if namespace else self._known_namespaces()
         n = 0
         for ns in nss:
@@ -755,8 +762,6 @@ class RedisStore:
             n += int(count)
             keyed = [_s(x) for x in keyed]
             self._forget_requests(list(zip(keyed[0::2], keyed[1::2])))
-            with self._lock:
-                self._indexes.pop(ns, None)
         if not namespace:
             self._call(lambda: self._r.set(f"{PREFIX}:inflation", "0"))
         # Counted after the entries are gone: the Cache node's change fingerprint follows it, so ComfyUI runs a graph
@@ -764,37 +769,32 @@ class RedisStore:
         self._call(lambda: self._r.incr(f"{PREFIX}:purges"))
         self._sigs.clear()
         self._full = False
-        log.info("carnator cache: purged %d entries (%s) in %s", n, f"namespace {namespace}" if namespace else "all",
-                 self.url)
-        return n
+        return n, nss
 
     def purge_count(self) -> int:
         """How many purges this cache has seen (any worker; 0 before the first)."""
         return int(self._call(lambda: self._r.get(f"{PREFIX}:purges")) or 0)
 
     # ------------------------------------------------------------------ quarantine
-    def _quarantine(self, entry_id: str, ns: str, reason: str) -> CorruptEntryError:
+    def _set_aside(self, ns: str, entry_id: str, reason: str, **how: Any) -> tuple[str, str | None]:
+        """The bytes go to ``:q:<id>`` (kept QUARANTINE_TTL_S) with the reason in ``:qreason``; unpublished."""
         stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {reason}"
         where = f"{self._p(ns)}q:{entry_id}"
         try:
             removed = self._delete(ns, entry_id, reason=stamped) >= 0
         except (CacheUnavailableError, CacheReadOnlyError):
             removed = False
-        if removed:
-            log.warning("carnator cache: quarantined entry %s (namespace %s): %s -> %s; other entries are "
-                        "unaffected", entry_id, ns, reason, where)
-        return CorruptEntryError(
-            f"cache entry {entry_id} is corrupt ({reason}); it was moved to {where} and removed from the cache. "
-            "Other entries are unaffected; the request continues without it.")
+        return where, (where if removed else None)
 
     # ------------------------------------------------------------------ read path
-    def load(self, entry_id: str, *, count_hit: bool = True, model_fingerprint: str | None = None) -> Entry:
-        """Load and fully validate one entry (``entry.decode_entry``). ``model_fingerprint``: refuse
-        (NamespaceMismatchError) an entry made by another model. Raises EntryNotFoundError (not in the cache),
-        CorruptEntryError (quarantined; others unaffected) or CacheUnavailableError (Redis unreachable)."""
+    # ------------------------------------------------------------------ storage: reads and counters
+    def _namespace_of(self, entry_id: str) -> str | None:
+        return self._ns_of(entry_id)
+
+    def _read_entry(self, entry_id: str) -> StoredEntry | None:
         ns = self._ns_of(entry_id)
         if ns is None:
-            raise self._gone(entry_id)
+            return None
         p = self._p(ns)
 
         def read() -> list:
@@ -805,38 +805,39 @@ class RedisStore:
 
         row, chunks = self._call(read)
         if row[0] is None:
-            raise self._gone(entry_id)
+            return None
         prompt, seed, nbytes, digest, created, hits, nchunks = (_s(x) for x in row)
+        blob = b"".join(chunks)
         try:
-            if len(chunks) != int(nchunks):
-                raise EntryFormatError(f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)")
-            blob = b"".join(chunks)
-            # The bytes' own header and checksums decide whether the entry is whole; a row whose size disagrees
-            # with bytes that verify is what is wrong, and is corrected below.
-            dec = common.verify_entry(blob, entry_id=entry_id, namespace=ns, meta_digest=digest,
-                                      recorded_size=int(nbytes), what="value")
-        except ValueError as e:  # EntryFormatError, or a row field that is not a number: "quarantine"
-            if self._full and not self._call(lambda: self._r.exists(p + f"e:{entry_id}")):
-                raise self._gone(entry_id) from None  # a plain (non-transaction) read torn by a delete
-            reason = str(e) if isinstance(e, EntryFormatError) else f"{type(e).__name__}: {e}"
-            raise self._quarantine(entry_id, ns, reason) from None
-        common.check_model(dec, entry_id, model_fingerprint, "Redis database")
-        if len(blob) != int(nbytes):
-            log.warning("carnator cache: the row of entry %s recorded %s bytes but its value (which verifies) has "
-                        "%d; the recorded size was corrected", entry_id, nbytes, len(blob))
-            try:
-                self._call(lambda: self._scripts["fix_size"](keys=[p], args=[entry_id, nbytes, len(blob)]))
-            except (CacheReadOnlyError, CacheFullError):
-                pass  # best-effort: served all the same
-            nbytes = str(len(blob))
-        hits_now = int(hits)
-        if count_hit:
-            bumped = self._bump(entry_id, ns)
-            hits_now = bumped if bumped >= 0 else hits_now  # evicted since the read: the bytes are still valid
-        return common.entry_of(dec, entry_id=entry_id, namespace=ns, prompt=prompt, seed=seed, created=created,
-                               hits=hits_now, nbytes=int(nbytes))
+            defect = "" if len(chunks) == int(nchunks) else \
+                f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)"
+            return StoredEntry(namespace=ns, prompt=prompt, seed=int(seed), created=float(created), hits=int(hits),
+                               nbytes=int(nbytes), meta_digest=digest, blob=blob, defect=defect)
+        except ValueError as e:  # a row field that is not a number: "quarantine"
+            return StoredEntry(namespace=ns, prompt=prompt, seed=0, created=0.0, hits=0, nbytes=len(blob),
+                               meta_digest=digest, blob=blob, defect=f"{type(e).__name__}: {e}")
 
-    def _decode_sig(self, entry_id: str, ns: str, blob: bytes | None, sigsum: bytes | None) -> Signature:
+    def _torn_read(self, namespace: str, entry_id: str) -> bool:
+        # A full Redis is read with a plain pipeline (no transaction): a delete may have torn the read.
+        return self._full and not self._call(lambda: self._r.exists(self._p(namespace) + f"e:{entry_id}"))
+
+    def _correct_size(self, stored: Any, namespace: str, entry_id: str, recorded: int, actual: int) -> None:
+        try:
+            self._call(lambda: self._scripts["fix_size"](keys=[self._p(namespace)], args=[entry_id, recorded, actual]))
+        except (CacheReadOnlyError, CacheFullError):
+            pass  # best-effort: served all the same
+
+    def _read_signature(self, entry_id: str, hint: Any = None) -> StoredSignature | None:
+        """The row's signature copy (``hint``: (namespace, copy, checksum) read by ``_recall_rows``)."""
+        if hint is None:
+            ns = self._ns_of(entry_id)
+            if ns is None:
+                return None
+            blob, sigsum = self._call(lambda: self._r.hmget(self._p(ns) + f"e:{entry_id}", "sig", "sigsum"))
+            if blob is None and sigsum is None:
+                return None
+        else:
+            ns, blob, sigsum = hint
         try:
             if blob is None or sigsum is None:
                 raise ValueError("signature is missing")
@@ -847,60 +848,26 @@ class RedisStore:
             sm = json.loads((header.get("__metadata__") or {})["carnator-signature"])
             if sm.get("id") != entry_id:
                 raise ValueError(f"signature belongs to entry {sm.get('id')!r}")
-            tensors = st_load(blob)
-            return signature_from({"signature": sm["signature"]}, tensors)
+            sig = signature_from({"signature": sm["signature"]}, st_load(blob))
         except Exception as e:  # noqa: BLE001
-            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
-
-    def _remember_sig(self, entry_id: str, sig: Signature) -> None:
+            return StoredSignature(namespace=ns, signature=None, defect=f"{type(e).__name__}: {e}")
         size = int(sig.nbytes()) if callable(getattr(sig, "nbytes", None)) else 0
-        self._sigs.put(entry_id, sig, size)
+        return StoredSignature(namespace=ns, signature=sig, memo_bytes=size)
 
-    def load_signature(self, entry_id: str) -> Signature:
-        """The entry's Early Signature only (a small value; cached per process)."""
-        hit = self._sigs.get(entry_id)
-        if hit is not None:
-            return hit
-        ns = self._ns_of(entry_id)
-        if ns is None:
-            raise self._gone(entry_id)
-        blob, sigsum = self._call(lambda: self._r.hmget(self._p(ns) + f"e:{entry_id}", "sig", "sigsum"))
-        if blob is None and sigsum is None:
-            raise self._gone(entry_id)
-        sig = self._decode_sig(entry_id, ns, blob, sigsum)
-        self._remember_sig(entry_id, sig)
-        return sig
-
-    def _forget_sig(self, entry_id: str) -> None:
-        self._sigs.discard(entry_id)
-
-    def _bump(self, entry_id: str, ns: str) -> int:
-        """Count one reuse; the entry's hits after it, -1 if the entry is gone, -2 if not counted (read-only)."""
+    def _count_hit(self, namespace: str, entry_id: str) -> int:
         inflation = self._inflation()
         try:
-            return int(self._call(lambda: self._scripts["hit"](keys=[self._p(ns)],
+            return int(self._call(lambda: self._scripts["hit"](keys=[self._p(namespace)],
                                                                args=[entry_id, repr(inflation), repr(time.time())])))
         except (CacheReadOnlyError, CacheFullError):  # counters are best-effort: a read must not fail on them
             return -2
 
-    def record_hit(self, entry_id: str) -> int:
-        """Count one reuse of ``entry_id`` (when it was not loaded with ``count_hit=True``). Returns its hits."""
-        ns = self._ns_of(entry_id)
-        if ns is None:
-            raise self._gone(entry_id)
-        hits = self._bump(entry_id, ns)
-        if hits == -2:  # a read-only replica (or a full Redis) counts nothing
-            held = self._call(lambda: self._r.hget(self._p(ns) + f"e:{entry_id}", "hits"))
-            if held is None:
-                raise self._gone(entry_id)
-            return int(held)
-        if hits < 0:
-            raise self._gone(entry_id)
-        return hits
+    def _hits_of(self, namespace: str, entry_id: str) -> int | None:
+        held = self._call(lambda: self._r.hget(self._p(namespace) + f"e:{entry_id}", "hits"))
+        return None if held is None else int(held)
 
-    def record_lookup(self, namespace: str) -> None:
-        """Count one retrieval request in ``namespace`` (the hit-rate denominator; skipped on a read-only
-        replica or a full Redis)."""
+    def _count_lookup(self, namespace: str) -> None:
+        """Skipped on a read-only replica or a full Redis."""
         p = self._p(namespace)
         try:
             self._call(lambda: self._r.hincrby(p + "counters", "lookups", 1))
@@ -908,69 +875,23 @@ class RedisStore:
             pass
 
     # ------------------------------------------------------------------ retrieval
-    def query(self, namespace: str, embedding: np.ndarray, k: int = 5, *, model_fingerprint: str | None = None
-              ) -> list[tuple[str, float]]:
-        """Top-k entries of ``namespace`` by cosine similarity: ``[(entry_id, similarity)]``, best first, searched
-        in this process's index after catching up with the namespace's change stream. Raises ValueError if the
-        embedding's dimension differs from the namespace's. ``model_fingerprint``: raise NamespaceMismatchError if
-        the namespace holds another model's entries (its key is a fingerprint prefix: a collision must not mix
-        models)."""
-        p = self._p(namespace)
-        if model_fingerprint is not None:
-            self._check_namespace_model(namespace, str(model_fingerprint))
-        q = query_vector(embedding)
-        with self._lock:
-            st = self._sync(namespace)
-            if st is None:
-                return []
-            found = st.index.search_query(q, k, self.index_params,
-                                          lambda seqs: self._fetch_vectors(namespace, seqs), namespace)
-        if not found:
-            return []
-        ids = self._call(lambda: self._r.hmget(p + "sid", [int(s) for s, _ in found]))
-        return [(_s(i), float(sim)) for (_, sim), i in zip(found, ids) if i is not None]
-
-    def _check_namespace_model(self, namespace: str, model_fingerprint: str) -> None:
+    # ------------------------------------------------------------------ storage: recall
+    def _namespace_model(self, namespace: str) -> str | None:
         pinned = self._call(lambda: self._r.hget(self._p(namespace) + "meta", "fp"))
-        if pinned is not None and _s(pinned) != model_fingerprint:
-            raise NamespaceMismatchError(
-                f"namespace {namespace} holds entries of model {_s(pinned)}, not {model_fingerprint}: the "
-                "fingerprints share the namespace key's prefix, and entries are never reused across models. Purge "
-                "the namespace or use another Redis database.")
+        return None if pinned is None else _s(pinned)
 
-    def candidates(self, namespace: str, embedding: np.ndarray | None, k: int = 5, *, min_similarity: float = -1.0,
-                   model_fingerprint: str | None = None, count_lookup: bool = True) -> Candidates:
-        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup unless not
-        ``count_lookup`` (the request path counts it when the request is served). Corrupt entries are
-        quarantined and skipped, evicted ones skipped. No embedding (a prompt that could not be embedded), a
-        namespace pinned to another ``model_fingerprint`` or Redis unreachable gives no candidates, with the
-        reason in ``note``."""
-        t0 = time.perf_counter()
+    def _ids_of(self, namespace: str, seqs: list[int]) -> dict[int, str]:
+        ids = self._call(lambda: self._r.hmget(self._p(namespace) + "sid", seqs))
+        return {s: _s(i) for s, i in zip(seqs, ids) if i is not None}
+
+    def _recall_rows(self, namespace: str, ids: list[str]) -> dict[str, tuple[str, int, Any]]:
+        """Prompt, seed and the signature copy of each id in one round trip."""
         p = self._p(namespace)
-        held: dict[str, list] = {}
-
-        def rows(ids: list[str]) -> dict[str, tuple[str, int]]:
-            pipe = self._r.pipeline(transaction=False)
-            for entry_id in ids:
-                pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "sig", "sigsum")
-            held.update((i, r) for i, r in zip(ids, self._call(pipe.execute)) if r[0] is not None)
-            return {i: (_s(r[0]), int(_s(r[1]))) for i, r in held.items()}
-
-        def signature(entry_id: str) -> Signature:
-            sig = self._sigs.get(entry_id)
-            if sig is None:
-                sig = self._decode_sig(entry_id, namespace, held[entry_id][2], held[entry_id][3])
-                self._remember_sig(entry_id, sig)
-            return sig
-
-        try:
-            if count_lookup:
-                self.record_lookup(namespace)
-            return common.recall(namespace, embedding, k, min_similarity, model_fingerprint, query=self.query,
-                                 rows=rows, signature=signature, t0=t0)
-        except CacheUnavailableError as e:
-            return Candidates(namespace=namespace, items=(), retrieval_ms=(time.perf_counter() - t0) * 1000,
-                              note=f"cache unavailable: {e}")
+        pipe = self._r.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.hmget(p + f"e:{entry_id}", "prompt", "seed", "sig", "sigsum")
+        return {i: (_s(r[0]), int(_s(r[1])), (namespace, r[2], r[3]))
+                for i, r in zip(ids, self._call(pipe.execute)) if r[0] is not None}
 
     def _fetch_vectors(self, ns: str, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         want = [int(s) for s in seqs]
@@ -1090,12 +1011,6 @@ class RedisStore:
             return {}
         return out
 
-    def index_kind(self, namespace: str) -> str | None:
-        """The kind of this process's index for ``namespace`` ("flat" / "pca-ivf"), after syncing; None if empty."""
-        with self._lock:
-            st = self._sync(namespace)
-            return st.index.kind if st else None
-
     # ------------------------------------------------------------------ scan / verify / stats
     def namespaces(self) -> list[str]:
         nss = self._known_namespaces()
@@ -1141,13 +1056,13 @@ class RedisStore:
         return {"tmp_removed": removed, "orphans_adopted": 0, "orphans_quarantined": 0,
                 "missing_rows_removed": len(stale), "foreign_files": 0}
 
-    def verify(self, *, deep: bool = False) -> VerifyReport:
-        """Check that rows, bytes, embeddings, sorted sets, byte totals and this process's indexes agree. ``deep``:
-        also load and checksum every entry (corrupt ones are quarantined and reported)."""
+    def _verify_storage(self) -> tuple[list[str], list[str], list[str], int]:
+        """Rows, bytes, embeddings, sorted sets, byte totals and this process's indexes."""
         problems: list[str] = []
         notes: list[str] = []
         nss = self.namespaces()
         total = 0
+        ids: list[str] = []
         for ns in nss:
             p = self._p(ns)
 
@@ -1202,21 +1117,12 @@ class RedisStore:
                                 f"{len(set(by_seq) - answers)} recallable entries")
             elif not at_snapshot:
                 notes.append(f"namespace {ns}: index not compared (the namespace changed meanwhile)")
-            if deep:
-                for i in by_seq.values():
-                    try:
-                        self.load(i, count_hit=False)
-                    except EntryNotFoundError:
-                        pass
-                    except CorruptEntryError as e:
-                        problems.append(str(e))
+            ids.extend(by_seq.values())
         if self.max_bytes and total > self.max_bytes:
             notes.append(f"{format_bytes(total)} stored, over this handle's budget {format_bytes(self.max_bytes)}")
-        return VerifyReport(ok=not problems, entries=sum(1 for _ in self.entry_ids()), namespaces=len(nss),
-                            problems=tuple(problems), notes=tuple(notes))
+        return problems, notes, ids, len(nss)
 
-    def stats(self, namespace: str | None = None) -> CacheStats:
-        """Entries, bytes, lookups, hits and hit rate, overall and per namespace (or for one namespace)."""
+    def _stats_parts(self, namespace: str | None) -> tuple[list[NamespaceCounts], int, int, int, int, int]:
         nss = [namespace] if namespace else self._known_namespaces()
         pipe = self._r.pipeline(transaction=False)
         for ns in nss:
@@ -1228,21 +1134,15 @@ class RedisStore:
             pipe.hlen(p + "qreason")
             pipe.scard(p + "ans")
         vals = self._call(pipe.execute)
-        per = []
+        per: list[NamespaceCounts] = []
         lookups = hits = quarantined = 0
         for n, ns in enumerate(nss):
             (fp, cfg), count, nb, (lk, ht), q, ans = vals[6 * n : 6 * n + 6]
             lk, ht = int(lk or 0), int(ht or 0)
             lookups, hits, quarantined = lookups + lk, hits + ht, quarantined + int(q)
-            if fp is None:
-                continue  # purged (or never completed) namespace
-            per.append(NamespaceStats(namespace=ns, model_fingerprint=_s(fp), config=json.loads(_s(cfg)),
-                                      entries=int(count), bytes=int(nb or 0), lookups=lk, hits=ht,
-                                      hit_rate=ht / lk if lk else 0.0, answers=int(ans)))
-        return CacheStats(path=self.url, entries=sum(x.entries for x in per), bytes=sum(x.bytes for x in per),
-                          max_bytes=self.max_bytes, policy=self.policy, lookups=lookups, hits=hits,
-                          hit_rate=hits / lookups if lookups else 0.0, quarantined=quarantined, catalog_bytes=0,
-                          index_bytes=0, namespaces=tuple(per), answers=sum(x.answers for x in per))
+            if fp is not None:  # else purged (or never completed)
+                per.append((ns, _s(fp), json.loads(_s(cfg)), int(count), int(nb or 0), int(ans), lk, ht))
+        return per, lookups, hits, quarantined, 0, 0
 
     def iter_quarantine(self, namespace: str) -> Iterator[tuple[str, str]]:
         """(entry id, reason) of the quarantined entries of ``namespace``."""

@@ -1,5 +1,9 @@
 """Carnator's on-disk cache store: one directory, shared safely by several ComfyUI processes on one machine.
 
+``Store`` is the catalogue logic of ``orchestra.StoreOrchestra`` (recall, the put/publish protocol, eviction,
+quarantine, answer-only entries, statistics: written once, shared with ``redis_store.RedisStore``) over the storage
+of this module: entry files, a SQLite catalogue and per-process FAISS indexes.
+
 Layout (everything below the store root)::
 
     carnator-cache.json                 format marker {"format": "carnator-cache", "version": 1}
@@ -74,7 +78,6 @@ Contracts
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -88,18 +91,18 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from filelock import FileLock
 
-from ..types import Candidates, GenConfig, Signature, namespace_key
-from . import catalog, common
+from ..types import GenConfig, namespace_key
+from . import catalog
 from .catalog import CATALOG, SIDE_FILES, STORE_FORMAT, STORE_VERSION
 from .common import format_bytes
 from .entry import (
-    REQUEST_KEY_RE,
+    EncodedEntry,
     Entry,
     EntryData,
     adopted_answer_of,
@@ -118,14 +121,24 @@ from .errors import (
     CatalogError,
     CatalogRebuiltError,
     CorruptEntryError,
-    EntryFormatError,
     EntryNotFoundError,
     NamespaceMismatchError,
     NotACacheDirectoryError,
 )
-from .index import IndexFileError, IndexParams, VectorIndex, query_vector
-from .sigcache import SignatureLRU
+from .index import IndexFileError, IndexParams, VectorIndex
+from .orchestra import (
+    CacheStats,
+    NamespaceCounts,
+    NamespaceStats,
+    StoredEntry,
+    StoredSignature,
+    StoreOrchestra,
+    VerifyReport,
+    Victim,
+    public,
+)
 from .policy import EVICTION_ORDER, check_policy, work_of
+from .sigcache import SignatureLRU
 
 log = logging.getLogger("carnator")
 
@@ -143,75 +156,6 @@ _LOCK_FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+\.lock$")  # filelock's files in lo
 
 
 # ---------------------------------------------------------------------------------------------- values
-@dataclass(frozen=True)
-class NamespaceStats:
-    namespace: str
-    model_fingerprint: str
-    config: Mapping[str, Any]
-    entries: int
-    bytes: int
-    lookups: int
-    hits: int
-    hit_rate: float
-    answers: int = 0  # of ``entries``: answer-only entries (a hit's result, answers exact repeats only)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    path: str
-    entries: int
-    bytes: int
-    max_bytes: int | None
-    policy: str
-    lookups: int
-    hits: int
-    hit_rate: float
-    quarantined: int
-    catalog_bytes: int
-    index_bytes: int
-    namespaces: tuple[NamespaceStats, ...]
-    answers: int = 0  # of ``entries``: answer-only entries (never recalled or reused)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {
-            "path": self.path, "entries": self.entries, "bytes": self.bytes, "max_bytes": self.max_bytes,
-            "policy": self.policy, "lookups": self.lookups, "hits": self.hits, "hit_rate": self.hit_rate,
-            "answers": self.answers,
-            "quarantined": self.quarantined, "catalog_bytes": self.catalog_bytes, "index_bytes": self.index_bytes,
-            "namespaces": [dict(n.__dict__, config=dict(n.config)) for n in self.namespaces],
-        }
-
-    def to_text(self) -> str:
-        budget = "unlimited" if not self.max_bytes else format_bytes(self.max_bytes)
-        lines = [
-            f"Carnator cache at {self.path}",
-            f"entries: {self.entries}" + (f" ({self.answers} answers of hits)" if self.answers else "")
-            + f"  size: {format_bytes(self.bytes)} (budget {budget}, policy {self.policy})",
-            f"lookups: {self.lookups}  hits: {self.hits}  hit rate: {self.hit_rate:.1%}",
-            f"catalogue: {format_bytes(self.catalog_bytes)}  index files: {format_bytes(self.index_bytes)}  "
-            f"quarantined: {self.quarantined}",
-        ]
-        for n in self.namespaces:
-            c = n.config
-            lines.append(
-                f"- {n.namespace}: {n.entries} entries, {format_bytes(n.bytes)}, hits {n.hits}/{n.lookups} "
-                f"({n.hit_rate:.1%}) [{c.get('arch')} {tuple(c.get('latent_shape', ()))} {c.get('steps')} steps "
-                f"{c.get('sampler')}/{c.get('scheduler')} cfg {c.get('cfg')}]"
-            )
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """Result of ``Store.verify``: ``ok`` iff ``problems`` is empty; ``notes`` are harmless observations."""
-
-    ok: bool
-    entries: int
-    namespaces: int
-    problems: tuple[str, ...]
-    notes: tuple[str, ...] = ()
-
-
 @dataclass
 class _NsIndex:
     token: str
@@ -332,33 +276,14 @@ def _prepare_root(root: Path) -> None:
             d.mkdir(exist_ok=True)
 
 
-def _public(fn: Callable) -> Callable:
-    """Translate raw sqlite3 / OS errors of a public Store method into CacheErrors that say what to do. A damaged
-    catalogue found mid-operation is rebuilt from the entry files before the error is raised."""
-
-    @functools.wraps(fn)
-    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except CacheError:
-            raise
-        except sqlite3.Error as e:
-            if catalog.is_corruption(e):
-                self._recover(f"{type(e).__name__}: {e}")
-                raise CatalogRebuiltError(
-                    f"the cache catalogue at {self.root / CATALOG} was damaged ({e}); it has been set aside in "
-                    "quarantine/ and rebuilt from the entry files. Retry the operation.") from e
-            raise self._translate(e, fn.__name__) from e
-        except OSError as e:
-            raise self._translate(e, fn.__name__) from e
-
-    return wrapper
-
-
 # ---------------------------------------------------------------------------------------------- the store
-class Store:
-    """The cache store. Open with ``Store.open(path)``; one instance per process and directory is enough
-    (it is thread-safe); several processes (or instances) may open the same directory."""
+class Store(StoreOrchestra):
+    """The cache store on a local folder: the catalogue logic of ``StoreOrchestra`` over entry files, a SQLite
+    catalogue and per-process FAISS indexes. Open with ``Store.open(path)``; one instance per process and directory
+    is enough (it is thread-safe); several processes (or instances) may open the same directory."""
+
+    _ELSEWHERE = "cache directory"
+    _PUBLISHED_STAGE = "after_commit"
 
     def __init__(self, root: Path, *, max_bytes: int | None, policy: str, index_params: IndexParams,
                  key: bytes | None, grace_s: float, durable: bool,
@@ -421,7 +346,7 @@ class Store:
             store._open_catalog_checked()
         return store
 
-    @_public
+    @public
     def _open_catalog_checked(self) -> None:
         self._open_catalog()
         if not self.read_only:
@@ -433,12 +358,6 @@ class Store:
                 self._conn.close()
                 self._conn = None  # type: ignore[assignment]
             self._indexes.clear()
-
-    def __enter__(self) -> "Store":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ catalogue
     def _catalog_lock(self) -> FileLock:
@@ -527,7 +446,7 @@ class Store:
             return None, "missing"
         conn = None
         # A full integrity check reads the whole file: affordable at open up to QUICK_CHECK_MAX_BYTES; damage in a
-        # larger catalogue is found when a query reaches it (then it is rebuilt at once, see _public / _recover).
+        # larger catalogue is found when a query reaches it (then it is rebuilt at once, see _boundary / _recover).
         integrity = db.stat().st_size <= QUICK_CHECK_MAX_BYTES
         try:
             conn = catalog.connect(db)
@@ -555,7 +474,7 @@ class Store:
         self.read_only, self._read_only_why = False, ""
         return conn, ""
 
-    @_public
+    @public
     def rebuild_catalog(self, reason: str = "requested") -> None:
         """Rebuild the catalogue from the entry files now (the current one is moved to ``quarantine/``)."""
         with self._lock, self._catalog_lock():
@@ -796,6 +715,24 @@ class Store:
                 log.warning("carnator cache: could not %s (%s); continuing without it%s", what, e,
                             " (the disk is full: free space or purge entries)" if catalog.is_full(e) else "")
 
+    @contextmanager
+    def _boundary(self, what: str) -> Iterator[None]:
+        """Raw sqlite3 / OS errors become CacheErrors that say what to do. A damaged catalogue found mid-operation
+        is rebuilt from the entry files before the error (CatalogRebuiltError: retry) is raised."""
+        try:
+            yield
+        except CacheError:
+            raise
+        except sqlite3.Error as e:
+            if catalog.is_corruption(e):
+                self._recover(f"{type(e).__name__}: {e}")
+                raise CatalogRebuiltError(
+                    f"the cache catalogue at {self.root / CATALOG} was damaged ({e}); it has been set aside in "
+                    "quarantine/ and rebuilt from the entry files. Retry the operation.") from e
+            raise self._translate(e, what) from e
+        except OSError as e:
+            raise self._translate(e, what) from e
+
     def _translate(self, e: BaseException, what: str) -> CacheError:
         return self._translate_for(self.root, e, what)
 
@@ -826,6 +763,9 @@ class Store:
                             "Check the disk; if it persists, Store.verify() says what is inconsistent.")
 
     # ------------------------------------------------------------------ paths
+    def _validate_namespace(self, namespace: str) -> None:
+        self._ns_dir(namespace)
+
     def _ns_dir(self, ns: str, top: str = "entries") -> Path:
         if not valid_namespace(ns):
             raise ValueError(f"invalid namespace {str(ns)[:200]!r}")
@@ -844,31 +784,26 @@ class Store:
         self._ns_dir(ns)  # validates the name
         return self.root / "index" / f"{ns}.safetensors"
 
-    # ------------------------------------------------------------------ write path
-    def put(self, data: EntryData) -> str:
-        """Store one entry; returns its id. If an entry with the same namespace, prompt and seed exists, returns
-        its id and writes nothing (a deterministic request is cached once). May evict other entries."""
-        return self.put_with_status(data)[0]
-
-    @_public
-    def put_with_status(self, data: EntryData) -> tuple[str, bool]:
-        """Like ``put``; also says whether a new entry was written (False: an identical request was cached)."""
-        if not isinstance(data, EntryData):
-            raise TypeError(f"Store.put takes an EntryData, got {type(data).__name__}")
-        ns = data.namespace
-        self._ns_dir(ns)
+    # ------------------------------------------------------------------ storage: put / publish
+    def _check_writable(self) -> None:
         if self.read_only:  # nothing is attempted (a read-only mount, or opened read-only on a full disk)
             raise self._translate(sqlite3.OperationalError(
                 "attempt to write a readonly database" if self._read_only_why == "read-only" else
                 "database or disk is full"), "put")
-        prompt_digest = _digest(data.prompt)
-        seed = int(data.seed)
-        existing = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
-        if existing:
-            return existing, False
-        entry_id = secrets.token_hex(8)
-        now = time.time()
-        enc = common.encode_checked(data, entry_id=entry_id, created=now, max_bytes=self.max_bytes)
+
+    def _find_duplicate(self, data: EntryData) -> str | None:
+        with self._read() as c:
+            row = c.execute("SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=? AND request_key=?",
+                            (data.namespace, _digest(data.prompt), str(int(data.seed)), data.request_key)).fetchone()
+        return row[0] if row else None
+
+    def _new_entry_id(self, namespace: str) -> str:
+        return secrets.token_hex(8)
+
+    def _publish(self, data: EntryData, entry_id: str, enc: EncodedEntry, created: float) -> tuple[str, bool]:
+        """The entry file is written to ``tmp/``, fsynced and renamed into ``entries/``, then the row, embedding
+        and change record are committed in one transaction (see the module docstring: durability)."""
+        ns = data.namespace
         final = self._entry_path(ns, entry_id)
         final.parent.mkdir(exist_ok=True)
         self._ns_dir(ns)  # re-check after mkdir: a link planted meanwhile is refused
@@ -876,27 +811,21 @@ class Store:
         try:
             with self._write() as c:
                 catalog.ensure_namespace(c, ns, data.model_fingerprint, data.config, int(enc.embedding.shape[0]))
-                catalog.insert_row(c, entry_id, ns, data.prompt, prompt_digest, seed, len(enc.blob), enc.meta_digest,
+                catalog.insert_row(c, entry_id, ns, data.prompt, _digest(data.prompt), int(data.seed),
+                                   len(enc.blob), enc.meta_digest,
                                    work_of(data.config.steps, data.config.probe_steps, data.config.latent_shape),
-                                   enc.embedding, now, request_key=data.request_key, answer=bool(data.answer_of))
+                                   enc.embedding, created, request_key=data.request_key, answer=bool(data.answer_of))
         except sqlite3.IntegrityError:
             # Either another process stored the same request first, or its open-time scan adopted *this* file
             # (renamed, not yet committed: a forward clock jump, or this writer stalled past the grace period).
             if not self._discard_unless_catalogued(entry_id, final):
-                dup = self._find_duplicate(ns, prompt_digest, seed, data.request_key)
+                dup = self._find_duplicate(data)
                 if dup:
                     return dup, False
                 raise
         except BaseException:
             self._discard_unless_catalogued(entry_id, final)
             raise
-        if self._fault:
-            self._fault("after_commit")
-        try:
-            self._evict_if_needed(protect={entry_id})
-        except (sqlite3.Error, OSError, CacheError) as e:  # the entry is committed: report, do not fail the put
-            log.warning("carnator cache: eviction after writing %s failed (%s); it is retried after the next write",
-                        entry_id, e)
         return entry_id, True
 
     def _discard_unless_catalogued(self, entry_id: str, final: Path) -> bool:
@@ -923,19 +852,7 @@ class Store:
                         "adopted by a later scan", final.name, e)
             return False
 
-    def _find_duplicate(self, ns: str, prompt_digest: str, seed: int, request_key: str = "") -> str | None:
-        with self._read() as c:
-            row = c.execute("SELECT id FROM entries WHERE namespace=? AND prompt_digest=? AND seed=? AND request_key=?",
-                            (ns, prompt_digest, str(seed), request_key)).fetchone()
-        return row[0] if row else None
-
-    @_public
-    def find_request(self, request_key: str) -> str | None:
-        """The id of the entry stored under exactly this request key (``EntryData.request_key``: a dense output,
-        or an answer-only entry's answer key), or None. One indexed query; counts nothing (the caller loads the
-        entry and counts the hit)."""
-        if not isinstance(request_key, str) or not request_key or not REQUEST_KEY_RE.match(request_key):
-            return None
+    def _find_request(self, request_key: str) -> str | None:
         with self._read() as c:
             row = c.execute("SELECT id FROM entries WHERE request_key=? ORDER BY answer, seq DESC LIMIT 1",
                             (request_key,)).fetchone()
@@ -949,7 +866,7 @@ class Store:
                 self._entry_path(ns, entry_id).unlink(missing_ok=True)
             except (ValueError, CacheError):
                 pass  # an invalid name or a planted link: nothing of ours to remove there
-            self._forget_sig(entry_id)
+            self._sigs.discard(entry_id)
             if self._fault and i == 0:
                 self._fault(stage)
 
@@ -968,49 +885,38 @@ class Store:
                     log.warning("carnator cache: %s removed the files but could not update the catalogue (%s); "
                                 "the stale rows are dropped by the next open or read", what, e)
 
-    def _evict_if_needed(self, protect: set[str]) -> int:
-        if not self.max_bytes:
-            return 0
-        with FileLock(str(self.root / "locks" / "evict.lock"), timeout=600):
-            with self._read() as c:
-                total = int(c.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
-                if total <= self.max_bytes:
-                    return 0
-                victims: list[tuple[int, str, str]] = []
-                top_priority = None
-                for seq, entry_id, ns, nbytes, prio in c.execute(
-                    f"SELECT seq, id, namespace, nbytes, priority FROM entries ORDER BY {EVICTION_ORDER[self.policy]}"
-                ).fetchall():
-                    if total <= self.max_bytes:
-                        break
-                    if entry_id in protect:
-                        continue
-                    victims.append((seq, entry_id, ns))
-                    total -= int(nbytes)
-                    top_priority = prio if top_priority is None else max(top_priority, prio)
-            if not victims:
-                return 0
-            if self._fault:
-                self._fault("evict_picked")
-            self._unlink_entries(victims, "evict_unlinked")
+    def _stored_bytes(self) -> int:
+        with self._read() as c:
+            return int(c.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
 
-            def body(c: sqlite3.Connection) -> None:
-                still = [v for v in victims if c.execute("SELECT 1 FROM entries WHERE seq=?", (v[0],)).fetchone()]
-                catalog.delete_rows(c, still)
-                if top_priority is not None:  # GDSF clock: L rises to the priority of what was evicted
-                    c.execute("UPDATE info SET value=CAST(MAX(CAST(value AS REAL), ?) AS TEXT) WHERE key='inflation'",
-                              (float(top_priority),))
+    def _eviction_lock(self) -> FileLock:
+        return FileLock(str(self.root / "locks" / "evict.lock"), timeout=600)
 
-            self._commit_deletes("eviction", body)
-        log.info("carnator cache: evicted %d entr%s (%s policy) to stay within %s", len(victims),
-                 "y" if len(victims) == 1 else "ies", self.policy, format_bytes(self.max_bytes))
-        return len(victims)
+    def _eviction_plan(self) -> tuple[int, list[Victim]]:
+        with self._read() as c:  # one snapshot: the total and the order agree
+            total = int(c.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+            order = [Victim(entry_id=entry_id, namespace=ns, nbytes=int(nbytes), priority=float(prio), ref=seq)
+                     for seq, entry_id, ns, nbytes, prio in c.execute(
+                         "SELECT seq, id, namespace, nbytes, priority FROM entries"
+                         f" ORDER BY {EVICTION_ORDER[self.policy]}").fetchall()]
+        return total, order
 
-    @_public
-    def delete(self, entry_id: str) -> bool:
-        """Remove one entry (file first, then its row). Returns False if it was not there. Works on a full disk."""
-        if not valid_entry_id(entry_id):
-            return False
+    def _remove_victims(self, victims: list[Victim], inflation: float | None) -> int:
+        rows = [(v.ref, v.entry_id, v.namespace) for v in victims]
+        self._unlink_entries(rows, "evict_unlinked")
+
+        def body(c: sqlite3.Connection) -> None:
+            still = [r for r in rows if c.execute("SELECT 1 FROM entries WHERE seq=?", (r[0],)).fetchone()]
+            catalog.delete_rows(c, still)
+            if inflation is not None:  # GDSF clock: L rises to the priority of what was evicted
+                c.execute("UPDATE info SET value=CAST(MAX(CAST(value AS REAL), ?) AS TEXT) WHERE key='inflation'",
+                          (float(inflation),))
+
+        self._commit_deletes("eviction", body)
+        return len(rows)
+
+    def _remove(self, namespace: str, entry_id: str) -> bool:
+        """File first, then its row."""
         with self._read() as c:
             row = c.execute("SELECT seq, id, namespace FROM entries WHERE id=?", (entry_id,)).fetchone()
         if row is None:
@@ -1020,13 +926,9 @@ class Store:
             c, [r for r in [row] if c.execute("SELECT 1 FROM entries WHERE seq=?", (r[0],)).fetchone()]))
         return True
 
-    @_public
-    def purge(self, namespace: str | None = None) -> int:
-        """Delete every entry (``namespace=None``) or those of one namespace, their index files and counters.
-        Returns how many entries were removed. Works on a full disk (files go first, freeing space)."""
+    def _purge_storage(self, namespace: str | None) -> tuple[int, list[str]]:
+        """Files go first (freeing space on a full disk), then the rows; then the namespaces' index files."""
         where, args = ("WHERE namespace=?", (namespace,)) if namespace else ("", ())
-        if namespace:
-            self._ns_dir(namespace)
         with self._read() as c:
             rows = c.execute(f"SELECT seq, id, namespace FROM entries {where}", args).fetchall()
             namespaces = [r[0] for r in c.execute(f"SELECT namespace FROM namespaces {where}", args).fetchall()]
@@ -1055,22 +957,21 @@ class Store:
 
         self._commit_deletes("purge", body)
         for ns in namespaces:
-            self._indexes.pop(ns, None)
             with FileLock(str(self.root / "locks" / f"index-{ns}.lock"), timeout=600):
                 self._index_path(ns).unlink(missing_ok=True)
-        log.info("carnator cache: purged %d entries (%s)", len(rows), f"namespace {namespace}" if namespace else "all")
-        return len(rows)
+        return len(rows), namespaces
 
     # ------------------------------------------------------------------ quarantine
-    def _quarantine(self, entry_id: str, ns: str, reason: str, path: Path | None = None,
-                    drop_row: bool = True) -> CorruptEntryError:
-        """Move a bad entry file aside (never delete it), drop its row, log one line; returns the error to raise."""
+    def _set_aside(self, ns: str, entry_id: str, reason: str, path: Path | None = None,
+                   drop_row: bool = True) -> tuple[str, str | None]:
+        """Move a bad entry file (``path``: one not catalogued yet) to ``quarantine/<namespace>/`` with a note of
+        the reason, and drop its row unless not ``drop_row``."""
         src = path or self._entry_path(ns, entry_id)
         try:
             qdir = self._ns_dir(ns, "quarantine")
         except (ValueError, CacheError):
             qdir = self.root / "quarantine" / "_invalid"
-        moved = False
+        moved, failed = False, ""
         dst = qdir / src.name
         try:
             qdir.mkdir(parents=True, exist_ok=True)
@@ -1081,7 +982,7 @@ class Store:
         except FileNotFoundError:
             pass  # another process moved it first (and logged it)
         except OSError as e:
-            reason += f" (could not move it aside: {e})"
+            failed = f"nowhere (could not move it aside: {e})"
         if moved:
             with self._best_effort("write a quarantine note"):
                 _atomic_write(self.root, qdir / f"{dst.stem}.reason.txt",
@@ -1094,13 +995,8 @@ class Store:
                     if row is not None:
                         catalog.delete_rows(c, [row])
                         removed = True
-        self._forget_sig(entry_id)
-        if moved or removed:
-            log.warning("carnator cache: quarantined entry %s (namespace %s): %s -> %s; other entries are unaffected",
-                        entry_id, ns, reason, dst if moved else "file already gone, catalogue row removed")
-        return CorruptEntryError(
-            f"cache entry {entry_id} is corrupt ({reason}); it was moved to {dst} and removed from the catalogue. "
-            "Other entries are unaffected; the request continues without it.")
+        where = failed or str(dst)
+        return where, (where if moved else "file already gone, catalogue row removed" if removed else None)
 
     # ------------------------------------------------------------------ read path
     def _row(self, entry_id: str) -> tuple | None:
@@ -1111,10 +1007,6 @@ class Store:
                 "SELECT seq, namespace, prompt, seed, nbytes, meta_digest, created, hits FROM entries WHERE id=?",
                 (entry_id,)).fetchone()
 
-    def _gone(self, entry_id: str) -> EntryNotFoundError:
-        return EntryNotFoundError(f"cache entry {entry_id} is no longer in the cache (evicted, purged or "
-                                  "quarantined meanwhile); retrieve candidates again")
-
     def _vanished(self, entry_id: str, seq: int) -> EntryNotFoundError:
         """A row whose file is gone (deleted by another process right now, or behind the store's back): drop
         the row (best-effort) and report the entry as no longer cached."""
@@ -1123,86 +1015,59 @@ class Store:
                 row = c.execute("SELECT seq, id, namespace FROM entries WHERE seq=?", (seq,)).fetchone()
                 if row is not None:
                     catalog.delete_rows(c, [row])
-        self._forget_sig(entry_id)
+        self._sigs.discard(entry_id)
         return self._gone(entry_id)
 
-    @_public
-    def load(self, entry_id: str, *, count_hit: bool = True, model_fingerprint: str | None = None) -> Entry:
-        """Load and fully validate one entry. ``count_hit``: count this as a reuse (hits, recency, LCBFU value;
-        best-effort: skipped on a full disk). ``model_fingerprint``: refuse (NamespaceMismatchError) an entry made
-        by another model. Raises EntryNotFoundError (not cached any more) or CorruptEntryError (quarantined)."""
+    # ------------------------------------------------------------------ storage: reads and counters
+    def _namespace_of(self, entry_id: str) -> str | None:
+        row = self._row(entry_id)
+        return row[1] if row else None
+
+    def _read_entry(self, entry_id: str) -> StoredEntry | None:
         row = self._row(entry_id)
         if row is None:
-            raise self._gone(entry_id)
+            return None
         seq, ns, prompt, seed, nbytes, meta_digest, created, hits = row
-        path = self._entry_path(ns, entry_id)
         try:
-            data = path.read_bytes()
+            data = self._entry_path(ns, entry_id).read_bytes()
         except FileNotFoundError:
             raise self._vanished(entry_id, seq) from None
-        try:
-            # The file's own header and checksums decide whether it is whole (a truncated file fails them); a row
-            # whose size disagrees with a file that verifies is what is wrong, and is corrected.
-            dec = common.verify_entry(data, entry_id=entry_id, namespace=ns, meta_digest=meta_digest,
-                                      recorded_size=nbytes)
-        except EntryFormatError as e:
-            raise self._quarantine(entry_id, ns, str(e)) from None
-        if len(data) != nbytes:
-            nbytes = self._fix_size(seq, entry_id, int(nbytes), len(data))
-        common.check_model(dec, entry_id, model_fingerprint, "cache directory")
-        if count_hit:
-            hits = self._bump(entry_id, ns, int(hits))
-        return common.entry_of(dec, entry_id=entry_id, namespace=ns, prompt=prompt, seed=seed, created=created,
-                               hits=hits, nbytes=nbytes)
+        return StoredEntry(namespace=ns, prompt=prompt, seed=int(seed), created=float(created), hits=int(hits),
+                           nbytes=int(nbytes), meta_digest=meta_digest, blob=data, ref=seq)
 
-    @_public
-    def load_signature(self, entry_id: str) -> Signature:
-        """The entry's Early Signature only (reads just those tensors; cached per process)."""
-        hit = self._sigs.get(entry_id)
-        if hit is not None:
-            return hit
+    def _read_signature(self, entry_id: str, hint: Any = None) -> StoredSignature | None:
+        """Reads just the ``sig.*`` tensors of the entry file."""
         row = self._row(entry_id)
         if row is None:
-            raise self._gone(entry_id)
-        ns, nbytes, meta_digest = row[1], row[4], row[5]
+            return None
+        seq, ns, nbytes, meta_digest = row[0], row[1], int(row[4]), row[5]
         path = self._entry_path(ns, entry_id)
         try:
             # No expect_size: the header describes the file's size and every tensor read is checksummed, so a
-            # truncated file fails here, and a row whose size disagrees with a whole file is corrected below.
+            # truncated file fails here, and a row whose size disagrees with a whole file is corrected.
             meta, meta_json, parts = read_entry_parts(path, None, prefix="sig.")
         except FileNotFoundError:
-            raise self._vanished(entry_id, row[0]) from None
+            raise self._vanished(entry_id, seq) from None
         except Exception as e:  # noqa: BLE001 - any defect of a file from disk means "quarantine"
-            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
+            return StoredSignature(namespace=ns, signature=None, defect=f"{type(e).__name__}: {e}")
         try:
             if _digest(meta_json) != meta_digest:
                 raise ValueError("metadata checksum mismatch")
             check_meta(meta, entry_id, ns)
             sig = signature_from(meta, {k: torch.from_numpy(v) for k, v in parts.items()})
         except Exception as e:  # noqa: BLE001
-            raise self._quarantine(entry_id, ns, f"{type(e).__name__}: {e}") from None
-        size = path.stat().st_size
-        if size != nbytes:
-            self._fix_size(row[0], entry_id, int(nbytes), size)
-        self._sigs.put(entry_id, sig, sum(a.nbytes for a in parts.values()))
-        return sig
+            return StoredSignature(namespace=ns, signature=None, defect=f"{type(e).__name__}: {e}")
+        return StoredSignature(namespace=ns, signature=sig, memo_bytes=sum(a.nbytes for a in parts.values()),
+                               nbytes=nbytes, actual_size=path.stat().st_size, ref=seq)
 
-    def _fix_size(self, seq: int, entry_id: str, recorded: int, actual: int) -> int:
-        """A row recorded another size than its entry file has, and the file verified against its own header and
-        checksums: correct the row (best-effort; it is what budgets and eviction add up). Returns ``actual``."""
-        log.warning("carnator cache: the catalogue recorded %d bytes for entry %s but its file (which verifies) has "
-                    "%d; the recorded size was corrected", recorded, entry_id, actual)
+    def _correct_size(self, stored: Any, namespace: str, entry_id: str, recorded: int, actual: int) -> None:
         with self._best_effort("correct an entry's recorded size"):
             with self._write() as c:  # the LCBFU value per byte changes with the size; its clock L stays
                 c.execute("UPDATE entries SET priority=priority-carnator_priority(0, hits, work, nbytes)"
-                          "+carnator_priority(0, hits, work, ?), nbytes=? WHERE seq=?", (actual, actual, seq))
-        return actual
+                          "+carnator_priority(0, hits, work, ?), nbytes=? WHERE seq=? AND nbytes=?",
+                          (actual, actual, stored, recorded))
 
-    def _forget_sig(self, entry_id: str) -> None:
-        self._sigs.discard(entry_id)
-
-    def _bump(self, entry_id: str, ns: str, hits: int) -> int:
-        """Count one reuse (best-effort: a full disk must not fail a read). Returns the entry's hits."""
+    def _count_hit(self, namespace: str, entry_id: str) -> int:
         with self._best_effort("count a cache hit"):
             with self._write() as c:
                 inflation = float(c.execute("SELECT value FROM info WHERE key='inflation'").fetchone()[0])
@@ -1210,84 +1075,39 @@ class Store:
                           " priority=carnator_priority(?, hits+1, work, nbytes) WHERE id=?",
                           (time.time(), inflation, entry_id))
                 c.execute("INSERT INTO counters(namespace, lookups, hits) VALUES (?, 0, 1) ON CONFLICT(namespace)"
-                          " DO UPDATE SET hits=hits+1", (ns,))
+                          " DO UPDATE SET hits=hits+1", (namespace,))
                 row = c.execute("SELECT hits FROM entries WHERE id=?", (entry_id,)).fetchone()
-            return int(row[0]) if row else hits
-        return hits
+            return int(row[0]) if row else -1
+        return -2
 
-    @_public
-    def record_hit(self, entry_id: str) -> int:
-        """Count one reuse of ``entry_id`` (when it was not loaded with ``count_hit=True``). Returns its hits."""
+    def _hits_of(self, namespace: str, entry_id: str) -> int | None:
         row = self._row(entry_id)
-        if row is None:
-            raise self._gone(entry_id)
-        return self._bump(entry_id, row[1], int(row[7]))
+        return int(row[7]) if row else None
 
-    @_public
-    def record_lookup(self, namespace: str) -> None:
-        """Count one retrieval request in ``namespace`` (the hit-rate denominator; best-effort)."""
+    def _count_lookup(self, namespace: str) -> None:
         with self._best_effort("count a cache lookup"):
             with self._write() as c:
                 c.execute("INSERT INTO counters(namespace, lookups, hits) VALUES (?, 1, 0) ON CONFLICT(namespace)"
                           " DO UPDATE SET lookups=lookups+1", (namespace,))
 
-    # ------------------------------------------------------------------ retrieval
-    @_public
-    def query(self, namespace: str, embedding: np.ndarray, k: int = 5, *, model_fingerprint: str | None = None
-              ) -> list[tuple[str, float]]:
-        """Top-k entries of ``namespace`` by cosine similarity to ``embedding``: ``[(entry_id, similarity)]``, best
-        first. Only that namespace is searched. Raises ValueError if the embedding's dimension differs from the
-        namespace's. ``model_fingerprint``: raise NamespaceMismatchError if the namespace holds another model's
-        entries (its key is a fingerprint prefix: a collision must not mix models)."""
-        self._ns_dir(namespace)  # validates the name
-        if model_fingerprint is not None:
-            self._check_namespace_model(namespace, str(model_fingerprint))
-        q = query_vector(embedding)
-        with self._lock:
-            st = self._sync(namespace)
-            if st is None:
-                return []
-            found = st.index.search_query(q, k, self.index_params, self._fetch_vectors, namespace)
-            if not found:
-                return []
-            seqs = [s for s, _ in found]
-            ids = dict(self._require_conn().execute(
-                f"SELECT seq, id FROM entries WHERE namespace=? AND seq IN ({','.join('?' * len(seqs))})",
-                (namespace, *seqs)).fetchall())
-        return [(ids[s], sim) for s, sim in found if s in ids]
-
-    def _check_namespace_model(self, namespace: str, model_fingerprint: str) -> None:
+    # ------------------------------------------------------------------ storage: recall
+    def _namespace_model(self, namespace: str) -> str | None:
         with self._read() as c:
             row = c.execute("SELECT model_fingerprint FROM namespaces WHERE namespace=?", (namespace,)).fetchone()
-        if row is not None and row[0] != model_fingerprint:
-            raise NamespaceMismatchError(
-                f"namespace {namespace} holds entries of model {row[0]}, not {model_fingerprint}: the fingerprints "
-                "share the namespace key's prefix, and entries are never reused across models. Purge the namespace "
-                "or use another cache directory.")
+        return row[0] if row else None
 
-    @_public
-    def candidates(self, namespace: str, embedding: np.ndarray | None, k: int = 5, *, min_similarity: float = -1.0,
-                   model_fingerprint: str | None = None, count_lookup: bool = True) -> Candidates:
-        """Top-k candidates with their signatures (``types.Candidates``); counts one lookup unless not
-        ``count_lookup`` (the request path counts it when the request is served: ``request.reuse_stage``). Entries
-        that turn out
-        corrupt are quarantined and skipped (said in ``note``); entries evicted meanwhile are skipped. No embedding
-        (a prompt that could not be embedded) or a namespace pinned to another ``model_fingerprint`` gives no
-        candidates, with the reason in ``note``."""
-        t0 = time.perf_counter()
-        self._ns_dir(namespace)  # validates the name
-        if count_lookup:
-            self.record_lookup(namespace)
+    def _ids_of(self, namespace: str, seqs: list[int]) -> dict[int, str]:
+        with self._lock:
+            return dict(self._require_conn().execute(
+                f"SELECT seq, id FROM entries WHERE namespace=? AND seq IN ({','.join('?' * len(seqs))})",
+                (namespace, *seqs)).fetchall())
 
-        def rows(ids: list[str]) -> dict[str, tuple[str, int]]:
-            with self._lock:
-                return {r[0]: (r[1], int(r[2])) for r in self._require_conn().execute(
-                    f"SELECT id, prompt, seed FROM entries WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()}
+    def _recall_rows(self, namespace: str, ids: list[str]) -> dict[str, tuple[str, int, Any]]:
+        with self._lock:
+            return {r[0]: (r[1], int(r[2]), None) for r in self._require_conn().execute(
+                f"SELECT id, prompt, seed FROM entries WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()}
 
-        return common.recall(namespace, embedding, k, min_similarity, model_fingerprint, query=self.query, rows=rows,
-                             signature=self.load_signature, t0=t0)
-
-    def _fetch_vectors(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _fetch_vectors(self, namespace: str, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out_ids, out_vecs = [], []
         with self._lock:
             for chunk in _chunks([int(s) for s in seqs]):
@@ -1462,7 +1282,7 @@ class Store:
                 c.execute("DELETE FROM changes WHERE namespace=? AND generation<=?", (ns, gen - CHANGE_LOG_KEEP))
 
     # ------------------------------------------------------------------ scan / verify / stats
-    @_public
+    @public
     def scan(self, grace_s: float | None = None) -> dict[str, int]:
         """Recover after crashes (run at open). Older than ``grace_s`` (default: the store's grace period, so
         in-flight writes of other processes are never touched): our own temp files in ``tmp/`` are removed, and
@@ -1521,7 +1341,7 @@ class Store:
                              if c.execute("SELECT 1 FROM entries WHERE seq=?", (r[0],)).fetchone() is not None]
                     catalog.delete_rows(c, still)
                 for r in still:
-                    self._forget_sig(r[1])
+                    self._sigs.discard(r[1])
                 log.warning("carnator cache: removed %d catalogue rows whose entry file is missing", len(still))
                 out["missing_rows_removed"] = len(still)
         if out["orphans_adopted"] or out["tmp_removed"]:
@@ -1529,11 +1349,9 @@ class Store:
                      "writes", out["tmp_removed"], out["orphans_adopted"])
         return out
 
-    @_public
-    def verify(self, *, deep: bool = False) -> VerifyReport:
-        """Check that catalogue, files and indexes agree. ``deep``: also load and checksum every entry (corrupt
-        ones get quarantined as a side effect and reported). Orphan files younger than the grace period are
-        reported as notes (they may be writes in flight)."""
+    def _verify_storage(self) -> tuple[list[str], list[str], list[str], int]:
+        """Catalogue rows against entry files, embeddings and indexes (persisted file + change log). Orphan files
+        younger than the grace period are notes (they may be writes in flight)."""
         problems: list[str] = []
         notes: list[str] = []
         now = self._clock()
@@ -1576,16 +1394,7 @@ class Store:
         with self._lock:
             for ns in namespaces:
                 self._verify_index(ns, problems, notes)
-        if deep:
-            for _, entry_id, _, _ in rows:
-                try:
-                    self.load(entry_id, count_hit=False)
-                except EntryNotFoundError:
-                    pass
-                except CorruptEntryError as e:
-                    problems.append(str(e))
-        return VerifyReport(ok=not problems, entries=len(rows), namespaces=len(namespaces), problems=tuple(problems),
-                            notes=tuple(notes))
+        return problems, notes, [r[1] for r in rows], len(namespaces)
 
     def _verify_index(self, ns: str, problems: list[str], notes: list[str]) -> None:
         """Compare this process's index of ``ns`` (and the persisted file + change log) with the catalogue at the
@@ -1617,9 +1426,7 @@ class Store:
             return
         notes.append(f"namespace {ns}: index not checked (the namespace kept changing)")
 
-    @_public
-    def stats(self, namespace: str | None = None) -> CacheStats:
-        """Entries, bytes, lookups, hits and hit rate, overall and per namespace (or for one namespace)."""
+    def _stats_parts(self, namespace: str | None) -> tuple[list[NamespaceCounts], int, int, int, int, int]:
         where, args = ("WHERE n.namespace=?", (namespace,)) if namespace else ("", ())
         with self._read() as c:
             ns_rows = c.execute(
@@ -1629,59 +1436,43 @@ class Store:
                 " ORDER BY n.namespace", args).fetchall()
             counters = {r[0]: (int(r[1]), int(r[2]))
                         for r in c.execute("SELECT namespace, lookups, hits FROM counters")}
-        per = []
-        for ns, fp, cfg_json, n, b, a in ns_rows:
-            lookups, hits = counters.get(ns, (0, 0))
-            per.append(NamespaceStats(namespace=ns, model_fingerprint=fp, config=json.loads(cfg_json), entries=int(n),
-                                      bytes=int(b), lookups=lookups, hits=hits,
-                                      hit_rate=hits / lookups if lookups else 0.0, answers=int(a)))
+        per: list[NamespaceCounts] = [(ns, fp, json.loads(cfg_json), int(n), int(b), int(a),
+                                       *counters.get(ns, (0, 0))) for ns, fp, cfg_json, n, b, a in ns_rows]
         if namespace:
             lookups, hits = counters.get(namespace, (0, 0))
         else:
-            lookups = sum(v[0] for v in counters.values())
-            hits = sum(v[1] for v in counters.values())
-        qdir = self.root / "quarantine"
-        return CacheStats(
-            path=str(self.root), entries=sum(p.entries for p in per), bytes=sum(p.bytes for p in per),
-            max_bytes=self.max_bytes, policy=self.policy, lookups=lookups, hits=hits,
-            hit_rate=hits / lookups if lookups else 0.0,
-            quarantined=sum(1 for _ in qdir.glob("*/*.safetensors")),
-            catalog_bytes=sum(p.stat().st_size for p in self.root.glob(CATALOG + "*") if p.is_file()),
-            index_bytes=sum(p.stat().st_size for p in (self.root / "index").glob("*.safetensors")),
-            namespaces=tuple(per), answers=sum(p.answers for p in per))
+            lookups, hits = sum(v[0] for v in counters.values()), sum(v[1] for v in counters.values())
+        return (per, lookups, hits, sum(1 for _ in (self.root / "quarantine").glob("*/*.safetensors")),
+                sum(p.stat().st_size for p in self.root.glob(CATALOG + "*") if p.is_file()),
+                sum(p.stat().st_size for p in (self.root / "index").glob("*.safetensors")))
 
-    @_public
+    @property
+    def _where(self) -> str:
+        return str(self.root)
+
+    @public
     def content_version(self) -> int:
         """A counter that changes whenever any entry is added or removed (any process)."""
         with self._read() as c:
             return int(c.execute("SELECT value FROM info WHERE key='content_version'").fetchone()[0])
 
-    @_public
+    @public
     def purge_count(self) -> int:
         """How many purges this cache has seen (any process; 0 before the first)."""
         with self._read() as c:
             row = c.execute("SELECT value FROM info WHERE key='purges'").fetchone()
         return int(row[0]) if row else 0
 
-    @_public
+    @public
     def namespaces(self) -> list[str]:
         with self._read() as c:
             return [r[0] for r in c.execute("SELECT namespace FROM namespaces ORDER BY namespace")]
 
-    @_public
+    @public
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         where, args = ("WHERE namespace=?", (namespace,)) if namespace else ("", ())
         with self._read() as c:
             return [r[0] for r in c.execute(f"SELECT id FROM entries {where} ORDER BY seq", args)]
-
-    @_public
-    def index_kind(self, namespace: str) -> str | None:
-        """The kind of this process's index for ``namespace`` ("flat" / "pca-ivf"), after syncing; None if empty."""
-        with self._lock:
-            st = self._sync(namespace)
-            return st.index.kind if st else None
-
-
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _writable(root: Path) -> bool:
