@@ -150,3 +150,28 @@ def test_strict_is_opt_in_and_version_is_checked():
     with pytest.raises(ValueError, match="label version"):
         pairs.embedded_checker_labeler("request", 1.25, version=3)
     assert "shape" in pairs.embedded_checker_labeler("request", 1.25, version=2).definition
+
+
+def test_learning_mode_labels_the_embedded_model_with_the_second_label():
+    """The judge learning mode uses on the embedded model (``judge.SECOND_LABEL``, built in the runtime without
+    the lab) gives every clip above the verdict the lab's second label gives it: each new check fails the same
+    clips, and the controls pass."""
+    from carnator.carnator_core.judge import SECOND_LABEL, judge_for
+    from carnator.carnator_core.judge.base import JudgeRequest, excess_label
+
+    judge = judge_for(None, "embedded", SECOND_LABEL)
+    assert judge.settings == {"artifact_ratio": 1.25, "strict": True, "detail": True}
+    blurred = np.clip(ndimage.gaussian_filter(DENSE_RIGHT - _texture(), sigma=(0, 1.6, 1.6, 0)) + _texture(), 0, 1)
+    ghost = checker.silhouette("ball", 8.0, 8.0, 3.0, FRAME.height, FRAME.width).astype(np.float32)
+    ghost = ndimage.gaussian_filter(ghost, 0.7)[None, :, :, None] * 0.6
+    cases = [(DENSE_RIGHT, DENSE_RIGHT, PROMPT_RIGHT), (DENSE_STILL, DENSE_RIGHT, PROMPT_STILL),
+             (DENSE_RIGHT, blurred.astype(np.float32), PROMPT_RIGHT),
+             (DENSE_RIGHT, (DENSE_RIGHT * (1 - ghost) + np.asarray(world.PALETTE["red"]) * ghost).astype(np.float32),
+              PROMPT_RIGHT),
+             (DENSE_RIGHT, _paint(_straight(20.0, 28.0), shape="diamond"), PROMPT_RIGHT)]
+    seen = []
+    for dense, reuse, prompt in cases:
+        lab = excess_label(judge, reuse, dense, JudgeRequest(prompt=prompt, seed=0))
+        seen.append(lab.b)
+        assert lab.b == _label(2, dense, reuse, prompt)[0], prompt
+    assert seen == [False, True, True, True, True]

@@ -22,6 +22,10 @@ __all__ = ["CheckerJudge", "ExcessLabel", "Judge", "JudgeBase", "JudgeRequest", 
            "excess_label", "judge_for"]
 
 
+#: The embedded world's second label as judge settings (the label the per-stratum certificates and learning use).
+SECOND_LABEL: Mapping[str, Any] = {"judge": "checker", "artifact_ratio": 1.25, "strict": True, "detail": True}
+
+
 def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] | None = None, *,
               encode: Callable[[str], Any] | None = None, text_encoder: Any = None,
               vae_encode: Callable[[Any], Any] | None = None, second_model: Any = None,
@@ -29,7 +33,9 @@ def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] |
     """The default judge for ``model`` (a ComfyUI MODEL; ``arch`` = ``adapters.detect_arch(model)`` when None).
 
     - the embedded model ("embedded"): :class:`CheckerJudge` — the pixel checker knows the truth there.
-      ``settings``: ``artifact_ratio`` (None = no artifact check).
+      ``settings``: ``artifact_ratio`` (None = no artifact check), ``strict`` and ``detail`` (True for both plus
+      ``artifact_ratio`` 1.25 is the second label, :data:`SECOND_LABEL`: shape, the motion track, blur, object
+      interiors and ghosts).
     - Wan 2.1 / Wan 2.2 / LTX-Video: :class:`~.native.NativeJudge` on the model itself; needs ``encode``
       (prompt -> CONDITIONING) and, to read objects, ``text_encoder`` (the CLIP); ``second_model`` +
       ``switch_sigma`` for a two-expert pair. ``settings``: ``sigmas``, ``layers``, ``support_mass``,
@@ -50,7 +56,10 @@ def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] |
         if arch not in (None, "embedded"):
             raise ValueError(f"the pixel checker judges only the embedded model's world, not a {arch} model; use "
                              "judge='native' (or 'tolerance')")
-        return CheckerJudge(settings.get("artifact_ratio"))
+        from .checker import detail_failures
+
+        return CheckerJudge(settings.get("artifact_ratio"), strict=bool(settings.get("strict", False)),
+                            detail=detail_failures if settings.get("detail") else None)
     if kind == "tolerance":
         return ToleranceJudge(settings.get("metric", "psnr"), float(settings.get("threshold", 25.0)))
     if kind == "native":

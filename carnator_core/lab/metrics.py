@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..embedded import checker
-from ..judge import pixels
+from ..judge import checker as _checker_judge, pixels
 
 GATED = ("colour", "size", "position", "motion")
 
@@ -70,76 +70,15 @@ artifact_score = pixels.artifact_score
 _hf_energy = pixels.hf_energy
 
 
-# --- what the background score cannot see: blur, object interiors, ghosts (the second label) ---------------------
-#: A clip *fails* the detail check (:func:`detail_verdict`) when, against the dense clip of the same request:
-#: its objects' edges are less than ``BLUR_RATIO`` as sharp, or their interiors carry more than ``INTERIOR_RATIO``
-#: x (+ ``INTERIOR_SLACK``) the high-frequency energy, or more than ``GHOST_PX`` more pixels per frame of
-#: foreground stand away from every named object. Set on hand-built clips and the development floor (seed 83;
-#: BENCHMARKS.md, "The second label"), never on certification data.
-BLUR_RATIO = 0.75
-INTERIOR_RATIO = 2.0
-INTERIOR_SLACK = 1.0
-GHOST_PX = 6.0
-GHOST_MARGIN = 2  # px around a named object that still count as the object (soft edges, motion blur)
-
-
-def _gradient(x: np.ndarray) -> np.ndarray:
-    """Per-pixel gradient magnitude [T, H, W] of a clip (central differences, largest over the RGB channels)."""
-    gy = np.gradient(x, axis=1)
-    gx = np.gradient(x, axis=2)
-    return np.sqrt(gx * gx + gy * gy).max(-1)
-
-
-def object_detail(clip: Any, caption_or_scene: Any) -> dict[str, float]:
-    """What a viewer sees of the objects themselves, judged on the clip's own segmentation (checker.object_masks):
-
-    * ``edge``: sharpness — median over frames and objects of the 90th percentile gradient magnitude on the
-      object's boundary band (the mask minus its 1-px erosion, grown by 1 px); NaN without an object;
-    * ``interior``: high-frequency energy (x1000, as :func:`artifact_score`) inside the objects (masks eroded by
-      2 px: flat paint in the world; blotches, seams and noise raise it); NaN when no interior is left;
-    * ``ghost_px``: mean per frame of foreground pixels (farther than the checker's FG_THRESHOLD from the
-      background) more than ``GHOST_MARGIN`` px from every named object's mask — a faint second object, a trail.
-    """
-    from scipy import ndimage
-
-    from ..embedded import world
-
-    scene = world.parse_caption(caption_or_scene) if isinstance(caption_or_scene, str) else caption_or_scene
-    x = as_clip(clip).astype(np.float64)
-    masks, _, bg = checker.object_masks(x, scene)
-    grad = _gradient(x)
-    energy = _hf_energy(x)
-    edges, inside = [], np.zeros(x.shape[:3], bool)
-    for m in masks:
-        for t in range(m.shape[0]):
-            if m[t].sum() < checker.MIN_AREA:
-                continue
-            band = ndimage.binary_dilation(m[t] & ~ndimage.binary_erosion(m[t]), iterations=1)
-            edges.append(float(np.percentile(grad[t][band], 90)))
-            inside[t] |= ndimage.binary_erosion(m[t], iterations=2)
-    fg = np.linalg.norm(x - bg, axis=-1) > checker.FG_THRESHOLD
-    near = masks.any(0) if len(masks) else np.zeros(fg.shape, bool)
-    if near.any():
-        near = ndimage.binary_dilation(near, structure=np.ones((1, 2 * GHOST_MARGIN + 1, 2 * GHOST_MARGIN + 1), bool))
-    return {"edge": float(np.median(edges)) if edges else math.nan,
-            "interior": float(energy[inside].mean() * 1000.0) if inside.any() else math.nan,
-            "ghost_px": float((fg & ~near).sum() / fg.shape[0])}
-
-
-def detail_verdict(clip_detail: Mapping[str, float], dense_detail: Mapping[str, float]) -> list[str]:
-    """Which detail checks a clip fails against the dense clip of the same request ([] = none): "blur",
-    "interior", "ghost" (thresholds above). A measure that is NaN on either side is not judged (no object found:
-    the checker already fails the clip)."""
-    out = []
-    e, ed = clip_detail.get("edge", math.nan), dense_detail.get("edge", math.nan)
-    if math.isfinite(e) and math.isfinite(ed) and ed > 0 and e < BLUR_RATIO * ed:
-        out.append("blur")
-    i, idn = clip_detail.get("interior", math.nan), dense_detail.get("interior", math.nan)
-    if math.isfinite(i) and math.isfinite(idn) and i > INTERIOR_RATIO * idn + INTERIOR_SLACK:
-        out.append("interior")
-    if clip_detail.get("ghost_px", 0.0) > dense_detail.get("ghost_px", 0.0) + GHOST_PX:
-        out.append("ghost")
-    return out
+# The second label's detail check (blur, object interiors, ghosts) is the runtime judge's own
+# (carnator_core/judge/checker.py), so learning mode labels with the same definition the lab certifies with.
+BLUR_RATIO = _checker_judge.BLUR_RATIO
+INTERIOR_RATIO = _checker_judge.INTERIOR_RATIO
+INTERIOR_SLACK = _checker_judge.INTERIOR_SLACK
+GHOST_PX = _checker_judge.GHOST_PX
+GHOST_MARGIN = _checker_judge.GHOST_MARGIN
+object_detail = _checker_judge.object_detail
+detail_verdict = _checker_judge.detail_verdict
 
 
 KEPT_TOLERANCE = 0.02  # largest channel difference at which a hit's pixel counts as the reused clip's own

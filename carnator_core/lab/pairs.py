@@ -423,10 +423,11 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
 
 
 def _detail_failures(clip: np.ndarray, dense_clip: np.ndarray, prompt: str) -> list[str]:
-    """The second label's detail check of ``clip`` against ``dense_clip`` (what :func:`judge_against_dense` runs)."""
-    from .metrics import detail_verdict, object_detail
+    """The second label's detail check of ``clip`` against ``dense_clip`` (what :func:`judge_against_dense` runs;
+    the runtime judge's own, ``judge.checker.detail_failures``)."""
+    from ..judge.checker import detail_failures
 
-    return list(detail_verdict(object_detail(clip, prompt), object_detail(dense_clip, prompt)))
+    return detail_failures(clip, dense_clip, prompt)
 
 
 # Shared with the runtime judges (one definition: a label made here equals the judge's).

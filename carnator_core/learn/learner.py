@@ -487,7 +487,9 @@ class Learner:
             msg = f"reuse off after a drift ({', '.join(off)}); learning again — {labels} labels so far"
         else:
             state = "learning"
-            needed = closest.needed if closest else labels_needed(self.settings.alpha, self.settings.delta)
+            needed = closest.needed if closest else labels_needed(
+                self.settings.alpha, self.settings.delta * (self.settings.head_weight if self.settings.strata ==
+                                                            "graph" else 1.0) * fit_share(1, self.settings.strata))
             n_close = closest.sequence.n if closest is not None and closest.sequence is not None else 0
             msg = (f"learning — {labels} labels of about {needed} needed; reuse switches on when certified"
                    + (f" (closest: {closest.stratum}, {n_close} of about {closest.needed})" if closest else ""))

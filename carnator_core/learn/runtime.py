@@ -100,10 +100,11 @@ def text_encode_fn(text_encoder: Any) -> Callable[[str], Any] | None:
 def judge_and_decoder(model: Any, probe: Any = None) -> tuple[Any, Callable[[Any], Any] | None, str]:
     """(judge, samples -> what the judge is shown, why-not).
 
-    The embedded model is judged by the pixel checker on its own decoder's frames. Wan 2.1 / 2.2 / LTX-Video are
-    judged by the generation-native judge (``judge.judge_for``) on the served latents themselves: it needs no VAE,
-    only the text encoder the Early Probe was given (to encode the candidate's prompt); without one, or for a
-    two-expert split stage, nothing is labelled and why-not says so."""
+    The embedded model is judged by the pixel checker's second label (``judge.SECOND_LABEL``: shape, the motion
+    track, blur, interiors, ghosts, background artifacts against the dense clip) on its own decoder's frames.
+    Wan 2.1 / 2.2 / LTX-Video are judged by the generation-native judge (``judge.judge_for``) on the served
+    latents themselves: it needs no VAE, only the text encoder the Early Probe was given (to encode the
+    candidate's prompt); without one, or for a two-expert split stage, nothing is labelled and why-not says so."""
     from ..adapters import detect_arch
 
     try:
@@ -126,9 +127,9 @@ def judge_and_decoder(model: Any, probe: Any = None) -> tuple[Any, Callable[[Any
             return None, None, f"no labels: the native judge is unavailable ({e})"
         return judge, (lambda samples: None), ""
     from ..embedded import codec
-    from ..judge import judge_for
+    from ..judge import SECOND_LABEL, judge_for
 
-    judge = judge_for(model, arch)  # the pixel checker (judge.CheckerJudge)
+    judge = judge_for(model, arch, SECOND_LABEL)  # the pixel checker's second label (shape, motion track, detail)
 
     return judge, (lambda samples: codec.latent_to_rgb(samples.float().cpu())[0].numpy()), ""
 

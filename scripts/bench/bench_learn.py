@@ -142,10 +142,10 @@ def offline_label(base: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from carnator.carnator_core.embedded import codec
-    from carnator.carnator_core.judge import judge_for
+    from carnator.carnator_core.judge import SECOND_LABEL, judge_for
     from carnator.carnator_core.judge.base import JudgeRequest, excess_label
 
-    judge = judge_for(None, "embedded")  # the judge learning mode labels the embedded model with
+    judge = judge_for(None, "embedded", SECOND_LABEL)  # the judge learning mode labels the embedded model with
     b = c = n = 0
     for r in rows:
         if not (r["decision"] == "hit" and r["mode"] != "exact" and r.get("dense_latent")):
