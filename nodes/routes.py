@@ -201,11 +201,12 @@ def cache_purge(directory: str | None) -> dict[str, Any]:
 
 
 def rules_state(directory: str | None) -> dict[str, Any]:
-    """Learning mode's ``rule_state`` of every namespace in the cache folder ``directory`` (confined)."""
+    """Learning mode's ``rule_state`` of every namespace in the cache folder ``directory`` (confined), or in the
+    Redis cache ``directory`` names (the farm's shared record)."""
     from ..carnator_core.learn.labels import FILENAME
 
     if _is_redis(directory):
-        raise RouteError(400, "learning mode keeps its labels in a cache folder, not in Redis; give the folder")
+        return _redis_rules_state(str(directory).strip())
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
     if not _is_cache_dir(path) or not (path / FILENAME).is_file():
@@ -218,6 +219,32 @@ def rules_state(directory: str | None) -> dict[str, Any]:
                                                        for ns in learner.store.namespaces()]}
     finally:
         learner.store.close()
+
+
+def _redis_rules_state(url: str) -> dict[str, Any]:
+    """``rules_state`` of a Redis cache's learning record (read only: an empty Redis is not claimed)."""
+    from ..carnator_core.cache.redis_url import RedisConfigError, resolve_redis_url
+    from ..carnator_core.learn.labels import LabelStoreError
+    from ..carnator_core.learn.learner import Learner
+    from ..carnator_core.learn.redis_labels import RedisLabelStore
+
+    try:
+        public = resolve_redis_url(url)
+    except RedisConfigError as e:
+        raise RouteError(400, str(e)) from None
+    try:
+        store = RedisLabelStore.open(public, claim=False)
+    except (LabelStoreError, RedisConfigError) as e:
+        raise RouteError(503, str(e)) from None
+    try:
+        learner = Learner(public, store=store)
+        nss = store.namespaces()
+        return {"directory": url, "path": public, "exists": bool(nss),
+                "namespaces": [learner.rule_state(ns, learner.state(ns, update=False)) for ns in nss]}
+    except LabelStoreError as e:
+        raise RouteError(503, str(e)) from None
+    finally:
+        store.close()
 
 
 MAX_LIMIT = 200

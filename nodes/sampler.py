@@ -176,19 +176,28 @@ class CarnatorJointReuseSampler(io.ComfyNode):
 def learning_state(model, positive, negative, latent_image, probe, signature, decision, samples, report, cache,
                    config) -> dict:
     """Learning mode after the request is served (``carnator_core.learn.runtime.observe``): label within the
-    budget, and the rule_state the badge shows. A cache on Redis keeps no labels yet (said in the state)."""
+    budget, and the rule_state the badge shows. The record is the cache's: ``learn.sqlite`` in a cache folder, or
+    the Redis cache's own (every worker on that Redis learns the same rule). A record that cannot be reached
+    (Redis down) costs the label, never the request: the state says so."""
     from ..carnator_core.cache.redis_url import is_redis_url
+    from ..carnator_core.learn.labels import LabelStoreError
     from ..carnator_core.learn.runtime import observe
 
     ns = str((decision.learning or {}).get("namespace", ""))
-    if cache is None or is_redis_url(cache.path):
-        why = "connect a Carnator Cache folder" if cache is None else "labels are kept in a cache folder, not Redis"
+    if cache is None:
         return {"state": "learning", "labels": 0, "needed": 0, "namespace": ns,
-                "message": f"learning — no labels: {why}; served dense, reuse stays off"}
+                "message": "learning — no labels: connect a Carnator Cache; served dense, reuse stays off"}
     served_s = (float(report.timings_ms.get("resume", 0.0)) + float(probe.timings.get("probe_ms", 0.0))) / 1000.0
-    return observe(directory=cache.path, model=model, positive=positive, negative=negative, latent=latent_image,
-                   probe=probe, signature=signature, decision=decision, samples=samples, report=report,
-                   store=open_store(cache), reuse_config=config, served_s=served_s, pending=_pending_prompts)
+    try:
+        return observe(directory=cache.path, model=model, positive=positive, negative=negative, latent=latent_image,
+                       probe=probe, signature=signature, decision=decision, samples=samples, report=report,
+                       store=open_store(cache), reuse_config=config, served_s=served_s, pending=_pending_prompts)
+    except LabelStoreError as e:
+        if not is_redis_url(cache.path):
+            raise  # a cache folder's learn.sqlite that cannot be used is the user's to fix (the error says how)
+        log.warning("carnator learning: %s", e)
+        return {"state": "learning", "labels": 0, "needed": 0, "namespace": ns,
+                "message": f"learning — no label this time: {e}"}
 
 
 def _pending_prompts() -> int:

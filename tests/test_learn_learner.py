@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -183,21 +184,26 @@ while True:
 """
 
 
-def test_sigkill_mid_label_loses_or_corrupts_nothing(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), d=str(tmp_path))],
-                            stdout=subprocess.PIPE, start_new_session=True)
+def kill_writer_mid_write(script: str, open_store: Callable[[], Any], n: int = 50) -> Any:
+    """Run the writer ``script`` in its own process, let it write ``n`` labels of "ns", SIGKILL it mid-write;
+    returns the record freshly opened (``open_store``) after the kill."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == b"ready"
         deadline = time.time() + 60
-        st = LabelStore(tmp_path)
-        while len(st.labels("ns")) < 50 and time.time() < deadline:  # let it write a while, then kill it mid-write
+        st = open_store()
+        while len(st.labels("ns")) < n and time.time() < deadline:  # let it write a while, then kill it mid-write
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    st = LabelStore(tmp_path)
+    return open_store()
+
+
+def test_sigkill_mid_label_loses_or_corrupts_nothing(tmp_path: Path) -> None:
+    st = kill_writer_mid_write(WRITER.format(root=str(ROOT), d=str(tmp_path)), lambda: LabelStore(tmp_path))
     labels = st.labels("ns")
     assert st.corrupt == 0 and len(labels) >= 50
     assert [lab.seed for lab in labels] == list(range(len(labels)))  # no gap: each label whole or absent

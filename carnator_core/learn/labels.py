@@ -115,7 +115,43 @@ class Label:
         return cls(**{**d, "x": x, "id": row_id})
 
 
-class LabelStore:
+class RecordReads:
+    """What every learning record reads the same way (``LabelStore`` here, ``redis_labels.RedisLabelStore`` on a
+    farm's Redis): its verified rows (``_table_rows``: checksum checked, JSON parsed, in id order) become covariates,
+    labels and events; a row that is not one is counted in ``corrupt`` and skipped."""
+
+    corrupt: int
+
+    def _table_rows(self, namespace: str, table: str) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(id, body) of ``table`` ("covariates", "labels" or "events") of ``namespace`` that pass their checksum."""
+        raise NotImplementedError
+
+    def covariates(self, namespace: str) -> list[Covariate]:
+        out = []
+        for _, d in self._table_rows(namespace, "covariates"):
+            try:
+                out.append(Covariate(**{**d, "vector": tuple(float(v) for v in d["vector"])}))
+            except (TypeError, KeyError, ValueError):
+                self.corrupt += 1
+        return out
+
+    def labels(self, namespace: str, kind: str | None = None) -> list[Label]:
+        out = []
+        for row_id, d in self._table_rows(namespace, "labels"):
+            try:
+                lab = Label.from_row(d, row_id)
+            except (TypeError, KeyError, ValueError):
+                self.corrupt += 1
+                continue
+            if kind is None or lab.kind == kind:
+                out.append(lab)
+        return out
+
+    def events(self, namespace: str) -> list[dict[str, Any]]:
+        return [d for _, d in self._table_rows(namespace, "events")]
+
+
+class LabelStore(RecordReads):
     """``learn.sqlite`` of one cache folder (module docstring). Thread-safe; one connection per instance."""
 
     def __init__(self, directory: str | Path):
@@ -180,6 +216,10 @@ class LabelStore:
             except ValueError:
                 self.corrupt += 1
 
+    def _table_rows(self, namespace: str, table: str) -> Iterator[tuple[int, dict[str, Any]]]:
+        assert table in ("covariates", "labels", "events")  # a fixed table name, never user input
+        return self._rows(f"SELECT id, body, checksum FROM {table} WHERE namespace=? ORDER BY id", (namespace,))
+
     # ------------------------------------------------------------------ covariates
     def add_covariate(self, namespace: str, cov: Covariate) -> bool:
         """Record a served request's covariates (once per request key; True if new)."""
@@ -189,15 +229,6 @@ class LabelStore:
                             "VALUES (?, ?, ?, ?)", (namespace, cov.request_key, body, checksum(body)))
             return cur.rowcount > 0
 
-    def covariates(self, namespace: str) -> list[Covariate]:
-        out = []
-        for _, d in self._rows("SELECT id, body, checksum FROM covariates WHERE namespace=? ORDER BY id",
-                               (namespace,)):
-            try:
-                out.append(Covariate(**{**d, "vector": tuple(float(v) for v in d["vector"])}))
-            except (TypeError, KeyError, ValueError):
-                self.corrupt += 1
-        return out
 
     # ------------------------------------------------------------------ labels
     def add_label(self, namespace: str, label: Label, *, keep_id: bool = False) -> bool:
@@ -220,18 +251,6 @@ class LabelStore:
             return self._conn.execute("SELECT 1 FROM labels WHERE namespace=? AND request_key=?",
                                       (namespace, request_key)).fetchone() is not None
 
-    def labels(self, namespace: str, kind: str | None = None) -> list[Label]:
-        out = []
-        for row_id, d in self._rows("SELECT id, body, checksum FROM labels WHERE namespace=? ORDER BY id",
-                                    (namespace,)):
-            try:
-                lab = Label.from_row(d, row_id)
-            except (TypeError, KeyError, ValueError):
-                self.corrupt += 1
-                continue
-            if kind is None or lab.kind == kind:
-                out.append(lab)
-        return out
 
     # ------------------------------------------------------------------ ledger
     def ledger(self, namespace: str) -> dict[str, float]:
@@ -265,9 +284,6 @@ class LabelStore:
             c.execute("INSERT INTO events (namespace, body, checksum) VALUES (?, ?, ?)",
                       (namespace, body, checksum(body)))
 
-    def events(self, namespace: str) -> list[dict[str, Any]]:
-        return [d for _, d in self._rows("SELECT id, body, checksum FROM events WHERE namespace=? ORDER BY id",
-                                         (namespace,))]
 
     def namespaces(self) -> list[str]:
         with self._lock:

@@ -286,12 +286,15 @@ def pilot_order(covs: Sequence[Covariate], shadow: Sequence[Label], first_fits: 
 
 
 class Learner:
-    """Learning state of one cache folder's ``learn.sqlite`` (every namespace in it). Stateless beyond the record:
-    every question recomputes from the stored rows, so several processes on one folder agree."""
+    """Learning state of one cache's record (every namespace in it): a cache folder's ``learn.sqlite``, or, given
+    as ``store``, any record with ``LabelStore``'s interface (``redis_labels.RedisLabelStore``: a farm's Redis
+    cache). Stateless beyond the record: every question recomputes from the stored rows, so several processes on
+    one folder (or one Redis) agree."""
 
-    def __init__(self, directory: str | Path, settings: LearnSettings | None = None):
-        self.directory = Path(directory)
-        self.store = LabelStore(self.directory)
+    def __init__(self, directory: str | Path, settings: LearnSettings | None = None, *, store: Any = None):
+        """``directory``: the cache folder (``LabelStore``), or, with ``store``, only a name for the record."""
+        self.directory = Path(directory) if store is None else directory
+        self.store = LabelStore(self.directory) if store is None else store
         self.settings = settings or LearnSettings()
         self._lock = threading.Lock()
 
@@ -532,12 +535,23 @@ _LEARNERS_LOCK = threading.Lock()
 
 
 def learner_for(directory: str | Path, settings: LearnSettings | None = None) -> Learner:
-    """The process's Learner of a cache folder (one SQLite connection per folder and settings)."""
-    key = f"{Path(directory).resolve()}|{settings.to_dict() if settings else ''}"
+    """The process's Learner of a cache (one SQLite connection per folder and settings). ``directory``: a cache
+    folder, or a Redis cache's URL (``redis://``, public form): then the record is the Redis one
+    (``redis_labels``), shared by every worker on that Redis."""
+    from ..cache.redis_url import is_redis_url
+
+    shared = is_redis_url(directory)
+    key = f"{directory if shared else Path(directory).resolve()}|{settings.to_dict() if settings else ''}"
     with _LEARNERS_LOCK:
         ln = _LEARNERS.get(key)
         if ln is None:
-            ln = _LEARNERS[key] = Learner(directory, settings)
+            if shared:
+                from .redis_labels import RedisLabelStore  # local: only servers with a Redis cache need redis
+
+                ln = Learner(str(directory), settings, store=RedisLabelStore.open(str(directory)))
+            else:
+                ln = Learner(directory, settings)
+            _LEARNERS[key] = ln
         return ln
 
 

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from ..risk.discrepancy import discrepancies
@@ -154,12 +155,15 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     """After the sampler finished a request under a learning decision (module docstring). Returns the
     ``rule_state`` (plus ``label``: what was labelled for this request, if anything). Never raises for a labelling
     problem: the request is already served; the problem is logged and said in the state's message."""
+    from ..cache.redis_url import is_redis_url
     from ..request import finish_stages
     from ..types import Decision as _Decision
 
     ctx = dict(decision.learning or {})
     settings = LearnSettings.from_dict(ctx.get("settings") or {})
     learner = learner_for(directory, settings)
+    shared = is_redis_url(str(directory))  # a farm's Redis record: other workers label and switch on too
+    wrote_rule = False
     ns = str(ctx.get("namespace", ""))
     answered = getattr(probe, "answered", None) is not None
     learner.store.charge(ns, served_s=float(served_s), requests=1)
@@ -219,12 +223,15 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                     learner.store.charge(ns, **({"audit_s": float(served_s)} if audit else {"label_s": cost}))
                 done = f"{'audit' if audit else 'shadow'} label x={x:+d} ({stratum}, {cost:.2f} s)"
                 _write_rule(learner, ns, ctx, probe, reuse_config, judge)
+                wrote_rule = True
             except Exception as e:  # noqa: BLE001 — the request is served; a failed label is only lost work
                 log.warning("carnator learning: labelling request %s failed (%s: %s); it is not labelled",
                             key[:12], type(e).__name__, e)
                 done = f"label failed: {e}"
         elif why_not and why_not != "budget":
             done = why_not
+    if shared and not wrote_rule:
+        _sync_rule(learner, ns, ctx, probe, reuse_config)
     state = learner.rule_state(ns)
     state["label"] = done
     return state
@@ -243,8 +250,21 @@ def _over_max_active(model: Any, probe: Any, signature: Any, cached: Any, cfg: A
 _LAST_ON: dict[str, tuple[str, ...]] = {}
 
 
-def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any, judge: Any) -> None:
-    """Rewrite the learned rule file when a stratum switched on or off, and every 25 labels (sharing)."""
+def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any) -> None:
+    """On a farm's shared record a stratum may switch on (or off after a drift) on another worker's label: this
+    worker's learned rule file (what its Risk Filter reads) is rewritten when the record's switched-on strata differ
+    from what it last wrote, naming the judge the latest label names."""
+    labels = learner.store.labels(ns)
+    if labels and ctx.get("rule_path"):
+        last = labels[-1]
+        judge = SimpleNamespace(name=last.judge, settings=dict(last.judge_settings))
+        _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True)
+
+
+def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any, judge: Any, *,
+                only_if_changed: bool = False) -> None:
+    """Rewrite the learned rule file when a stratum switched on or off, and every 25 labels (sharing) unless
+    ``only_if_changed``."""
     from . import rulefile
 
     path = ctx.get("rule_path")
@@ -254,7 +274,7 @@ def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse
     on = tuple(sorted(k for k, v in states.items() if v.on))
     n = len(learner.store.labels(ns))
     changed = _LAST_ON.get(str(path)) != on and (on or Path(path).exists())
-    if not changed and n % 25 != 0:
+    if not changed and (only_if_changed or n % 25 != 0):
         return
     _LAST_ON[str(path)] = on
     cfg = probe.config
