@@ -175,7 +175,7 @@ def test_panel_rules_route_reads_a_redis_caches_record(redis_url, server, monkey
     c = server.client()
     assert c.keys("*") == []  # the panel reads only: an empty Redis is not claimed
     c.close()
-    ln = worker(redis_url, LearnSettings(min_fit=20, level=1.0, pilot=30))
+    ln = worker(redis_url, LearnSettings(min_fit=20, level=1.0))  # the pilot the panel assumes (the default)
     feed(ln, 25, "reseed", np.random.default_rng(4), check=False)
     got = routes.rules_state("redis://")
     assert got["exists"] is True and [ns["namespace"] for ns in got["namespaces"]] == [NS]

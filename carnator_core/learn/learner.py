@@ -30,9 +30,10 @@ budget goes first where a certificate is nearest), and two more while ComfyUI's 
 waiting user rarely waits for a label, and learning does not starve under constant load). The choice depends on
 costs, covariates and the order, never on the outcome of the label it is about to make.
 
-How soon: a stratum needs about 63 accepted labels without a failure at the head of the order (α = 0.05,
-δ = 0.1), and no valid test can do with fewer than 45 (``sequence``). On a stream that spreads over many kinds
-of change the first switch-on therefore comes after roughly 63 / (the head kind's share of requests) requests.
+How soon: a stratum needs 73 accepted labels without a failure at the head of the order (α = 0.05, δ = 0.1; the
+next one then 68), and no valid test can do with fewer than 45 (``sequence``). On a stream that spreads over many
+kinds of change the first switch-on therefore comes after roughly pilot + 73 / (the head kind's share of requests
+that give an accepted, reusable label) requests.
 
 The guarantee: P(some stratum is ever switched on while its fitted rule's true excess (b − c)/n is ≥ α) ≤ δ, for
 labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not
@@ -53,6 +54,7 @@ import numpy as np
 from ..risk.thresholds import Thresholds
 from .labels import Covariate, Label, LabelStore
 from .sequence import (
+    C_MAX,
     METHOD,
     PRIOR_B,
     PRIOR_WEIGHT,
@@ -60,6 +62,7 @@ from .sequence import (
     DriftTest,
     GraphProcedure,
     fit_share,
+    kelly_bet,
     labels_needed,
 )
 
@@ -91,8 +94,9 @@ class LearnSettings:
                    certificates; the family-wise guarantee then does not hold).
     pilot:         served requests with a candidate before the order of the strata is fixed ("graph" only); the
                    labels made until then order the strata and are not counted by any test.
-    head_weight:   the share of δ the first stratum of the order starts with ("graph" only); the others share
-                   the rest evenly, and a stratum that certifies passes its share on to the next.
+    head_weight:   h, the share of δ the first stratum of the order starts with ("graph" only); stratum k starts
+                   with h(1 − h)^k (the last with the rest), so an order whose first kind never certifies still
+                   leaves the second a quarter of δ; a stratum that certifies passes its share on to the next.
     level:         per-axis covariate quantile of the first fit; ``tighten`` multiplies it at each refit.
     min_fit:       covariates (served requests with a candidate) before the first fit.
     fail_after:    accepted labels after which a fit with an empirical excess ≥ α is replaced.
@@ -105,8 +109,8 @@ class LearnSettings:
     budget: float = 0.2
     audit_share: float = 0.05
     strata: str = "graph"
-    pilot: int = 30
-    head_weight: float = 0.8
+    pilot: int = 60
+    head_weight: float = 0.5
     level: float = 0.9
     tighten: float = 0.7
     min_fit: int = 20
@@ -231,7 +235,8 @@ def estimate_needed(seq: BettingSequence | None, alpha: float, delta: float) -> 
 
 def build_graph(order: Sequence[str], settings: LearnSettings) -> GraphProcedure:
     """The family of (stratum, fit) tests as a graph (``sequence`` module docstring, "Multiplicity"): under "graph"
-    the first stratum of ``order`` weighs ``head_weight``, the others share the rest, fit j takes ``fit_share(j)``
+    stratum k (0, 1, ...) of ``order`` weighs h(1 − h)^k (h = ``head_weight``; the last the rest), fit j takes
+    ``fit_share(j)``
     of its stratum, and a rejected node passes its level to the next stratum's fits (cyclic). Under "bonferroni"
     the strata weigh 1/m each and nothing is passed on; under "none" every stratum weighs 1."""
     s = settings
@@ -242,9 +247,8 @@ def build_graph(order: Sequence[str], settings: LearnSettings) -> GraphProcedure
     g = GraphProcedure(s.delta)
     for k, st in enumerate(order):
         if s.strata == "graph":
-            w = s.head_weight if k == 0 else (1.0 - s.head_weight) / max(m - 1, 1)
-            if m == 1:
-                w = 1.0
+            # each stratum takes head_weight of what the earlier ones left; the last takes the rest
+            w = s.head_weight * (1.0 - s.head_weight) ** k if k < m - 1 else (1.0 - s.head_weight) ** k
             nxt = order[(k + 1) % m]
             out = {(nxt, j): shares[j] / total for j in fits} if m > 1 else {}
         else:
@@ -276,9 +280,9 @@ def pilot_order(covs: Sequence[Covariate], shadow: Sequence[Label], first_fits: 
         w = PRIOR_WEIGHT
         pb = (sum(x == 1 for x in xs) + w * PRIOR_B * s.alpha) / (len(xs) + w)
         pc = sum(x == -1 for x in xs) / (len(xs) + w)
-        lam = min(0.95 / (1 - s.alpha), max(0.0, (s.alpha - (pb - pc)) / max(pb + pc, s.alpha ** 2)))
-        growth = pb * math.log1p(lam * (s.alpha - 1)) + pc * math.log1p(lam * (s.alpha + 1)) + \
-            (1 - pb - pc) * math.log1p(lam * s.alpha)
+        payoffs, probs = (s.alpha - 1.0, s.alpha + 1.0, s.alpha), (pb, pc, max(1.0 - pb - pc, 0.0))
+        lam = kelly_bet(payoffs, probs, C_MAX / (1.0 - s.alpha))  # the test's own bet at these rates
+        growth = sum(p * math.log1p(lam * v) for v, p in zip(payoffs, probs) if p > 0)
         needed = math.log(1.0 / head) / growth if growth > 1e-9 else 1e9
         score[st] = needed / (len(mine) / total * reusable)
     seen = sorted(score, key=lambda st: (score[st], STRATA.index(st)))
