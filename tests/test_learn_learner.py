@@ -218,3 +218,29 @@ def test_sigkill_mid_label_loses_or_corrupts_nothing(tmp_path: Path) -> None:
     c.close()
     st2 = LabelStore(tmp_path)
     assert len(st2.labels("ns")) == len(labels) - 1 and st2.corrupt == 1
+
+
+def test_the_candidate_reused_and_labelled_follows_the_order_not_similarity_alone() -> None:
+    """Among the recalled candidates the learned rule takes the one whose kind of change comes first in the order
+    (single changes before "mixed" while the pilot runs), the most similar among equals — so a request whose most
+    similar candidate differs in two ways is still labelled (and served) through the candidate that differs in one."""
+    from carnator.carnator_core.learn.runtime import choose
+
+    opts = [{"entry_id": "a", "stratum": "mixed", "similarity": 0.97}, {"entry_id": "b", "stratum": "colour",
+            "similarity": 0.91}, {"entry_id": "c", "stratum": "colour", "similarity": 0.93},
+            {"entry_id": "d", "stratum": "exact", "similarity": 0.99}]
+    assert choose(opts, None)["entry_id"] == "c"  # the pilot: STRATA's order, mixed last, "exact" never first
+    assert choose(opts, ["mixed", "colour"])["entry_id"] == "a"
+    assert choose(opts[3:], None)["entry_id"] == "d" and choose([], None) is None
+
+
+def test_a_learned_rule_file_keeps_its_order_and_recall(tmp_path: Path) -> None:
+    ln = Learner(tmp_path / "cache", LearnSettings(min_fit=20, level=1.0, pilot=30))
+    rng = np.random.default_rng(3)
+    feed(ln, 20, "colour", rng, check=False)
+    feed(ln, 130, "colour", rng, start=20)
+    doc = rulefile.build(ln, NS, model_fingerprint="0123456789abcdef0000", rule_fingerprint="cfg", arch="embedded",
+                         config_meta={"steps": 20}, reuse_meta={"mode": "joint"},
+                         judge={"name": "test-judge", "settings": {}}, recall_k=5)
+    learned = rulefile.from_doc(json.loads(json.dumps(doc)))
+    assert learned.order[0] == "colour" and learned.order == tuple(ln.order(NS)) and learned.rule.recall_k == 5

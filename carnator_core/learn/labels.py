@@ -9,7 +9,7 @@ written intact. Several ComfyUI processes on one cache folder share the file (SQ
 
 Tables (all keyed by the cache namespace, i.e. model × generation config):
 
-* ``covariates`` — every served request that recalled a candidate: its stratum and the top candidate's
+* ``covariates`` — every served request that recalled a candidate: its stratum and the chosen candidate's
   discrepancies (no outcome: the threshold fits are made from these alone, see ``sequence``);
 * ``labels``     — one excess label (x = +1 b, −1 c, 0 agree) of a request's counterfactual reuse against the clip
   served densely, with the discrepancies, the judge and its settings, the kind ("shadow" or "audit") and the
@@ -64,7 +64,7 @@ def _dump(obj: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Covariate:
-    """A served request with a recalled top candidate: its stratum and discrepancies (no outcome)."""
+    """A served request with a recalled candidate: the chosen one's stratum and discrepancies (no outcome)."""
 
     request_key: str
     stratum: str

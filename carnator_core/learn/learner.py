@@ -4,10 +4,11 @@ Per rule namespace (model fingerprint × generation config, ``RiskRule.namespace
 against the candidate, ``risk.strata``):
 
 1. **Learning.** Requests are served dense (bit-identical to KSampler); exact repeats are answered from the cache.
-   Every served request that recalled a candidate records its *covariates* (stratum, the top candidate's four
+   Every served request that recalled a candidate records its *covariates* (stratum, the chosen candidate's four
    discrepancies; no outcome). Within the compute budget (``LearnSettings.budget`` of the compute served, default
-   20 %) a request's *shadow label* is made: the reuse run the rule-to-be would make with its top candidate
-   (recall K = 1, the learned rule's recall), judged b/c against the clip just served.
+   20 %) a request's *shadow label* is made: the reuse run the rule-to-be would make with its chosen candidate
+   (``runtime.choose``: among the recalled candidates, the one whose kind of change comes first in the order),
+   judged b/c against the clip just served.
 2. **Fit.** A stratum's thresholds are fitted from covariates alone: fit j takes per-axis quantiles at level
    ``level·tighten^(j−1)`` of the namespace's first ``min_fit·2^(j−1)`` covariates (or a seed rule's thresholds
    for fit 1). No label outcome enters a fit. A fit whose accepted labels show an excess ≥ α after
@@ -23,7 +24,7 @@ against the candidate, ``risk.strata``):
    reuse labelled against it; ``sequence.DriftTest`` (H0: excess ≤ α) watches these labels, and when it fires the
    stratum is switched off ("off", with the message) and learning resumes with the next fit.
 
-Which requests get labelled (the policy): only requests whose top candidate the stratum's current fit would accept
+Which requests get labelled (the policy): only requests whose chosen candidate the stratum's current fit would accept
 (other labels cannot move its certificate), in strata not yet switched on, whenever the budget has room — room for
 one label for the first stratum of the order still learning, for 1 + 2k labels for the k-th after it (so the
 budget goes first where a certificate is nearest), and two more while ComfyUI's queue holds other prompts (so a
@@ -464,6 +465,15 @@ class Learner:
                              f"are certified in the order {', '.join(ranking)}; tests count labels after label "
                              f"{since}", order=ranking, since=since, why=why)
         return ranking, -1
+
+    def order(self, namespace: str) -> list[str] | None:
+        """The order the strata are certified in (None while the pilot runs; STRATA's without a pilot)."""
+        if self.settings.strata != "graph":
+            return list(STRATA)
+        for e in self.store.events(namespace):
+            if e.get("kind") == "order":
+                return [str(x) for x in e["order"]]
+        return None
 
     def _pilot_state(self, st: str, fits: Sequence[Fit], shadow: Sequence[Label],
                      covs: Sequence[Covariate]) -> StratumState:

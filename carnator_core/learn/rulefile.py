@@ -6,7 +6,7 @@ What the file holds (``"learning"``):
   each stratum's state as recomputed, and the sequence's method.
 
 The RiskRule part: the thresholds of the loosest switched-on stratum (informative; the filter reads each
-stratum's own from ``"learning"``), recall K = 1 (labels are made with the top candidate only), the reuse settings
+stratum's own from ``"learning"``), recall K = the Retriever's k the labels were made with, the reuse settings
 the labels ran with, and as ``certificate`` the fixed-n exact certificate of the pooled accepted labels (beside the
 anytime-valid one; it usually fails at these n, so the file is loaded with :func:`load_learned`, never as a plain
 shipped rule). Nothing in the file is trusted: :func:`load_learned` re-verifies every label's checksum and
@@ -40,8 +40,9 @@ def is_learned(data: Any) -> bool:
 
 def build(learner: Learner, namespace: str, *, model_fingerprint: str, rule_fingerprint: str, arch: str,
           config_meta: Mapping[str, Any], reuse_meta: Mapping[str, Any] | None, judge: Mapping[str, Any],
-          states: Mapping[str, StratumState] | None = None) -> dict[str, Any]:
-    """The rule document of ``namespace``'s learning record (see the module docstring)."""
+          states: Mapping[str, StratumState] | None = None, recall_k: int = 1) -> dict[str, Any]:
+    """The rule document of ``namespace``'s learning record (see the module docstring). ``recall_k``: the
+    Retriever's k the labels were made with (the learned rule chooses among that many candidates)."""
     s = learner.settings
     states = learner.state(namespace) if states is None else states
     labels = learner.store.labels(namespace)
@@ -63,7 +64,7 @@ def build(learner: Learner, namespace: str, *, model_fingerprint: str, rule_fing
                                 "note": "learned on served traffic (learning mode); the anytime-valid per-stratum "
                                         "certificates are in 'learning'; 'certificate' is the fixed-n bound of "
                                         "the same labels, for comparison"},
-                    recall_k=1, recall_min_similarity=0.0,
+                    recall_k=max(int(recall_k), 1), recall_min_similarity=0.0,
                     reuse_config=dict(reuse_meta) if reuse_meta else None)
     doc = rule.to_json()
     doc[KEY] = {
@@ -96,6 +97,7 @@ class LearnedRule:
     namespace: str
     states: Mapping[str, StratumState]
     judge: Mapping[str, Any]
+    order: tuple[str, ...] = ()  # the order its strata are certified in (the candidate it reuses follows it)
 
     @property
     def on(self) -> list[str]:
@@ -142,7 +144,7 @@ def from_doc(data: Mapping[str, Any], source: str = "") -> LearnedRule:
         e = dict(e)
         learner.store.add_event(ns, str(e.pop("kind", "")), str(e.pop("message", "")), **e)
     states = learner.state(ns, update=False)
-    return LearnedRule(rule, settings, ns, states, dict(rec.get("judge", {})))
+    return LearnedRule(rule, settings, ns, states, dict(rec.get("judge", {})), tuple(learner.order(ns) or ()))
 
 
 def load_learned(path: str | Path) -> LearnedRule:

@@ -1,9 +1,9 @@
 """Learning mode's two hooks in the request path: the Risk Filter's decision and the sampler's labelling.
 
 * :func:`learning_decision` — what the Risk Filter decides when its rule file does not exist yet (learning: every
-  request is served dense) or is a learned rule (``rulefile``): accept the top candidate only in a switched-on
-  stratum within that stratum's thresholds; a share of those hits is drawn for audit (served dense, labelled).
-  The decision carries a ``learning`` record (rule file, namespace, the top candidate, its stratum and
+  request is served dense) or is a learned rule (``rulefile``): accept the chosen candidate (``choose``) only in a
+  switched-on stratum within that stratum's thresholds; a share of those hits is drawn for audit (served dense,
+  labelled). The decision carries a ``learning`` record (rule file, namespace, the chosen candidate, its stratum and
   discrepancies) for the sampler.
 * :func:`observe` — what the Joint Reuse Sampler does after finishing a request whose decision carries that record:
   charge the compute served, record the covariates, run a shadow label (or the audit's label) within the budget,
@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..risk.discrepancy import discrepancies
 from ..types import Candidates, CandidateVerdict, Decision, Signature
@@ -29,9 +29,26 @@ log = logging.getLogger("carnator")
 LEARNING_MODE = "learning"
 
 
-def _top(candidates: Candidates) -> Any:
-    items = tuple(candidates.items)
-    return max(items, key=lambda c: (float(c.similarity), c.entry_id)) if items else None
+def candidate_options(signature: Signature, candidates: Candidates, probe: Any) -> list[dict[str, Any]]:
+    """Every recalled candidate with its kind of change (``stratum_of``) and its four discrepancies."""
+    out = []
+    for c in candidates.items:
+        d = discrepancies(signature, c.signature)
+        same_seed = c.seed is not None and int(c.seed) == int(probe.seed)
+        st = stratum_of(str(probe.prompt), str(c.prompt), same_seed=same_seed)
+        out.append({"candidate": c, "entry_id": c.entry_id, "stratum": st, "vector": [float(v) for v in d.vector()],
+                    "missing": bool(d.missing), "similarity": float(c.similarity)})
+    return out
+
+
+def choose(options: Sequence[Mapping[str, Any]], order: Sequence[str] | None) -> Mapping[str, Any] | None:
+    """The candidate the learned rule reuses (and labels): the one whose kind of change comes first in the order
+    the strata are certified in (``STRATA``'s order while the pilot runs: single changes before "mixed"), the most
+    similar among equals. It depends on the candidates and the order only — never on thresholds, switch-on or a
+    label — so the requests a stratum is labelled on are exactly those it serves once switched on."""
+    ranks = {st: i for i, st in enumerate(order or STRATA)}
+    return min(options, key=lambda o: (ranks.get(o["stratum"], len(ranks)), -o["similarity"], o["entry_id"]),
+               default=None)
 
 
 def learning_decision(signature: Signature | None, candidates: Candidates, probe: Any, *, rule_file: str,
@@ -45,21 +62,21 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
     config = getattr(probe, "config", None)
     ns = rule_namespace(model_fp, config.rule_fingerprint()) if config is not None else candidates.namespace
     ctx: dict[str, Any] = {"rule_file": rule_file, "rule_path": str(rule_path), "namespace": ns,
-                           "settings": settings.to_dict(), "audit": False}
-    top = _top(candidates)
+                           "settings": settings.to_dict(), "audit": False,
+                           "k": int(candidates.k or len(tuple(candidates.items)) or 1)}
+    top = None
     accept = False
     reason = ""
-    if top is not None and signature is not None and probe is not None and getattr(probe, "answered", None) is None:
-        d = discrepancies(signature, top.signature)
-        stratum = stratum_of(str(probe.prompt), str(top.prompt),
-                             same_seed=top.seed is not None and int(top.seed) == int(probe.seed))
-        ctx.update(entry_id=top.entry_id, stratum=stratum, vector=[float(v) for v in d.vector()],
-                   missing=bool(d.missing), similarity=float(top.similarity), candidate=top)
+    if candidates.items and signature is not None and probe is not None and getattr(probe, "answered", None) is None:
+        options = candidate_options(signature, candidates, probe)
+        chosen = choose(options, learned.order if learned is not None else None)
+        top, stratum = chosen["candidate"], chosen["stratum"]
+        ctx.update({k: v for k, v in chosen.items()}, options=options)
         th = learned.thresholds(stratum) if learned is not None else None
         if th is None:
             reason = (f"learning: stratum {stratum!r} is not switched on; served dense"
                       + (" (its reuse run may be labelled)" if stratum in STRATA else ""))
-        elif not accepts(th, d.vector(), d.missing):
+        elif not accepts(th, chosen["vector"], chosen["missing"]):
             reason = f"rejected: outside stratum {stratum!r}'s learned thresholds"
         elif audit_draw(settings.audit_share, str(getattr(probe, "request_key", "") or "")):
             ctx["audit"] = True
@@ -69,8 +86,8 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
             reason = f"accepted: stratum {stratum!r} is certified on own labels and the candidate is within its " \
                      "thresholds"
     verdicts = tuple(CandidateVerdict(c.entry_id, float(c.similarity), accept and c is top,
-                                      reason if c is top else "rejected: learning mode considers only the most "
-                                      "similar candidate (recall K = 1)") for c in candidates.items)
+                                      reason if c is top else "not considered: the learned rule reuses the candidate "
+                                      "whose kind of change comes first in its order") for c in candidates.items)
     ms = (time.perf_counter() - t0) * 1000.0
     if accept:
         summary = f"ACCEPT {top.entry_id!r} (learned rule, stratum {ctx['stratum']}); filter {ms:.2f} ms"
@@ -168,9 +185,12 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     answered = getattr(probe, "answered", None) is not None
     learner.store.charge(ns, served_s=float(served_s), requests=1)
     done = ""
-    stratum = ctx.get("stratum")
     key = str(getattr(probe, "request_key", "") or "")
     served_dense = getattr(report, "decision", "") in ("dense", "miss")
+    if ctx.get("options") and not ctx.get("audit"):
+        # the candidate by the record's own order (the filter saw only the rule file's, or none while learning)
+        ctx.update(choose(ctx["options"], learner.order(ns)) or {})
+    stratum = ctx.get("stratum")
     if stratum is not None and not answered and served_dense and key:
         cov = Covariate(key, str(stratum), str(ctx["entry_id"]), float(ctx["similarity"]),
                         tuple(ctx["vector"]), bool(ctx["missing"]), time.time())
@@ -199,7 +219,7 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                 cand = ctx["candidate"]
                 cached = store.load(cand.entry_id, count_hit=False).cached_run()
                 acc = _Decision(accepted=True, candidate=cand, verdicts=(), mode="signature",
-                                summary="learning: the rule-to-be's reuse of the top candidate (counterfactual)")
+                                summary="learning: the rule-to-be's reuse of its chosen candidate (counterfactual)")
                 cfg = replace(reuse_config, mode="joint") if reuse_config is not None else None
                 t0 = time.perf_counter()
                 if _over_max_active(model, probe, signature, cached, cfg):
@@ -283,6 +303,6 @@ def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse
                          rule_fingerprint=cfg.rule_fingerprint(), arch=cfg.arch, config_meta=cfg.to_meta(),
                          reuse_meta=reuse_meta, judge={"name": judge.name,
                                                        "settings": dict(getattr(judge, "settings", {}) or {})},
-                         states=states)
+                         states=states, recall_k=int(ctx.get("k") or 1))
     rulefile.save(doc, path)
     log.info("carnator learning: wrote learned rule %s (reuse on for: %s)", Path(path).name, ", ".join(on) or "none")
