@@ -234,7 +234,7 @@ def _redis_rules_state(url: str) -> dict[str, Any]:
         raise RouteError(400, str(e)) from None
     try:
         store = RedisLabelStore.open(public, claim=False)
-    except (LabelStoreError, RedisConfigError) as e:
+    except LabelStoreError as e:
         raise RouteError(503, str(e)) from None
     try:
         learner = Learner(public, store=store)

@@ -164,6 +164,8 @@ def test_learner_for_a_redis_cache_url_uses_the_shared_record(redis_url, monkeyp
     other = worker(redis_url, settings)
     feed(other, 5, "reseed", np.random.default_rng(1), check=False)
     assert len(ln.store.labels(NS)) == 5 and ln.rule_state(NS) == other.rule_state(NS)
+    with pytest.raises(LabelStoreError, match="not configured|no longer configured"):
+        learner_for("redis://10.9.9.9:6379/0", settings)  # a Redis the server owner did not configure
 
 
 def test_panel_rules_route_reads_a_redis_caches_record(redis_url, server, monkeypatch, comfy_env):
@@ -183,3 +185,53 @@ def test_panel_rules_route_reads_a_redis_caches_record(redis_url, server, monkey
     with pytest.raises(routes.RouteError, match="not a Redis this server may use"):
         routes.rules_state("redis://10.1.2.3:6379/0")
 
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_two_servers_on_one_redis_learn_one_rule(tmp_path):
+    """Two real ComfyUI servers, one Redis cache: the embedded learning stream queued alternately to each lands in
+    one record (one ledger, every label), both panels read the same state, and the last request's state (from
+    whichever server served it) counts the labels both servers made."""
+    from harness_redis import RedisServer
+    from harness_server import ComfyServer, started_together
+    from test_learn_server import check_learning_record, learning_stream
+
+    with RedisServer(tmp_path / "redis") as rsrv:
+        env = {"CARNATOR_REDIS_URL": rsrv.url}
+        with started_together(ComfyServer(tmp_path / "a", env=env, startup_timeout=600),
+                              ComfyServer(tmp_path / "b", env=env, startup_timeout=600)) as (a, b):
+            states = learning_stream([a, b], "redis://")
+            labels = check_learning_record(RedisLabelStore.open(rsrv.url, full_url=rsrv.url), states)
+            made = [st["label"] for st in states if st["label"].startswith("shadow label")]
+            assert len(made) == len(labels)  # each server's labels are in the one record
+            seen = [srv.get("/carnator/rules?directory=redis://") for srv in (a, b)]
+            assert seen[0] == seen[1] and seen[0]["exists"] and len(seen[0]["namespaces"]) == 1, seen
+            assert seen[0]["namespaces"][0]["labels"] == len(labels) == states[-1]["labels"]
+
+
+def test_a_worker_that_labelled_nothing_takes_up_the_farms_switch_on(redis_url, tmp_path):
+    """A stratum certified on another worker's labels: this worker's learned rule file (what its Risk Filter reads)
+    is written once the shared record says so, loads with the stratum on, and is not rewritten while nothing
+    changes."""
+    from types import SimpleNamespace
+
+    from test_cache_store import CFG
+
+    from carnator.carnator_core.learn import rulefile, runtime
+
+    settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
+    labeller, idle = worker(redis_url, settings), worker(redis_url, settings)
+    rng = np.random.default_rng(7)
+    feed(labeller, 30, "reseed", rng, check=False)
+    feed(labeller, 170, "reseed", rng, start=30, every=10)  # the state derived as serving does
+    assert labeller.state(NS)["reseed"].on
+    path = tmp_path / "rules" / "learned.json"
+    probe = SimpleNamespace(model_fingerprint="0123456789abcdef0000", config=CFG)
+    ctx = {"rule_path": str(path)}
+    runtime._sync_rule(idle, NS, ctx, probe, None)
+    learned = rulefile.load_learned(path)
+    assert learned.on == ["reseed"] and learned.thresholds("reseed") is not None
+    stamp = path.stat().st_mtime_ns
+    runtime._sync_rule(idle, NS, ctx, probe, None)
+    assert path.stat().st_mtime_ns == stamp  # nothing changed: not rewritten

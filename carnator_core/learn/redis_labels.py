@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Iterator, Mapping, TypeVar
@@ -103,7 +102,8 @@ _TABLES = {"covariates": "cov", "labels": "lab", "events": "ev"}
 
 
 class RedisLabelStore(RecordReads):
-    """The learning record of one Redis cache (module docstring); ``LabelStore``'s interface. Thread-safe."""
+    """The learning record of one Redis cache (module docstring); ``LabelStore``'s interface. Thread-safe (redis-py's
+    pooled client; the scripts make each write atomic)."""
 
     def __init__(self, client: redis.Redis, *, prefix: str = CACHE_PREFIX, url: str = "", claim: bool = True):
         """``client``: a connected ``redis.Redis``; ``prefix``: the cache's key prefix (the record lives under
@@ -114,7 +114,6 @@ class RedisLabelStore(RecordReads):
         self.url = url or "Redis"
         self.path = f"{self.url} ({self.prefix})"  # what LabelStore calls its path: where the record is
         self.corrupt = 0
-        self._lock = threading.Lock()
         self._add = client.register_script(_ADD_ROW)
         self._charge = client.register_script(_CHARGE)
         got = self._call(lambda: (claim and client.set(f"{self.prefix}:schema", str(SCHEMA), nx=True),
@@ -128,11 +127,15 @@ class RedisLabelStore(RecordReads):
              socket_timeout: float = 10.0, claim: bool = True) -> "RedisLabelStore":
         """The record on the Redis cache named by ``url`` (its public form; the credentials come from
         ``CARNATOR_REDIS_URL`` via ``redis_url.connect_url`` unless ``full_url`` is given, e.g. by tests)."""
-        from ..cache.redis_url import connect_url, public_url
+        from ..cache.redis_url import RedisConfigError, connect_url, public_url
 
-        public = public_url(url)
-        client = redis.Redis.from_url(full_url or connect_url(public), socket_timeout=socket_timeout,
-                                      socket_connect_timeout=2.0, health_check_interval=30)
+        try:
+            public = public_url(url)
+            full = full_url or connect_url(public)
+        except RedisConfigError as e:
+            raise LabelStoreError(f"the learning record cannot be opened: {e}") from None
+        client = redis.Redis.from_url(full, socket_timeout=socket_timeout, socket_connect_timeout=2.0,
+                                      health_check_interval=30)
         return cls(client, prefix=prefix, url=public, claim=claim)
 
     def close(self) -> None:
@@ -154,6 +157,9 @@ class RedisLabelStore(RecordReads):
         return f"{self.prefix}:{{{ns}}}:{name}"
 
     def _register(self, ns: str) -> None:
+        """List ``ns`` among the record's namespaces (after its row is written: a worker killed in between leaves
+        a row the next write lists, never a listed namespace without rows; a separate command because the set is
+        in another cluster slot than the namespace's keys)."""
         self._call(lambda: self._r.sadd(f"{self.prefix}:namespaces", ns))
 
     def _insert(self, ns: str, table: str, unique: str, body: str, *, want_id: int = 0,
@@ -188,19 +194,21 @@ class RedisLabelStore(RecordReads):
     # ------------------------------------------------------------------ covariates
     def add_covariate(self, namespace: str, cov: Covariate) -> bool:
         """Record a served request's covariates (once per request key, whichever worker is first; True if new)."""
-        self._register(namespace)
         body = _dump({**asdict(cov), "vector": [float(v) for v in cov.vector]})
-        return self._insert(namespace, "cov", cov.request_key, body) > 0
+        new = self._insert(namespace, "cov", cov.request_key, body) > 0
+        self._register(namespace)
+        return new
 
 
     # ------------------------------------------------------------------ labels
     def add_label(self, namespace: str, label: Label, *, keep_id: bool = False) -> bool:
         """Persist one label (one script; once per request key and kind; True if new). ``keep_id``: store it
         under ``label.id`` (replaying a learned rule file)."""
+        new = self._insert(namespace, "lab", f"{label.kind} {label.request_key}", _dump(label.to_row()),
+                           want_id=int(label.id) if keep_id and label.id > 0 else 0,
+                           request_key=label.request_key) > 0
         self._register(namespace)
-        return self._insert(namespace, "lab", f"{label.kind} {label.request_key}", _dump(label.to_row()),
-                            want_id=int(label.id) if keep_id and label.id > 0 else 0,
-                            request_key=label.request_key) > 0
+        return new
 
     def has_label(self, namespace: str, request_key: str) -> bool:
         return bool(self._call(lambda: self._r.sismember(self._k(namespace, "lab:req"), request_key)))
@@ -224,10 +232,10 @@ class RedisLabelStore(RecordReads):
     def charge(self, namespace: str, *, served_s: float = 0.0, label_s: float = 0.0, audit_s: float = 0.0,
                requests: int = 0) -> dict[str, float]:
         """Add compute to the namespace's ledger (one script of HINCRBYFLOATs); returns the new totals."""
-        self._register(namespace)
         out = self._call(lambda: self._charge(keys=[self._k(namespace, "ledger")],
                                               args=[repr(float(served_s)), repr(float(label_s)),
                                                     repr(float(audit_s)), int(requests)]))
+        self._register(namespace)
         vals = [_s(v) for v in out]
         return {"served_s": float(vals[0]), "label_s": float(vals[1]), "audit_s": float(vals[2]),
                 "requests": int(vals[3])}
