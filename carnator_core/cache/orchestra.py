@@ -249,17 +249,14 @@ class Storage(ABC):
     @abstractmethod
     def _read_entry(self, entry_id: str) -> StoredEntry | None:
         """The entry's row and bytes from one instant, or None when it is not cached (a row whose bytes vanished
-        is dropped and reported as None or ``EntryNotFoundError``). EntryNotFoundError for a malformed id."""
+        is dropped and reported as None or ``EntryNotFoundError``; so is a read torn by a concurrent removal). A
+        defect the storage sees itself (e.g. chunks missing) is the record's ``defect``. EntryNotFoundError for a
+        malformed id."""
 
     @abstractmethod
     def _read_signature(self, entry_id: str, hint: Any = None) -> StoredSignature | None:
         """The entry's Early Signature alone (without its latents), or None when it is not cached. ``hint``: what
         ``_recall_rows`` returned for the entry, when it was read there already."""
-
-    def _torn_read(self, namespace: str, entry_id: str) -> bool:
-        """After bytes failed to verify: True when the read may have been torn by a concurrent removal and the
-        entry is gone (reported as not cached, not quarantined). Consistent reads: always False."""
-        return False
 
     @abstractmethod
     def _correct_size(self, stored: Any, namespace: str, entry_id: str, recorded: int, actual: int) -> None:
@@ -270,12 +267,8 @@ class Storage(ABC):
     @abstractmethod
     def _count_hit(self, namespace: str, entry_id: str) -> int:
         """Count one reuse: the entry's hits, recency and LCBFU priority (at the current clock L) and the
-        namespace's hit counter, in one atomic step. Returns the entry's hits after it, -1 when the entry is gone,
-        -2 when not counted (best effort: a full or read-only storage)."""
-
-    @abstractmethod
-    def _hits_of(self, namespace: str, entry_id: str) -> int | None:
-        """The entry's recorded hits, or None when it is gone."""
+        namespace's hit counter, in one atomic step. Returns the entry's hits after it (best effort: on a full or
+        read-only storage nothing is counted and its recorded hits are returned), -1 when the entry is gone."""
 
     @abstractmethod
     def _count_lookup(self, namespace: str) -> None:
@@ -453,8 +446,6 @@ class StoreOrchestra(Storage):
             dec = common.verify_entry(rec.blob, entry_id=entry_id, namespace=ns, meta_digest=rec.meta_digest,
                                       recorded_size=rec.nbytes)
         except EntryFormatError as e:
-            if self._torn_read(ns, entry_id):
-                raise self._gone(entry_id) from None
             raise self._quarantine(entry_id, ns, str(e)) from None
         nbytes = self._fix_size(rec.ref, ns, entry_id, rec.nbytes, len(rec.blob))
         common.check_model(dec, entry_id, model_fingerprint, self._ELSEWHERE)
@@ -500,9 +491,6 @@ class StoreOrchestra(Storage):
         if ns is None:
             raise self._gone(entry_id)
         hits = self._count_hit(ns, entry_id)
-        if hits == -2:  # not counted (a full or read-only storage): what is recorded
-            held = self._hits_of(ns, entry_id)
-            hits = -1 if held is None else held
         if hits < 0:
             raise self._gone(entry_id)
         return hits

@@ -449,18 +449,15 @@ class RedisStore(StoreOrchestra):
         try:
             out = fn()
         except redis.ReadOnlyError as e:  # a read-only replica: reads work, writes are refused (said once)
-            if not self._read_only:
-                self._read_only = True
-                log.warning("carnator cache: Redis at %s is read-only (a replica); the cache serves recalls and "
-                            "exact repeats from it and writes nothing (no new entries, no counters)", self.url)
+            self._read_only = self._say_once(self._read_only, "is read-only (a replica); the cache serves "
+                                             "recalls and exact repeats from it and writes nothing (no new entries, "
+                                             "no counters)")
             raise CacheReadOnlyError(
                 f"the shared cache at {self.url} is read-only ({e}): nothing was written; recalls, exact repeats "
                 "and loads keep working. Point the cache at the primary Redis to cache new results.") from None
         except redis.OutOfMemoryError as e:  # maxmemory reached (noeviction): like a full disk
-            if not self._full:
-                self._full = True
-                log.warning("carnator cache: Redis at %s is full (maxmemory); nothing more is cached until entries "
-                            "are evicted or purged, reads keep working", self.url)
+            self._full = self._say_once(self._full, "is full (maxmemory); nothing more is cached until entries are "
+                                        "evicted or purged, reads keep working")
             raise CacheFullError(
                 f"the shared cache at {self.url} is full (Redis refused a write: {e}): nothing was written; reads "
                 "keep working. Lower max_gb on the Cache node so Carnator evicts older entries first, raise Redis's "
@@ -484,6 +481,12 @@ class RedisStore(StoreOrchestra):
             if was_down:
                 log.info("carnator cache: Redis at %s is reachable again; reuse resumes", self.url)
         return out
+
+    def _say_once(self, said: bool, what: str) -> bool:
+        """Log "Redis at <url> <what>" unless ``said`` already (the state flag it sets); returns True."""
+        if not said:
+            log.warning("carnator cache: Redis at %s %s", self.url, what)
+        return True
 
     def _read_pipeline(self) -> Any:
         """A pipeline for reads that must see one instant (MULTI/EXEC). Redis refuses every command queued in a
@@ -811,15 +814,13 @@ class RedisStore(StoreOrchestra):
         try:
             defect = "" if len(chunks) == int(nchunks) else \
                 f"{len(chunks)} chunks stored, {nchunks} expected (evicted by Redis itself?)"
+            if defect and self._full and not self._call(lambda: self._r.exists(p + f"e:{entry_id}")):
+                return None  # a plain (non-transaction) read of a full Redis, torn by a concurrent delete
             return StoredEntry(namespace=ns, prompt=prompt, seed=int(seed), created=float(created), hits=int(hits),
                                nbytes=int(nbytes), meta_digest=digest, blob=blob, defect=defect)
         except ValueError as e:  # a row field that is not a number: "quarantine"
             return StoredEntry(namespace=ns, prompt=prompt, seed=0, created=0.0, hits=0, nbytes=len(blob),
                                meta_digest=digest, blob=blob, defect=f"{type(e).__name__}: {e}")
-
-    def _torn_read(self, namespace: str, entry_id: str) -> bool:
-        # A full Redis is read with a plain pipeline (no transaction): a delete may have torn the read.
-        return self._full and not self._call(lambda: self._r.exists(self._p(namespace) + f"e:{entry_id}"))
 
     def _correct_size(self, stored: Any, namespace: str, entry_id: str, recorded: int, actual: int) -> None:
         try:
@@ -860,11 +861,8 @@ class RedisStore(StoreOrchestra):
             return int(self._call(lambda: self._scripts["hit"](keys=[self._p(namespace)],
                                                                args=[entry_id, repr(inflation), repr(time.time())])))
         except (CacheReadOnlyError, CacheFullError):  # counters are best-effort: a read must not fail on them
-            return -2
-
-    def _hits_of(self, namespace: str, entry_id: str) -> int | None:
-        held = self._call(lambda: self._r.hget(self._p(namespace) + f"e:{entry_id}", "hits"))
-        return None if held is None else int(held)
+            held = self._call(lambda: self._r.hget(self._p(namespace) + f"e:{entry_id}", "hits"))
+            return -1 if held is None else int(held)
 
     def _count_lookup(self, namespace: str) -> None:
         """Skipped on a read-only replica or a full Redis."""

@@ -496,20 +496,12 @@ class Store(StoreOrchestra):
                         "rebuilding from the entry files (%d)", self.root / CATALOG, reason, len(files))
         build = self.root / "tmp" / f"catalog-rebuild.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         conn = catalog.connect(build, wal=False)
-        adopted = 0
         try:
             conn.execute("PRAGMA journal_mode=MEMORY")
             conn.execute("PRAGMA synchronous=OFF")  # durability comes from the fsync before the swap
             conn.execute("BEGIN")
             catalog.create(conn)
-            for path in files:
-                if self._fault:
-                    self._fault("rebuild_entry")
-                try:
-                    self._adopt_into(conn, path)
-                    adopted += 1
-                except (CorruptEntryError, FileNotFoundError):
-                    pass  # quarantined and logged / deleted meanwhile
+            adopted = self._adopt_each(conn, files, fault="rebuild_entry")
             catalog.mark_complete(conn)
             conn.execute("COMMIT")
         except BaseException:
@@ -549,20 +541,31 @@ class Store(StoreOrchestra):
         late = [p for p in self._entry_files() if p not in listed]
         if not late:
             return 0
-        n = 0
         conn = catalog.connect(db)
         try:
-            for path in late:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    self._adopt_into(conn, path)
-                    n += 1
-                except (CorruptEntryError, FileNotFoundError):
-                    pass  # quarantined and logged / removed meanwhile
-                finally:
-                    conn.execute("COMMIT")
+            return self._adopt_each(conn, late, each_committed=True)
         finally:
             conn.close()
+
+    def _adopt_each(self, conn: sqlite3.Connection, paths: list[Path], *, fault: str = "",
+                    each_committed: bool = False) -> int:
+        """Catalogue each entry file in ``conn`` (``_adopt_into``; bad ones are quarantined, vanished ones
+        skipped), inside the caller's transaction or, with ``each_committed``, one transaction per file. Returns
+        how many were adopted."""
+        n = 0
+        for path in paths:
+            if self._fault and fault:
+                self._fault(fault)
+            if each_committed:
+                conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._adopt_into(conn, path)
+                n += 1
+            except (CorruptEntryError, FileNotFoundError):
+                pass  # quarantined and logged / removed meanwhile
+            finally:
+                if each_committed:
+                    conn.execute("COMMIT")
         return n
 
     def _recover(self, reason: str) -> None:
@@ -1078,11 +1081,8 @@ class Store(StoreOrchestra):
                           " DO UPDATE SET hits=hits+1", (namespace,))
                 row = c.execute("SELECT hits FROM entries WHERE id=?", (entry_id,)).fetchone()
             return int(row[0]) if row else -1
-        return -2
-
-    def _hits_of(self, namespace: str, entry_id: str) -> int | None:
-        row = self._row(entry_id)
-        return int(row[7]) if row else None
+        row = self._row(entry_id)  # not counted: what is recorded
+        return int(row[7]) if row else -1
 
     def _count_lookup(self, namespace: str) -> None:
         with self._best_effort("count a cache lookup"):
