@@ -235,3 +235,23 @@ def test_a_worker_that_labelled_nothing_takes_up_the_farms_switch_on(redis_url, 
     stamp = path.stat().st_mtime_ns
     runtime._sync_rule(idle, NS, ctx, probe, None)
     assert path.stat().st_mtime_ns == stamp  # nothing changed: not rewritten
+
+
+def test_redis_gone_mid_run_is_a_label_store_error_saying_so(tmp_path):
+    """Redis killed under an open record: every operation raises LabelStoreError naming the outage (the sampler
+    turns it into the state's message and serves on), and the record works again once Redis is back."""
+    from harness_redis import RedisServer
+
+    srv = RedisServer(tmp_path / "redis", persist=True).start()
+    try:
+        st = RedisLabelStore.open(srv.url, full_url=srv.url)
+        assert st.add_label(NS, label(1))
+        srv.kill()
+        for op in (lambda: st.charge(NS, served_s=1.0, requests=1), lambda: st.add_label(NS, label(2)),
+                   lambda: st.labels(NS), lambda: st.has_label(NS, "k1")):
+            with pytest.raises(LabelStoreError, match="cannot be reached"):
+                op()
+        srv.start()
+        assert [lab.request_key for lab in st.labels(NS)] == ["k1"] and st.add_label(NS, label(2))
+    finally:
+        srv.stop()
