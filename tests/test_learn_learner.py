@@ -244,3 +244,35 @@ def test_a_learned_rule_file_keeps_its_order_and_recall(tmp_path: Path) -> None:
                          judge={"name": "test-judge", "settings": {}}, recall_k=5)
     learned = rulefile.from_doc(json.loads(json.dumps(doc)))
     assert learned.order[0] == "colour" and learned.order == tuple(ln.order(NS)) and learned.rule.recall_k == 5
+
+
+def test_processes_deriving_at_once_on_one_folder_record_each_transition_once(tmp_path: Path) -> None:
+    """Several ComfyUI processes on one cache folder (here: four connections to one learn.sqlite, deriving at the
+    same moment) record one pilot order and one fit 1 — a second copy would feed a label twice into one test."""
+    import threading
+
+    settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
+    seed_ln = Learner(tmp_path, settings)
+    feed(seed_ln, 60, "reseed", np.random.default_rng(3), check=False)  # enough for fit 1 and the pilot's order
+    workers = [Learner(tmp_path, settings) for _ in range(4)]
+    go = threading.Barrier(len(workers))
+    out: list[dict] = [{} for _ in workers]
+    errors: list[BaseException] = []
+
+    def derive(i: int) -> None:
+        try:
+            go.wait(timeout=30)
+            out[i] = {k: v.to_dict() for k, v in workers[i].state(NS).items()}
+        except BaseException as e:  # noqa: BLE001 — reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=derive, args=(i,)) for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    kinds = [(e["kind"], e.get("fit", {}).get("index") if e["kind"] == "fit" else None)
+             for e in seed_ln.store.events(NS)]
+    assert kinds.count(("order", None)) == 1 and kinds.count(("fit", 1)) == 1, kinds
+    assert all(o == out[0] for o in out) and out[0] == {k: v.to_dict() for k, v in seed_ln.state(NS).items()}

@@ -50,6 +50,18 @@ CREATE INDEX IF NOT EXISTS cov_ns ON covariates(namespace, id);
 """
 
 
+def event_key(kind: str, facts: Mapping[str, Any]) -> str:
+    """The uniqueness key of a state transition ("" for an event that may repeat): one pilot order per namespace,
+    one fit k per stratum, one switch-on and one drift per fit of a stratum."""
+    if kind == "order":
+        return "order"
+    if kind == "fit" and isinstance(facts.get("fit"), Mapping):
+        return f"fit:{facts['fit'].get('stratum')}:{facts['fit'].get('index')}"
+    if kind in ("on", "drift") and "stratum" in facts:
+        return f"{kind}:{facts['stratum']}:{facts.get('fit')}"
+    return ""
+
+
 class LabelStoreError(RuntimeError):
     """The learning record cannot be opened or written (the message says why and what to do)."""
 
@@ -279,8 +291,19 @@ class LabelStore(RecordReads):
 
     # ------------------------------------------------------------------ events
     def add_event(self, namespace: str, kind: str, message: str, **facts: Any) -> None:
+        """Record a state transition once: a transition with a key (``event_key``) already recorded — by another
+        process deriving the same state at the same moment — is dropped, inside the same write transaction."""
         body = _dump({"kind": kind, "message": message, "t": time.time(), **facts})
+        key = event_key(kind, facts)
         with self._tx() as c:
+            if key:
+                for (old,) in c.execute("SELECT body FROM events WHERE namespace=?", (namespace,)):
+                    try:
+                        d = json.loads(old)
+                    except ValueError:
+                        continue
+                    if event_key(str(d.get("kind", "")), d) == key:
+                        return
             c.execute("INSERT INTO events (namespace, body, checksum) VALUES (?, ?, ?)",
                       (namespace, body, checksum(body)))
 

@@ -43,12 +43,12 @@ import hashlib
 import json
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import redis
 
 from ..cache.redis_store import PREFIX as CACHE_PREFIX
-from .labels import SCHEMA, Covariate, Label, LabelStoreError, RecordReads, _dump, checksum
+from .labels import SCHEMA, Covariate, Label, LabelStoreError, RecordReads, _dump, checksum, event_key
 
 T = TypeVar("T")
 DIGEST = 64  # hex characters of the SHA-256 that starts each row
@@ -84,18 +84,6 @@ return out
 """
 
 LEDGER_FIELDS = ("served_s", "label_s", "audit_s", "requests")
-
-
-def event_key(kind: str, facts: Mapping[str, Any]) -> str:
-    """The uniqueness key of a state transition ("" for an event that may repeat): one pilot order per namespace,
-    one fit k per stratum, one switch-on and one drift per fit of a stratum."""
-    if kind == "order":
-        return "order"
-    if kind == "fit" and isinstance(facts.get("fit"), Mapping):
-        return f"fit:{facts['fit'].get('stratum')}:{facts['fit'].get('index')}"
-    if kind in ("on", "drift") and "stratum" in facts:
-        return f"{kind}:{facts['stratum']}:{facts.get('fit')}"
-    return ""
 
 
 _TABLES = {"covariates": "cov", "labels": "lab", "events": "ev"}
