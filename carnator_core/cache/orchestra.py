@@ -24,8 +24,9 @@ own guarantees: durability, concurrency, faults):
   id and writes nothing (``put_with_status`` says which); the check is repeated atomically at publish, so two
   concurrent writers of one request store it once.
 * **Budget.** An entry larger than the whole ``max_bytes`` is refused (``CacheBudgetError``); after each publish
-  the lowest-value entries are evicted (``policy.py``: ``lcbfu`` raises the shared clock L to the highest evicted
-  priority, ``lru`` evicts the least recently used). A failed eviction never fails the put that triggered it.
+  the lowest-value entries of all namespaces are evicted (``policy.py``: ``lcbfu`` by priority, ``lru`` by last
+  use), one process at a time, and the shared clock L rises to the highest LCBFU priority evicted. A failed
+  eviction never fails the put that triggered it.
 * **Corruption.** Bytes that do not verify against their own header and checksums are quarantined (moved aside,
   never deleted; unpublished; one warning) and reported as ``CorruptEntryError``; a recorded size that disagrees
   with bytes that verify is corrected (one warning), never a reason to quarantine.
@@ -48,7 +49,7 @@ import numpy as np
 
 from ..types import Candidates, Signature
 from . import common
-from .entry import REQUEST_KEY_RE, Entry, EntryData, valid_entry_id
+from .entry import REQUEST_KEY_RE, EncodedEntry, Entry, EntryData, valid_entry_id
 from .errors import CacheError, CacheUnavailableError, CorruptEntryError, EntryFormatError, EntryNotFoundError
 from .index import IndexParams, VectorIndex, query_vector
 from .sigcache import SignatureLRU
@@ -223,7 +224,7 @@ class Storage(ABC):
         """A fresh 16-hex entry id for ``namespace`` (may register the namespace with the storage)."""
 
     @abstractmethod
-    def _publish(self, data: EntryData, entry_id: str, enc: Any, created: float) -> tuple[str, bool]:
+    def _publish(self, data: EntryData, entry_id: str, enc: EncodedEntry, created: float) -> tuple[str, bool]:
         """Store ``enc`` (``entry.EncodedEntry`` of ``data`` as ``entry_id``) and make it visible atomically: the
         row, its bytes, its embedding (none for an answer-only entry) and a change record, all or nothing. The
         duplicate check is repeated inside that step: returns ``(id, True)`` for the entry published (a backend may
@@ -361,9 +362,9 @@ def public(fn: Callable) -> Callable:
 # ---------------------------------------------------------------------------------------------- the orchestra
 class StoreOrchestra(Storage):
     """The public cache surface, written once over ``Storage``. A backend's ``__init__`` sets the attributes
-    below and implements the ``Storage`` methods; its own public methods (``open``,
-    ``close``, ``scan``, ``namespaces``, ``entry_ids``, ``content_version``, ``purge_count``) complete the
-    surface. Thread-safe: ``_lock`` serialises index maintenance."""
+    below and implements the ``Storage`` methods; its own public methods (``open``, ``close``, ``scan``,
+    ``namespaces``, ``entry_ids``, ``content_version``, ``purge_count``) complete the surface. Thread-safe:
+    ``_lock`` serialises index maintenance."""
 
     max_bytes: int | None
     policy: str
