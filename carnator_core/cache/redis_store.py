@@ -738,13 +738,15 @@ class RedisStore(StoreOrchestra):
                     heapq.heappush(heap, (float(score), _s(m), ns, -1 if nb is None else int(_s(nb))))
 
         fetch(list(nss))
+        seen: set[str] = set()  # a member whose score changed between two pages (a hit meanwhile) comes once
         while heap:
             score, member, ns, nbytes = heapq.heappop(heap)
             if left[ns] > 0:
                 left[ns] -= 1
                 if left[ns] == 0:
                     fetch([ns])  # the namespace's next page, before its next member is compared
-            if nbytes >= 0:  # else removed since the page was read
+            if nbytes >= 0 and member not in seen:  # nbytes < 0: removed since the page was read
+                seen.add(member)
                 yield Victim(entry_id=member[13:], namespace=ns, nbytes=nbytes,
                              priority=score if zset == "prio" else None)
 
