@@ -115,7 +115,14 @@ def serve(args: argparse.Namespace) -> None:
             if req.rid in done:
                 continue
             entry = run_one(client, graph, req.prompt, req.seed, f"e2e/{req.rid}_c")
-            rep = entry["outputs"][sampler]["carnator_report"][0]
+            if sampler not in entry["outputs"]:
+                # the same graph as the last prompt: ComfyUI's own node cache answered it (no node ran) — an exact
+                # repeat answered before Carnator, as a user would see it
+                rep = {"decision": "hit", "mode": "node_cache", "rule_state": {}}
+                entry["outputs"]["save"] = entry["outputs"].get("save") or {"latents": [{"subfolder": "",
+                                                                                         "filename": ""}]}
+            else:
+                rep = entry["outputs"][sampler]["carnator_report"][0]
             rec = {"i": i, "rid": req.rid, "kind": req.kind, "prompt": req.prompt, "seed": req.seed,
                    "latency_s": latency_s(entry), "decision": rep["decision"], "mode": rep["mode"],
                    "compute_fraction": rep.get("compute_fraction"), "latent": saved(entry),
@@ -123,7 +130,7 @@ def serve(args: argparse.Namespace) -> None:
                    "strata_on": sorted(k for k, v in (rep.get("rule_state") or {}).get("strata", {}).items()
                                        if v["state"] in ("certified", "audited")),
                    "audit": "audit:" in (rep.get("decision_summary") or ""), "t": time.time()}
-            hit = rep["decision"] == "hit" and rep["mode"] != "exact"
+            hit = rep["decision"] == "hit" and rep["mode"] not in ("exact", "node_cache")
             if i % args.dense_every == 0 or hit or rec["audit"]:
                 d = run_one(client, dense, req.prompt, req.seed, f"e2e/{req.rid}_d")
                 rec["dense_latency_s"] = latency_s(d)
@@ -148,7 +155,7 @@ def offline_label(base: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     judge = judge_for(None, "embedded", SECOND_LABEL)  # the judge learning mode labels the embedded model with
     b = c = n = 0
     for r in rows:
-        if not (r["decision"] == "hit" and r["mode"] != "exact" and r.get("dense_latent")):
+        if not (r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache") and r.get("dense_latent")):
             continue
         clips = []
         for key in ("latent", "dense_latent"):
@@ -213,8 +220,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(rows), "workload": json.loads((out / "workload.json").read_text()),
         "switched_on_at_request": on_at, "strata_on_at_end": rows[-1]["strata_on"] if rows else [],
         "rule_state_at_end": rows[-1]["rule_state"] if rows else {},
-        "hits": sum(r["decision"] == "hit" and r["mode"] != "exact" for r in rows),
-        "exact_answers": sum(r["mode"] == "exact" for r in rows),
+        "hits": sum(r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache") for r in rows),
+        "exact_answers": sum(r["mode"] in ("exact", "node_cache") for r in rows),
         "audits": sum(lab.kind == "audit" for lab in labels), "shadow_labels": n_shadow,
         "labels_b_c": [sum(lab.x == 1 for lab in labels), sum(lab.x == -1 for lab in labels)],
         "ledger": led, "extra_share": (led["label_s"] + led["audit_s"]) / led["served_s"] if led["served_s"] else None,
