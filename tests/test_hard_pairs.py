@@ -82,3 +82,25 @@ def test_auc_and_separation_against_brute_force() -> None:
     same = [{"shape": 0.5, "unsafe": i < 6, "reusable": True} for i in range(20)]
     got = H.separation(same, {"shape": 1.0}, axes=("shape",))["axes"]["shape"]
     assert got["auc"] == 0.5 and not got["separates"]
+
+
+def test_the_committed_axes_result_recomputes_from_its_pairs(tmp_path) -> None:
+    """rules/protocols/axes_s53_summary.json is what the report makes of rules/axes_s53_pairs.jsonl (the docs quote it:
+    6 unsafe of 171 reused hard pairs, no axis separating them)."""
+    import json
+    import sys
+
+    from repo_package import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts" / "lab"))
+    import axis_separation
+
+    out = tmp_path / "summary.json"
+    assert axis_separation.main(["--out", str(ROOT / "rules" / "axes_s53_pairs.jsonl"), "--report",
+                                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got == json.loads((ROOT / "rules" / "protocols" / "axes_s53_summary.json").read_text())
+    hard = got["per_kind"]["HARD (pooled)"]
+    assert (hard["pairs"], hard["reused"], hard["b"]) == (200, 171, 6)
+    assert not any(a["separates"] for a in hard["axes"].values())
+    assert got["per_kind"]["background_near"]["reused"] == 0
