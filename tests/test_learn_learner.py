@@ -5,6 +5,7 @@ with SIGKILL in the middle of writing labels losing or corrupting nothing. Label
 the test); the labelling run itself is covered through a real server in tests/test_learn_server.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -276,3 +277,23 @@ def test_processes_deriving_at_once_on_one_folder_record_each_transition_once(tm
              for e in seed_ln.store.events(NS)]
     assert kinds.count(("order", None)) == 1 and kinds.count(("fit", 1)) == 1, kinds
     assert all(o == out[0] for o in out) and out[0] == {k: v.to_dict() for k, v in seed_ln.state(NS).items()}
+
+
+def test_one_early_failure_does_not_send_the_most_frequent_kind_to_the_back(tmp_path: Path) -> None:
+    """A pilot is small: the kind that makes half the traffic leads the order though one of its few pilot labels
+    failed; only PILOT_DEMOTE more failures than successes send a kind behind the others."""
+    from carnator.carnator_core.learn.learner import PILOT_DEMOTE, pilot_order
+
+    rng = np.random.default_rng(8)
+    covs, labs = [], []
+    for i in range(60):
+        st = "rewording" if i % 2 else ("colour" if i % 4 else "size")
+        vec = tuple(float(v) for v in rng.uniform(0.0, 1.0, 4))
+        covs.append(Covariate(f"k{i}", st, f"e{i}", 0.9, vec, False))
+        if i % 3 == 0:
+            labs.append(Label(f"k{i}", st, f"e{i}", 0.9, vec, False, True, int(st == "rewording" and i == 3),
+                              "shadow", "j", id=len(labs) + 1))
+    order, _ = pilot_order(covs, labs, {}, LearnSettings())
+    assert order[0] == "rewording" and sum(lab.x for lab in labs if lab.stratum == "rewording") == 1 < PILOT_DEMOTE
+    worse = [dataclasses.replace(lab, x=1) if lab.stratum == "rewording" else lab for lab in labs]
+    assert pilot_order(covs, worse, {}, LearnSettings())[0][:2] == ["colour", "size"]

@@ -14,12 +14,13 @@ against the candidate, ``risk.strata``):
    for fit 1). No label outcome enters a fit. A fit whose accepted labels show an excess ≥ α after
    ``fail_after`` labels is replaced by the next, stricter one; a drift (below) replaces it by the next one on
    labels after the drift only.
-3. **Pilot, then certify.** The first ``pilot`` served requests with a candidate are a pilot: their labels fix
-   the order in which the strata are certified (``pilot_order``: the stratum expected to certify first in the
-   fewest requests leads) and are counted by no test. After it, fit j of stratum s is tested with
-   ``sequence.BettingSequence`` inside the graph of tests (``build_graph``; ``sequence`` module docstring,
-   "Multiplicity"): reuse switches on for the stratum by itself once its test certifies at the level the graph
-   gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the next.
+3. **Pilot, then certify.** The first ``pilot`` served requests with a candidate are a pilot: their labels fix the
+   order in which the strata are certified (``pilot_order``: the most frequent stratum first; one whose pilot labels
+   already show two more failures than successes last) and are counted by no test. After it, fit j of stratum s is
+   tested with ``sequence.BettingSequence`` inside the graph of tests (``build_graph``; ``sequence`` module
+   docstring, "Multiplicity"): reuse switches on for the stratum by itself once its test certifies at the level the
+   graph gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the
+   next.
 4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %) is served dense instead and its
    reuse labelled against it; ``sequence.DriftTest`` (H0: excess ≤ α) watches these labels, and when it fires the
    stratum is switched off ("off", with the message) and learning resumes with the next fit.
@@ -55,15 +56,11 @@ import numpy as np
 from ..risk.thresholds import Thresholds
 from .labels import Covariate, Label, LabelStore
 from .sequence import (
-    C_MAX,
     METHOD,
-    PRIOR_B,
-    PRIOR_WEIGHT,
     BettingSequence,
     DriftTest,
     GraphProcedure,
     fit_share,
-    kelly_bet,
     labels_needed,
 )
 
@@ -259,16 +256,21 @@ def build_graph(order: Sequence[str], settings: LearnSettings) -> GraphProcedure
     return g
 
 
+#: A kind whose pilot labels show at least this many more failures (b) than successes (c) is certified last.
+PILOT_DEMOTE = 2
+
+
 def pilot_order(covs: Sequence[Covariate], shadow: Sequence[Label], first_fits: Mapping[str, Fit],
                 settings: LearnSettings) -> tuple[list[str], dict[str, float]]:
-    """The order the strata are certified in, from the pilot: by the expected number of served requests until the
-    stratum's test certifies at the head's level — labels needed at the pilot's b/c rates (with the test's prior)
-    divided by the share of requests that would give the stratum an accepted, reusable label. Strata the pilot
-    never saw follow in :data:`STRATA` order. Returns (order, the expected requests per stratum)."""
-    s = settings
+    """The order the strata are certified in, from the pilot: by how many served requests it takes, at the pilot's
+    rates, to give the stratum one accepted, reusable label (its share of the requests with a candidate, accepted by
+    its first fit, times its labels' reusable share with one pseudo-label) — the most frequent first, since every
+    stratum needs about as many labels. A stratum whose pilot labels show ``PILOT_DEMOTE`` or more failures than
+    successes goes after the others (a pilot is small: a single failure says little, a frequent kind matters much).
+    Strata the pilot never saw follow in :data:`STRATA` order. Returns (order, requests per accepted label)."""
     total = max(len(covs), 1)
-    head = s.delta * s.head_weight * fit_share(1, s.strata)
     score: dict[str, float] = {}
+    demoted: set[str] = set()
     for st in STRATA:
         fit = first_fits.get(st)
         mine = [c for c in covs if c.stratum == st and (fit is None or accepts(fit.thresholds, c.vector, c.missing))]
@@ -277,16 +279,11 @@ def pilot_order(covs: Sequence[Covariate], shadow: Sequence[Label], first_fits: 
         if not mine:
             continue
         reusable = (sum(lab.reusable for lab in labs) + 1.0) / (len(labs) + 1.0)
+        score[st] = 1.0 / (len(mine) / total * reusable)
         xs = [lab.x for lab in labs if lab.reusable]
-        w = PRIOR_WEIGHT
-        pb = (sum(x == 1 for x in xs) + w * PRIOR_B * s.alpha) / (len(xs) + w)
-        pc = sum(x == -1 for x in xs) / (len(xs) + w)
-        payoffs, probs = (s.alpha - 1.0, s.alpha + 1.0, s.alpha), (pb, pc, max(1.0 - pb - pc, 0.0))
-        lam = kelly_bet(payoffs, probs, C_MAX / (1.0 - s.alpha))  # the test's own bet at these rates
-        growth = sum(p * math.log1p(lam * v) for v, p in zip(payoffs, probs) if p > 0)
-        needed = math.log(1.0 / head) / growth if growth > 1e-9 else 1e9
-        score[st] = needed / (len(mine) / total * reusable)
-    seen = sorted(score, key=lambda st: (score[st], STRATA.index(st)))
+        if sum(x == 1 for x in xs) - sum(x == -1 for x in xs) >= PILOT_DEMOTE:
+            demoted.add(st)
+    seen = sorted(score, key=lambda st: (st in demoted, score[st], STRATA.index(st)))
     return seen + [st for st in STRATA if st not in score], {k: round(v, 2) for k, v in score.items()}
 
 
