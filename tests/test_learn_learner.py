@@ -247,15 +247,10 @@ def test_a_learned_rule_file_keeps_its_order_and_recall(tmp_path: Path) -> None:
     assert learned.order[0] == "colour" and learned.order == tuple(ln.order(NS)) and learned.rule.recall_k == 5
 
 
-def test_processes_deriving_at_once_on_one_folder_record_each_transition_once(tmp_path: Path) -> None:
-    """Several ComfyUI processes on one cache folder (here: four connections to one learn.sqlite, deriving at the
-    same moment) record one pilot order and one fit 1 — a second copy would feed a label twice into one test."""
+def derive_at_once(workers: list[Learner]) -> list[dict]:
+    """Every worker derives the state at the same moment (a barrier), each in its own thread; their states."""
     import threading
 
-    settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
-    seed_ln = Learner(tmp_path, settings)
-    feed(seed_ln, 60, "reseed", np.random.default_rng(3), check=False)  # enough for fit 1 and the pilot's order
-    workers = [Learner(tmp_path, settings) for _ in range(4)]
     go = threading.Barrier(len(workers))
     out: list[dict] = [{} for _ in workers]
     errors: list[BaseException] = []
@@ -273,6 +268,16 @@ def test_processes_deriving_at_once_on_one_folder_record_each_transition_once(tm
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
+    return out
+
+
+def test_processes_deriving_at_once_on_one_folder_record_each_transition_once(tmp_path: Path) -> None:
+    """Several ComfyUI processes on one cache folder (here: four connections to one learn.sqlite, deriving at the
+    same moment) record one pilot order and one fit 1 — a second copy would feed a label twice into one test."""
+    settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
+    seed_ln = Learner(tmp_path, settings)
+    feed(seed_ln, 60, "reseed", np.random.default_rng(3), check=False)  # enough for fit 1 and the pilot's order
+    out = derive_at_once([Learner(tmp_path, settings) for _ in range(4)])
     kinds = [(e["kind"], e.get("fit", {}).get("index") if e["kind"] == "fit" else None)
              for e in seed_ln.store.events(NS)]
     assert kinds.count(("order", None)) == 1 and kinds.count(("fit", 1)) == 1, kinds

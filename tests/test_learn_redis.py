@@ -6,12 +6,10 @@ counted, never deleted; the panel's ``GET /carnator/rules`` reads a Redis cache'
 judge is the test), as in tests/test_learn_learner.py."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import test_redis_store
-from test_learn_learner import NS, ROOT, WRITER as SQLITE_WRITER, feed, kill_writer_mid_write
+from test_learn_learner import NS, ROOT, WRITER as SQLITE_WRITER, derive_at_once, feed, kill_writer_mid_write
 
 from carnator.carnator_core.learn.labels import Covariate, Label, LabelStoreError
 from carnator.carnator_core.learn.learner import Learner, LearnSettings, learner_for
@@ -68,24 +66,7 @@ def test_workers_deriving_at_once_record_each_transition_once(redis_url):
     settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
     seed_ln = worker(redis_url, settings)
     feed(seed_ln, 60, "reseed", np.random.default_rng(3), check=False)  # enough for fit 1 and the pilot's order
-    workers = [worker(redis_url, settings) for _ in range(4)]
-    go = threading.Barrier(len(workers))
-    out: list[dict] = [{} for _ in workers]
-    errors: list[BaseException] = []
-
-    def derive(i: int) -> None:
-        try:
-            go.wait(timeout=30)
-            out[i] = states(workers[i])  # all four find no fit and no order yet, and record them
-        except BaseException as e:  # noqa: BLE001 — reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=derive, args=(i,)) for i in range(len(workers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    out = derive_at_once([worker(redis_url, settings) for _ in range(4)])  # all find no fit and no order yet
     events = seed_ln.store.events(NS)
     kinds = [(e["kind"], e.get("fit", {}).get("index") if e["kind"] == "fit" else None) for e in events]
     assert kinds.count(("order", None)) == 1 and kinds.count(("fit", 1)) == 1, kinds
