@@ -139,17 +139,15 @@ def test_vidprom_examples(nlp, pid, expected, not_objects):
     assert not set(names) & set(not_objects), (prompt, names)
 
 
-def test_vidprom_robustness_and_speed(nlp):
+def test_vidprom_robustness(nlp):
+    # Robustness only: the extraction's speed is measured by the benchmarks (BENCHMARKS.md), never asserted here —
+    # a wall-time bound fails on a busy machine and says nothing on an idle one.
     prompts = list(_vidprom().values())[:60]
-    t0 = time.perf_counter()
     for prompt in prompts:
         phrases, _ = extract_objects(prompt)
         assert len(phrases) <= MAX_OBJECTS
         assert len({p.name for p in phrases}) == len(phrases)
         _check_word_ids(prompt, phrases)
-    per_prompt_ms = 1000 * (time.perf_counter() - t0) / len(prompts)
-    print(f"spaCy extraction: {per_prompt_ms:.1f} ms per VidProM prompt")
-    assert per_prompt_ms < 500  # generous: shared 2-core CI; the measured figure is in BENCHMARKS.md
 
 
 # --- user override -----------------------------------------------------------------------------------------
