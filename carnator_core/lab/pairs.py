@@ -47,6 +47,7 @@ import numpy as np
 
 from ..judge import pixels as _pixels, tolerance as _tolerance
 from ..judge.base import Judge, JudgeRequest, excess_label
+from ..judge.checker import detail_failures
 from ..risk.certify import LabelledPair
 from ..risk.discrepancy import discrepancies
 from ..types import Decision
@@ -351,7 +352,7 @@ def judge_against_dense(labeler: Labeler, ref: Any, clip: np.ndarray, dense_clip
     request_level = getattr(labeler, "level", "attribute") == "request"
     detail_failed: list[str] = []
     if request_level and getattr(labeler, "detail", False):
-        detail_failed = _detail_failures(clip, dense_clip, prompt)
+        detail_failed = detail_failures(clip, dense_clip, prompt)
         diag = {**diag, "detail_failed": detail_failed}
     if request_level and (ratio or detail_failed):
         art = quality.get("artifact")
@@ -411,7 +412,7 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
 
         return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt, strict=True)), definition,
                               level, artifact_ratio, detail=True,
-                              judge=CheckerJudge(artifact_ratio, strict=True, detail=_detail_failures))
+                              judge=CheckerJudge(artifact_ratio, strict=True, detail=detail_failures))
     if level == "request":
         definition = EMBEDDED_EXCESS_DEFINITION.format(ratio=artifact_ratio if artifact_ratio else "inf")
     else:
@@ -420,14 +421,6 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
 
     return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt)), definition, level,
                           artifact_ratio, judge=CheckerJudge(artifact_ratio if level == "request" else None))
-
-
-def _detail_failures(clip: np.ndarray, dense_clip: np.ndarray, prompt: str) -> list[str]:
-    """The second label's detail check of ``clip`` against ``dense_clip`` (what :func:`judge_against_dense` runs;
-    the runtime judge's own, ``judge.checker.detail_failures``)."""
-    from ..judge.checker import detail_failures
-
-    return detail_failures(clip, dense_clip, prompt)
 
 
 # Shared with the runtime judges (one definition: a label made here equals the judge's).

@@ -60,6 +60,7 @@ from .sequence import (
     BettingSequence,
     DriftTest,
     GraphProcedure,
+    family_delta,
     fit_share,
     labels_needed,
 )
@@ -231,26 +232,35 @@ def estimate_needed(seq: BettingSequence | None, alpha: float, delta: float) -> 
     return int(max(floor, seq.n + math.ceil(max(left, 0.0))))
 
 
+def first_level(settings: LearnSettings) -> float:
+    """The level the first stratum's first fit starts at: δ·h·3/4 under "graph", the stratum's Bonferroni share
+    (δ/|STRATA|, halved for fit 1) under "bonferroni", δ/2 under "none"."""
+    s = settings
+    if s.strata == "graph":
+        return s.delta * s.head_weight * fit_share(1, s.strata)
+    return family_delta(s.delta, n_strata=len(STRATA), fit_index=1, n_levels=1, strata=s.strata)
+
+
 def build_graph(order: Sequence[str], settings: LearnSettings) -> GraphProcedure:
     """The family of (stratum, fit) tests as a graph (``sequence`` module docstring, "Multiplicity"): under "graph"
     stratum k (0, 1, ...) of ``order`` weighs h(1 − h)^k (h = ``head_weight``; the last the rest), fit j takes
-    ``fit_share(j)``
-    of its stratum, and a rejected node passes its level to the next stratum's fits (cyclic). Under "bonferroni"
-    the strata weigh 1/m each and nothing is passed on; under "none" every stratum weighs 1."""
+    ``fit_share(j)`` of its stratum, and a rejected node passes its level to the next stratum's fits (cyclic).
+    Under "bonferroni"/"none" each node has its fixed ``family_delta`` share and nothing is passed on."""
     s = settings
     m = max(len(order), 1)
     fits = range(1, s.max_fits + 1)
+    g = GraphProcedure(s.delta)
+    if s.strata != "graph":
+        for st in order:
+            for j in fits:
+                g.add((st, j), family_delta(1.0, n_strata=m, fit_index=j, n_levels=1, strata=s.strata))
+        return g
     shares = {j: fit_share(j, s.strata) for j in fits}
     total = sum(shares.values())
-    g = GraphProcedure(s.delta)
     for k, st in enumerate(order):
-        if s.strata == "graph":
-            # each stratum takes head_weight of what the earlier ones left; the last takes the rest
-            w = s.head_weight * (1.0 - s.head_weight) ** k if k < m - 1 else (1.0 - s.head_weight) ** k
-            nxt = order[(k + 1) % m]
-            out = {(nxt, j): shares[j] / total for j in fits} if m > 1 else {}
-        else:
-            w, out = (1.0 / m if s.strata == "bonferroni" else 1.0), {}
+        # each stratum takes head_weight of what the earlier ones left; the last takes the rest
+        w = s.head_weight * (1.0 - s.head_weight) ** k if k < m - 1 else (1.0 - s.head_weight) ** k
+        out = {(order[(k + 1) % m], j): shares[j] / total for j in fits} if m > 1 else {}
         for j in fits:
             g.add((st, j), w * shares[j], out)
     return g
@@ -352,7 +362,7 @@ class Learner:
             for st in strata:
                 if st not in fits and self._new_fit(namespace, st, 1, 0, covs, "first fit") is not None:
                     return True, {}
-        order = self._order(namespace, covs, shadow, fits, events, update)
+        order = self._order(namespace, covs, labels, fits, events, update)
         if order is None:
             return False, {st: self._pilot_state(st, fits.get(st, []), shadow, covs) for st in strata}
         ranking, since = order
@@ -442,41 +452,43 @@ class Learner:
                                    rank=rank, level=level)
         return False, out
 
-    def _order(self, namespace: str, covs: Sequence[Covariate], shadow: Sequence[Label],
+    def _order(self, namespace: str, covs: Sequence[Covariate], labels: Sequence[Label],
                fits: Mapping[str, Sequence[Fit]], events: Sequence[Mapping[str, Any]],
                update: bool) -> tuple[list[str], int] | None:
         """(the order of the strata, the last label id of the pilot); None while the pilot runs. Under
         "bonferroni"/"none" there is no pilot (STRATA's order, every label counts). A since of −1 means the order
         was just recorded (derive again)."""
         s = self.settings
-        if s.strata != "graph":
-            return list(STRATA), 0
-        for e in events:
-            if e.get("kind") == "order":
-                return [str(x) for x in e["order"]], int(e["since"])
-        if not update or len(covs) < s.pilot:
-            return None
+        recorded = self._recorded_order(events)
+        if recorded is not None or not update or len(covs) < s.pilot:
+            return recorded
+        shadow = [lab for lab in labels if lab.kind == "shadow"]
         ranking, why = pilot_order(covs, shadow, {k: v[0] for k, v in fits.items() if v}, s)
-        since = max((lab.id for lab in self.store.labels(namespace)), default=0)
+        since = max((lab.id for lab in labels), default=0)
         self.store.add_event(namespace, "order", f"pilot over ({len(covs)} served requests with a candidate): kinds "
                              f"are certified in the order {', '.join(ranking)}; tests count labels after label "
                              f"{since}", order=ranking, since=since, why=why)
         return ranking, -1
 
+    def _recorded_order(self, events: Sequence[Mapping[str, Any]]) -> tuple[list[str], int] | None:
+        """(order, the pilot's last label id) as recorded; STRATA's and 0 without a pilot; None while it runs."""
+        if self.settings.strata != "graph":
+            return list(STRATA), 0
+        for e in events:
+            if e.get("kind") == "order":
+                return [str(x) for x in e["order"]], int(e["since"])
+        return None
+
     def order(self, namespace: str) -> list[str] | None:
         """The order the strata are certified in (None while the pilot runs; STRATA's without a pilot)."""
-        if self.settings.strata != "graph":
-            return list(STRATA)
-        for e in self.store.events(namespace):
-            if e.get("kind") == "order":
-                return [str(x) for x in e["order"]]
-        return None
+        recorded = self._recorded_order(self.store.events(namespace))
+        return recorded[0] if recorded is not None else None
 
     def _pilot_state(self, st: str, fits: Sequence[Fit], shadow: Sequence[Label],
                      covs: Sequence[Covariate]) -> StratumState:
         s = self.settings
         n_labels = sum(lab.stratum == st for lab in shadow)
-        need = labels_needed(s.alpha, s.delta * s.head_weight * fit_share(1, s.strata))
+        need = labels_needed(s.alpha, first_level(s))
         msg = (f"learning ({st}) — pilot: {len(covs)} of {s.pilot} served requests with a candidate; the order in "
                f"which kinds are certified is fixed after it ({n_labels} pilot labels of this kind)")
         return StratumState(st, fits[-1] if fits else None, None, None, "learning", n_labels, need, msg,
@@ -501,9 +513,7 @@ class Learner:
             msg = f"reuse off after a drift ({', '.join(off)}); learning again — {labels} labels so far"
         else:
             state = "learning"
-            needed = closest.needed if closest else labels_needed(
-                self.settings.alpha, self.settings.delta * (self.settings.head_weight if self.settings.strata ==
-                                                            "graph" else 1.0) * fit_share(1, self.settings.strata))
+            needed = closest.needed if closest else labels_needed(self.settings.alpha, first_level(self.settings))
             n_close = closest.sequence.n if closest is not None and closest.sequence is not None else 0
             msg = (f"learning — {labels} labels of about {needed} needed; reuse switches on when certified"
                    + (f" (closest: {closest.stratum}, {n_close} of about {closest.needed})" if closest else ""))

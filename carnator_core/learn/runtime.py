@@ -191,11 +191,12 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
         # the candidate by the record's own order (the filter saw only the rule file's, or none while learning)
         ctx.update(choose(ctx["options"], learner.order(ns)) or {})
     stratum = ctx.get("stratum")
+    latest = None  # the states as of the record's last change, when derived here (rule_state then reuses them)
     if stratum is not None and not answered and served_dense and key:
         cov = Covariate(key, str(stratum), str(ctx["entry_id"]), float(ctx["similarity"]),
                         tuple(ctx["vector"]), bool(ctx["missing"]), time.time())
         learner.store.add_covariate(ns, cov)
-        states = learner.state(ns)
+        states = latest = learner.state(ns)
         st = states.get(str(stratum))
         audit = bool(ctx.get("audit"))
         want = audit or (st is not None and not st.on and stratum in STRATA and not cov.missing
@@ -242,17 +243,18 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                 if learner.store.add_label(ns, label):
                     learner.store.charge(ns, **({"audit_s": float(served_s)} if audit else {"label_s": cost}))
                 done = f"{'audit' if audit else 'shadow'} label x={x:+d} ({stratum}, {cost:.2f} s)"
-                _write_rule(learner, ns, ctx, probe, reuse_config, judge)
+                latest = _write_rule(learner, ns, ctx, probe, reuse_config, judge)
                 wrote_rule = True
             except Exception as e:  # noqa: BLE001 — the request is served; a failed label is only lost work
                 log.warning("carnator learning: labelling request %s failed (%s: %s); it is not labelled",
                             key[:12], type(e).__name__, e)
                 done = f"label failed: {e}"
+                latest = None
         elif why_not and why_not != "budget":
             done = why_not
-    if shared and not wrote_rule:
-        _sync_rule(learner, ns, ctx, probe, reuse_config)
-    state = learner.rule_state(ns)
+    if shared and not wrote_rule:  # other workers may have labelled meanwhile
+        latest = _sync_rule(learner, ns, ctx, probe, reuse_config)
+    state = learner.rule_state(ns, latest)
     state["label"] = done
     return state
 
@@ -270,32 +272,33 @@ def _over_max_active(model: Any, probe: Any, signature: Any, cached: Any, cfg: A
 _LAST_ON: dict[str, tuple[str, ...]] = {}
 
 
-def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any) -> None:
+def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any) -> Any:
     """On a farm's shared record a stratum may switch on (or off after a drift) on another worker's label: this
     worker's learned rule file (what its Risk Filter reads) is rewritten when the record's switched-on strata differ
-    from what it last wrote, naming the judge the latest label names."""
+    from what it last wrote, naming the judge the latest label names. Returns the states it derived, or None."""
     labels = learner.store.labels(ns)
     if labels and ctx.get("rule_path"):
         last = labels[-1]
         judge = SimpleNamespace(name=last.judge, settings=dict(last.judge_settings))
-        _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True)
+        return _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True)
+    return None
 
 
 def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any, judge: Any, *,
-                only_if_changed: bool = False) -> None:
+                only_if_changed: bool = False) -> Any:
     """Rewrite the learned rule file when a stratum switched on or off, and every 25 labels (sharing) unless
-    ``only_if_changed``."""
+    ``only_if_changed``. Returns the states it derived from the record (None without a rule path)."""
     from . import rulefile
 
     path = ctx.get("rule_path")
     if not path:
-        return
+        return None
     states = learner.state(ns)
     on = tuple(sorted(k for k, v in states.items() if v.on))
     n = len(learner.store.labels(ns))
     changed = _LAST_ON.get(str(path)) != on and (on or Path(path).exists())
     if not changed and (only_if_changed or n % 25 != 0):
-        return
+        return states
     _LAST_ON[str(path)] = on
     cfg = probe.config
     reuse_meta = replace(reuse_config, mode="joint").to_meta() if reuse_config is not None else None
@@ -306,3 +309,4 @@ def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse
                          states=states, recall_k=int(ctx.get("k") or 1))
     rulefile.save(doc, path)
     log.info("carnator learning: wrote learned rule %s (reuse on for: %s)", Path(path).name, ", ".join(on) or "none")
+    return states
