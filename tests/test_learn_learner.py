@@ -146,7 +146,7 @@ def test_learned_rule_file_round_trip_verification_and_refusal(tmp_path: Path) -
     ln = Learner(tmp_path / "cache", LearnSettings(min_fit=20, level=1.0))
     rng = np.random.default_rng(2)
     feed(ln, 20, "reseed", rng, check=False)
-    feed(ln, 150, "reseed", rng, start=20)
+    feed(ln, 200, "reseed", rng, start=20)
     doc = rulefile.build(ln, NS, model_fingerprint="0123456789abcdef0000", rule_fingerprint="cfg", arch="embedded",
                          config_meta={"steps": 20}, reuse_meta={"mode": "joint"},
                          judge={"name": "test-judge", "settings": {}})

@@ -223,12 +223,18 @@ def estimate_needed(seq: BettingSequence | None, alpha: float, delta: float) -> 
     if seq.certified:
         return seq.n
     pb, pc = seq.b / seq.n, seq.c / seq.n
-    lam = min(0.95 / (1 - alpha), max(0.0, (alpha - (pb - pc)) / max(pb + pc, alpha * alpha)))
-    growth = (pb * math.log1p(lam * (alpha - 1)) if pb else 0.0) + (pc * math.log1p(lam * (alpha + 1))) + \
-        (1 - pb - pc) * math.log1p(lam * alpha)
-    if growth <= 1e-6:
+    # each gambler's growth at the observed rates; the mixture crosses 1/δ once one gambler alone holds
+    # (number of gamblers)/δ, so the soonest such gambler bounds the labels still needed
+    kelly = min(0.95 / (1 - alpha), max(0.0, (alpha - (pb - pc)) / max(pb + pc, alpha * alpha)))
+    lefts = []
+    for lam, log_part in zip(seq.gambler_bets(kelly, alpha), seq.log_parts):
+        growth = (pb * math.log1p(lam * (alpha - 1)) if pb else 0.0) + (pc * math.log1p(lam * (alpha + 1))) + \
+            (1 - pb - pc) * math.log1p(lam * alpha)
+        if growth > 1e-6:
+            lefts.append((seq.threshold + math.log(len(seq.log_parts)) - log_part) / growth)
+    if not lefts:
         return max(floor, 10 * seq.n)  # at this rate the stratum may never certify: say "many"
-    left = (seq.threshold - seq.log_capital) / growth
+    left = min(lefts)
     return int(max(floor, seq.n + math.ceil(max(left, 0.0))))
 
 
