@@ -302,3 +302,18 @@ def test_one_early_failure_does_not_send_the_most_frequent_kind_to_the_back(tmp_
     assert order[0] == "rewording" and sum(lab.x for lab in labs if lab.stratum == "rewording") == 1 < PILOT_DEMOTE
     worse = [dataclasses.replace(lab, x=1) if lab.stratum == "rewording" else lab for lab in labs]
     assert pilot_order(covs, worse, {}, LearnSettings())[0][:2] == ["colour", "size"]
+
+
+def test_the_learning_count_is_the_closest_kinds_own_labels_against_its_own_need(tmp_path: Path) -> None:
+    """The badge reads "n of N labels": n and N must be one kind's (a total over all kinds against one kind's
+    need read "221 of about 87" on the rewording-heavy stream while no kind was near its certificate)."""
+    ln = Learner(tmp_path, LearnSettings(min_fit=10, level=1.0, pilot=20))
+    rng = np.random.default_rng(9)
+    feed(ln, 20, "colour", rng, check=False)  # the pilot
+    feed(ln, 30, "colour", rng, start=20, check=False)
+    feed(ln, 25, "motion", rng, start=50, check=False, p_b=0.3)
+    rs, states = ln.rule_state(NS), ln.state(NS)
+    assert rs["state"] == "learning" and rs["labels_total"] == 75
+    assert rs["labels"] == states["colour"].sequence.n < rs["needed"] == states["colour"].needed
+    assert f"{rs['labels']} labels of about {rs['needed']} needed for the closest kind of change (colour)" \
+        in rs["message"] and "75 labels in all" in rs["message"]

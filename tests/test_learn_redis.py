@@ -188,7 +188,7 @@ def test_two_servers_on_one_redis_learn_one_rule(tmp_path):
             assert len(made) == len(labels)  # each server's labels are in the one record
             seen = [srv.get("/carnator/rules?directory=redis://") for srv in (a, b)]
             assert seen[0] == seen[1] and seen[0]["exists"] and len(seen[0]["namespaces"]) == 1, seen
-            assert seen[0]["namespaces"][0]["labels"] == len(labels) == states[-1]["labels"]
+            assert seen[0]["namespaces"][0]["labels_total"] == len(labels) == states[-1]["labels_total"]
 
 
 def test_a_worker_that_labelled_nothing_takes_up_the_farms_switch_on(redis_url, tmp_path):

@@ -155,6 +155,7 @@ def check_learning_record(store: Any, states: Sequence[dict[str, Any]]) -> list[
     # exact repeats are answered before the filter (no learning record): every other request is on the ledger
     assert led["requests"] == len(states) and led["label_s"] <= 0.5 * led["served_s"] + max(
         lab.cost_s for lab in labels)
-    assert states[-1]["labels"] == sum(lab.kind == "shadow" for lab in labels)
+    assert states[-1]["labels_total"] == sum(lab.kind == "shadow" for lab in labels)
+    assert states[-1]["labels"] <= states[-1]["labels_total"]  # the closest kind's own, after the pilot
     assert states[-1]["message"].startswith("learning — ")
     return labels

@@ -508,6 +508,7 @@ class Learner:
         off = sorted(x.stratum for x in states.values() if x.state == "off")
         learning = [x for x in states.values() if not x.on]
         closest = min(learning, key=lambda x: x.needed - (x.sequence.n if x.sequence else 0), default=None)
+        n_close = closest.sequence.n if closest is not None and closest.sequence is not None else 0
         if on:
             state = "audited" if any(states[x].state == "audited" for x in on) else "certified"
             needed = sum(states[x].needed for x in on)
@@ -520,11 +521,16 @@ class Learner:
         else:
             state = "learning"
             needed = closest.needed if closest else labels_needed(self.settings.alpha, first_level(self.settings))
-            n_close = closest.sequence.n if closest is not None and closest.sequence is not None else 0
-            msg = (f"learning — {labels} labels of about {needed} needed; reuse switches on when certified"
-                   + (f" (closest: {closest.stratum}, {n_close} of about {closest.needed})" if closest else ""))
-        return {"state": state, "labels": int(labels), "needed": int(needed), "message": msg,
-                "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())}}
+            # n of N for the kind closest to its certificate (a total over kinds against one kind's N would read
+            # as "done" while no kind is near); the total is said separately
+            msg = (f"learning — {n_close} labels of about {needed} needed"
+                   + (f" for the closest kind of change ({closest.stratum}); {labels} labels in all" if closest
+                      else "") + "; reuse switches on when certified")
+        # "labels" of "needed": while learning, the closest kind's own labels against its own need (the badge's
+        # "n of N"); "labels_total" counts every kind's
+        shown = n_close if state == "learning" else labels
+        return {"state": state, "labels": int(shown), "needed": int(needed), "labels_total": int(labels),
+                "message": msg, "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())}}
 
     # ------------------------------------------------------------------ budget
     def budget_allows(self, namespace: str, busy: bool, rank: int = 0) -> bool:
