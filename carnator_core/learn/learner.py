@@ -32,10 +32,10 @@ budget goes first where a certificate is nearest), and two more while ComfyUI's 
 waiting user rarely waits for a label, and learning does not starve under constant load). The choice depends on
 costs, covariates and the order, never on the outcome of the label it is about to make.
 
-How soon: a stratum needs 73 accepted labels without a failure at the head of the order (α = 0.05, δ = 0.1; the
-next one then 68), and no valid test can do with fewer than 45 (``sequence``). On a stream that spreads over many
-kinds of change the first switch-on therefore comes after roughly pilot + 73 / (the head kind's share of requests
-that give an accepted, reusable label) requests.
+How soon: a stratum needs 86 accepted labels without a failure at the head of the order (α = 0.05, δ = 0.1; the
+next one then 81; about 212 when 2 % of its labels fail), and no valid test can do with fewer than 45
+(``sequence``). On a stream that spreads over many kinds of change the first switch-on therefore comes after
+roughly pilot + 86 / (the head kind's share of requests that give an accepted, reusable label) requests.
 
 The guarantee: P(some stratum is ever switched on while its fitted rule's true excess (b − c)/n is ≥ α) ≤ δ, for
 labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not

@@ -50,9 +50,9 @@ P(some switched-on (stratum, fit) has true excess ≥ α) ≤ δ, is controlled 
   ``fit_share(j)`` (3/4 for the first fit, the rest halving: refits are the exception). When a hypothesis is
   rejected (a stratum certifies) its level passes on to the next stratum of the order (cyclic), so a chain of kinds
   that certify each get most of δ — a fallback procedure (Wiens 1996) with the fits inside. The first kind of the
-  order needs as many labels as a single test at δ · h · 3/4 (73 at α = 0.05, δ = 0.1; the second then 68), not the
-  114 of a Bonferroni split over ten kinds and a halving over fits; if the first never certifies, the second still
-  starts at δ/4 (87).
+  order needs as many labels as a single test at δ · h · 3/4 (86 at α = 0.05, δ = 0.1 with no failure; the second
+  then 81), not the 132 of a Bonferroni split over ten kinds and a halving over fits; if the first never certifies,
+  the second still starts at δ/4 · 3/4 (102).
 * ``"bonferroni"``: δ/|STRATA| per stratum, fit j the share 2^−j (the procedure before the graph).
 * ``"none"``: each stratum at the whole δ, as the offline per-stratum certificate (no family-wise guarantee; said so
   in the rule's record).
@@ -223,7 +223,8 @@ class BettingSequence:
     def to_dict(self) -> dict:
         return {"n": self.n, "b": self.b, "c": self.c, "alpha": self.alpha, "delta": self.delta,
                 "log_capital": round(self.log_capital, 6), "max_log_capital": round(self.max_log_capital, 6),
-                "fixed": list(self.fixed), "log_parts": [round(v, 6) for v in self.log_parts], "log_threshold": round(self.threshold, 6), "upper": round(self.upper, 6),
+                "fixed": list(self.fixed), "log_parts": [round(v, 6) for v in self.log_parts],
+                "log_threshold": round(self.threshold, 6), "upper": round(self.upper, 6),
                 "certified": self.certified, "method": METHOD}
 
 
