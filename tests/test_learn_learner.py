@@ -310,10 +310,14 @@ def test_the_learning_count_is_the_closest_kinds_own_labels_against_its_own_need
     ln = Learner(tmp_path, LearnSettings(min_fit=10, level=1.0, pilot=20))
     rng = np.random.default_rng(9)
     feed(ln, 20, "colour", rng, check=False)  # the pilot
+    ln.state(NS)  # (serving derives the state after every request: the pilot ends here)
     feed(ln, 30, "colour", rng, start=20, check=False)
     feed(ln, 25, "motion", rng, start=50, check=False, p_b=0.3)
+    feed(ln, 1, "colour", rng, start=75, check=False, p_b=1.0)  # the head fails once: its estimate grows ...
     rs, states = ln.rule_state(NS), ln.state(NS)
-    assert rs["state"] == "learning" and rs["labels_total"] == 75
-    assert rs["labels"] == states["colour"].sequence.n < rs["needed"] == states["colour"].needed
+    assert states["colour"].rank == 0 and states["colour"].sequence.b >= 1
+    # ... and it is still the kind shown: the label budget goes to it first
+    assert rs["state"] == "learning" and rs["labels_total"] == 76
+    assert 0 < rs["labels"] == states["colour"].sequence.n < rs["needed"] == states["colour"].needed
     assert f"{rs['labels']} labels of about {rs['needed']} needed for the closest kind of change (colour)" \
-        in rs["message"] and "75 labels in all" in rs["message"]
+        in rs["message"] and "76 labels in all" in rs["message"]

@@ -507,7 +507,10 @@ class Learner:
         on = sorted(x.stratum for x in states.values() if x.on)
         off = sorted(x.stratum for x in states.values() if x.state == "off")
         learning = [x for x in states.values() if not x.on]
-        closest = min(learning, key=lambda x: x.needed - (x.sequence.n if x.sequence else 0), default=None)
+        # the kind shown: the first of the order still learning (where the label budget goes; a later kind with a
+        # smaller estimate gets labels last), during the pilot the one with the fewest labels left
+        closest = min(learning, key=lambda x: (x.rank if x.rank >= 0 else 0,
+                                               x.needed - (x.sequence.n if x.sequence else 0)), default=None)
         n_close = closest.sequence.n if closest is not None and closest.sequence is not None else 0
         if on:
             state = "audited" if any(states[x].state == "audited" for x in on) else "certified"
