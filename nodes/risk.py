@@ -68,6 +68,27 @@ def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_fil
                              settings=settings)
 
 
+def seed_thresholds(seed_rule: str) -> tuple[float, float, float, float]:
+    """The four axis thresholds of the rule file ``seed_rule`` (looked up like ``rule_file``), to start learning
+    mode's first fit from. Any readable rule will do — another model's, an uncertified one: a seed only decides
+    which requests the first fit accepts, never the certificate. Raises ValueError when no such file exists."""
+    path = rule_path(seed_rule.strip())
+    if path is None:
+        raise ValueError(f"no rule file {seed_rule.strip()!r} in {user_rules_dir()} or the extension's rules/ "
+                         "folder; name an existing rule file or leave seed_rule empty")
+    data = read_if_learned(path)
+    if data is not None:  # a learned rule: the thresholds of its loosest certified kind of change
+        learned = learned_from_doc(data, str(path))
+        if not learned.on:
+            raise ValueError(f"the learned rule {seed_rule.strip()!r} has no certified kind of change yet: it has "
+                             "no thresholds to seed from; leave seed_rule empty or name another rule")
+        rule = learned.rule
+    else:
+        rule = RiskRule.load(path, allow_uncertified=True)
+    t = rule.thresholds
+    return (float(t.context), float(t.size), float(t.shape), float(t.appearance))
+
+
 def pairs_roots() -> list[Path]:
     return [
         Path(folder_paths.get_user_directory()) / "carnator" / "pairs",
@@ -131,6 +152,12 @@ class CarnatorRiskFilter(io.ComfyNode):
                     tooltip="Learning mode: share of a learned rule's hits served dense instead and labelled, to "
                     "catch a drift (0.05 = 5 %).",
                 )),
+                _advanced(io.String.Input(
+                    "seed_rule", default="", optional=True,
+                    tooltip="Learning mode: a rule file (shipped, calibrated or learned; any model or config) whose "
+                    "thresholds start the first fit instead of this model's first requests. Only a starting point: "
+                    "the certificate is still earned on this model's own labels. Empty = fit from own requests.",
+                )),
             ],
             outputs=[
                 DECISION.Output(display_name="decision",
@@ -141,11 +168,16 @@ class CarnatorRiskFilter(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, rule_file: str | None = None, mode: str | None = None,
-                        allow_uncertified: bool | None = None) -> bool | str:
+                        allow_uncertified: bool | None = None, seed_rule: str | None = None) -> bool | str:
         # At POST /prompt: a missing, unreadable or uncertified rule file is a 400 before anything runs. Naming
         # `mode` turns off ComfyUI's own combo check for it, so it is checked here.
         if isinstance(rule_file, str) and rule_file.startswith(RECALL_REFUSED):
             return rule_file[len(RECALL_REFUSED):]  # check_recall_at_queue found the Retriever too narrow
+        if isinstance(seed_rule, str) and seed_rule.strip():
+            try:
+                seed_thresholds(seed_rule)
+            except (PathNotAllowedError, RuleError, ValueError) as e:
+                return f"seed_rule: {e}"
         if mode is None or rule_file is None:  # linked from another node: checked at execution
             return True
         if mode not in MODES:
@@ -189,12 +221,15 @@ class CarnatorRiskFilter(io.ComfyNode):
         probe: Any = None,
         learn_budget: float = 0.2,
         audit_share: float = 0.05,
+        seed_rule: str = "",
     ) -> io.NodeOutput:
         exact = exact_decision(candidates)  # an exact repeat answered before the probe: nothing to filter
         if exact is not None:
             return io.NodeOutput(exact, exact.summary)
         if mode == "signature":
-            settings = LearnSettings(budget=float(learn_budget), audit_share=float(audit_share))
+            seed = seed_thresholds(seed_rule) if isinstance(seed_rule, str) and seed_rule.strip() else None
+            settings = LearnSettings(budget=float(learn_budget), audit_share=float(audit_share),
+                                     seed_thresholds=seed)
             decision = learning_mode_decision(signature, candidates, probe, rule_file, settings)
             if decision is not None:
                 return io.NodeOutput(decision, decision.summary, ui={"carnator_learning": [decision.summary]})

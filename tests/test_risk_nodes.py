@@ -84,3 +84,30 @@ def test_calibrate_then_filter(risk_nodes, tmp_path):
             candidates=cands, rule_file="/etc/passwd", mode="signature", prompt_threshold=0.9,
             allow_uncertified=False, signature=target, probe=Probe(),
         )
+
+
+def test_seed_rule_starts_learning_from_another_rules_thresholds_and_is_checked_at_queue_time(risk_nodes):
+    """Learning mode's ``seed_rule``: the shipped rule's thresholds go into the learning settings the decision
+    carries (what fit 1 starts from); a missing seed is a queue-time error that says what to do; no seed, no
+    seed thresholds."""
+    from test_risk_cli import HEADER
+
+    from carnator.carnator_core.risk.rule import RiskRule
+    from carnator.carnator_core.types import Candidates, GenConfig
+
+    class Probe:
+        model_fingerprint = HEADER["model_fingerprint"]
+        config = GenConfig.from_meta(HEADER["config"])
+
+    node = risk_nodes.CarnatorRiskFilter
+    inputs = dict(candidates=Candidates(namespace="", items=()), rule_file="not_learned_yet.json", mode="signature",
+                  prompt_threshold=0.9, allow_uncertified=False, probe=Probe())
+    shipped = RiskRule.load(risk_nodes.SHIPPED_RULES / "embedded.json", allow_uncertified=True).thresholds
+    seeded = node.execute(**inputs, seed_rule="embedded.json").result[0]
+    assert seeded.learning["settings"]["seed_thresholds"] == [shipped.context, shipped.size, shipped.shape,
+                                                               shipped.appearance]
+    assert node.execute(**inputs, seed_rule="").result[0].learning["settings"]["seed_thresholds"] is None
+    assert node.validate_inputs(rule_file="not_learned_yet.json", mode="signature", seed_rule="embedded.json") is True
+    why = node.validate_inputs(rule_file="not_learned_yet.json", mode="signature", seed_rule="nowhere.json")
+    assert isinstance(why, str) and why.startswith("seed_rule: no rule file 'nowhere.json'") and "leave" in why
+    assert "outside" in node.validate_inputs(rule_file="x.json", mode="signature", seed_rule="../../etc/passwd")
