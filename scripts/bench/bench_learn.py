@@ -195,6 +195,31 @@ def replay(store: Any, ns: str) -> dict[str, Any]:
     return out
 
 
+def paired_ratio(rows: list[dict[str, Any]]) -> float | None:
+    """Σ dense twin latency / Σ served latency over requests that have a twin (the same server, moments apart)."""
+    served = sum(r["latency_s"] for r in rows)
+    return sum(r["dense_latency_s"] for r in rows) / served if rows and served else None
+
+
+def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | None,
+                 dense_med: float | None) -> dict[str, Any] | None:
+    """What the first certificate cost: the requests served and the shadow labels made up to the request that
+    switched reuse on, their compute against the compute served meanwhile, and the same labels offline (a dense
+    and a reuse run each)."""
+    if not on_at:
+        return None
+    t_on = rows[on_at - 1]["t"]  # the row's time stamp is taken when the request (and its label) has finished
+    before = [lab for lab in labels if lab.kind == "shadow" and lab.t <= t_on]
+    label_s = sum(lab.cost_s for lab in before)
+    served_s = sum(r["latency_s"] for r in rows[:on_at] if r["latency_s"]) - label_s
+    mean = label_s / len(before) if before else 0.0
+    offline = len(before) * ((dense_med or 0.0) + mean)
+    return {"requests": on_at, "labels": len(before), "b": sum(lab.x == 1 for lab in before),
+            "c": sum(lab.x == -1 for lab in before), "label_s": round(label_s, 2), "served_s": round(served_s, 2),
+            "extra_share": label_s / served_s if served_s else None, "offline_equivalent_s": round(offline, 2),
+            "online_over_offline": label_s / offline if offline else None}
+
+
 def report(args: argparse.Namespace) -> dict[str, Any]:
     from carnator.carnator_core.learn.labels import LabelStore
 
@@ -228,12 +253,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "dense_median_s": dense_med, "dense_twins": len(dense),
         "speedup_whole_run_vs_dense_median": speedup(rows),
         "speedup_after_switch_on": speedup([r for r in rows if on_at and r["i"] + 1 > on_at]) if on_at else None,
-        "paired_ratio_dense_over_served": (sum(r["dense_latency_s"] for r in paired)
-                                           / sum(r["latency_s"] for r in paired)) if paired else None,
+        "paired_ratio_dense_over_served": paired_ratio(paired),
         "mean_label_s": mean_label,
         # the offline protocol labels a request with a dense run and a reuse run (its pairs file), on warm caches
         "offline_equivalent_s": n_shadow * ((dense_med or 0) + (mean_label or 0)),
         "online_label_s": label_s,
+        "to_switch_on": to_switch_on(rows, labels, on_at, dense_med),
+        "paired_ratio_after_switch_on": paired_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
+        "audits_b_c": [sum(lab.x == 1 for lab in labels if lab.kind == "audit"),
+                       sum(lab.x == -1 for lab in labels if lab.kind == "audit")],
         "hits_offline_label": offline_label(out, rows),
         "replay": replay(store, ns) if labels else {},
     }
