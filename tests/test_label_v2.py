@@ -160,7 +160,7 @@ def test_learning_mode_labels_the_embedded_model_with_the_second_label():
     from carnator.carnator_core.judge.base import JudgeRequest, excess_label
 
     judge = judge_for(None, "embedded", SECOND_LABEL)
-    assert judge.settings == {"artifact_ratio": 1.25, "strict": True, "detail": True}
+    assert judge.settings == {"artifact_ratio": 1.25, "strict": True, "detail": True, "checker_version": 2}
     blurred = np.clip(ndimage.gaussian_filter(DENSE_RIGHT - _texture(), sigma=(0, 1.6, 1.6, 0)) + _texture(), 0, 1)
     ghost = checker.silhouette("ball", 8.0, 8.0, 3.0, FRAME.height, FRAME.width).astype(np.float32)
     ghost = ndimage.gaussian_filter(ghost, 0.7)[None, :, :, None] * 0.6

@@ -23,7 +23,11 @@ __all__ = ["CheckerJudge", "ExcessLabel", "Judge", "JudgeBase", "JudgeRequest", 
 
 
 #: The embedded world's second label as judge settings (the label the per-stratum certificates and learning use).
-SECOND_LABEL: Mapping[str, Any] = {"judge": "checker", "artifact_ratio": 1.25, "strict": True, "detail": True}
+#: ``checker_version`` 2: the checker's reading that segments two-object scenes by the caption's colours first and
+#: fails a shape only when another fits clearly better (``embedded.checker``: small white and dark objects were
+#: misread). Labels recorded without the key were made by reading 1, a different label.
+SECOND_LABEL: Mapping[str, Any] = {"judge": "checker", "artifact_ratio": 1.25, "strict": True, "detail": True,
+                                   "checker_version": 2}
 
 
 def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] | None = None, *,
@@ -35,7 +39,7 @@ def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] |
     - the embedded model ("embedded"): :class:`CheckerJudge` — the pixel checker knows the truth there.
       ``settings``: ``artifact_ratio`` (None = no artifact check), ``strict`` and ``detail`` (True for both plus
       ``artifact_ratio`` 1.25 is the second label, :data:`SECOND_LABEL`: shape, the motion track, blur, object
-      interiors and ghosts).
+      interiors and ghosts), ``checker_version`` (the checker's reading, 1 when absent; the second label's is 2).
     - Wan 2.1 / Wan 2.2 / LTX-Video: :class:`~.native.NativeJudge` on the model itself; needs ``encode``
       (prompt -> CONDITIONING) and, to read objects, ``text_encoder`` (the CLIP); ``second_model`` +
       ``switch_sigma`` for a two-expert pair. ``settings``: ``sigmas``, ``layers``, ``support_mass``,
@@ -56,10 +60,12 @@ def judge_for(model: Any, arch: str | None = None, settings: Mapping[str, Any] |
         if arch not in (None, "embedded"):
             raise ValueError(f"the pixel checker judges only the embedded model's world, not a {arch} model; use "
                              "judge='native' (or 'tolerance')")
-        from .checker import detail_failures
+        from .checker import detail_check
 
+        version = settings.get("checker_version", 1)
         return CheckerJudge(settings.get("artifact_ratio"), strict=bool(settings.get("strict", False)),
-                            detail=detail_failures if settings.get("detail") else None)
+                            detail=detail_check(version) if settings.get("detail") else None,
+                            checker_version=version)
     if kind == "tolerance":
         return ToleranceJudge(settings.get("metric", "psnr"), float(settings.get("threshold", 25.0)))
     if kind == "native":

@@ -20,6 +20,7 @@ Runtime-safe (numpy / scipy, the embedded package; no ComfyUI, no lab). Determin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -89,24 +90,39 @@ class CheckerJudge(JudgeBase):
     detail:         in :meth:`judge_pair`, ``detail(reuse_clip, dense_clip, prompt) -> [failed checks]`` (the second
                     label's detail check — blur, object interiors, ghosts — lives in the lab, which passes it in:
                     ``lab.pairs.embedded_checker_labeler("request", ratio, version=2).as_judge()``).
+    checker_version: the checker's reading (``embedded.checker.CHECKER_VERSIONS``; 1, the default, is every label
+                    made before version 2 existed). It segments the clips (attributes and the artifact check's
+                    background); ``detail`` is called as given, so pass one of the same reading
+                    (:func:`detail_failures` with ``version``; :func:`~carnator_core.judge.judge_for` does). A label
+                    of another reading is another label: ``settings`` name it (``checker_version``, absent for 1).
     A request's ``extra["scene"]`` (an ``embedded.world.Scene``) replaces parsing its prompt.
     """
 
     name = CHECKER_JUDGE
 
     def __init__(self, artifact_ratio: float | None = None, *, strict: bool = False,
-                 detail: Callable[[Any, Any, str], Sequence[str]] | None = None):
+                 detail: Callable[[Any, Any, str], Sequence[str]] | None = None, checker_version: int = 1):
+        from ..embedded.checker import CHECKER_VERSIONS
+
         if artifact_ratio is not None and not (math.isfinite(artifact_ratio) and artifact_ratio > 0):
             raise ValueError(f"artifact_ratio must be a positive number or None, got {artifact_ratio!r}")
+        if checker_version not in CHECKER_VERSIONS:
+            raise ValueError(f"checker_version must be one of {CHECKER_VERSIONS}, got {checker_version!r}")
         self.artifact_ratio = artifact_ratio or None
         self.strict, self.detail = bool(strict), detail
-        self.settings: Mapping[str, Any] = {"artifact_ratio": self.artifact_ratio, "strict": self.strict,
-                                            "detail": detail is not None}
+        self.checker_version = int(checker_version)
+        settings: dict[str, Any] = {"artifact_ratio": self.artifact_ratio, "strict": self.strict,
+                                    "detail": detail is not None}
+        if self.checker_version != 1:  # absent = 1: every record written before version 2 reads as what it was
+            settings["checker_version"] = self.checker_version
+        self.settings: Mapping[str, Any] = settings
 
     def _check(self, clip: Any, request: JudgeRequest) -> Any:
         from ..embedded import checker
 
-        kw = {"strict": True} if self.strict else {}
+        kw: dict[str, Any] = {"strict": True} if self.strict else {}
+        if self.checker_version != 1:
+            kw["version"] = self.checker_version
         return checker.check(pixels.as_clip(clip), request.extra.get("scene") or request.prompt, **kw)
 
     def judge(self, clip: Any, request: JudgeRequest) -> Verdict:
@@ -122,7 +138,8 @@ class CheckerJudge(JudgeBase):
                             scores=v.scores)
         if not self.artifact_ratio:
             return v
-        background = pixels.background_mask(dense_clip, request.extra.get("scene") or request.prompt)
+        background = pixels.background_mask(dense_clip, request.extra.get("scene") or request.prompt,
+                                            version=self.checker_version)
         dense_art = pixels.artifact_score(dense_clip, background)
         reuse_art = pixels.artifact_score(reuse_clip, background)
         # Rounded as the pairs files round them, so a label made here equals the one the lab made.
@@ -155,8 +172,9 @@ def _gradient(x: np.ndarray) -> np.ndarray:
     return np.sqrt(gx * gx + gy * gy).max(-1)
 
 
-def object_detail(clip: Any, caption_or_scene: Any) -> dict[str, float]:
-    """What a viewer sees of the objects themselves, judged on the clip's own segmentation (checker.object_masks):
+def object_detail(clip: Any, caption_or_scene: Any, *, version: int = 1) -> dict[str, float]:
+    """What a viewer sees of the objects themselves, judged on the clip's own segmentation (checker.object_masks of
+    the checker's reading ``version``):
 
     * ``edge``: sharpness — median over frames and objects of the 90th percentile gradient magnitude on the
       object's boundary band (the mask minus its 1-px erosion, grown by 1 px); NaN without an object;
@@ -171,7 +189,7 @@ def object_detail(clip: Any, caption_or_scene: Any) -> dict[str, float]:
 
     scene = world.parse_caption(caption_or_scene) if isinstance(caption_or_scene, str) else caption_or_scene
     x = pixels.as_clip(clip).astype(np.float64)
-    masks, _, bg = checker.object_masks(x, scene)
+    masks, _, bg = checker.object_masks(x, scene, version=version)
     grad = _gradient(x)
     energy = pixels.hf_energy(x)
     edges, inside = [], np.zeros(x.shape[:3], bool)
@@ -207,6 +225,13 @@ def detail_verdict(clip_detail: Mapping[str, float], dense_detail: Mapping[str, 
     return out
 
 
-def detail_failures(clip: Any, dense_clip: Any, prompt: str) -> list[str]:
-    """The second label's detail check of ``clip`` against ``dense_clip`` of the same request ([] = passes)."""
-    return list(detail_verdict(object_detail(clip, prompt), object_detail(dense_clip, prompt)))
+def detail_failures(clip: Any, dense_clip: Any, prompt: str, *, version: int = 1) -> list[str]:
+    """The second label's detail check of ``clip`` against ``dense_clip`` of the same request ([] = passes), both
+    segmented with the checker's reading ``version``."""
+    return list(detail_verdict(object_detail(clip, prompt, version=version),
+                               object_detail(dense_clip, prompt, version=version)))
+
+
+def detail_check(version: int = 1) -> Callable[[Any, Any, str], list[str]]:
+    """:func:`detail_failures` of the checker's reading ``version`` (what :class:`CheckerJudge` takes as ``detail``)."""
+    return detail_failures if version == 1 else functools.partial(detail_failures, version=version)

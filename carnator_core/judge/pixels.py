@@ -45,16 +45,18 @@ def artifact_score(clip: Any, mask: Optional[np.ndarray] = None) -> float:
     return float(sel.mean() * 1000.0) if sel.size else math.nan
 
 
-def background_mask(dense_clip: Any, caption_or_scene: Any, margin: int = BACKGROUND_MARGIN) -> np.ndarray:
+def background_mask(dense_clip: Any, caption_or_scene: Any, margin: int = BACKGROUND_MARGIN, *,
+                    version: int = 1) -> np.ndarray:
     """bool [T, H, W]: pixels farther than ``margin`` from every named object the embedded checker finds in the
-    dense clip of the request (what reuse should leave as dense would have it)."""
+    dense clip of the request (what reuse should leave as dense would have it); ``version``: the checker's reading
+    (``embedded.checker.CHECKER_VERSIONS``)."""
     from scipy import ndimage
 
     from ..embedded import checker, world
 
     scene = world.parse_caption(caption_or_scene) if isinstance(caption_or_scene, str) else caption_or_scene
     x = as_clip(dense_clip)
-    masks, _, _ = checker.object_masks(x, scene)
+    masks, _, _ = checker.object_masks(x, scene, version=version)
     objects = masks.any(0) if len(masks) else np.zeros(x.shape[:3], bool)
     if margin > 0 and objects.any():
         objects = ndimage.binary_dilation(objects, structure=np.ones((1, 2 * margin + 1, 2 * margin + 1), bool))
