@@ -145,3 +145,35 @@ def test_version_is_recorded_and_checked():
         checker.check(clip, SKY, strict=True, version=3)
     with pytest.raises(ValueError, match="checker_version"):
         judge_for(None, "embedded", {**SECOND_LABEL, "checker_version": 0})
+
+
+def test_the_labs_second_label_reads_as_learning_modes_judge():
+    """``lab.pairs.embedded_checker_labeler("request", 1.25, version=2)`` (relabelled pairs files, floors) is the
+    label ``judge.SECOND_LABEL`` makes: the latest checker version by default, version 1 on request."""
+    from carnator.carnator_core.lab import metrics, pairs
+
+    texture = np.random.default_rng(1).normal(0.0, 0.03, (FRAME.frames, FRAME.height, FRAME.width, 3))
+
+    def tex(c: np.ndarray) -> np.ndarray:
+        return np.clip(c + texture, 0, 1).astype(np.float32)
+
+    cases = [(tex(_sky_clip()), tex(_sky_clip("ball", tip=0.8)), SKY),
+             (tex(_sky_clip("ball", tip=0.8)), tex(_sky_clip("diamond")), SKY),
+             (tex(_room_clip()), tex(_room_clip()), ROOM), (tex(_room_clip()), tex(_room_clip("ball")), ROOM)]
+    for cv in (2, 1):
+        lab = pairs.embedded_checker_labeler("request", 1.25, version=2, **({} if cv == 2 else {"checker_version": 1}))
+        assert lab.checker_version == cv and f"checker version {cv}" in lab.definition
+        judge = judge_for(None, "embedded", {**SECOND_LABEL, "checker_version": cv})
+        seen = []
+        for dense, reuse, prompt in cases:
+            bg = metrics.background_mask(dense, prompt, version=cv)
+            unsafe, diag, _ = pairs.judge_against_dense(lab, lab.reference(dense, prompt), reuse, dense, prompt, bg)
+            ex = excess_label(judge, reuse, dense, JudgeRequest(prompt=prompt, seed=0))
+            assert (unsafe, bool(diag.get("better"))) == (ex.b, ex.c), (cv, prompt, diag, ex.reuse.reasons)
+            seen.append((ex.b, ex.c))
+        # version 2: the ringing ball is no b, the diamond and the ball-for-a-wedge are; version 1 fails the ringing
+        # ball as a reuse clip, and as a dense clip it hides the diamond (both fail); the halo hides the ball-for-a-wedge
+        assert seen == ([(False, False), (True, False), (False, False), (True, False)] if cv == 2 else
+                        [(True, False), (False, False), (False, False), (False, False)]), (cv, seen)
+    with pytest.raises(ValueError, match="checker version 1"):
+        pairs.embedded_checker_labeler("request", 1.25, version=1, checker_version=2)

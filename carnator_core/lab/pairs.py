@@ -293,6 +293,9 @@ class CheckerLabeler:
     # The second label: at request level a clip also fails the detail check (lab.metrics.detail_verdict: blur,
     # object interiors, ghosts) against the dense clip.
     detail: bool = False
+    # The checker's reading (embedded.checker.CHECKER_VERSIONS) of ``check``, the detail check and the judge; callers
+    # computing the artifact check's background pass it to ``metrics.background_mask(..., version=)``.
+    checker_version: int = 1
 
     def __post_init__(self) -> None:
         if self.level not in ("attribute", "request"):
@@ -352,7 +355,7 @@ def judge_against_dense(labeler: Labeler, ref: Any, clip: np.ndarray, dense_clip
     request_level = getattr(labeler, "level", "attribute") == "request"
     detail_failed: list[str] = []
     if request_level and getattr(labeler, "detail", False):
-        detail_failed = detail_failures(clip, dense_clip, prompt)
+        detail_failed = detail_failures(clip, dense_clip, prompt, version=getattr(labeler, "checker_version", 1))
         diag = {**diag, "detail_failed": detail_failed}
     if request_level and (ratio or detail_failed):
         art = quality.get("artifact")
@@ -383,7 +386,8 @@ EMBEDDED_EXCESS_DEFINITION = (
 
 EMBEDDED_EXCESS_DEFINITION_V2 = (
     "second excess label, request level (docs/CALIBRATION.md): a clip fails when the embedded pixel checker "
-    "(carnator_core/embedded/checker.py, strict) fails it on any named object's colour, size, position, shape or "
+    "(carnator_core/embedded/checker.py, strict, checker version {checker}) fails it "
+    "on any named object's colour, size, position, shape or "
     "motion (read from the per-frame centroid track: direction, speed, still vs moving) or on the background, or when "
     "its background artifact score (lab/metrics.py) exceeds {ratio} x the dense clip's, or when it fails the detail "
     "check against the dense clip (lab/metrics.py detail_verdict: blurred object edges, object interiors, ghost "
@@ -395,11 +399,14 @@ LABEL_VERSIONS = (1, 2)
 
 
 def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | None = None,
-                             version: int = 1) -> CheckerLabeler:
+                             version: int = 1, *, checker_version: int | None = None) -> CheckerLabeler:
     """The embedded world's ground-truth labeler: level "attribute" (:data:`EMBEDDED_UNSAFE_DEFINITION`) or
     "request" (the excess label, :data:`EMBEDDED_EXCESS_DEFINITION`). ``version`` 2 (request level only) is the
     second label (:data:`EMBEDDED_EXCESS_DEFINITION_V2`): the strict checker (shape gated, motion from the
-    per-frame track) plus the detail check (blur, object interiors, ghosts)."""
+    per-frame track) plus the detail check (blur, object interiors, ghosts), read with the checker's reading
+    ``checker_version`` (default: the latest, ``embedded.checker.CHECKER_VERSION``, as ``judge.SECOND_LABEL``; 1 =
+    the reading the second label had before the small-object fix; the definition names it). The first label is
+    always read with checker version 1."""
     from ..embedded import checker
 
     if version not in LABEL_VERSIONS:
@@ -407,12 +414,20 @@ def embedded_checker_labeler(level: str = "attribute", artifact_ratio: float | N
     if version == 2:
         if level != "request":
             raise ValueError("the second label (version 2) is a request-level label: use level='request'")
-        definition = EMBEDDED_EXCESS_DEFINITION_V2.format(ratio=artifact_ratio if artifact_ratio else "inf")
-        from ..judge.checker import CheckerJudge
+        cv = checker.CHECKER_VERSION if checker_version is None else checker_version
+        if cv not in checker.CHECKER_VERSIONS:
+            raise ValueError(f"checker_version must be one of {checker.CHECKER_VERSIONS}, got {cv!r}")
+        definition = EMBEDDED_EXCESS_DEFINITION_V2.format(ratio=artifact_ratio if artifact_ratio else "inf",
+                                                          checker=cv)
+        from ..judge.checker import CheckerJudge, detail_check
 
-        return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt, strict=True)), definition,
-                              level, artifact_ratio, detail=True,
-                              judge=CheckerJudge(artifact_ratio, strict=True, detail=detail_failures))
+        return CheckerLabeler(lambda clip, prompt: _verdicts(checker.check(clip, prompt, strict=True, version=cv)),
+                              definition, level, artifact_ratio, detail=True,
+                              judge=CheckerJudge(artifact_ratio, strict=True, detail=detail_check(cv),
+                                                 checker_version=cv),
+                              checker_version=cv)
+    if checker_version not in (None, 1):
+        raise ValueError(f"the first label is read with checker version 1, not {checker_version!r}")
     if level == "request":
         definition = EMBEDDED_EXCESS_DEFINITION.format(ratio=artifact_ratio if artifact_ratio else "inf")
     else:

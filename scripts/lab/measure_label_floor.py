@@ -20,11 +20,13 @@ dense | fresh | |diff| frame strips of every request where b or c is set (either
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -161,10 +163,15 @@ def rejudge(args: argparse.Namespace) -> list:
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
             dense, fresh = z["dense"].astype(np.float32) / 255.0, z["fresh"].astype(np.float32) / 255.0
-        verdict = floor.judge_fresh(labeler, dense, fresh, meta["prompt"], background_mask)
+        verdict = floor.judge_fresh(labeler, dense, fresh, meta["prompt"], _background(labeler, background_mask))
         out.append(floor.FloorRecord(meta["request_id"], meta["kind"], prompt=meta["prompt"], seed=meta["seed"],
                                      fresh_seed=meta["fresh_seed"], **verdict))
     return out
+
+
+def _background(labeler: object, background_mask: Callable[..., object]) -> Callable[..., object]:
+    """The artifact check's background as the labeler's checker reading segments it (``checker_version``)."""
+    return functools.partial(background_mask, version=getattr(labeler, "checker_version", 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
               f"dense_failed={list(rec.dense_failed)} fresh_failed={list(rec.fresh_failed)} "
               f"art={rec.artifact}/{rec.artifact_dense} {' '.join(flags)}", flush=True)
 
-    new = floor.measure_floor(reqs, gen, labeler, background_mask, salt=args.salt,
+    new = floor.measure_floor(reqs, gen, labeler, _background(labeler, background_mask), salt=args.salt,
                               skip={r.request_id for r in done}, on_record=on_record)
     records = done + new
     summary = floor.summarize_floor(records, args.alpha, args.delta, artifact_ratio=args.artifact_ratio or None)

@@ -6,8 +6,8 @@
 
 ``make_pairs.py --clips`` saves, per labelled request, the dense clip and every labelled candidate's reuse clip
 (uint8). Here each pair is judged again with ``lab.pairs.judge_against_dense`` and the second label
-(``embedded_checker_labeler("request", ratio, version=2)``), the dense clip and the reuse clip both read from the
-saved uint8 arrays, so both sides are judged from the same quantisation. Per row:
+(``embedded_checker_labeler("request", ratio, version=2)``, with the latest checker version), the dense clip and
+the reuse clip both read from the saved uint8 arrays, so both sides are judged from the same quantisation. Per row:
 
 * ``unsafe`` / ``better``: the second label's b / c; the first label's (as the run recorded it) is kept in
   ``diag.label_v1`` = {"unsafe", "better"} for the old-vs-new comparison;
@@ -71,7 +71,7 @@ def relabel(pairs_path: Path, clips_dir: Path, artifact_ratio: float = 1.25, cut
             d = r["diag"]
             prompt = d["prompt"]
             ref = lab.reference(dense, prompt)
-            bg = background_mask(dense, prompt)
+            bg = background_mask(dense, prompt, version=lab.checker_version)
             unsafe, diag, _ = pairs.judge_against_dense(lab, ref, clips[d["store_entry"]], dense, prompt, bg)
             new = dict(r)
             new["diag"] = {**d, "label_v1": {"unsafe": bool(r["unsafe"]), "better": bool(r.get("better", False))},
