@@ -321,3 +321,30 @@ def test_the_learning_count_is_the_closest_kinds_own_labels_against_its_own_need
     assert 0 < rs["labels"] == states["colour"].sequence.n < rs["needed"] == states["colour"].needed
     assert f"{rs['labels']} labels of about {rs['needed']} needed for the closest kind of change (colour)" \
         in rs["message"] and "76 labels in all" in rs["message"]
+
+
+def test_a_new_judge_reading_starts_the_tests_afresh_and_its_labels_are_never_pooled(tmp_path: Path) -> None:
+    """A record continued under another judge reading (e.g. a new checker version after an upgrade): the
+    certificate earned on the old label does not carry over, and the new labels certify on their own."""
+    settings = LearnSettings(min_fit=20, level=1.0, pilot=20)
+    ln = Learner(tmp_path, settings)
+    rng = np.random.default_rng(4)
+    feed(ln, 20, "reseed", rng, check=False)
+    ln.state(NS)
+    assert "certified" in feed(ln, 200, "reseed", rng, start=20)
+    vec = (0.1, 0.1, 0.1, 0.1)
+    new = dict(judge="test-judge", judge_settings={"checker_version": 2})
+    for i in range(5):  # five labels of the new reading: far too few for a certificate of their own
+        key = f"v2-{i}"
+        ln.store.add_covariate(NS, Covariate(key, "reseed", f"n{i}", 0.9, vec, False))
+        ln.store.add_label(NS, Label(key, "reseed", f"n{i}", 0.9, vec, False, True, 0, "shadow", **new))
+    st = ln.state(NS)["reseed"]
+    assert st.state == "learning" and st.sequence.n == 5
+    for i in range(5, 5 + 2 * head_needed(settings)):
+        key = f"v2-{i}"
+        ln.store.add_covariate(NS, Covariate(key, "reseed", f"n{i}", 0.9, vec, False))
+        ln.store.add_label(NS, Label(key, "reseed", f"n{i}", 0.9, vec, False, True, 0, "shadow", **new))
+        if ln.state(NS)["reseed"].on:
+            break
+    st = ln.state(NS)["reseed"]
+    assert st.on and st.sequence.n == head_needed(settings)  # on the new labels alone

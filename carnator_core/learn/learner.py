@@ -40,10 +40,17 @@ roughly pilot + 86 / (the head kind's share of requests that give an accepted, r
 The guarantee: P(some stratum is ever switched on while its fitted rule's true excess (b − c)/n is ≥ α) ≤ δ, for
 labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not
 independent draws of anything but the stream itself: the guarantee is for the stream as it comes.
+
+One label at a time: the tests count only labels of the judge and settings of the record's latest label
+(``label_identity``; e.g. the pixel checker's reading, ``checker_version``). A record continued under another judge
+(an upgrade) starts every test afresh on the new labels — the old label's certificates are closed, not carried
+over, since the two labels measure different things — and the guarantee holds for each label in turn. (A farm
+whose workers judge with different readings would keep restarting each other's tests: upgrade them together.)
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import threading
@@ -238,6 +245,12 @@ def estimate_needed(seq: BettingSequence | None, alpha: float, delta: float) -> 
     return int(max(floor, seq.n + math.ceil(max(left, 0.0))))
 
 
+def label_identity(label: Label) -> tuple[str, str]:
+    """What makes two labels the same label: the judge and its settings (e.g. the pixel checker's
+    ``checker_version``). Labels of different identities measure different things and are never pooled."""
+    return str(label.judge), json.dumps(dict(label.judge_settings or {}), sort_keys=True, default=str)
+
+
 def first_level(settings: LearnSettings) -> float:
     """The level the first stratum's first fit starts at: δ·h·3/4 under "graph", the stratum's Bonferroni share
     (δ/|STRATA|, halved for fit 1) under "bonferroni", δ/2 under "none"."""
@@ -378,8 +391,11 @@ class Learner:
         seqs: dict[tuple[str, int], BettingSequence] = {}
         switched: dict[tuple[str, int], int] = {}
         by_stratum = {st: fits.get(st, []) for st in ranking}
+        current = label_identity(max(labels, key=lambda x: x.id)) if labels else None
         for lab in sorted(shadow, key=lambda x: x.id):
             if lab.id <= since or not lab.reusable or lab.stratum not in by_stratum:
+                continue
+            if label_identity(lab) != current:  # another judge or reading: another label (module docstring)
                 continue
             for fit in by_stratum[lab.stratum]:
                 if lab.id <= fit.since or not accepts(fit.thresholds, lab.vector, lab.missing):
@@ -415,7 +431,7 @@ class Learner:
                 drift = DriftTest(s.alpha, level)
                 for lab in audits:
                     if lab.stratum == st and lab.id > switched_at and lab.reusable and \
-                            accepts(fit.thresholds, lab.vector, lab.missing):
+                            label_identity(lab) == current and accepts(fit.thresholds, lab.vector, lab.missing):
                         drift.update(lab.x)
                 if drift.drifted and not drifted and update:
                     msg = (f"drift in stratum {st}: the audited hits' excess is above α = {s.alpha} "

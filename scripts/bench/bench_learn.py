@@ -144,16 +144,22 @@ def serve(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the report
-def offline_label(base: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each served (non-exact) hit judged against its dense twin by the same judge (the embedded checker)."""
+def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = None,
+                  look_zeros: int = 6, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each served (non-exact) hit judged against its dense twin by the same judge (the embedded checker) with the
+    run's own labels' settings (``settings``; the current second label when None: a run learned under an earlier
+    checker reading is judged with that reading, so hits and labels are measured alike).
+    ``look``: also write a strip (the dense twin, the hit, their difference; ``look_learn_labels.strip``) of every
+    hit judged b or c and of ``look_zeros`` hits judged 0 (evenly spaced over the run) into that folder."""
     from safetensors.torch import load_file
 
     from carnator.carnator_core.embedded import codec
     from carnator.carnator_core.judge import SECOND_LABEL, judge_for
     from carnator.carnator_core.judge.base import JudgeRequest, excess_label
 
-    judge = judge_for(None, "embedded", SECOND_LABEL)  # the judge learning mode labels the embedded model with
+    judge = judge_for(None, "embedded", settings if settings is not None else SECOND_LABEL)
     b = c = n = 0
+    seen: list[tuple[dict[str, Any], list[Any], int, Any]] = []
     for r in rows:
         if not (r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache") and r.get("dense_latent")):
             continue
@@ -163,7 +169,21 @@ def offline_label(base: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
             clips.append(codec.latent_to_rgb(lat.float())[0].numpy())
         lab = excess_label(judge, clips[0], clips[1], JudgeRequest(prompt=r["prompt"], seed=int(r["seed"])))
         n, b, c = n + 1, b + int(lab.b), c + int(lab.c)
-    return {"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name}
+        seen.append((r, clips, int(lab.b) - int(lab.c), lab))
+    if look is not None and seen:
+        from look_learn_labels import frame_indices, save_strip, strip
+
+        zeros = [s for s in seen if s[2] == 0]
+        picked = [s for s in seen if s[2] != 0] + zeros[:: max(1, len(zeros) // max(look_zeros, 1))][:look_zeros]
+        for r, (hit, dense), x, lab in picked:
+            frames = frame_indices(hit.shape[0], 4)
+            why = "; ".join(str(v)[:60] for v in lab.reuse.reasons) or "-"
+            # (a hit's cached clip is not kept: the first row repeats the dense twin)
+            save_strip(look / f"hit_{r['i']:04d}_x{x:+d}.png", strip(dense, dense, hit, frames, 2),
+                       f"request {r['i']} x={x:+d} {r['prompt'][:70]} | reuse fails: {why}",
+                       rows=("dense", "dense", "hit", "diff"))
+    return {"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
+            "settings": dict(getattr(judge, "settings", {}) or {})}
 
 
 def replay(store: Any, ns: str) -> dict[str, Any]:
@@ -221,6 +241,7 @@ def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | Non
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
+    from carnator.carnator_core.judge import SECOND_LABEL
     from carnator.carnator_core.learn.labels import LabelStore
 
     out = Path(args.out)
@@ -262,7 +283,10 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "paired_ratio_after_switch_on": paired_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
         "audits_b_c": [sum(lab.x == 1 for lab in labels if lab.kind == "audit"),
                        sum(lab.x == -1 for lab in labels if lab.kind == "audit")],
-        "hits_offline_label": offline_label(out, rows),
+        "hits_offline_label": offline_label(out, rows, Path(args.look_hits) if args.look_hits else None,
+                                            settings=dict(labels[-1].judge_settings) if labels else None),
+        "hits_offline_label_current_judge": offline_label(out, rows) if labels and dict(
+            labels[-1].judge_settings) != dict(SECOND_LABEL) else None,
         "replay": replay(store, ns) if labels else {},
     }
     (out / "report.json").write_text(json.dumps(summary, indent=1))
@@ -280,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-every", type=int, default=3, help="a dense twin after every k-th request (and every "
                                                                "hit and audit)")
     ap.add_argument("--report", action="store_true", help="only print the report of the requests done so far")
+    ap.add_argument("--look-hits", default="", help="with the report: a folder for strips (dense twin | hit | "
+                    "difference) of every hit the offline label calls b or c and of six it calls 0")
     args = ap.parse_args(argv)
     if not args.report:
         serve(args)

@@ -105,16 +105,18 @@ def strip(cache: np.ndarray, dense: np.ndarray, reuse: np.ndarray, frames: Seque
     return (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def save_strip(path: Path, img: np.ndarray, title: str = "", gain: float = 2.0) -> None:
-    """The strip as a PNG with the row names in a left margin and ``title`` above (PIL's built-in font)."""
+def save_strip(path: Path, img: np.ndarray, title: str = "", gain: float = 2.0,
+               rows: Sequence[str] = ROWS) -> None:
+    """The strip as a PNG with the row names (``rows``) in a left margin and ``title`` above (PIL's built-in
+    font)."""
     from PIL import Image, ImageDraw
 
     margin, top = 44, (14 if title else 0)
-    h = img.shape[0] // len(ROWS)
+    h = img.shape[0] // len(rows)
     canvas = Image.new("RGB", (img.shape[1] + margin, img.shape[0] + top), (255, 255, 255))
     canvas.paste(Image.fromarray(img), (margin, top))
     draw = ImageDraw.Draw(canvas)
-    for i, name in enumerate(ROWS[:-1] + (f"|d|x{gain:g}",)):
+    for i, name in enumerate(tuple(rows[:-1]) + (f"|d|x{gain:g}",)):
         draw.text((2, top + i * h + h // 2 - 5), name, fill=(0, 0, 0))
     if title:
         draw.text((2, 1), title[:200], fill=(0, 0, 0))
