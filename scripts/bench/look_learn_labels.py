@@ -19,7 +19,8 @@ clip, so the clips are made again, in this process, on the embedded model (CPU):
    decision (the dense clip served), then what ``learn.runtime.observe`` runs for the label: the recorded candidate
    entry loaded from the cache, ``runtime._over_max_active``, ``request.finish_stages`` with the candidate forced
    as accepted (``record=False``, joint mode), and ``runtime.label_counterfactual`` with the judge
-   ``runtime.judge_and_decoder`` picks (the pixel checker's second label) against the **served** latent.
+   ``runtime.judge_and_decoder`` picks (the pixel checker's second label), with the settings the label records
+   (its checker reading; ``--judge current``: today's), against the **served** latent.
 3. Checked, per label: the re-created dense latent against the served one (bit for bit, else the max |difference|)
    and the re-created label (x, whether the reuse ran) against the recorded one.
 4. Written to ``--out``: ``<run>/<label id>_<b|c|0>_<stratum>.png`` (rows: the candidate's cached clip, the dense
@@ -231,7 +232,8 @@ def _readings(clip: np.ndarray, prompt: str) -> list[dict[str, Any]]:
     return out
 
 
-def recreate(m: Model, gs: Mapping[str, Any], store: Any, lab: Any, served: Any) -> dict[str, Any]:
+def recreate(m: Model, gs: Mapping[str, Any], store: Any, lab: Any, served: Any,
+             judge_from: str = "recorded") -> dict[str, Any]:
     """Re-create one label (module docstring, step 2). ``served``: the served dense samples [1, C, T, H, W].
     Returns the clips (decoded, [T, H, W, 3] in [0, 1]) and the measured facts."""
     import torch
@@ -269,6 +271,11 @@ def recreate(m: Model, gs: Mapping[str, Any], store: Any, lab: Any, served: Any)
     judge, decode, why = runtime.judge_and_decoder(m.model, probe)
     if judge is None:
         raise RuntimeError(f"no judge for this model: {why}")
+    if judge_from == "recorded" and str(lab.judge) == judge.name:
+        # the label as it was made: the judge's settings the record names (an earlier checker reading included)
+        from carnator.carnator_core.judge import judge_for
+
+        judge = judge_for(m.model, "embedded", dict(lab.judge_settings))
     t1 = time.perf_counter()
     over = runtime._over_max_active(m.model, probe, sig, cached, cfg)  # noqa: SLF001 — the runtime's own test
     active = compute = None
@@ -325,7 +332,7 @@ def copy_cache(run: Path, tmp: Path) -> Path:
 
 def look_run(run: Path, out: Path, m: Model | None, gs: Mapping[str, Any], *, zeros: int | None, seed: int,
              frames: int, scale: int, tmp: Path, only: set[int] | None = None, gain: float = 2.0,
-             clips: bool = False) -> list[dict[str, Any]]:
+             clips: bool = False, judge_from: str = "recorded") -> list[dict[str, Any]]:
     """Re-create and write the selected labels of one bench_learn work folder; returns one row per label.
     ``clips``: also save the three clips (uint8, ``<label>.npz``: cache, dense, reuse) to look at again without
     generating."""
@@ -361,7 +368,7 @@ def look_run(run: Path, out: Path, m: Model | None, gs: Mapping[str, Any], *, ze
                                "error": "no served latent"})
                 continue
             served = load_file(str(run / "comfy" / "output" / path))["latent_tensor"]
-            r = recreate(m, gs, store, lab, served)
+            r = recreate(m, gs, store, lab, served, judge_from)
             f = r["facts"]
             name = f"{lab.id:04d}_{LABEL_NAMES[lab.x]}_{lab.stratum}.png"
             cache_clip, dense_clip, reuse_clip = r["clips"]
@@ -441,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=int, default=3, help="nearest-neighbour enlargement (3)")
     ap.add_argument("--gain", type=float, default=2.0, help="gain of the |reuse - dense| row (2)")
     ap.add_argument("--clips", action="store_true", help="also save each label's clips (uint8 .npz)")
+    ap.add_argument("--judge", choices=("recorded", "current"), default="recorded",
+                    help="recorded: judge with the settings each label records (reproduces the record); current: "
+                    "with today's second label (what a label made now would say)")
     ap.add_argument("--weights", default="", help="embedded weights (default: the shipped ones the run used)")
     ap.add_argument("--workflow", type=Path, default=WORKFLOW, help="the graph the run queued")
     args = ap.parse_args(argv)
@@ -451,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="look_learn_labels_") as tmp:
         for run in args.runs:
             rows += look_run(run.resolve(), args.out, m, gs, zeros=args.zeros, seed=args.seed, frames=args.frames,
-                             scale=args.scale, tmp=Path(tmp), only=only, gain=args.gain, clips=args.clips)
+                             scale=args.scale, tmp=Path(tmp), only=only, gain=args.gain, clips=args.clips,
+                             judge_from=args.judge)
     meta = {"command": " ".join(["scripts/bench/look_learn_labels.py", *(argv if argv is not None else sys.argv[1:])]),
             "runs_read": [str(r) for r in args.runs], "seed": args.seed, "zeros": args.zeros}
     summary, md = summarize(rows, meta)
