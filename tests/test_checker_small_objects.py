@@ -172,7 +172,8 @@ def test_the_labs_second_label_reads_as_learning_modes_judge():
             assert (unsafe, bool(diag.get("better"))) == (ex.b, ex.c), (cv, prompt, diag, ex.reuse.reasons)
             seen.append((ex.b, ex.c))
         # version 2: the ringing ball is no b, the diamond and the ball-for-a-wedge are; version 1 fails the ringing
-        # ball as a reuse clip, and as a dense clip it hides the diamond (both fail); the halo hides the ball-for-a-wedge
+        # ball as a reuse clip, and as a dense clip it hides the diamond (both fail); the halo hides the
+        # ball-for-a-wedge
         assert seen == ([(False, False), (True, False), (False, False), (True, False)] if cv == 2 else
                         [(True, False), (False, False), (False, False), (False, False)]), (cv, seen)
     with pytest.raises(ValueError, match="checker version 1"):
