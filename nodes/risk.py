@@ -10,6 +10,7 @@ arbitrary paths):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,10 @@ def rule_path(rule_file: str) -> Path | None:
 
 
 def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_file: str,
-                           settings: LearnSettings | None = None) -> Any:
+                           settings: LearnSettings | None = None, seed_rule: str = "") -> Any:
     """Learning mode's decision (``carnator_core.learn.runtime``) when ``rule_file`` does not exist yet or is a
-    learned rule; None for an ordinary rule file (the certified filter decides)."""
+    learned rule; None for an ordinary rule file (the certified filter decides). ``seed_rule``: read only while no
+    rule file exists yet (a learned rule's own settings, seed included, are recorded in it)."""
     path = rule_path(rule_file)
     data = read_if_learned(path) if path is not None else None
     if path is not None and data is None:
@@ -63,6 +65,8 @@ def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_fil
     if data is not None:
         learned = learned_from_doc(data, str(path))
         learned.rule.check_applicable(*probe_fingerprints(probe))
+    elif seed_rule.strip():
+        settings = replace(settings or LearnSettings(), seed_thresholds=seed_thresholds(seed_rule))
     target = resolve_confined(rule_file, [user_rules_dir()], must_exist=False, what="risk rule file")
     return learning_decision(signature, candidates, probe, rule_file=rule_file, rule_path=target, learned=learned,
                              settings=settings)
@@ -227,10 +231,9 @@ class CarnatorRiskFilter(io.ComfyNode):
         if exact is not None:
             return io.NodeOutput(exact, exact.summary)
         if mode == "signature":
-            seed = seed_thresholds(seed_rule) if isinstance(seed_rule, str) and seed_rule.strip() else None
-            settings = LearnSettings(budget=float(learn_budget), audit_share=float(audit_share),
-                                     seed_thresholds=seed)
-            decision = learning_mode_decision(signature, candidates, probe, rule_file, settings)
+            settings = LearnSettings(budget=float(learn_budget), audit_share=float(audit_share))
+            decision = learning_mode_decision(signature, candidates, probe, rule_file, settings,
+                                              seed_rule if isinstance(seed_rule, str) else "")
             if decision is not None:
                 return io.NodeOutput(decision, decision.summary, ui={"carnator_learning": [decision.summary]})
         decision = decide_with_rule_file(

@@ -42,7 +42,7 @@ labels drawn from the traffic the rule would accept (budget-thinned). Requests s
 independent draws of anything but the stream itself: the guarantee is for the stream as it comes.
 
 One label at a time: the tests count only labels of the judge and settings of the record's latest label
-(``label_identity``; e.g. the pixel checker's reading, ``checker_version``). A record continued under another judge
+(``same_label``; e.g. the pixel checker's reading, ``checker_version``). A record continued under another judge
 (an upgrade) starts every test afresh on the new labels — the old label's certificates are closed, not carried
 over, since the two labels measure different things — and the guarantee holds for each label in turn. (A farm
 whose workers judge with different readings would keep restarting each other's tests: upgrade them together.)
@@ -50,7 +50,6 @@ whose workers judge with different readings would keep restarting each other's t
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import threading
@@ -245,10 +244,10 @@ def estimate_needed(seq: BettingSequence | None, alpha: float, delta: float) -> 
     return int(max(floor, seq.n + math.ceil(max(left, 0.0))))
 
 
-def label_identity(label: Label) -> tuple[str, str]:
-    """What makes two labels the same label: the judge and its settings (e.g. the pixel checker's
-    ``checker_version``). Labels of different identities measure different things and are never pooled."""
-    return str(label.judge), json.dumps(dict(label.judge_settings or {}), sort_keys=True, default=str)
+def same_label(a: Label, b: Label | None) -> bool:
+    """Whether two labels are the same label: the same judge with the same settings (e.g. the pixel checker's
+    ``checker_version``). Labels of different judges or settings measure different things and are never pooled."""
+    return b is not None and a.judge == b.judge and dict(a.judge_settings or {}) == dict(b.judge_settings or {})
 
 
 def first_level(settings: LearnSettings) -> float:
@@ -391,11 +390,11 @@ class Learner:
         seqs: dict[tuple[str, int], BettingSequence] = {}
         switched: dict[tuple[str, int], int] = {}
         by_stratum = {st: fits.get(st, []) for st in ranking}
-        current = label_identity(max(labels, key=lambda x: x.id)) if labels else None
+        latest = max(labels, key=lambda x: x.id) if labels else None
         for lab in sorted(shadow, key=lambda x: x.id):
             if lab.id <= since or not lab.reusable or lab.stratum not in by_stratum:
                 continue
-            if label_identity(lab) != current:  # another judge or reading: another label (module docstring)
+            if not same_label(lab, latest):  # another judge or reading: another label (module docstring)
                 continue
             for fit in by_stratum[lab.stratum]:
                 if lab.id <= fit.since or not accepts(fit.thresholds, lab.vector, lab.missing):
@@ -431,7 +430,7 @@ class Learner:
                 drift = DriftTest(s.alpha, level)
                 for lab in audits:
                     if lab.stratum == st and lab.id > switched_at and lab.reusable and \
-                            label_identity(lab) == current and accepts(fit.thresholds, lab.vector, lab.missing):
+                            same_label(lab, latest) and accepts(fit.thresholds, lab.vector, lab.missing):
                         drift.update(lab.x)
                 if drift.drifted and not drifted and update:
                     msg = (f"drift in stratum {st}: the audited hits' excess is above α = {s.alpha} "

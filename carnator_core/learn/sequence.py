@@ -152,6 +152,7 @@ class BettingSequence:
     log_parts: list = field(default_factory=list)   # log K_t^j(α) per gambler (plug-in, then the fixed ones)
     _bets: list = field(default_factory=list, repr=False)  # the plug-in gambler's λ_t
     _xs: list = field(default_factory=list, repr=False)
+    _upper_memo: tuple = field(default=(-1, 0.0, 1.0), repr=False, compare=False)  # (n, δ, U_t) last computed
 
     def __post_init__(self) -> None:
         _check_level(self.alpha, self.delta)
@@ -207,12 +208,21 @@ class BettingSequence:
         test at α has certified."""
         if not self._xs:
             return 1.0
+        n, delta, value = self._upper_memo
+        if n == self.n and delta == self.delta:  # read several times per derivation (messages, the record)
+            return value
+        value = self._upper()
+        self._upper_memo = (self.n, self.delta, value)
+        return value
+
+    def _upper(self) -> float:
         grid = np.unique(np.concatenate([np.arange(-1.0, 1.0 + 1e-12, GRID_STEP), [self.alpha]]))
         xs = np.asarray(self._xs, dtype=np.float64)[:, None]
         cap = (self.c_max / (1.0 - grid))[None, :]
         bets = [np.asarray(self._bets)[:, None]] + [np.full((1, 1), f / (1.0 - self.alpha)) for f in self.fixed]
         parts = np.stack([np.cumsum(np.log1p(np.minimum(lam, cap) * (grid[None, :] - xs)), axis=0) for lam in bets])
-        mix = np.logaddexp.reduce(parts, axis=0) - math.log(len(bets))
+        top_part = parts.max(axis=0)
+        mix = top_part + np.log(np.exp(parts - top_part).mean(axis=0))
         excluded = (mix >= self.threshold - 1e-12).any(axis=0)
         kept = np.flatnonzero(~excluded)
         if len(kept) == 0:

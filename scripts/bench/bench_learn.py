@@ -144,21 +144,25 @@ def serve(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the report
-def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = None,
-                  look_zeros: int = 6, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Each served (non-exact) hit judged against its dense twin by the same judge (the embedded checker) with the
-    run's own labels' settings (``settings``; the current second label when None: a run learned under an earlier
-    checker reading is judged with that reading, so hits and labels are measured alike).
+def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = None, look_zeros: int = 6,
+                  settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each served (non-exact) hit judged against its dense twin by the embedded checker: first with the run's own
+    labels' settings (``settings``; the current second label when None: a run learned under an earlier checker
+    reading is judged with that reading, so hits and labels are measured alike), then — when they differ — with the
+    current second label too; each hit's clips are decoded once for both. One result per judge.
     ``look``: also write a strip (the dense twin, the hit, their difference; ``look_learn_labels.strip``) of every
-    hit judged b or c and of ``look_zeros`` hits judged 0 (evenly spaced over the run) into that folder."""
+    hit the first judge calls b or c and of ``look_zeros`` hits it calls 0 (evenly spaced over the run)."""
     from safetensors.torch import load_file
 
     from carnator.carnator_core.embedded import codec
     from carnator.carnator_core.judge import SECOND_LABEL, judge_for
     from carnator.carnator_core.judge.base import JudgeRequest, excess_label
 
-    judge = judge_for(None, "embedded", settings if settings is not None else SECOND_LABEL)
-    b = c = n = 0
+    judges = [judge_for(None, "embedded", settings if settings is not None else SECOND_LABEL)]
+    current = judge_for(None, "embedded", SECOND_LABEL)
+    if dict(current.settings) != dict(judges[0].settings):
+        judges.append(current)
+    counts = [[0, 0] for _ in judges]  # b, c per judge
     seen: list[tuple[dict[str, Any], list[Any], int, Any]] = []
     for r in rows:
         if not (r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache") and r.get("dense_latent")):
@@ -167,9 +171,12 @@ def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = No
         for key in ("latent", "dense_latent"):
             lat = load_file(str(base / "comfy" / "output" / r[key]))["latent_tensor"]
             clips.append(codec.latent_to_rgb(lat.float())[0].numpy())
-        lab = excess_label(judge, clips[0], clips[1], JudgeRequest(prompt=r["prompt"], seed=int(r["seed"])))
-        n, b, c = n + 1, b + int(lab.b), c + int(lab.c)
-        seen.append((r, clips, int(lab.b) - int(lab.c), lab))
+        req = JudgeRequest(prompt=r["prompt"], seed=int(r["seed"]))
+        for j, (judge, cnt) in enumerate(zip(judges, counts)):
+            lab = excess_label(judge, clips[0], clips[1], req)
+            cnt[0], cnt[1] = cnt[0] + int(lab.b), cnt[1] + int(lab.c)
+            if j == 0:
+                seen.append((r, clips, int(lab.b) - int(lab.c), lab))
     if look is not None and seen:
         from look_learn_labels import frame_indices, save_strip, strip
 
@@ -182,8 +189,9 @@ def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = No
             save_strip(look / f"hit_{r['i']:04d}_x{x:+d}.png", strip(dense, dense, hit, frames, 2),
                        f"request {r['i']} x={x:+d} {r['prompt'][:70]} | reuse fails: {why}",
                        rows=("dense", "dense", "hit", "diff"))
-    return {"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
-            "settings": dict(getattr(judge, "settings", {}) or {})}
+    n = len(seen)
+    return [{"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
+             "settings": dict(judge.settings)} for judge, (b, c) in zip(judges, counts)]
 
 
 def replay(store: Any, ns: str) -> dict[str, Any]:
@@ -241,7 +249,6 @@ def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | Non
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
-    from carnator.carnator_core.judge import SECOND_LABEL
     from carnator.carnator_core.learn.labels import LabelStore
 
     out = Path(args.out)
@@ -262,6 +269,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     label_s = sum(lab.cost_s for lab in labels if lab.kind == "shadow")
     n_shadow = sum(lab.kind == "shadow" for lab in labels)
     mean_label = label_s / n_shadow if n_shadow else None
+    hit_labels = offline_label(out, rows, Path(args.look_hits) if args.look_hits else None,
+                               settings=dict(labels[-1].judge_settings) if labels else None)
     summary = {
         "requests": len(rows), "workload": json.loads((out / "workload.json").read_text()),
         "switched_on_at_request": on_at, "strata_on_at_end": rows[-1]["strata_on"] if rows else [],
@@ -283,10 +292,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "paired_ratio_after_switch_on": paired_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
         "audits_b_c": [sum(lab.x == 1 for lab in labels if lab.kind == "audit"),
                        sum(lab.x == -1 for lab in labels if lab.kind == "audit")],
-        "hits_offline_label": offline_label(out, rows, Path(args.look_hits) if args.look_hits else None,
-                                            settings=dict(labels[-1].judge_settings) if labels else None),
-        "hits_offline_label_current_judge": offline_label(out, rows) if labels and dict(
-            labels[-1].judge_settings) != dict(SECOND_LABEL) else None,
+        "hits_offline_label": hit_labels[0],
+        "hits_offline_label_current_judge": hit_labels[1] if len(hit_labels) > 1 else None,
         "replay": replay(store, ns) if labels else {},
     }
     (out / "report.json").write_text(json.dumps(summary, indent=1))
