@@ -5,9 +5,9 @@
   while a requeue without a purge still is;
 * ``GET /carnator/requests`` lists the requests this server served, per namespace, with the decision, the share of
   compute saved and a PNG thumbnail of the result; it refuses a bad ``limit`` with the reason;
-* the rule line says which strata the deciding rule certified: the shipped embedded rule certifies none (its pooled
-  certificate passes, its per-stratum section does not), so report and panel say "none", and a reseed of a cached
-  request is refused although it passes the thresholds.
+* the rule line says which strata the deciding rule certified: the shipped embedded rule certifies five (attempt 20:
+  size, colour, rewording, reseed, position), report and panel list them, a colour edit of a cached request is
+  served by reuse over it and a motion edit of it is refused although it passes the thresholds.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import urllib.error
 import pytest
 from harness_server import ComfyServer
 from repo_package import ROOT
-from test_server_exact import graph, queue_without_client, reports, stats
+from test_server_exact import PROMPT, graph, queue_without_client, reports, stats
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -66,20 +66,27 @@ def test_the_rule_line_says_which_strata_are_certified(comfy_server: ComfyServer
 
     server = comfy_server
     rule = RiskRule.load(ROOT / "rules" / "embedded.json")
-    assert rule.certificate.passed and rule.strata is not None  # certified on average, per stratum ...
-    assert rule.strata.certified == ()  # ... nothing: the filter serves exact repeats only
+    assert rule.certificate.passed and rule.strata is not None  # certified on average and per stratum (attempt 20):
+    assert "reseed" in rule.strata.certified and "motion" not in rule.strata.certified  # reseeds serve, motion not
+    moved = PROMPT.replace("rolls to the right", "moves up")  # against the first request, the motion changed
+    recoloured = PROMPT.replace("red", "blue")  # ... and here the colour
     shown: list[dict] = []
-    for seed in (21, 22):  # the second request is a reseed of the first, which is then in the cache
-        prompt = graph(DIRECTORY + "_strata", seed=seed)
+    for text in (PROMPT, moved, recoloured):  # the first fills the cache; then a motion edit and a colour edit of it
+        prompt = graph(DIRECTORY + "_strata", seed=21)
+        prompt["2"]["inputs"]["text"] = prompt["5"]["inputs"]["prompt"] = text
         prompt["5"]["inputs"].update(steps=20, cfg=2.0)  # the rule's config (probe 2 of 20 steps, CFG 2)
         prompt["13"]["inputs"]["mode"] = "signature"
         shown.append(reports(queue_without_client(server, prompt))[0])
     for rep in shown:
-        assert rep["rule_id"] == rule.rule_id and rep["certified_strata"] == [], rep
-    reseed = shown[1]
-    assert reseed["decision"] == "miss" and reseed["model_calls"] > 0, reseed
-    assert any("stratum 'reseed'" in v["reason"] and "refused" in v["reason"] for v in reseed["verdicts"]), reseed
-    # the panel's list keeps what the rule line needs
+        assert rep["rule_id"] == rule.rule_id and rep["certified_strata"] == list(rule.strata.certified), rep
+    first, motion, colour = shown
+    assert first["decision"] == "miss", first
+    # the motion edit passes the thresholds, but its stratum did not certify: refused, served dense
+    assert motion["decision"] == "miss" and motion["model_calls"] > 0, motion
+    assert any("stratum 'motion'" in v["reason"] and "refused" in v["reason"] for v in motion["verdicts"]), motion
+    # the colour edit passes them and its stratum certified: served by reuse over the cached first request
+    assert colour["decision"] == "hit" and colour["compute_fraction"] < 1.0, colour
+    assert any("stratum 'colour'" in v["reason"] and "(certified)" in v["reason"] for v in colour["verdicts"]), colour
     listed = server.get("/carnator/requests?limit=200")
-    ours = [e for events in listed["namespaces"].values() for e in events if e.get("seed") in (21, 22)]
-    assert [e["certified_strata"] for e in ours] == [[], []], ours
+    ours = [e for events in listed["namespaces"].values() for e in events if e.get("seed") == 21]
+    assert [e["certified_strata"] for e in ours] == [list(rule.strata.certified)] * 3, ours

@@ -147,3 +147,31 @@ def test_shipped_rule_strata_recompute_from_their_pairs():
     got = certify_strata(rule.thresholds, pairs, order=rule.strata.order, alpha=rule.strata.alpha,
                          delta=rule.strata.delta, label=rule.strata.label)
     assert got.to_dict() == rule.strata.to_dict()
+
+
+def test_runs_heterogeneity_is_fishers_test_for_two_runs_and_enumerates_more(monkeypatch):
+    """The exact test reported beside each pooled stratum: Fisher's two-sided p for two runs; for more, every
+    allocation of the failures no more likely than the observed one (recomputed by hand here)."""
+    from scipy.stats import chi2_contingency, fisher_exact
+
+    from carnator.carnator_core.risk import certify
+    from carnator.carnator_core.risk.certify import runs_heterogeneity
+
+    for (n1, b1), (n2, b2) in (((35, 3), (36, 0)), ((40, 2), (38, 2)), ((12, 0), (8, 1)), ((50, 9), (7, 0))):
+        p, how = runs_heterogeneity([(n1, b1), (n2, b2)])
+        assert how == "exact" and p == pytest.approx(fisher_exact([[b1, n1 - b1], [b2, n2 - b2]])[1], abs=1e-12)
+    # three runs of 3, 1 and 2 requests, 2 failures, both in the first: of the C(6, 2) = 15 equally likely ways, the
+    # allocations (2,0,0), (1,1,0), (1,0,1), (0,1,1), (0,0,2) have 3, 3, 6, 2, 1 ways; p = (3 + 3 + 2 + 1) / 15
+    assert runs_heterogeneity([(3, 2), (1, 0), (2, 0)]) == (pytest.approx(9 / 15), "exact")
+    # all failures in one run of four equal runs is rare; spread evenly is not
+    assert runs_heterogeneity([(35, 4), (35, 0), (35, 0), (35, 0)])[0] < 0.02
+    assert runs_heterogeneity([(35, 1), (35, 1), (35, 1), (35, 1)])[0] == pytest.approx(1.0)
+    # nothing to compare: one run with data, or no failure at all
+    assert runs_heterogeneity([(35, 2), (0, 0)]) is None and runs_heterogeneity([(35, 0), (30, 0)]) is None
+    with pytest.raises(ValueError, match="b = 5 of n = 3"):
+        runs_heterogeneity([(3, 5), (4, 0)])
+    # too many allocations to enumerate: Pearson's χ², and said so
+    monkeypatch.setattr(certify, "_MAX_TABLES", 1)
+    table = [(35, 6), (39, 0), (42, 3), (36, 1)]
+    p, how = runs_heterogeneity(table)
+    assert how == "chi2" and p == pytest.approx(chi2_contingency([[b, n - b] for n, b in table], correction=False)[1])

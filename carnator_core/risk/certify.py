@@ -470,6 +470,57 @@ def compare_paired(accepted_a: Sequence[LabelledPair], accepted_b: Sequence[Labe
                             sign_test_p(len(a_ids), len(b_ids)), a_ids, b_ids)
 
 
+#: Above this many tables the heterogeneity test is not enumerated (the χ² approximation is used and said).
+_MAX_TABLES = 2_000_000
+
+
+def runs_heterogeneity(per_run: Sequence[tuple[int, int]]) -> tuple[float, str] | None:
+    """p of "every run has the same failure rate", from each run's (n, b) — the clusters' agreement, reported beside
+    a certificate that pools the runs (docs/CALIBRATION.md: the unit of independence).
+
+    Exact conditional test (Freeman–Halton, the k-run form of Fisher's): given the runs' sizes and the total number
+    of failures B, under equal rates the failures fall on the runs multivariate-hypergeometrically; p is the
+    probability of every allocation no more likely than the observed one (for two runs it equals Fisher's two-sided
+    p). Returns ``(p, "exact")``, or ``(p, "chi2")`` from Pearson's χ² when the allocations are too many to
+    enumerate; ``None`` when fewer than two runs have data or nobody failed (B = 0: nothing to compare).
+    """
+    runs = [(int(n), int(b)) for n, b in per_run if n > 0]
+    if len(runs) < 2:
+        return None
+    for n, b in runs:
+        if not 0 <= b <= n:
+            raise ValueError(f"runs_heterogeneity: a run has b = {b} of n = {n}")
+    total_b = sum(b for _, b in runs)
+    if total_b == 0 or total_b == sum(n for n, _ in runs):
+        return None
+    if math.comb(total_b + len(runs) - 1, len(runs) - 1) > _MAX_TABLES:
+        from scipy.stats import chi2_contingency
+
+        table = [[b, n - b] for n, b in runs]
+        return float(chi2_contingency(table, correction=False)[1]), "chi2"
+    # log-probabilities of allocations: sum_i log C(n_i, b_i) - log C(N, B)
+    logc = [[math.lgamma(n + 1) - math.lgamma(b + 1) - math.lgamma(n - b + 1) for b in range(n + 1)] for n, _ in runs]
+    norm = math.lgamma(sum(n for n, _ in runs) + 1) - math.lgamma(total_b + 1) - math.lgamma(
+        sum(n for n, _ in runs) - total_b + 1)
+    observed = sum(logc[i][b] for i, (_, b) in enumerate(runs))
+    tol = 1e-7  # relative: allocations as likely as the observed one (up to rounding) count, as in Fisher's test
+    p = 0.0
+
+    def walk(i: int, left: int, acc: float) -> None:
+        nonlocal p
+        if i == len(runs) - 1:
+            if left <= runs[i][0]:
+                lp = acc + logc[i][left]
+                if lp <= observed + tol * abs(observed) + 1e-12:
+                    p += math.exp(lp - norm)
+            return
+        for b in range(min(left, runs[i][0]) + 1):
+            walk(i + 1, left - b, acc + logc[i][b])
+
+    walk(0, total_b, 0.0)
+    return min(1.0, p), "exact"
+
+
 # --------------------------------------------------------------------------------------------- calibration
 
 

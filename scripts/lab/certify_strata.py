@@ -3,8 +3,9 @@
 coverage per request kind and the paired comparison with prompt-only at the same coverage.
 
     .host/venv/bin/python scripts/lab/certify_strata.py --rule rules/embedded.json --out rules/embedded.json \\
-        --pairs rules/attempt19_s84.jsonl=s84 rules/attempt19_s85.jsonl=s85 \\
-        --combined rules/attempt19_cert_pairs.jsonl [--order size,colour,...] [--json artifacts/a19/report.json]
+        --pairs rules/attempt20_s87.jsonl=s87 … rules/attempt20_s90.jsonl=s90 \\
+        --combined rules/attempt20_cert_pairs.jsonl [--order size,colour,...] \\
+        [--protocol rules/protocols/attempt20.md] [--json artifacts/a20/report.json]
 
 The pairs must carry each row's ``change`` (the stratum: scripts/lab/relabel_pairs.py writes it). They are combined
 into ``--combined`` (request ids prefixed per run, ``lab.pairs.combine_pairs_files``), certified with
@@ -31,9 +32,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import conftest  # noqa: E402,F401  (registers the `carnator` package)
 
-#: The order attempt 19's protocol fixed (rules/protocols/attempt19.md).
-PROTOCOL_ORDER = ("size", "colour", "rewording", "reseed", "mixed", "background", "object", "count", "position",
-                  "motion")
+#: The order attempt 20's protocol fixed (rules/protocols/attempt20.md; attempt 19's put mixed, background, object and
+#: count before position and motion).
+PROTOCOL_ORDER = ("size", "colour", "rewording", "reseed", "position", "motion", "mixed", "background", "object",
+                  "count")
 
 
 def served_pairs(th, pairs, strata) -> tuple[int, list]:
@@ -48,15 +50,13 @@ def served_pairs(th, pairs, strata) -> tuple[int, list]:
     return n, [p for p in acc if strata.allows(p.change)]
 
 
-def heterogeneity(per_run: list) -> float | None:
-    """Two-sided Fisher exact p of "the runs have the same b/n" for two runs' [n, b, c] (None otherwise): the
-    clusters' agreement, for the record (the bound pools them)."""
-    if len(per_run) != 2 or any(n == 0 for n, _, _ in per_run):
-        return None
-    from scipy.stats import fisher_exact
+def heterogeneity(per_run: list) -> dict | None:
+    """Do the runs have the same b/n? ``risk.certify.runs_heterogeneity`` (exact, Freeman–Halton; Fisher's for two
+    runs) on each run's [n, b, c]: the clusters' agreement, for the record (the bound pools them)."""
+    from carnator.carnator_core.risk.certify import runs_heterogeneity
 
-    (n1, b1, _), (n2, b2, _) = per_run
-    return round(float(fisher_exact([[b1, n1 - b1], [b2, n2 - b2]])[1]), 4)
+    got = runs_heterogeneity([(n, b) for n, b, _ in per_run])
+    return None if got is None else {"p": round(got[0], 4), "test": got[1]}
 
 
 def compare_table(label: str, policy: list, pairs: list, kind: dict, n_req: int) -> dict:
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--combined", type=Path, required=True)
     ap.add_argument("--order", default=",".join(PROTOCOL_ORDER))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--protocol", default="rules/protocols/attempt20.md",
+                    help="the pre-registered protocol these pairs were made and certified under (recorded in the rule)")
     args = ap.parse_args(argv)
     sources = [tuple(x.rsplit("=", 1)) for x in args.pairs]
     combine_pairs_files(sources, args.combined, generator="scripts/lab/certify_strata.py " + " ".join(
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     strata = certify_strata(rule.thresholds, pairs, order=order, alpha=rule.certificate.alpha,
                             delta=rule.certificate.delta, label="excess")
     prov = dict(rule.provenance)
-    prov.update({"strata_pairs": [args.combined.name], "strata_protocol": "rules/protocols/attempt19.md",
+    prov.update({"strata_pairs": [args.combined.name], "strata_protocol": args.protocol,
                  "strata_label": header.get("unsafe_definition", "")})
     new = dataclasses.replace(rule, strata=strata, provenance=prov)
     new.save(args.out)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strata ({strata.method}, order {', '.join(order)}; α = {strata.alpha}, δ = {strata.delta}): certified "
           f"{', '.join(strata.certified) or 'none'}; served {strata.covered} of {strata.n_requests} requests "
           f"({strata.coverage:.3f}); accepted by the thresholds {strata.accepted}")
-    print("| stratum | n | b | c | U | tested | certified | per run [n, b, c] | runs differ (Fisher p, b/n) |")
+    print("| stratum | n | b | c | U | tested | certified | per run [n, b, c] | runs differ (exact p, b/n) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in list(order) + sorted(set(strata.strata) - set(order)):
         c = strata.strata[name]
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         het = heterogeneity(list(runs.values()))
         out.setdefault("heterogeneity", {})[name] = het
         print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {'yes' if c.tested else 'no'} | "
-              f"{'yes' if c.passed else 'no'} | {runs} | {het if het is not None else '—'} |")
+              f"{'yes' if c.passed else 'no'} | {runs} | {het['p'] if het is not None else '—'} |")
     # The pre-registered comparison is the served set (certified strata only); the thresholds' own accepted set
     # (the rule as it ran before strata) is compared the same way beside it.
     for label, policy in (("served (certified strata)", served), ("accepted by the thresholds", accepted)):
