@@ -288,12 +288,13 @@ def test_combine_calibration_from_another_config_only_when_asked(tmp_path):
 
 
 # The embedded model's shipped rule (the stock config's), and the records of the rules withdrawn on 2026-12-06
-# (attempt 13's 4-step-probe rule and the two for the model behind ComfyUI's EasyCache node: never re-tested, and not
-# under the second label; rules/README.md, "Withdrawn rules"). Every record still loads and matches its pairs.
+# (attempt 13's 4-step-probe rule, the two for the model behind ComfyUI's EasyCache node and v2's rule: never
+# re-tested, not under the second label, not per stratum; rules/README.md, "Withdrawn rules"). Every record still
+# loads and matches its pairs.
 WITHDRAWN = ROOT / "rules" / "withdrawn"
 SHIPPED = [(RULE_PATH, PAIRS_PATH)]
 RECORDS = SHIPPED + [(WITHDRAWN / f"{name}.json", WITHDRAWN / f"{name}_pairs.jsonl")
-                     for name in ("embedded_probe4", "embedded_easycache", "embedded_easycache_probe4")]
+                     for name in ("embedded_probe4", "embedded_easycache", "embedded_easycache_probe4", "embedded_v2")]
 
 
 @pytest.mark.parametrize("rule_path,pairs_path", RECORDS, ids=lambda p: p.name)

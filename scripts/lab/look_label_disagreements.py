@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Frames of every pair where the first and the second label disagree, to look at.
+"""Frames of every pair where the first and the second label disagree (or every b pair), to look at.
 
     .host/venv/bin/python scripts/lab/look_label_disagreements.py --pairs rules/attempt19_s84.jsonl \\
         --clips artifacts/a19/w84/clips --png artifacts/a19/disagree_s84
+    # every b of the pairs the shipped rule's thresholds accept (its chosen candidate per request)
+    .host/venv/bin/python scripts/lab/look_label_disagreements.py --pairs rules/attempt20_s90.jsonl \\
+        --clips artifacts/a20/w90/clips --png artifacts/a20/b_s90 --select unsafe --accepted-by rules/embedded.json
 
 Reads a pairs file written by scripts/lab/relabel_pairs.py (``diag.label_v1`` = the first label's verdict, the row's
 own ``unsafe``/``better`` = the second's) and the run's saved clips; for each pair whose (b, c) differ between the
@@ -41,7 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=Path, required=True)
     ap.add_argument("--clips", type=Path, required=True)
     ap.add_argument("--png", type=Path, required=True)
+    ap.add_argument("--select", choices=("disagreements", "unsafe"), default="disagreements",
+                    help="disagreements: pairs whose (b, c) differ between the labels; unsafe: pairs the second "
+                         "label calls b")
+    ap.add_argument("--accepted-by", type=Path, default=None,
+                    help="a rule file: keep only the pairs its thresholds accept (the chosen candidate per request)")
     args = ap.parse_args(argv)
+    keep = None
+    if args.accepted_by is not None:
+        from carnator.carnator_core.risk.certify import accepted_pairs, read_pairs_jsonl
+        from carnator.carnator_core.risk.rule import RiskRule
+
+        rule = RiskRule.load(args.accepted_by, allow_uncertified=True)
+        keep = {(p.request_id, p.entry_id) for p in accepted_pairs(rule.thresholds,
+                                                                    read_pairs_jsonl(args.pairs)[1])[1]}
     args.png.mkdir(parents=True, exist_ok=True)
     tally: Counter = Counter()
     for line in args.pairs.read_text(encoding="utf-8").splitlines():
@@ -51,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         d = r["diag"]
         old = (d["label_v1"]["unsafe"], d["label_v1"]["better"])
         new = (bool(r["unsafe"]), bool(r.get("better", False)))
-        if old == new:
+        if (old == new) if args.select == "disagreements" else not new[0]:
+            continue
+        if keep is not None and (r["request_id"], r["entry_id"]) not in keep:
             continue
         rid = r["request_id"].split(":")[-1]
         with np.load(args.clips / f"{rid}.npz") as z:
@@ -63,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         meas = [{k: o.measured.get(k) for k in ("shape", "track_motion", "motion", "track_travel_xy",
                                                   "track_monotone", "track_jump")} for o in seen.objects]
         v2 = d.get("v2", {})
-        what = "new b" if new[0] else ("new c" if new[1] else ("lost b" if old[0] else "lost c"))
+        what = "b" if old == new else "new b" if new[0] else ("new c" if new[1] else ("lost b" if old[0] else "lost c"))
         tally[(what, d["kind"], r.get("change"))] += 1
         print(f"{name}: {what} (v1 b,c={old} -> v2 {new}); change {r.get('change')}; v2 reuse_failed "
               f"{v2.get('reuse_failed')} dense_failed {v2.get('dense_failed')} detail {v2.get('detail_failed')}; "

@@ -44,12 +44,11 @@ TOOL_TIMEOUT_S = 180
 # Tracked files a user needs (fnmatch patterns; `*` crosses folders): each must be in the package.
 NEEDED = ["__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LICENSE", "nodes/*", "carnator_core/*",
           "web/*", "rules/*.json", "rules/README.md", "workflows/*", "scripts/api_client.py", "docs/*"]
-# Tracked, but kept in the repository only: superseded weights, training state, v2 (the side-by-side reference)
-# with its rule, the withdrawn rules (records only), and the docs' history (superseded measurements and their
+# Tracked, but kept in the repository only: superseded weights, training state, v2 (the side-by-side reference),
+# the withdrawn rules (records only; v2's among them), and the docs' history (superseded measurements and their
 # pictures). The package carries one model, the default (v3), and the current docs.
 REPO_ONLY = ["*_v1.safetensors", "carnator_core/embedded/weights/train_state_*",
-             "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "rules/embedded_v2.json",
-             "docs/history/*", "rules/withdrawn/*"]
+             "carnator_core/embedded/weights/carnator_embedded_v2.safetensors", "docs/history/*", "rules/withdrawn/*"]
 # Never in the package, even when tracked (development, calibration data, REPO_ONLY).
 NOT_SHIPPED = ["tests/*", "scripts/*", ".ci/*", "Makefile", "pytest.ini", "requirements-dev.txt", "BENCHMARKS.md",
                ".gitignore", ".comfyignore", "rules/*.jsonl", ".host/*", "artifacts/*", "runs/*", "*.pyc",
