@@ -103,6 +103,14 @@ def comfy_dirs(comfy_env, tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def tiny_wan21(comfy_env, tmp_path_factory):
+    """(tiny_models, a tiny Wan 2.1 ModelPatcher from ComfyUI's own classes), one per test module."""
+    import tiny_models as tm
+
+    return tm, tm.load_tiny_model("wan21", tmp_path_factory.mktemp("tiny"))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _restore_torch_threads():
     """Each test module starts with the process's torch intra-op thread count: a module (or a script it runs

@@ -14,31 +14,8 @@ pytestmark = pytest.mark.comfy
 PROMPT = "a red ball"
 
 
-@pytest.fixture(scope="module")
-def env(comfy_env, tmp_path_factory):
-    import tiny_models as tm
-
-    d = tmp_path_factory.mktemp("tiny")
-    return tm, tm.load_tiny_model("wan21", d)
-
-
-def _options(**kw):
-    from carnator.carnator_core.probe import ProbeConfig
-    from carnator.carnator_core.request import ServeOptions
-    from carnator.carnator_core.reuse import ReuseConfig
-
-    # prompt_only at a threshold every same-prompt request passes: a second seed is accepted on the first's entry.
-    reuse = ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False, context_delta=1e9, refreshes=1)
-    return ServeOptions(**{"method": "prompt_only", "prompt_threshold": 0.5, "probe": ProbeConfig(probe_steps=2),
-                           "reuse": reuse, **kw})
-
-
 def _serve(tm, m, store, seed, options):
-    from carnator.carnator_core.request import RequestSpec, serve
-
-    pos, neg = tm.conditioning("wan21")
-    return serve(m, tm.WordTokens(), pos, neg, tm.empty_latent("wan21"),
-                 RequestSpec(PROMPT, seed, 8, 5.0, objects="ball"), store, options).report
+    return tm.serve_wan21(m, store, seed, options, PROMPT)[0].report
 
 
 def _graph(tm, m, store, seed, opts):
@@ -68,7 +45,7 @@ def _graph(tm, m, store, seed, opts):
 
 
 def _check_counters(tm, m, store):
-    opts = _options()
+    opts = tm.prompt_only_options()
     reports = []
 
     def agree(report, what):
@@ -79,7 +56,8 @@ def _check_counters(tm, m, store):
 
     agree(_serve(tm, m, store, 5, opts), "a dense miss")
     # Accepted, but the region is larger than max_active: the sampler continues dense. Not a hit.
-    declined = _serve(tm, m, store, 6, _options(reuse=replace(opts.reuse, max_active=0.0), write=False))
+    declined = _serve(tm, m, store, 6,
+                      tm.prompt_only_options(reuse=replace(opts.reuse, max_active=0.0), write=False))
     assert declined.decision == "miss" and "max_active" in declined.reason
     agree(declined, "an accepted entry the sampler did not reuse")
     hit = _graph(tm, m, store, 6, opts)
@@ -101,19 +79,19 @@ def _check_counters(tm, m, store):
     assert (s.lookups, s.hits) == (len(reports), sum(r.decision == "hit" for r in reports))
 
 
-def test_counters_equal_the_reports_on_disk(env, comfy_dirs):
+def test_counters_equal_the_reports_on_disk(tiny_wan21, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
 
-    tm, m = env
+    tm, m = tiny_wan21
     _check_counters(tm, m, Store.open(comfy_dirs / "counters", key_path=comfy_dirs / "key"))
 
 
-def test_counters_equal_the_reports_on_redis(env, comfy_dirs):
+def test_counters_equal_the_reports_on_redis(tiny_wan21, comfy_dirs):
     from harness_redis import RedisServer
 
     from carnator.carnator_core.cache.redis_store import RedisStore
 
-    tm, m = env
+    tm, m = tiny_wan21
     srv = RedisServer(comfy_dirs / "redis-counters")
     try:
         srv.start()

@@ -18,35 +18,8 @@ pytestmark = pytest.mark.comfy
 PROMPT = "a red ball"
 
 
-@pytest.fixture(scope="module")
-def env(comfy_env, tmp_path_factory):
-    import tiny_models as tm
-
-    d = tmp_path_factory.mktemp("tiny")
-    return tm, tm.load_tiny_model("wan21", d)
-
-
-def _options(**kw):
-    from carnator.carnator_core.probe import ProbeConfig
-    from carnator.carnator_core.request import ServeOptions
-    from carnator.carnator_core.reuse import ReuseConfig
-
-    # prompt_only at a threshold every same-prompt request passes, so the second seed is a hit on the first's
-    # entry. Random weights disagree everywhere across seeds: the region comes from the object's mask alone.
-    reuse = ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False, context_delta=1e9, refreshes=1)
-    return ServeOptions(**{"method": "prompt_only", "prompt_threshold": 0.5, "probe": ProbeConfig(probe_steps=2),
-                           "reuse": reuse, **kw})
-
-
 def _run(tm, m, store, seed, options, prompt=PROMPT):
-    from carnator.carnator_core.request import RequestSpec, serve
-
-    pos, neg = tm.conditioning("wan21")
-    with tm.count_calls(m) as calls:
-        res = serve(m, tm.WordTokens(), pos, neg, tm.empty_latent("wan21"),
-                    RequestSpec(prompt, seed, 8, 5.0, objects="ball"),
-                    store, options)
-    return res, len(calls)
+    return tm.serve_wan21(m, store, seed, options, prompt)
 
 
 def _recallable(store, res) -> set[str]:
@@ -63,7 +36,7 @@ def _check_hit_answers(tm, m, store, reopen):
     from carnator.carnator_core.probe import ProbeConfig
     from carnator.carnator_core.request import RequestSpec, answer_key_for
 
-    opts = _options()
+    opts = tm.prompt_only_options()
     dense, n = _run(tm, m, store, 5, opts)
     assert n == 8 and dense.report.decision == "miss" and dense.entry_id
     hit, n_hit = _run(tm, m, store, 6, opts)
@@ -96,12 +69,13 @@ def _check_hit_answers(tm, m, store, reopen):
 
     # Anything that decided the hit, changed, runs the request again (write off: each variant sees only the
     # entries above; a variant that ran dense would otherwise leave the request's dense result, a valid answer).
-    for what, changed in {"threshold": _options(prompt_threshold=0.4, write=False),
-                          "reuse settings": _options(reuse=replace(opts.reuse, dilation=1), write=False),
-                          "probe steps": _options(probe=ProbeConfig(probe_steps=3), write=False)}.items():
+    for what, changed in {"threshold": tm.prompt_only_options(prompt_threshold=0.4, write=False),
+                          "reuse settings": tm.prompt_only_options(reuse=replace(opts.reuse, dilation=1), write=False),
+                          "probe steps": tm.prompt_only_options(probe=ProbeConfig(probe_steps=3), write=False)}.items():
         res, n = _run(tm, m, store, 6, changed)
         assert not res.exact and n > 0, what
-    res, n = _run(tm, m, store, 6, _options(write=False), prompt=PROMPT + "!")  # another label: other recall text
+    # another label: other recall text
+    res, n = _run(tm, m, store, 6, tm.prompt_only_options(write=False), prompt=PROMPT + "!")
     assert not res.exact and n > 0
     # Deleting the reused entry leaves the answer (it is a finished result, not a reference) ...
     assert store.delete(dense.entry_id)
@@ -114,23 +88,23 @@ def _check_hit_answers(tm, m, store, reopen):
     return answer_id
 
 
-def test_a_repeated_hit_is_answered_on_disk_and_never_recalled(env, comfy_dirs):
+def test_a_repeated_hit_is_answered_on_disk_and_never_recalled(tiny_wan21, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
 
-    tm, m = env
+    tm, m = tiny_wan21
     root, key = comfy_dirs / "answers", comfy_dirs / "key"
     store = Store.open(root, key_path=key)
     _check_hit_answers(tm, m, store, lambda: Store.open(root, key_path=key))
 
 
-def test_a_rebuilt_catalogue_keeps_answers_out_of_recall(env, comfy_dirs):
+def test_a_rebuilt_catalogue_keeps_answers_out_of_recall(tiny_wan21, comfy_dirs):
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.types import namespace_key
 
-    tm, m = env
+    tm, m = tiny_wan21
     root, key = comfy_dirs / "rebuilt", comfy_dirs / "key"
     store = Store.open(root, key_path=key)
-    opts = _options()
+    opts = tm.prompt_only_options()
     dense, _ = _run(tm, m, store, 5, opts)
     hit, _ = _run(tm, m, store, 6, opts)
     assert hit.report.decision == "hit"
@@ -145,12 +119,12 @@ def test_a_rebuilt_catalogue_keeps_answers_out_of_recall(env, comfy_dirs):
     assert n == 0 and again.exact and torch.equal(again.latent["samples"], hit.latent["samples"])
 
 
-def test_a_repeated_hit_is_answered_through_the_shared_redis_cache(env, comfy_dirs):
+def test_a_repeated_hit_is_answered_through_the_shared_redis_cache(tiny_wan21, comfy_dirs):
     from harness_redis import RedisServer
 
     from carnator.carnator_core.cache.redis_store import RedisStore
 
-    tm, m = env
+    tm, m = tiny_wan21
     srv = RedisServer(comfy_dirs / "redis-answers")
     try:
         srv.start()
@@ -160,15 +134,15 @@ def test_a_repeated_hit_is_answered_through_the_shared_redis_cache(env, comfy_di
         srv.stop()
 
 
-def test_the_graph_writer_does_not_store_a_hit_without_store_reused(env, comfy_dirs):
+def test_the_graph_writer_does_not_store_a_hit_without_store_reused(tiny_wan21, comfy_dirs):
     """Called without the sampler's answer key, a hit is still refused as a reusable entry unless store_reused."""
     from carnator.carnator_core.cache.store import Store
     from carnator.carnator_core.request import write_result
 
-    tm, m = env
+    tm, m = tiny_wan21
     store = Store.open(comfy_dirs / "graph", key_path=comfy_dirs / "key")
-    opts = _options(write=False)
-    _run(tm, m, store, 5, _options())
+    opts = tm.prompt_only_options(write=False)
+    _run(tm, m, store, 5, tm.prompt_only_options())
     hit, _ = _run(tm, m, store, 6, opts)
     assert hit.report.decision == "hit" and hit.report.answer_key
     res = write_result(store, hit.probe, hit.signature, hit.latent["samples"], hit.report)
@@ -206,7 +180,7 @@ def _graph_hit(tm, m, handle, seed, opts):
     return samples, report, written.result[0], probe_calls, len(calls)
 
 
-def test_a_repeated_hit_in_a_node_graph_is_answered_at_the_sampler(env, comfy_dirs):
+def test_a_repeated_hit_in_a_node_graph_is_answered_at_the_sampler(tiny_wan21, comfy_dirs):
     """In a node graph the Early Probe cannot know the downstream settings, so a repeated hit is answered at the
     sampler: the Writer keeps the hit under ``hit_answer_key`` (request, probe, accepted entry, reuse settings,
     target signature), and the same request reusing the same entry the same way gets that result with no model call
@@ -214,10 +188,10 @@ def test_a_repeated_hit_in_a_node_graph_is_answered_at_the_sampler(env, comfy_di
     from carnator.carnator_core.request import RequestSpec, serve
     from carnator.nodes.cache import CarnatorCacheLoader
 
-    tm, m = env
+    tm, m = tiny_wan21
     handle = CarnatorCacheLoader.execute(directory="hit-graph").result[0]
     store = handle.store()
-    opts = _options()
+    opts = tm.prompt_only_options()
     pos, neg = tm.conditioning("wan21")
     dense = serve(m, tm.WordTokens(), pos, neg, tm.empty_latent("wan21"),
                   RequestSpec(PROMPT, 5, 8, 5.0, objects="ball"), store, opts)
@@ -235,14 +209,15 @@ def test_a_repeated_hit_in_a_node_graph_is_answered_at_the_sampler(env, comfy_di
     after = store.stats()
     assert (after.hits - before.hits, after.entries, after.answers) == (1, before.entries, 1)
     assert _recallable(store, dense) == {dense.entry_id}
-    other, rep3, _, k3, n3 = _graph_hit(tm, m, handle, 6, _options(reuse=replace(opts.reuse, refreshes=2)))
+    other, rep3, _, k3, n3 = _graph_hit(tm, m, handle, 6,
+                                        tm.prompt_only_options(reuse=replace(opts.reuse, refreshes=2)))
     assert rep3.decision == "hit" and n3 > k3 and rep3.mode == "joint"
     # A decision whose rule certified other settings than the sampler's is no hit (reuse.sample continues dense), so
     # no answer kept under another rule may stand in for it: there is no key to look up.
     from carnator.carnator_core.request import hit_answer_key
 
     probe, sig, decision = _graph_hit.last
-    cfg = _options(reuse=replace(opts.reuse, refreshes=2)).hit_reuse
+    cfg = tm.prompt_only_options(reuse=replace(opts.reuse, refreshes=2)).hit_reuse
     assert hit_answer_key(probe, decision, cfg, sig)
     assert hit_answer_key(probe, replace(decision, reuse_config=opts.hit_reuse.to_meta()), cfg, sig) == ""
     assert hit_answer_key(probe, replace(decision, reuse_config=cfg.to_meta()), cfg, sig) == \

@@ -145,3 +145,28 @@ def count_calls(model):
         yield calls
     finally:
         del dm.forward
+
+
+def prompt_only_options(**kw):
+    """Serve options for prompt-only reuse at a threshold every same-prompt request passes, so a second seed is a
+    hit on the first's entry. Random weights disagree everywhere across seeds: the region comes from the object's
+    mask alone. ``kw`` overrides any ``ServeOptions`` field."""
+    from carnator.carnator_core.probe import ProbeConfig
+    from carnator.carnator_core.request import ServeOptions
+    from carnator.carnator_core.reuse import ReuseConfig
+
+    reuse = ReuseConfig(x0_threshold=50.0, dilation=0, whole_objects=False, context_delta=1e9, refreshes=1)
+    return ServeOptions(**{"method": "prompt_only", "prompt_threshold": 0.5, "probe": ProbeConfig(probe_steps=2),
+                           "reuse": reuse, **kw})
+
+
+def serve_wan21(model, store, seed: int, options, prompt: str = "a red ball"):
+    """One request ("ball", 8 steps, CFG 5) on the tiny Wan 2.1 through ``request.serve``: (result, model calls)."""
+    from carnator.carnator_core.request import RequestSpec, serve
+
+    pos, neg = conditioning("wan21")
+    with count_calls(model) as calls:
+        res = serve(model, WordTokens(), pos, neg, empty_latent("wan21"), RequestSpec(prompt, seed, 8, 5.0,
+                                                                                      objects="ball"),
+                    store, options)
+    return res, len(calls)
