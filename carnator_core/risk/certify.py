@@ -490,8 +490,8 @@ def runs_heterogeneity(per_run: Sequence[tuple[int, int]]) -> tuple[float, str] 
     for n, b in runs:
         if not 0 <= b <= n:
             raise ValueError(f"runs_heterogeneity: a run has b = {b} of n = {n}")
-    total_b = sum(b for _, b in runs)
-    if total_b == 0 or total_b == sum(n for n, _ in runs):
+    total_n, total_b = sum(n for n, _ in runs), sum(b for _, b in runs)
+    if total_b == 0 or total_b == total_n:
         return None
     if math.comb(total_b + len(runs) - 1, len(runs) - 1) > _MAX_TABLES:
         from scipy.stats import chi2_contingency
@@ -500,8 +500,7 @@ def runs_heterogeneity(per_run: Sequence[tuple[int, int]]) -> tuple[float, str] 
         return float(chi2_contingency(table, correction=False)[1]), "chi2"
     # log-probabilities of allocations: sum_i log C(n_i, b_i) - log C(N, B)
     logc = [[math.lgamma(n + 1) - math.lgamma(b + 1) - math.lgamma(n - b + 1) for b in range(n + 1)] for n, _ in runs]
-    norm = math.lgamma(sum(n for n, _ in runs) + 1) - math.lgamma(total_b + 1) - math.lgamma(
-        sum(n for n, _ in runs) - total_b + 1)
+    norm = math.lgamma(total_n + 1) - math.lgamma(total_b + 1) - math.lgamma(total_n - total_b + 1)
     observed = sum(logc[i][b] for i, (_, b) in enumerate(runs))
     tol = 1e-7  # relative: allocations as likely as the observed one (up to rounding) count, as in Fisher's test
     p = 0.0

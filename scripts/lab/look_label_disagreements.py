@@ -26,7 +26,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+sys.path.insert(0, str(ROOT / "scripts" / "lab"))
+
 import conftest  # noqa: E402,F401  (registers the `carnator` package)
+from relabel_pairs import accepted_keys, pair_clips  # noqa: E402
 
 
 def strip(dense: np.ndarray, reuse: np.ndarray, scale: int = 3) -> np.ndarray:
@@ -50,14 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accepted-by", type=Path, default=None,
                     help="a rule file: keep only the pairs its thresholds accept (the chosen candidate per request)")
     args = ap.parse_args(argv)
-    keep = None
-    if args.accepted_by is not None:
-        from carnator.carnator_core.risk.certify import accepted_pairs, read_pairs_jsonl
-        from carnator.carnator_core.risk.rule import RiskRule
-
-        rule = RiskRule.load(args.accepted_by, allow_uncertified=True)
-        keep = {(p.request_id, p.entry_id) for p in accepted_pairs(rule.thresholds,
-                                                                    read_pairs_jsonl(args.pairs)[1])[1]}
+    keep = None if args.accepted_by is None else accepted_keys(args.accepted_by, args.pairs)
     args.png.mkdir(parents=True, exist_ok=True)
     tally: Counter = Counter()
     for line in args.pairs.read_text(encoding="utf-8").splitlines():
@@ -72,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if keep is not None and (r["request_id"], r["entry_id"]) not in keep:
             continue
         rid = r["request_id"].split(":")[-1]
-        with np.load(args.clips / f"{rid}.npz") as z:
-            dense = z["dense"].astype(np.float32) / 255.0
-            reuse = z[d["store_entry"]].astype(np.float32) / 255.0
+        dense, reuse = pair_clips(args.clips, r)
         name = f"{rid}_{r['entry_id'].split(':')[-1]}_{d['kind']}.png"
         Image.fromarray((strip(dense, reuse) * 255 + 0.5).astype(np.uint8)).save(args.png / name)
         seen = checker.check(reuse, d["prompt"], strict=True)

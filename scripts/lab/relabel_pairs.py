@@ -38,6 +38,25 @@ def load_clips(path: Path) -> dict:
         return {k: (z[k].astype(np.float32) / 255.0) for k in z.files if k != "prompt"}
 
 
+def pair_clips(clips_dir: Path, row: dict) -> tuple:
+    """(dense clip, reuse clip) of one pairs row, float in [0, 1]: the request's saved ``<request>.npz`` (the run's
+    own request id, without a combined file's run prefix) holds the dense clip and one clip per labelled entry."""
+    import numpy as np
+
+    with np.load(clips_dir / f"{row['request_id'].split(':')[-1]}.npz") as z:
+        return (z["dense"].astype(np.float32) / 255.0, z[row["diag"]["store_entry"]].astype(np.float32) / 255.0)
+
+
+def accepted_keys(rule_path: Path, pairs_path: Path) -> set:
+    """(request id, entry id) of the pairs a rule's thresholds accept — its chosen candidate per request, as
+    certification counts them (``risk.certify.accepted_pairs``)."""
+    from carnator.carnator_core.risk.certify import accepted_pairs, read_pairs_jsonl
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    rule = RiskRule.load(rule_path, allow_uncertified=True)
+    return {(p.request_id, p.entry_id) for p in accepted_pairs(rule.thresholds, read_pairs_jsonl(pairs_path)[1])[1]}
+
+
 def relabel(pairs_path: Path, clips_dir: Path, artifact_ratio: float = 1.25, cutoff: int = 0) -> tuple[dict, list,
                                                                                                         dict]:
     """(header, relabelled rows, counts) — see the module docstring. ``cutoff`` > 0 keeps the first ``cutoff``

@@ -25,7 +25,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+sys.path.insert(0, str(ROOT / "scripts" / "lab"))
+
 import conftest  # noqa: E402,F401  (registers the `carnator` package)
+from relabel_pairs import accepted_keys, pair_clips  # noqa: E402
 
 
 def travel_ratio(dense: np.ndarray, reuse: np.ndarray, prompt: str, moving: float) -> float | None:
@@ -44,9 +47,6 @@ def travel_ratio(dense: np.ndarray, reuse: np.ndarray, prompt: str, moving: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from carnator.carnator_core.risk.certify import accepted_pairs, read_pairs_jsonl
-    from carnator.carnator_core.risk.rule import RiskRule
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rule", type=Path, required=True, help="its thresholds choose the pairs")
     ap.add_argument("--pairs", nargs="+", required=True, metavar="PAIRS=CLIPS",
@@ -55,24 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow", type=float, default=0.6, help="list the pairs whose ratio is below this")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    rule = RiskRule.load(args.rule, allow_uncertified=True)
     per: dict = defaultdict(list)
     for spec in args.pairs:
         pairs_path, clips = (Path(x) for x in spec.split("=", 1))
-        rows = {}
+        keep = accepted_keys(args.rule, pairs_path)
         for line in pairs_path.read_text(encoding="utf-8").splitlines():
             r = json.loads(line)
-            if r.get("type") != "header":
-                rows[(r["request_id"], r["entry_id"])] = r
-        for p in accepted_pairs(rule.thresholds, read_pairs_jsonl(pairs_path)[1])[1]:
-            r = rows[(p.request_id, p.entry_id)]
+            if r.get("type") == "header" or (r["request_id"], r["entry_id"]) not in keep:
+                continue
             d = r["diag"]
             rid = r["request_id"].split(":")[-1]
-            with np.load(clips / f"{rid}.npz") as z:
-                dense = z["dense"].astype(np.float32) / 255.0
-                reuse = z[d["store_entry"]].astype(np.float32) / 255.0
+            dense, reuse = pair_clips(clips, r)
             ratio = travel_ratio(dense, reuse, d["prompt"], args.moving)
-            per[p.change].append({"pair": f"{pairs_path.stem}:{rid}:{p.entry_id}", "kind": d["kind"],
+            per[r["change"]].append({"pair": f"{pairs_path.stem}:{rid}:{r['entry_id']}", "kind": d["kind"],
                                   "ratio": None if ratio is None else round(ratio, 3), "b": bool(r["unsafe"]),
                                   "c": bool(r.get("better", False))})
     out = {}
