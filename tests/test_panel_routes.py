@@ -5,9 +5,9 @@
   while a requeue without a purge still is;
 * ``GET /carnator/requests`` lists the requests this server served, per namespace, with the decision, the share of
   compute saved and a PNG thumbnail of the result; it refuses a bad ``limit`` with the reason;
-* the rule line says which strata the deciding rule certified: the shipped embedded rule certifies five (attempt 20:
-  size, colour, rewording, reseed, position), report and panel list them, a colour edit of a cached request is
-  served by reuse over it and a motion edit of it is refused although it passes the thresholds.
+* the rule line says which strata the deciding rule certified: the shipped embedded rule certifies three (attempt 20
+  with the cached entry as the unit too: size, colour, rewording), report and panel list them, a colour edit of a
+  cached request is served by reuse over it and a motion edit of it is refused although it passes the thresholds.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_the_rule_line_says_which_strata_are_certified(comfy_server: ComfyServer
     server = comfy_server
     rule = RiskRule.load(ROOT / "rules" / "embedded.json")
     assert rule.certificate.passed and rule.strata is not None  # certified on average and per stratum (attempt 20):
-    assert "reseed" in rule.strata.certified and "motion" not in rule.strata.certified  # reseeds serve, motion not
+    assert "colour" in rule.strata.certified and "motion" not in rule.strata.certified  # colour edits serve, motion not
     moved = PROMPT.replace("rolls to the right", "moves up")  # against the first request, the motion changed
     recoloured = PROMPT.replace("red", "blue")  # ... and here the colour
     shown: list[dict] = []

@@ -11,6 +11,7 @@ from test_risk_rule import make_rule
 
 from carnator.carnator_core.risk.bounds import excess_upper_bound
 from carnator.carnator_core.risk.certify import (
+    STRATA_UNIT_ENTRY,
     CalibrationError,
     LabelledPair,
     StrataCertificate,
@@ -145,8 +146,63 @@ def test_shipped_rule_strata_recompute_from_their_pairs():
         _h, ps = read_pairs_jsonl(root / "rules" / name)
         pairs += ps
     got = certify_strata(rule.thresholds, pairs, order=rule.strata.order, alpha=rule.strata.alpha,
-                         delta=rule.strata.delta, label=rule.strata.label)
+                         delta=rule.strata.delta, label=rule.strata.label,
+                         entry_unit=rule.strata.unit == STRATA_UNIT_ENTRY)
     assert got.to_dict() == rule.strata.to_dict()
+
+
+def test_shipped_rule_withdraws_strata_whose_failures_cluster_on_one_cached_entry():
+    """The shipped rule is checked with the cached entry as the unit too (rules/protocols/attempt20-entry.md):
+    reseed's two failures are two seeds of one entry, so with the entry as the unit it no longer certifies and stops
+    the sequence; size, colour and rewording hold under both analyses."""
+    from pathlib import Path
+
+    rule = RiskRule.load(Path(__file__).resolve().parents[1] / "rules" / "embedded.json")
+    assert rule.strata is not None and rule.strata.unit == STRATA_UNIT_ENTRY
+    assert rule.strata.certified == ("size", "colour", "rewording")
+    reseed = rule.strata.strata["reseed"]
+    assert reseed.upper_bound <= rule.strata.alpha < reseed.entry_upper_bound and not reseed.passed
+    assert "cluster on cached entries" in rule.strata.describe("reseed")
+
+
+def test_design_effect_and_entry_unit_bound_by_hand():
+    """Rao–Scott by hand: failures spread one per entry leave the counts alone; the same failures in one entry
+    halve the evidence; the bound is Clopper–Pearson at the effective counts and is never below the request bound."""
+    from scipy.stats import beta
+
+    from carnator.carnator_core.risk.certify import design_effect, entry_unit_bound
+
+    spread = [(1, 1), (1, 1)] + [(1, 0)] * 98
+    burst = [(2, 2)] + [(1, 0)] * 98
+    assert design_effect(spread) == pytest.approx(1.0, abs=0.02)
+    n, b, m = 100, 2, 99
+    p = b / n
+    v_clu = m / (m - 1) * ((2 - p * 2) ** 2 + 98 * p ** 2) / n ** 2
+    deff = v_clu / (p * (1 - p) / n)
+    assert design_effect(burst) == pytest.approx(deff, rel=1e-12) and deff > 1.9
+    got_deff, u = entry_unit_bound(burst, 0.1)
+    assert u == pytest.approx(beta.ppf(0.9, b / deff + 1, (n - b) / deff), rel=1e-12)
+    assert u > beta.ppf(0.9, b + 1, n - b) > entry_unit_bound(spread, 0.1)[1] - 1e-3
+    assert design_effect([(5, 0)] * 10) == 1.0 and entry_unit_bound([], 0.1) == (1.0, 1.0)
+
+
+def test_entry_unit_strata_document_is_recomputed_on_load():
+    """A strata document with per-entry clusters is replayed on load: edited clusters or an edited entry bound are
+    refused; the fixed sequence stops at the first stratum that fails either bound."""
+    clusters = {"size": [(1, 0)] * 60, "reseed": [(3, 3)] + [(1, 0)] * 147}
+    cert = fixed_sequence({"size": (60, 0, 0), "reseed": (150, 3, 0)}, ("size", "reseed"), 0.05, 0.1, "excess", 300,
+                          250, None, clusters)
+    assert cert.certified == ("size",) and cert.strata["reseed"].upper_bound <= 0.05
+    d = cert.to_dict()
+    assert StrataCertificate.from_dict(d).to_dict() == d
+    bad = json.loads(json.dumps(d))
+    bad["strata"]["reseed"]["clusters"] = [[1, 1]] * 3 + [[1, 0]] * 147  # spread the burst out by hand
+    with pytest.raises(ValueError, match="passed is False"):
+        StrataCertificate.from_dict(bad)
+    bad = json.loads(json.dumps(d))
+    bad["strata"]["reseed"]["clusters"] = [[1, 0]] * 150
+    with pytest.raises(ValueError, match="clusters must list"):
+        StrataCertificate.from_dict(bad)
 
 
 def test_runs_heterogeneity_is_fishers_test_for_two_runs_and_enumerates_more(monkeypatch):

@@ -912,6 +912,49 @@ STRATA_METHOD = "fixed-sequence"
 #: The unit of independence the strata certificates assume (recorded with them; docs/CALIBRATION.md).
 STRATA_UNIT = ("the request, conditional on its run's cache: within a run the queries are drawn independently given "
                "the warm set; runs (caches) are pooled per stratum, and each run's own counts are listed")
+#: The unit when the cached entry's clustering is accounted for as well (``certify_strata(entry_unit=True)``).
+STRATA_UNIT_ENTRY = (STRATA_UNIT + "; and the cached entry: a stratum is claimed only when the Rao–Scott bound with "
+                     "the requests of one cached entry as a cluster (design effect over entries) is ≤ α as well")
+
+
+def design_effect(clusters: Sequence[tuple[int, int]]) -> float:
+    """Rao–Scott design effect of a failure proportion over clustered requests, floored at 1.
+
+    ``clusters``: one (n_j, b_j) per cluster (here a cached entry: the requests whose chosen candidate was that
+    entry, and how many of them failed). deff = v_cluster / v_srs: the ratio estimator's between-cluster variance,
+    m/(m−1) · Σ (b_j − p̂ n_j)² / N², over the binomial variance p̂(1 − p̂)/N the request-unit bound assumes. Failures
+    spread one per entry give deff ≈ 1; failures that come in bursts on one entry give deff > 1 (the requests of that
+    entry are not independent evidence). With fewer than two clusters or no failure, 1.
+    """
+    m = len(clusters)
+    n = sum(int(c[0]) for c in clusters)
+    b = sum(int(c[1]) for c in clusters)
+    if m < 2 or n == 0 or b == 0 or b == n:
+        return 1.0
+    p = b / n
+    v_clu = m / (m - 1) * sum((bj - p * nj) ** 2 for nj, bj in clusters) / n ** 2
+    v_srs = p * (1 - p) / n
+    return max(1.0, v_clu / v_srs)
+
+
+def entry_unit_bound(clusters: Sequence[tuple[int, int]], delta: float) -> tuple[float, float]:
+    """(deff, U): the upper (1 − δ) bound on the failure rate p_b with the cached entry as the unit of dependence.
+
+    Rao–Scott: the counts are divided by the design effect (:func:`design_effect`), N' = N/deff, b' = b/deff, and the
+    Clopper–Pearson upper bound is taken at those (continuous) effective counts, U = Beta⁻¹(1 − δ; b' + 1, N' − b').
+    It bounds p_b, hence the excess p_b − p_c (c is ignored: conservative). This is the large-sample correction of
+    survey statistics, not an exact bound: it is used only to *withdraw* strata whose request-unit certificate rests
+    on failures that cluster on one cached entry (it can refuse a stratum, never admit one).
+    """
+    n = sum(int(c[0]) for c in clusters)
+    b = sum(int(c[1]) for c in clusters)
+    if n == 0:
+        return 1.0, 1.0
+    deff = design_effect(clusters)
+    n_eff, b_eff = n / deff, b / deff
+    if b_eff >= n_eff:
+        return deff, 1.0
+    return deff, float(_beta.ppf(1.0 - delta, b_eff + 1.0, n_eff - b_eff))
 
 
 @dataclass(frozen=True)
@@ -919,7 +962,8 @@ class StratumCertificate:
     """One stratum's certificate under the rule's decisions: n accepted requests whose chosen candidate is in this
     stratum, k = b unsafe, c better, U the exact bound for the label at the full δ (fixed-sequence testing),
     ``tested`` False when an earlier stratum of the order failed (then never certified), ``passed`` ⇔ tested and
-    U ≤ α."""
+    U ≤ α — and, when ``clusters`` is recorded (per cached entry: requests, failures), also the entry-unit bound
+    (:func:`entry_unit_bound`) ≤ α, so that a stratum whose failures cluster on one cached entry is not claimed."""
 
     name: str
     n: int
@@ -928,10 +972,17 @@ class StratumCertificate:
     upper_bound: float
     tested: bool
     passed: bool
+    clusters: tuple[tuple[int, int], ...] | None = None
+    deff: float = 1.0
+    entry_upper_bound: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "k": self.k, "c": self.c, "upper_bound": self.upper_bound, "tested": self.tested,
-                "passed": self.passed}
+        out: dict[str, Any] = {"n": self.n, "k": self.k, "c": self.c, "upper_bound": self.upper_bound,
+                               "tested": self.tested, "passed": self.passed}
+        if self.clusters is not None:
+            out.update({"clusters": [list(c) for c in self.clusters], "deff": self.deff,
+                        "entry_upper_bound": self.entry_upper_bound})
+        return out
 
 
 @dataclass(frozen=True)
@@ -986,6 +1037,11 @@ class StrataCertificate:
         if not st.tested:
             return (f"stratum {stratum!r} was not tested: an earlier stratum of the fixed sequence failed "
                     f"(certified: {', '.join(self.certified) or 'none'})")
+        if st.upper_bound <= self.alpha and st.entry_upper_bound is not None \
+                and st.entry_upper_bound > self.alpha:
+            return (f"stratum {stratum!r}: (b − c)/n = ({st.k} − {st.c})/{st.n}, U = {st.upper_bound:.4f} ≤ "
+                    f"α = {self.alpha}, but its failures cluster on cached entries (design effect {st.deff:.2f}): "
+                    f"with the entry as the unit U = {st.entry_upper_bound:.4f} > α")
         rel = "≤" if st.passed else ">"
         return (f"stratum {stratum!r}: (b − c)/n = ({st.k} − {st.c})/{st.n}, U = {st.upper_bound:.4f} {rel} "
                 f"α = {self.alpha}")
@@ -1021,6 +1077,7 @@ class StrataCertificate:
         if not isinstance(doc, Mapping) or any(name not in STRATA for name in doc):
             raise ValueError(f"{where}.strata must be an object keyed by strata of {STRATA}")
         counts = {}
+        clusters: dict[str, list[tuple[int, int]]] = {}
         for name, st in doc.items():
             if not isinstance(st, Mapping):
                 raise ValueError(f"{where}.strata[{name!r}] must be an object")
@@ -1028,6 +1085,15 @@ class StrataCertificate:
             if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in vals) or vals[1] + vals[2] > vals[0]:
                 raise ValueError(f"{where}.strata[{name!r}] needs integers n, k, c ≥ 0 with k + c ≤ n, got {vals}")
             counts[name] = tuple(vals)
+            if "clusters" in st:
+                cl = st["clusters"]
+                if not isinstance(cl, list) or any(
+                        not isinstance(x, list) or len(x) != 2
+                        or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in x) or x[1] > x[0]
+                        for x in cl) or sum(x[0] for x in cl) != vals[0] or sum(x[1] for x in cl) != vals[1]:
+                    raise ValueError(f"{where}.strata[{name!r}].clusters must list [requests, failures] per cached "
+                                     f"entry summing to n = {vals[0]} and k = {vals[1]}")
+                clusters[name] = [tuple(x) for x in cl]
         nreq, acc = d.get("n_requests"), d.get("accepted")
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in (nreq, acc)) \
                 or not sum(c[0] for c in counts.values()) <= acc <= nreq:
@@ -1038,7 +1104,7 @@ class StrataCertificate:
             raise ValueError(f"{where}.runs must be an object")
         cert = fixed_sequence(counts, tuple(order), float(alpha), float(delta), label, int(nreq), int(acc),
                               {str(r): {str(s): tuple(int(x) for x in v) for s, v in dict(rs).items()}
-                               for r, rs in runs.items()})
+                               for r, rs in runs.items()}, clusters if clusters else None)
         for name, st in doc.items():
             got = cert.strata[name]
             if "upper_bound" in st and abs(float(st["upper_bound"]) - got.upper_bound) > 1e-9:
@@ -1047,6 +1113,10 @@ class StrataCertificate:
             if "passed" in st and bool(st["passed"]) != got.passed:
                 raise ValueError(f"{where}.strata[{name!r}].passed is {st['passed']} but the fixed sequence gives "
                                  f"{got.passed}")
+            if "entry_upper_bound" in st and got.entry_upper_bound is not None \
+                    and abs(float(st["entry_upper_bound"]) - got.entry_upper_bound) > 1e-9:
+                raise ValueError(f"{where}.strata[{name!r}].entry_upper_bound {st['entry_upper_bound']} does not "
+                                 f"match the recomputed {got.entry_upper_bound:.6f} (edited by hand or corrupted)")
         if "certified" in d and list(d["certified"]) != list(cert.certified):
             raise ValueError(f"{where}.certified {d['certified']} does not match the fixed sequence's "
                              f"{list(cert.certified)}")
@@ -1055,35 +1125,45 @@ class StrataCertificate:
 
 def fixed_sequence(counts: Mapping[str, tuple[int, int, int]], order: Sequence[str], alpha: float, delta: float,
                    label: str, n_requests: int, accepted: int,
-                   runs: Mapping[str, Mapping[str, tuple[int, int, int]]] | None = None) -> StrataCertificate:
+                   runs: Mapping[str, Mapping[str, tuple[int, int, int]]] | None = None,
+                   clusters: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> StrataCertificate:
     """The strata certificate of per-stratum counts ``{stratum: (n, b, c)}`` (see :class:`StrataCertificate`).
     A stratum of ``order`` without pairs has n = 0 and U = 1 (it fails, and stops the sequence there); strata in
-    ``counts`` but not in ``order`` are never tested."""
+    ``counts`` but not in ``order`` are never tested. With ``clusters`` (per stratum, per cached entry: requests,
+    failures) a stratum passes only when the entry-unit bound is ≤ α as well (:data:`STRATA_UNIT_ENTRY`)."""
     _check_alpha_delta(alpha, delta)
     out: dict[str, StratumCertificate] = {}
+
+    def one(name: str, n: int, k: int, c: int, going: bool) -> StratumCertificate:
+        u = certificate_bound(label, n, k, c if label == "excess" else 0, delta) if n else 1.0
+        if clusters is None:
+            return StratumCertificate(name, n, k, c, u, going, going and u <= alpha)
+        cl = tuple(sorted(tuple(int(v) for v in x) for x in clusters.get(name, ())))
+        deff, ue = entry_unit_bound(cl, delta)
+        return StratumCertificate(name, n, k, c, u, going, going and u <= alpha and ue <= alpha, cl, deff, ue)
+
     going = True
     for name in order:
-        n, k, c = counts.get(name, (0, 0, 0))
-        u = certificate_bound(label, n, k, c if label == "excess" else 0, delta) if n else 1.0
-        ok = going and u <= alpha
-        out[name] = StratumCertificate(name, n, k, c, u, going, ok)
-        going = ok
+        out[name] = one(name, *counts.get(name, (0, 0, 0)), going)
+        going = out[name].passed
     for name, (n, k, c) in counts.items():
         if name not in out:
-            u = certificate_bound(label, n, k, c if label == "excess" else 0, delta) if n else 1.0
-            out[name] = StratumCertificate(name, n, k, c, u, False, False)
+            out[name] = one(name, n, k, c, False)
     return StrataCertificate(tuple(order), float(alpha), float(delta), label, out, int(n_requests), int(accepted),
-                             dict(runs or {}))
+                             dict(runs or {}), unit=STRATA_UNIT if clusters is None else STRATA_UNIT_ENTRY)
 
 
 def certify_strata(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], order: Sequence[str] = STRATA,
-                   alpha: float = 0.05, delta: float = 0.1, label: str = "excess") -> StrataCertificate:
+                   alpha: float = 0.05, delta: float = 0.1, label: str = "excess",
+                   entry_unit: bool = False) -> StrataCertificate:
     """Certify fixed thresholds per stratum (each pair's ``change``) by fixed-sequence testing in ``order``.
 
     Requests are those of ``pairs_cert``; a request with an exact-repeat candidate ("exact": same prompt, same
     seed) is left out (in serving it is answered from that entry before the filter). Each accepted request (the rule's
     choice, :func:`accepted_pairs`) counts in its chosen pair's stratum. Raises CalibrationError when a pair has no
-    ``change`` (write it with scripts/lab/relabel_pairs.py or risk.strata.stratum_of).
+    ``change`` (write it with scripts/lab/relabel_pairs.py or risk.strata.stratum_of). ``entry_unit``: also
+    require the entry-unit bound (failures clustered on one cached entry count as less evidence; each pair's
+    ``entry_id`` is the cluster).
     """
     if label not in LABELS:
         raise CalibrationError(f"label must be one of {LABELS}, got {label!r}")
@@ -1096,9 +1176,13 @@ def certify_strata(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], o
     n_req, acc = accepted_pairs(thresholds, keep)
     counts: dict[str, list[int]] = {}
     runs: dict[str, dict[str, list[int]]] = {}
+    per_entry: dict[str, dict[str, list[int]]] = {}
     accepted = 0
     for p in acc:
         accepted += 1
+        e = per_entry.setdefault(p.change, {}).setdefault(p.entry_id, [0, 0])
+        e[0] += 1
+        e[1] += int(p.unsafe)
         for d in (counts.setdefault(p.change, [0, 0, 0]),
                   runs.setdefault(p.request_id.split(":", 1)[0] if ":" in p.request_id else "",
                                   {}).setdefault(p.change, [0, 0, 0])):
@@ -1106,4 +1190,5 @@ def certify_strata(thresholds: Thresholds, pairs_cert: Sequence[LabelledPair], o
             d[1] += int(p.unsafe)
             d[2] += int(p.better)
     return fixed_sequence({k: tuple(v) for k, v in counts.items()}, tuple(order), alpha, delta, label, n_req,
-                          accepted, {r: {s: tuple(v) for s, v in d.items()} for r, d in runs.items()})
+                          accepted, {r: {s: tuple(v) for s, v in d.items()} for r, d in runs.items()},
+                          {s: [tuple(v) for v in d.values()] for s, d in per_entry.items()} if entry_unit else None)

@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--combined", type=Path, required=True)
     ap.add_argument("--order", default=",".join(PROTOCOL_ORDER))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--entry-unit", action="store_true",
+                    help="also require the entry-unit (Rao–Scott over cached entries) bound per stratum: a stratum "
+                         "whose failures cluster on one cached entry is refused (risk.certify.entry_unit_bound)")
     ap.add_argument("--protocol", default="rules/protocols/attempt20.md",
                     help="the pre-registered protocol these pairs were made and certified under (recorded in the rule)")
     args = ap.parse_args(argv)
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rule = RiskRule.load(args.rule)
     order = tuple(s for s in args.order.split(",") if s)
     strata = certify_strata(rule.thresholds, pairs, order=order, alpha=rule.certificate.alpha,
-                            delta=rule.certificate.delta, label="excess")
+                            delta=rule.certificate.delta, label="excess", entry_unit=args.entry_unit)
     prov = dict(rule.provenance)
     prov.update({"strata_pairs": [args.combined.name], "strata_protocol": args.protocol,
                  "strata_label": header.get("unsafe_definition", "")})
@@ -138,14 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strata ({strata.method}, order {', '.join(order)}; α = {strata.alpha}, δ = {strata.delta}): certified "
           f"{', '.join(strata.certified) or 'none'}; served {strata.covered} of {strata.n_requests} requests "
           f"({strata.coverage:.3f}); accepted by the thresholds {strata.accepted}")
-    print("| stratum | n | b | c | U | tested | certified | per run [n, b, c] | runs differ (exact p, b/n) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| stratum | n | b | c | U | entries | deff | U (entry unit) | tested | certified | per run [n, b, c] | "
+          "runs differ (exact p, b/n) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in list(order) + sorted(set(strata.strata) - set(order)):
         c = strata.strata[name]
         runs = {r: list(d[name]) for r, d in strata.runs.items() if name in d}
         het = heterogeneity(list(runs.values()))
         out.setdefault("heterogeneity", {})[name] = het
-        print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {'yes' if c.tested else 'no'} | "
+        ent = ("—", "—", "—") if c.clusters is None else (
+            len(c.clusters), f"{c.deff:.2f}", f"{c.entry_upper_bound:.4f}")
+        print(f"| {name} | {c.n} | {c.k} | {c.c} | {c.upper_bound:.4f} | {ent[0]} | {ent[1]} | {ent[2]} | "
+              f"{'yes' if c.tested else 'no'} | "
               f"{'yes' if c.passed else 'no'} | {runs} | {het['p'] if het is not None else '—'} |")
     # The pre-registered comparison is the served set (certified strata only); the thresholds' own accepted set
     # (the rule as it ran before strata) is compared the same way beside it.
