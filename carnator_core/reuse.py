@@ -446,6 +446,37 @@ def region_of(model: Any, probe: Probe, target_signature: Signature, cached: Cac
                          cached.x0_probe.float().numpy(), adapter_for(model).patch_of(model), config)
 
 
+def _device_type(model: Any) -> str:
+    """The device type the MODEL computes on ("cpu", "cuda", ...)."""
+    dev = getattr(model, "load_device", None)
+    return str(getattr(dev, "type", dev or "cpu"))
+
+
+def attention_reuse_dense(structure: BlockStructure | None, layers: tuple[int, ...], n_tokens: int, device_type: str,
+                          sparse_kernel: str, dense_above: float = 0.85) -> str:
+    """Why attention-only reuse of ``structure`` would compute every attention pair in every middle layer ("" when
+    some layer would run the recorded block-sparse tiles over the whole sequence, as ``comfy_patch`` decides per
+    layer: recorded density <= ``dense_above``, and with ``sparse_kernel`` "cost" on the CPU the tiles' estimated
+    cost < plain attention, ``sparse_attention.block_cost_ratio``)."""
+    from .sparse_attention import block_cost_ratio, keep_for_layer
+
+    if structure is None:
+        return "the entry has no recorded block structure"
+    used = [la for la in layers if la in structure.layers]
+    if not used:
+        return "no middle layer was recorded"
+    for la in used:
+        keep = keep_for_layer(structure, la)
+        if float(keep.float().mean()) > dense_above:
+            continue
+        if sparse_kernel == "cost" and device_type == "cpu" and block_cost_ratio(keep, n_tokens,
+                                                                                  structure.block_size) >= 1.0:
+            continue
+        return ""
+    return (f"no recorded layer's block-sparse tiles are applied at {n_tokens} tokens on {device_type}: densities "
+            f"above {dense_above:g} or tiles estimated dearer than plain attention")
+
+
 def certified_settings(config: ReuseConfig, decision: Decision | None) -> ReuseConfig:
     """The settings a sampler set to follow its rule runs with: the reuse settings the accepted decision's rule
     was certified with (``Decision.reuse_config``) when it records them and this version can build them, else
@@ -662,6 +693,14 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
         if config.mode == "attention":
             token_mask = None
             active = torch.arange(int(np.prod(probe.grid)))
+            why = attention_reuse_dense(structure, mids, int(np.prod(probe.grid)), _device_type(model),
+                                        config.sparse_kernel)
+            if why:
+                # Attention-only reuse computes every token; where no layer's recorded structure is applied either,
+                # it is a dense run (bit-identical to KSampler, a little slower): served and reported as a miss,
+                # recording the block structure as any miss does.
+                use = False
+                reason = f"attention reuse would compute every token and every attention pair ({why}): continued dense"
         else:
             A = region_of(model, probe, tsig, cached, config)
             active_fraction = float(A.mean())
@@ -721,6 +760,12 @@ def sample(model: Any, positive, negative, latent: dict, probe: Probe, decision:
     token_fraction = (st["token_layer_evals"] / dense_tokens) if st["token_layer_dense"] else 1.0
     per_call = (n_layers - len(mids) + len(mids) * token_fraction) / max(n_layers, 1)
     compute_fraction = (k_replay + st["model_calls"] * per_call) / max(n_calls, 1)
+    if use and plan.token_mask is None and token_fraction >= 1.0 and st["attn_pairs"] >= st["attn_pairs_dense"]:
+        # Every token and every attention pair was computed and no latent kept (attention-only reuse where no layer
+        # ran the recorded structure): the output is the dense one, and it is no hit.
+        use = False
+        reason = ("attention reuse computed every token and every attention pair (no layer's recorded structure was "
+                  "applied): a dense run, reported as a miss")
     report = RunReport(
         decision="hit" if use else ("miss" if decision is not None else "dense"),
         mode=config.mode if use else "dense", entry_id=cached.entry_id if use else None,

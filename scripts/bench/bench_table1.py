@@ -32,7 +32,17 @@ Decoding, the checker and PSNR/SSIM are evaluation only and not timed.
 The rule: ``--rule`` (default rules/embedded.json, the shipped certified rule). Without a certified rule the
 benchmark refuses to run Carnator rows unless ``--allow-uncertified`` is given, in which case
 ``--dev-thresholds`` build an UNCERTIFIED development rule and every Carnator row is labelled as such: such
-numbers must never be published as "Carnator".
+numbers must never be published as "Carnator". A rule from rules/withdrawn/ is refused unless
+``--allow-withdrawn`` (its rows are then labelled WITHDRAWN). The Carnator + EasyCache row (not run by default: no
+rule certified for the EasyCache-patched model ships) runs on ``--easycache-rule`` (default: the shipped rule) where
+that rule's fingerprint applies, else only with ``--easycache-uncertified``, and its label then says UNCERTIFIED.
+
+Headline: the speedup **per request**, n / Σ (t / t_dense), each request's latency divided by that of its own dense
+twin served in the same round, so the requests served while a shared machine was slow weigh no more than the others;
+the sum ratio Σ t_dense / Σ t stands beside it. The machine's load (os.getloadavg at the start, at every stream
+request and at the end), its cores and torch's thread count are recorded. Per hit the sampler's compute estimate
+stands beside the measured t_hit / t_dense. A run that computed every token and attention pair is never a hit
+(``counts_as_hit``).
 
 Weights: ``--weights`` (default the shipped file) are copied to a temporary file first, so a checkpoint written
 meanwhile cannot change the model in the middle of a run.
@@ -63,6 +73,9 @@ from carnator.carnator_core.lab import metrics as M  # noqa: E402
 from carnator.carnator_core.lab.workload import Request, build_workload, describe  # noqa: E402
 
 ALL_METHODS = ("dense", "easycache", "prompt_only", "carnator", "latent_only", "attention_only", "carnator_easycache")
+# What runs without --methods: every row whose rule ships. Carnator + EasyCache needs a rule for the EasyCache-patched
+# model, and none ships (rules/README.md): that row runs only when asked for, and says which rule it ran on.
+DEFAULT_METHODS = ("dense", "easycache", "prompt_only", "carnator", "latent_only", "attention_only")
 NO_CACHE = ("dense", "easycache")  # KSampler path, no cross-request cache
 ON_EASYCACHE = ("easycache", "carnator_easycache")  # run on the EasyCache-patched MODEL
 LABELS = {
@@ -76,8 +89,10 @@ LABELS = {
 }
 DEFAULT_RULE = ROOT / "rules" / "embedded.json"
 # The Carnator + EasyCache row needs a rule certified on the EasyCache-patched model (its fingerprint covers the
-# patch): pairs labelled with `make_pairs.py --easycache ...`, calibrated as usual.
-DEFAULT_EASYCACHE_RULE = ROOT / "rules" / "withdrawn" / "embedded_easycache.json"  # withdrawn 2026-12-06
+# patch): pairs labelled with `make_pairs.py --easycache ...`, calibrated as usual. None ships today (E5's was
+# withdrawn), so its default is the shipped rule: used as it is where its fingerprint applies to the patched model,
+# else only with --easycache-uncertified, its thresholds and strata then run UNCERTIFIED and the row says so.
+DEFAULT_EASYCACHE_RULE = DEFAULT_RULE
 
 
 # ----------------------------------------------------------------------------------------------------- setup
@@ -227,8 +242,10 @@ def record_of(env: Env, method: str, req: Request, samples: Any, seconds: float,
 
     clip = env.dec.decode_clips(samples)[0].numpy()
     chk = checker.check(clip, req.scene)
-    rec = M.RequestRecord(rid=req.rid, kind=req.kind, method=method, latency_s=seconds,
-                          decision="dense" if res is None else res.report.decision,
+    decision = "dense" if res is None else res.report.decision
+    if decision == "hit" and not counts_as_hit(res.report):
+        decision = "miss"  # computed every token and pair: a dense run, never counted as a hit
+    rec = M.RequestRecord(rid=req.rid, kind=req.kind, method=method, latency_s=seconds, decision=decision,
                           checker_pass=bool(chk.all_ok), attributes=M.attribute_verdicts(chk))
     if res is not None:
         rep = res.report
@@ -289,7 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                RequestSpec(wprompt, 123456789, env.steps, env.cfg), scratch,
                                serve_options("dense", None, 0.0, env, True, env.easy_probe_steps))
             scratch.close()
-            easy_rule, easy_status = resolve_rule(args.easycache_rule, args, easy_first.probe, True)
+            easy_rule, easy_status = resolve_rule(args.easycache_rule, args, easy_first.probe, True, transfer=True)
             info["easycache_rule"] = easy_status
             print(f"Carnator + EasyCache rule: {easy_status['summary']}", flush=True)
         prompt_threshold = args.prompt_threshold
@@ -340,7 +357,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records: dict[str, list[M.RequestRecord]] = {m: [] for m in methods}
         ref_cache: dict[tuple, list[float]] = {}
         t_stream = time.perf_counter()
+        loads: list[list[float]] = []
         for i, req in enumerate(wl.stream):
+            loads.append([round(x, 2) for x in os.getloadavg()])  # the 1/5/15-min load as this request starts
             order = methods[i % len(methods):] + methods[:i % len(methods)]
             outs: dict[str, tuple[M.RequestRecord, Any, Any]] = {}
             for m in order:
@@ -384,10 +403,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             print(f"kept {tmp}")
     info["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["machine"]["loadavg_per_request"] = loads
+    one = [x[0] for x in loads]
+    info["machine"]["load1_stream"] = {"min": min(one), "median": M._median(one), "max": max(one)} if one else {}
     dense = records["dense"]
-    info["summary"] = {m: M.summarize(records[m], dense) for m in methods}
+    info["summary"] = {m: {**M.summarize(records[m], dense), **per_request_ratios(records[m], dense)}
+                       for m in methods}
     info["records"] = {m: [r.to_json() for r in records[m]] for m in methods}
     return info
+
+
+def per_request_ratio(records: list[Any], dense: list[Any]) -> float:
+    """n / Σ (t / t_dense): the speedup over the requests with each request's latency divided by its own dense
+    twin's (served in the same round, under the same load), so a slow stretch of a shared machine weighs each of
+    its requests as much as any other; NaN without requests."""
+    by_rid = {r.rid: r for r in dense}
+    ratios = [r.latency_s / by_rid[r.rid].latency_s for r in records]
+    return len(ratios) / sum(ratios) if ratios and sum(ratios) > 0 else math.nan
+
+
+def sum_ratio(records: list[Any], dense: list[Any]) -> float:
+    """Σ t_dense / Σ t over the same requests: the stream's wall-time ratio (dominated by its slowest requests)."""
+    by_rid = {r.rid: r for r in dense}
+    total = sum(r.latency_s for r in records)
+    return sum(by_rid[r.rid].latency_s for r in records) / total if records and total > 0 else math.nan
+
+
+def counts_as_hit(report: Any) -> bool:
+    """Whether a served request is reported as a hit: the sampler said so and the run did not compute every token
+    and every attention pair on every call (such a run is a dense run whatever its mode; ``reuse.sample`` reports it
+    as a miss, and this keeps any report that did not out of the hit counts). Answers from the cache (exact repeats,
+    answer-only entries) compute nothing and are hits."""
+    if report is None or report.decision != "hit":
+        return False
+    if report.mode in ("exact", "node_cache"):
+        return True
+    return not (report.token_fraction >= 1.0 and report.attention_fraction >= 1.0 and report.skipped_calls == 0
+                and report.active_fraction >= 1.0)
+
+
+def per_request_ratios(records: list[Any], dense: list[Any]) -> dict[str, Any]:
+    """The headline speedups of one method against dense: per request (:func:`per_request_ratio`, over every request,
+    its hits and its misses) and the sum ratio beside it; and per hit, the measured cost t_hit / t_dense against the
+    sampler's compute estimate (``compute_fraction``)."""
+    hits = [r for r in records if r.hit]
+    misses = [r for r in records if not r.hit]
+    by_rid = {r.rid: r for r in dense}
+    over = [(r.latency_s / by_rid[r.rid].latency_s) / r.compute_fraction for r in hits
+            if r.compute_fraction and r.compute_fraction > 0]
+    return {"speedup_per_request": per_request_ratio(records, dense), "speedup_sum": sum_ratio(records, dense),
+            "hit_speedup_per_request": per_request_ratio(hits, dense),
+            "miss_speedup_per_request": per_request_ratio(misses, dense),
+            "hit_cost_over_estimate_median": M._median(over), "hit_cost_over_estimate_max": max(over) if over else None}
 
 
 def artifact_reference(env: Env, req: Request, background: Any, n_seeds: int, cache: dict) -> list[float]:
@@ -444,36 +511,87 @@ def hits_markdown(info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve_rule(rule_path: str, args: argparse.Namespace, probe: Any, needed: bool
+def is_withdrawn(path: str | Path) -> bool:
+    """Whether a rule file lies in a ``withdrawn`` folder (rules/withdrawn/: rules that shipped and were withdrawn;
+    the files carry no mark of it themselves)."""
+    return "withdrawn" in Path(path).resolve().parts
+
+
+def resolve_rule(rule_path: str, args: argparse.Namespace, probe: Any, needed: bool, transfer: bool = False
                  ) -> tuple[Any, dict[str, Any]]:
     """The risk rule at ``rule_path`` for rows served on the model ``probe`` ran on (it must apply to that model
-    and config), and a status dict saying exactly what it is."""
-    from carnator.carnator_core.risk.rule import RiskRule, RuleError
+    and config), and a status dict saying exactly what it is.
+
+    A withdrawn rule (:func:`is_withdrawn`) is refused unless ``args.allow_withdrawn``; then it is reported as
+    WITHDRAWN and uncertified, never as certified. ``transfer`` (the Carnator + EasyCache row): a rule whose
+    fingerprint does not apply to this model is refused unless ``args.easycache_uncertified``; then its thresholds,
+    strata and reuse settings run on this model as an UNCERTIFIED rule (its certificate does not cover this model)."""
+    import dataclasses as dc
+
+    from carnator.carnator_core.risk.certify import Certificate
+    from carnator.carnator_core.risk.rule import RiskRule, RuleError, RuleMismatchError
 
     if not needed:
         return None, {"summary": "no Carnator method selected", "certified": None}
     path = Path(rule_path)
     fp, cfp = probe.model_fingerprint, probe.config.fingerprint()
+    withdrawn = is_withdrawn(path)
+    if withdrawn and not getattr(args, "allow_withdrawn", False):
+        raise SystemExit(f"risk rule {path} was withdrawn (rules/README.md): it is no rule that ships. Pass a "
+                         "rule that ships, or --allow-withdrawn for a development run (every row on it is then "
+                         "labelled "
+                         "WITHDRAWN; such numbers must not be published as Carnator)")
     if path.exists():
+        transferred = False
         try:
-            rule = RiskRule.load(path, allow_uncertified=args.allow_uncertified)
-            rule.check_applicable(fp, cfp)
+            rule = RiskRule.load(path, allow_uncertified=args.allow_uncertified or withdrawn or transfer)
+            try:
+                rule.check_applicable(fp, cfp)
+            except RuleMismatchError:
+                if not (transfer and getattr(args, "easycache_uncertified", False)):
+                    raise
+                c0 = rule.certificate
+                rule = dc.replace(rule, model_fingerprint=fp, config_fingerprint=cfp,
+                                  certificate=Certificate(0, 0, 1.0, c0.alpha, c0.delta, 0),
+                                  provenance={**dict(rule.provenance),
+                                              "note": f"UNCERTIFIED: {path}'s thresholds, strata and reuse settings "
+                                                      "run on a model its certificate does not cover"})
+                transferred = True
+            if not rule.certificate.passed and not (args.allow_uncertified or withdrawn or transferred):
+                rule.check_certified()
         except RuleError as e:
-            raise SystemExit(f"cannot use risk rule {path}: {e}")
+            hint = (" (the Carnator + EasyCache row: no rule certified for the EasyCache-patched model ships; pass "
+                    "--easycache-uncertified to run the shipped rule's thresholds there UNCERTIFIED, labelled so)"
+                    if transfer else "")
+            raise SystemExit(f"cannot use risk rule {path}: {e}{hint}")
         c = rule.certificate
-        return rule, {"summary": f"{path} ({rule.rule_id}; {'CERTIFIED' if c.passed else 'UNCERTIFIED'}: "
-                                 f"{c.k} unsafe of {c.n}, U={c.upper_bound:.4f}, α={c.alpha}, δ={c.delta})",
-                      "path": str(path), "rule_id": rule.rule_id, "certified": c.passed,
+        certified = bool(c.passed and not withdrawn and not transferred)
+        state = ("WITHDRAWN, UNCERTIFIED" if withdrawn else
+                 "UNCERTIFIED on this model (its certificate is for another)" if transferred else
+                 "CERTIFIED" if c.passed else "UNCERTIFIED")
+        return rule, {"summary": f"{path} ({rule.rule_id}; {state}: {c.k} unsafe of {c.n}, U={c.upper_bound:.4f}, "
+                                 f"α={c.alpha}, δ={c.delta})",
+                      "path": str(path), "rule_id": rule.rule_id, "certified": certified, "withdrawn": withdrawn,
+                      "transferred": transferred, "state": state,
                       "certificate": c.to_dict(), "thresholds": rule.thresholds.to_dict()}
     if not args.allow_uncertified:
         raise SystemExit(f"risk rule {path} not found. The Carnator rows need the certified rule for the embedded "
-                         "model (rules/embedded.json; for Carnator + EasyCache rules/embedded_easycache.json, "
-                         "see rules/README.md). For a development run only, pass --allow-uncertified (with "
-                         "--dev-thresholds) — such numbers must not be published.")
+                         "model (rules/embedded.json; see rules/README.md). For a development run only, pass "
+                         "--allow-uncertified (with --dev-thresholds) — such numbers must not be published.")
     rule = dev_rule(args.dev_thresholds, probe)
     return rule, {"summary": f"UNCERTIFIED development rule, thresholds {rule.thresholds.to_dict()} "
                              f"({path} not found)", "certified": False, "thresholds": rule.thresholds.to_dict(),
-                  "path": None, "rule_id": rule.rule_id}
+                  "path": None, "rule_id": rule.rule_id, "withdrawn": False, "transferred": False,
+                  "state": "UNCERTIFIED development rule"}
+
+
+def row_rule_label(status: dict[str, Any] | None) -> str:
+    """What a Carnator row's label adds about its rule: nothing for a certified rule that ships, else its state and
+    file (a row is never shown on a withdrawn or uncertified rule without naming it)."""
+    if not status or status.get("certified") is not False:
+        return ""
+    where = f" {Path(status['path']).name}" if status.get("path") else ""
+    return f" — {status.get('state', 'UNCERTIFIED')} rule{where}"
 
 
 def frozen_stream_setup(args: argparse.Namespace, tmp: Path, wl: Any) -> tuple[Env, Any, dict[str, Any], Any]:
@@ -528,34 +646,45 @@ def _f(x: Any, fmt: str, suffix: str = "") -> str:
 
 def markdown(info: dict[str, Any]) -> str:
     s = info["summary"]
-    cert = info.get("rule", {}).get("certified")
-    lines = ["| Method | Hit rate | Mean latency (s) | Cache-hit latency (s) | Speedup vs dense (all / on hits) "
+    mach = info.get("machine", {})
+    lines = [f"Machine: {mach.get('nproc')} cores ({mach.get('cpu')}), torch threads {mach.get('torch_threads')}; "
+             f"load average (1/5/15 min) {mach.get('loadavg_start')} at the start, {mach.get('loadavg_end')} at the "
+             f"end; 1-min load as each stream request started: {mach.get('load1_stream')}.", "",
+             "Speedup vs dense: **per request** = n / Σ (t / t_dense), each request against its own dense twin served "
+             "in the same round (robust to load drifts); sum = Σ t_dense / Σ t (the stream's wall time).", "",
+             "| Method | Hit rate | Speedup per request (all / hits / misses) | Speedup, sum | Mean latency (s) "
+             "| Cache-hit latency (s) | Hit cost / compute estimate (median, max) "
              "| Checker pass | PSNR vs dense, hits (dB) | SSIM vs dense | Unsafe (of hits) "
              "| Compute of hits (median, non-repeat) | PSNR bg, hits (median) "
              "| Artifact, hits (median; inside spread) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in s.items():
         label = LABELS[m]
-        easy_cert = info.get("easycache_rule", {}).get("certified")
-        if (m in ("carnator", "latent_only", "attention_only") and cert is False) or (
-                m == "carnator_easycache" and easy_cert is False):
-            label += " — UNCERTIFIED rule"
+        if m in ("carnator", "latent_only", "attention_only"):
+            label += row_rule_label(info.get("rule"))
+        elif m == "carnator_easycache":
+            label += row_rule_label(info.get("easycache_rule"))
         if m == "dense":
             hit_lat = f"{_f(s.get('carnator', {}).get('dense_latency_on_hits_s'), '.2f')} (on Carnator's hits)" \
                 if "carnator" in s else "—"
-            lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | {hit_lat} | 1.00× | "
+            lines.append(f"| {label} | — | 1.00× | 1.00× | {_f(r['mean_latency_s'], '.2f')} | {hit_lat} | — | "
                          f"{_f(r['checker_pass'], '.1%')} | — | — | — | 1.00 | — "
                          f"| {_f(M._median(x['artifact'] for x in info['records']['dense']), '.2f')} (all) |")
             continue
         if m in NO_CACHE:  # no cache: no hits; PSNR/SSIM over every request against dense
-            lines.append(f"| {label} | — | {_f(r['mean_latency_s'], '.2f')} | — | {_f(r['speedup'], '.2f', '×')} / — "
+            lines.append(f"| {label} | — | {_f(r['speedup_per_request'], '.2f', '×')} "
+                         f"| {_f(r['speedup_sum'], '.2f', '×')} "
+                         f"| {_f(r['mean_latency_s'], '.2f')} | — | — "
                          f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_all'], '.1f')} (all requests) "
                          f"| {_f(r['ssim'], '.3f')} | — | — | — | — |")
             continue
         same = f" ({r['psnr_hits_identical']} identical)" if r["psnr_hits_identical"] else ""
         lines.append(
-            f"| {label} | {_f(r['hit_rate'], '.1%')} ({r['hits']}/{r['requests']}) | {_f(r['mean_latency_s'], '.2f')} "
-            f"| {_f(r['hit_latency_s'], '.2f')} | {_f(r['speedup'], '.2f', '×')} / {_f(r['hit_speedup'], '.2f', '×')} "
+            f"| {label} | {_f(r['hit_rate'], '.1%')} ({r['hits']}/{r['requests']}) "
+            f"| **{_f(r['speedup_per_request'], '.2f', '×')}** / {_f(r['hit_speedup_per_request'], '.2f', '×')} / "
+            f"{_f(r['miss_speedup_per_request'], '.2f', '×')} | {_f(r['speedup_sum'], '.2f', '×')} "
+            f"| {_f(r['mean_latency_s'], '.2f')} | {_f(r['hit_latency_s'], '.2f')} "
+            f"| {_f(r['hit_cost_over_estimate_median'], '.2f')}, {_f(r['hit_cost_over_estimate_max'], '.2f')} "
             f"| {_f(r['checker_pass'], '.1%')} | {_f(r['psnr_hits'], '.1f')}{same} "
             f"| {_f(r['ssim'], '.3f')} | {_f(r['unsafe_rate'], '.1%')} ({r['unsafe']}/{r['hits']}) "
             f"| {_f(r['compute_hits_median'], '.2f')}, {_f(r['compute_nonrepeat_hits_median'], '.2f')} "
@@ -564,12 +693,31 @@ def markdown(info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cost_markdown(info: dict[str, Any]) -> str:
+    """Per hit: the sampler's compute estimate (model compute of the hit / a dense run's, from its counters) beside
+    the measured cost t_hit / t_dense (the request's own dense twin, same round), and their ratio."""
+    dense = {r["rid"]: r for r in info.get("records", {}).get("dense", [])}
+    lines = ["| Method | Request | Kind | Active tokens | Compute estimate | Measured t_hit / t_dense "
+             "| Measured / estimate | t_hit (s) | t_dense (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, recs in info.get("records", {}).items():
+        for r in recs:
+            if r.get("decision") != "hit" or r["rid"] not in dense:
+                continue
+            meas = r["latency_s"] / dense[r["rid"]]["latency_s"]
+            est = r.get("compute_fraction")
+            lines.append(f"| {LABELS[m]} | {r['rid']} | {r['kind']} | {_f(r.get('active_fraction'), '.0%')} "
+                         f"| {_f(est, '.3f')} | {meas:.3f} | {_f(meas / est if est else None, '.2f')} "
+                         f"| {r['latency_s']:.2f} | {dense[r['rid']]['latency_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
-    ap.add_argument("--methods", default=",".join(ALL_METHODS),
-                    help="comma-separated subset of " + ",".join(ALL_METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma-separated subset of " + ",".join(ALL_METHODS) + " (default: every row but "
+                         "carnator_easycache, whose rule does not ship)")
     ap.add_argument("--weights", default=None, help="embedded weights file (default: the shipped one)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cfg", type=float, default=None, help="CFG scale (default: the weights' version's stock CFG)")
@@ -579,8 +727,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--top-k", type=int, default=5, help="candidates recalled per request (the workflows use 5)")
     ap.add_argument("--rule", default=str(DEFAULT_RULE), help="risk rule file for the Carnator rows")
     ap.add_argument("--easycache-rule", default=str(DEFAULT_EASYCACHE_RULE),
-                    help="risk rule for the Carnator + EasyCache row: certified on the EasyCache-patched model "
-                         "(make_pairs.py --easycache); the unpatched model's rule does not apply to it")
+                    help="risk rule for the Carnator + EasyCache row: one certified on the EasyCache-patched model "
+                         "(make_pairs.py --easycache). Default: the shipped rule, which applies only where its "
+                         "fingerprint covers the patched model (it does not: see --easycache-uncertified)")
+    ap.add_argument("--easycache-uncertified", action="store_true",
+                    help="run the Carnator + EasyCache row on --easycache-rule's thresholds, strata and reuse settings "
+                         "although its certificate is for another model; the row is labelled UNCERTIFIED")
+    ap.add_argument("--allow-withdrawn", action="store_true",
+                    help="development only: accept a rule from rules/withdrawn/ (every row on it is labelled "
+                         "WITHDRAWN)")
     ap.add_argument("--allow-uncertified", action="store_true",
                     help="development only: accept an uncertified rule / build one from --dev-thresholds")
     ap.add_argument("--dev-thresholds", default="8,0.5,1.0,10",
@@ -611,7 +766,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     info = run(args)
     info["total_seconds"] = time.perf_counter() - t0
-    table = markdown(info) + "\nPer hit:\n\n" + hits_markdown(info)
+    table = (markdown(info) + "\nPer hit, quality:\n\n" + hits_markdown(info)
+             + "\nPer hit, cost against the compute estimate:\n\n" + cost_markdown(info))
     print(table)
     for k, v in info["summary"].items():
         print(k, json.dumps(v["by_kind"]))

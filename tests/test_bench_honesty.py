@@ -1,0 +1,159 @@
+"""What the serving benchmarks may report: no withdrawn rule is loaded without the row naming it (nor by default), a
+rule that does not apply to a model runs there only when asked for and labelled UNCERTIFIED, the headline speedup is
+per request against each request's own dense twin, and a run that computed every token and attention pair is never
+a hit (neither in the sampler's report nor in the benchmark's counts)."""
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench"
+WITHDRAWN_RULE = ROOT / "rules" / "withdrawn" / "embedded_easycache.json"
+
+
+@pytest.fixture(scope="module")
+def T():
+    sys.path.insert(0, str(BENCH))
+    import bench_table1
+
+    return bench_table1
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"allow_uncertified": False, "allow_withdrawn": False, "easycache_uncertified": False,
+            "dev_thresholds": "8,0.5,1.0,10"}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _probe_for(rule_path: Path, other: bool = False):
+    """A stand-in for a probe whose model and config are those ``rule_path`` was made for (``other``: another
+    model, as the EasyCache-patched one is for the shipped rule)."""
+    from carnator.carnator_core.risk.rule import RiskRule
+
+    rule = RiskRule.load(rule_path, allow_uncertified=True)
+    fp = "another-model" if other else rule.model_fingerprint
+    return SimpleNamespace(model_fingerprint=fp, config=SimpleNamespace(fingerprint=lambda: rule.config_fingerprint))
+
+
+def test_no_benchmark_names_a_withdrawn_rule_in_its_code():
+    """No benchmark script builds a path into rules/withdrawn/ (a default that loads a withdrawn rule silently)."""
+    offenders = []
+    for script in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
+            joined = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and any(
+                isinstance(x, ast.Constant) and x.value == "withdrawn" for x in (node.left, node.right))
+            named = isinstance(node, ast.Constant) and isinstance(node.value, str) and re.search(
+                r"withdrawn/\S+\.json", node.value)
+            if joined or named:
+                offenders.append(f"{script.name}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_table1_defaults_load_no_withdrawn_rule_and_leave_out_the_unshipped_row(T):
+    assert not T.is_withdrawn(T.DEFAULT_RULE) and not T.is_withdrawn(T.DEFAULT_EASYCACHE_RULE)
+    assert T.is_withdrawn(WITHDRAWN_RULE)
+    assert "carnator_easycache" not in T.DEFAULT_METHODS and "carnator" in T.DEFAULT_METHODS
+
+
+def test_a_withdrawn_rule_is_refused_unless_asked_for_and_then_named(T):
+    probe = _probe_for(WITHDRAWN_RULE)
+    with pytest.raises(SystemExit, match="withdrawn"):
+        T.resolve_rule(str(WITHDRAWN_RULE), _args(), probe, True)
+    with pytest.raises(SystemExit, match="withdrawn"):  # not for the composition row either
+        T.resolve_rule(str(WITHDRAWN_RULE), _args(easycache_uncertified=True), probe, True, transfer=True)
+    rule, status = T.resolve_rule(str(WITHDRAWN_RULE), _args(allow_withdrawn=True), probe, True)
+    assert rule is not None and status["certified"] is False and status["withdrawn"] is True
+    assert "WITHDRAWN" in status["summary"] and "CERTIFIED:" not in status["summary"].replace("UNCERTIFIED", "")
+    assert "WITHDRAWN" in T.row_rule_label(status) and WITHDRAWN_RULE.name in T.row_rule_label(status)
+
+
+def test_the_shipped_rule_on_another_model_needs_a_flag_and_is_labelled_uncertified(T):
+    shipped = T.DEFAULT_RULE
+    rule, status = T.resolve_rule(str(shipped), _args(), _probe_for(shipped), True, transfer=True)
+    assert status["certified"] is True and T.row_rule_label(status) == ""  # where it applies, it is the rule
+    other = _probe_for(shipped, other=True)
+    with pytest.raises(SystemExit, match="easycache-uncertified"):
+        T.resolve_rule(str(shipped), _args(), other, True, transfer=True)
+    rule, status = T.resolve_rule(str(shipped), _args(easycache_uncertified=True), other, True, transfer=True)
+    assert not rule.certificate.passed and rule.model_fingerprint == "another-model"
+    assert status["certified"] is False and "UNCERTIFIED" in T.row_rule_label(status)
+    assert rule.strata is not None  # the shipped rule's per-stratum refusals still apply
+
+
+def _rec(M, rid, seconds, decision="hit", compute=0.5):
+    return M.RequestRecord(rid=rid, kind="edit", method="m", latency_s=seconds, decision=decision,
+                           compute_fraction=compute)
+
+
+def test_headline_is_per_request_against_each_dense_twin(T):
+    from carnator.carnator_core.lab import metrics as M
+
+    dense = [_rec(M, "a", 1.0, "dense", 1.0), _rec(M, "b", 4.0, "dense", 1.0)]
+    method = [_rec(M, "a", 0.5), _rec(M, "b", 4.0, "miss", 1.0)]
+    assert T.per_request_ratio(method, dense) == pytest.approx(2 / (0.5 + 1.0))
+    assert T.sum_ratio(method, dense) == pytest.approx(5.0 / 4.5)
+    r = T.per_request_ratios(method, dense)
+    assert r["hit_speedup_per_request"] == pytest.approx(2.0) and r["miss_speedup_per_request"] == pytest.approx(1.0)
+    assert r["hit_cost_over_estimate_median"] == pytest.approx(1.0)  # 0.5 of dense measured, 0.5 estimated
+
+
+def _report(**kw):
+    from carnator.carnator_core.reuse import RunReport
+
+    base = dict(decision="hit", mode="attention", entry_id="e", active_fraction=1.0, block_density=0.5,
+                steps_total=20, steps_probe=2, model_calls=18, replayed_calls=2, skipped_calls=0, token_fraction=1.0,
+                attention_fraction=1.0, timings_ms={})
+    return RunReport(**{**base, **kw})
+
+
+def test_a_run_that_computed_everything_is_not_counted_as_a_hit(T):
+    assert not T.counts_as_hit(_report())  # attention-only reuse that applied no structure: a dense run
+    assert T.counts_as_hit(_report(attention_fraction=0.4))  # the recorded structure was applied
+    assert T.counts_as_hit(_report(mode="joint", active_fraction=0.2, token_fraction=0.3))
+    assert T.counts_as_hit(_report(mode="joint", active_fraction=0.0, skipped_calls=18, model_calls=0))
+    assert T.counts_as_hit(_report(mode="exact", active_fraction=0.0))
+    assert not T.counts_as_hit(_report(decision="miss")) and not T.counts_as_hit(None)
+
+
+def test_attention_reuse_dense_says_where_no_layer_would_apply_the_structure():
+    from carnator.carnator_core.reuse import attention_reuse_dense
+    from carnator.carnator_core.types import BlockStructure
+
+    nb = 16
+    band = np.abs(np.subtract.outer(np.arange(nb), np.arange(nb))) <= 1  # density ~0.18
+    s = BlockStructure(keep=band[None, None].repeat(2, 0), layers=(1, 2), block_size=32, n_tokens=nb * 32)
+    assert attention_reuse_dense(None, (1, 2), 512, "cpu", "cost")
+    assert attention_reuse_dense(s, (5,), 512, "cpu", "cost")  # no middle layer recorded
+    assert attention_reuse_dense(s, (1, 2), 512, "cpu", "cost")  # at 512 tokens the tiles cost more on the CPU
+    assert attention_reuse_dense(s, (1, 2), 512, "cpu", "always") == ""
+    assert attention_reuse_dense(s, (1, 2), 512, "cuda", "cost") == ""  # the whole-sequence kernel runs there
+    dense = BlockStructure(keep=np.ones((2, 1, nb, nb), bool), layers=(1, 2), block_size=32, n_tokens=nb * 32)
+    assert attention_reuse_dense(dense, (1, 2), 512, "cuda", "always")  # density above 0.85 runs plain attention
+
+
+@pytest.mark.comfy
+def test_attention_only_reuse_that_computes_everything_is_a_miss_equal_to_dense(comfy_env, tmp_path):
+    """On the CPU at a tiny model's sequence no recorded layer's tiles pay: attention-only "reuse" would be a dense
+    run, so the sampler continues dense (bit-identical to its dense resume), reports a miss and says why."""
+    import tiny_models as tm
+    from test_sampler import _accept, _cached, _probe, _run, _signature
+
+    m = tm.load_tiny_model("wan21", tmp_path)
+    probe, pos, neg, lat = _probe(m, tm, "wan21", seed=9)
+    final, rep = _run(m, pos, neg, lat, probe)
+    assert rep.block_structure is not None
+    sig = _signature(probe)
+    out, r = _run(m, pos, neg, lat, probe, _accept(sig), sig, "attention", _cached(probe, {"samples": final}, rep))
+    assert r.decision == "miss" and r.mode == "dense" and "every attention pair" in r.reason
+    assert r.compute_fraction == pytest.approx(1.0)
+    import torch
+
+    assert torch.equal(out, final)
