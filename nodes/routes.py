@@ -215,10 +215,25 @@ def rules_state(directory: str | None) -> dict[str, Any]:
 
     learner = Learner(path)
     try:
-        return {**base, "exists": True, "namespaces": [learner.rule_state(ns, learner.state(ns, update=False))
-                                                       for ns in learner.store.namespaces()]}
+        return {**base, "exists": True, "namespaces": _namespace_states(learner, learner.store.namespaces())}
     finally:
         learner.store.close()
+
+
+def _namespace_states(learner: Any, namespaces: list[str]) -> list[dict[str, Any]]:
+    """Each traffic namespace's ``rule_state``, with its warm-up population (``learn.warmup``) folded in: a
+    namespace of warm-up labels is shown inside its traffic namespace, never as one of its own."""
+    from ..carnator_core.learn.warmup import is_warmup_namespace, overlay_state, warmup_namespace
+
+    out = []
+    for ns in namespaces:
+        if is_warmup_namespace(ns):
+            if ns[:-len(warmup_namespace(""))] in namespaces:
+                continue
+            ns = ns[:-len(warmup_namespace(""))]  # warm-up labels before any traffic label of the namespace
+        states = learner.state(ns, update=False)
+        out.append(overlay_state(learner, ns, learner.rule_state(ns, states), states, update=False))
+    return out
 
 
 def _redis_rules_state(url: str) -> dict[str, Any]:
@@ -239,8 +254,7 @@ def _redis_rules_state(url: str) -> dict[str, Any]:
     try:
         learner = Learner(public, store=store)
         nss = store.namespaces()
-        return {"directory": url, "path": public, "exists": bool(nss),
-                "namespaces": [learner.rule_state(ns, learner.state(ns, update=False)) for ns in nss]}
+        return {"directory": url, "path": public, "exists": bool(nss), "namespaces": _namespace_states(learner, nss)}
     except LabelStoreError as e:
         raise RouteError(503, str(e)) from None
     finally:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..risk.discrepancy import discrepancies
 from ..types import Candidates, CandidateVerdict, Decision, Signature
+from . import warmup as _warmup
 from .labels import Covariate, Label
 from .learner import STRATA, LearnSettings, accepts, audit_draw, learner_for, rule_namespace, stratum_of
 
@@ -73,18 +74,24 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
         top, stratum = chosen["candidate"], chosen["stratum"]
         ctx.update({k: v for k, v in chosen.items()}, options=options)
         th = learned.thresholds(stratum) if learned is not None else None
+        share, warm = settings.audit_share, None
+        if th is None:  # a kind on by a warm-up certificate (``warmup``): its thresholds, its higher audit share
+            warm = _warmup.provisional(ns, stratum)
+            if warm is not None:
+                th, share = warm
         if th is None:
             reason = (f"learning: stratum {stratum!r} is not switched on; served dense"
                       + (" (its reuse run may be labelled)" if stratum in STRATA else ""))
         elif not accepts(th, chosen["vector"], chosen["missing"]):
             reason = f"rejected: outside stratum {stratum!r}'s learned thresholds"
-        elif audit_draw(settings.audit_share, str(getattr(probe, "request_key", "") or "")):
+        elif audit_draw(share, str(getattr(probe, "request_key", "") or "")):
             ctx["audit"] = True
             reason = f"audit: stratum {stratum!r} would reuse this entry; served dense and labelled instead"
         else:
             accept = True
             reason = f"accepted: stratum {stratum!r} is certified on own labels and the candidate is within its " \
-                     "thresholds"
+                     "thresholds" if warm is None else f"accepted: stratum {stratum!r} is on by its warm-up " \
+                     "certificate (checking on your traffic) and the candidate is within its warm-up thresholds"
     verdicts = tuple(CandidateVerdict(c.entry_id, float(c.similarity), accept and c is top,
                                       reason if c is top else "not considered: the learned rule reuses the candidate "
                                       "whose kind of change comes first in its order") for c in candidates.items)
@@ -255,6 +262,7 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     if shared and not wrote_rule:  # other workers may have labelled meanwhile
         latest = _sync_rule(learner, ns, ctx, probe, reuse_config)
     state = learner.rule_state(ns, latest)
+    state = _warmup.overlay_state(learner, ns, state, latest)
     state["label"] = done
     return state
 

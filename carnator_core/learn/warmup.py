@@ -1,0 +1,231 @@
+"""Two populations: certify a kind of change on warm-up labels, switch it on provisionally, confirm it on traffic.
+
+Warm-up labels (``edits`` made of the user's own cached scenes, labelled while the machine is idle: ``idle``) are a
+population of their own. They live in the same record as the traffic's labels but under their own namespace,
+``warmup_namespace(ns)`` = ``ns + "#warmup"``, and are tested there by a :class:`~.learner.Learner` of their own —
+the same pilot-free graph of betting tests (``learner`` and ``sequence`` module docstrings), at the whole δ, in the
+fixed order of ``STRATA`` (reseed first: it is exactly the traffic of its kind). No traffic label enters that test
+and no warm-up label enters the traffic's.
+
+A kind the warm-up test certifies (and the traffic's has not) is **provisional**: the Risk Filter reuses for it
+within the warm-up fit's thresholds, and audits a share ``WarmupSettings.audit_share`` of those hits (higher than a
+traffic-certified kind's), served dense and labelled like every audit. Its audits of real traffic feed two
+anytime-valid tests at ``confirm_share·δ`` each (``sequence``): the **confirmation** (H0: excess ≥ α, the
+``BettingSequence``) and the **drift** test (H0: excess ≤ α, the ``DriftTest``). Whichever crosses first decides:
+confirmed — the kind stays on, audited at the ordinary ``audit_share``; drift — the kind is **off** for that warm-up
+fit, for good (its traffic learning goes on as before). Every state is recomputed from the record: deterministic.
+
+What each state guarantees, plainly (``KindState.guarantee``):
+
+* provisional — about the warm-up edits only: P(some kind switches on provisionally although reuse on its warm-up
+  edits is worse than dense by α or more) ≤ δ. Nothing is certified about the user's own traffic yet; the audits
+  watch it, and a kind that is bad on traffic is switched off by its drift test once its audits show it.
+* confirmed — about the user's traffic: the audited hits (a draw independent of their outcome) certify excess < α
+  within the warm-up thresholds; P(some kind is confirmed while its traffic excess is ≥ α) ≤ δ (``confirm_share``
+  ≤ 1/10 of δ per kind, ten kinds at most).
+* off — the audits showed an excess above α (false alarm ≤ ``confirm_share``·δ per kind); reuse for the kind waits
+  for its certificate on traffic labels.
+
+The Risk Filter learns the provisional kinds of a namespace through :func:`provisional` (a per-process table that
+:func:`overlay_state` refreshes whenever a request or the idle worker derives the state): after a restart a kind is
+provisional again from the first request of its namespace on.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from ..risk.thresholds import Thresholds
+from .learner import STRATA, Learner, LearnSettings, StratumState, accepts, same_label
+from .sequence import BettingSequence, DriftTest
+
+WARMUP_SUFFIX = "#warmup"
+
+
+def warmup_namespace(namespace: str) -> str:
+    """The namespace the warm-up labels of ``namespace`` live under."""
+    return namespace + WARMUP_SUFFIX
+
+
+def is_warmup_namespace(namespace: str) -> bool:
+    return namespace.endswith(WARMUP_SUFFIX)
+
+
+@dataclass(frozen=True)
+class WarmupSettings:
+    """How warm-up certificates are used.
+
+    audit_share:   share of a provisional kind's hits served dense and labelled (an audit of real traffic).
+    confirm_share: the share of δ each kind's confirmation test and drift test on those audits gets (≤ 1/10: ten
+                   kinds at most keep the confirmations' family-wise error ≤ δ).
+    """
+
+    audit_share: float = 0.25
+    confirm_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.audit_share <= 1.0 and 0.0 < self.confirm_share <= 1.0 / len(STRATA)):
+            raise ValueError(f"warm-up settings need audit_share in (0, 1] and confirm_share in (0, "
+                             f"{1.0 / len(STRATA):.2f}]; got {self}")
+
+
+def warm_settings(settings: LearnSettings) -> LearnSettings:
+    """The warm-up population's learning settings: the traffic's, with no pilot (the order is ``STRATA``'s, fixed
+    before any warm-up label: reseed first) and no seed thresholds (warm-up fits come from warm-up covariates)."""
+    return replace(settings, pilot=0, seed_thresholds=None)
+
+
+def warm_learner(learner: Learner) -> Learner:
+    """A Learner of the warm-up population on the same record as ``learner`` (its own namespace, its own tests)."""
+    return Learner(learner.directory, warm_settings(learner.settings), store=learner.store)
+
+
+@dataclass
+class KindState:
+    """A kind certified on warm-up labels, as traffic sees it: "provisional", "confirmed" or "off"."""
+
+    stratum: str
+    state: str
+    thresholds: Thresholds
+    since: int              # the warm-up label id at which it certified; audits after it count
+    confirm: BettingSequence
+    drift: DriftTest
+    audit_share: float
+    warm_labels: int
+    message: str
+    guarantee: str
+
+    @property
+    def on(self) -> bool:
+        return self.state in ("provisional", "confirmed")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stratum": self.stratum, "state": self.state, "thresholds": self.thresholds.to_dict(),
+                "since": self.since, "audit_share": self.audit_share, "warm_labels": self.warm_labels,
+                "audits": self.confirm.n, "confirm": self.confirm.to_dict(), "drift": self.drift.to_dict(),
+                "message": self.message, "guarantee": self.guarantee, "population": (
+                    "warm-up edits" if self.state == "provisional" else "your traffic (audited hits)")}
+
+
+def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumState],
+                warm: Mapping[str, StratumState], settings: WarmupSettings = WarmupSettings()) -> dict[str, KindState]:
+    """The kinds certified on warm-up labels and not (yet) on traffic labels, with their traffic audits' verdict
+    (module docstring). ``traffic``/``warm``: the two populations' states (``Learner.state``)."""
+    s = learner.settings
+    level = settings.confirm_share * s.delta
+    labels = learner.store.labels(namespace, "audit")
+    warm_all = learner.store.labels(warmup_namespace(namespace))
+    latest_warm = max(warm_all, key=lambda x: x.id) if warm_all else None
+    out: dict[str, KindState] = {}
+    for st, w in warm.items():
+        if not w.on or w.fit is None or (st in traffic and traffic[st].on):
+            continue
+        th = w.fit.thresholds
+        confirm, drift = BettingSequence(s.alpha, level), DriftTest(s.alpha, level)
+        verdict = ""
+        for lab in sorted(labels, key=lambda x: x.id):
+            if lab.stratum != st or lab.id <= w.switched_on_at or not lab.reusable or \
+                    not accepts(th, lab.vector, lab.missing) or not same_label(lab, latest_warm):
+                continue
+            confirm.update(lab.x)
+            drift.update(lab.x)
+            if drift.drifted:
+                verdict = "off"
+                break
+            if confirm.certified:
+                verdict = "confirmed"
+                break
+        n_warm = w.sequence.n if w.sequence is not None else 0
+        head = (f"warm-up certified on {n_warm} warm-up labels (b {w.sequence.b if w.sequence else 0}, "
+                f"c {w.sequence.c if w.sequence else 0}; anytime-valid at δ = {w.level:.4g})")
+        if verdict == "off":
+            msg = (f"{st}: off — {head}, but its audits on your traffic showed an excess above α = {s.alpha} "
+                   f"({drift.b} b, {drift.c} c of {drift.n} audits; anytime-valid drift test at δ = {level:.4g}); "
+                   "reuse for it waits for a certificate on your own labels")
+            guarantee = (f"none for reuse: switched off; a false alarm had probability ≤ {level:.4g}")
+            share = 0.0
+        elif verdict == "confirmed":
+            msg = (f"{st}: on — warm-up certified, confirmed on your traffic ({confirm.n} audits, b {confirm.b}, "
+                   f"c {confirm.c}; U = {confirm.upper:.4f} ≤ α = {s.alpha}, anytime-valid at δ = {level:.4g})")
+            guarantee = (f"about your traffic: the audited hits certify excess < α = {s.alpha} within the warm-up "
+                         f"thresholds; P(a kind is confirmed while its traffic excess is ≥ α) ≤ {level:.4g} per "
+                         f"kind, ≤ {s.delta} over all kinds")
+            share = s.audit_share
+        else:
+            msg = (f"{st}: on — warm-up certified, checking on your traffic ({head}; {confirm.n} audits of your "
+                   f"traffic so far, b {confirm.b}, c {confirm.c}; {settings.audit_share:.0%} of its hits audited)")
+            guarantee = (f"about warm-up edits of your cached scenes only: P(a kind switches on although its warm-up "
+                         f"edits' excess is ≥ α = {s.alpha}) ≤ {s.delta}; nothing is certified about your own traffic "
+                         f"yet — {settings.audit_share:.0%} of its hits are audited, and the audits' drift test "
+                         f"switches it off when they show an excess above α")
+            share = settings.audit_share
+        out[st] = KindState(st, verdict or "provisional", th, w.switched_on_at, confirm, drift, share, n_warm, msg,
+                            guarantee)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the filter's table
+_PROVISIONAL: dict[str, dict[str, tuple[Thresholds, float]]] = {}
+_LOCK = threading.Lock()
+
+
+def publish(namespace: str, kinds: Mapping[str, KindState]) -> None:
+    """Make the kinds on by warm-up (provisional or confirmed) of ``namespace`` visible to the Risk Filter."""
+    with _LOCK:
+        _PROVISIONAL[namespace] = {k: (v.thresholds, v.audit_share) for k, v in kinds.items() if v.on}
+
+
+def provisional(namespace: str, stratum: str) -> tuple[Thresholds, float] | None:
+    """(thresholds, audit share) of ``stratum`` when it is on by a warm-up certificate in ``namespace``."""
+    with _LOCK:
+        return _PROVISIONAL.get(namespace, {}).get(stratum)
+
+
+def overlay_state(learner: Learner, namespace: str, rule_state: dict[str, Any],
+                  traffic: Mapping[str, StratumState] | None = None,
+                  settings: WarmupSettings = WarmupSettings(), *, update: bool = True) -> dict[str, Any]:
+    """``rule_state`` (``Learner.rule_state``) with the warm-up population added: each kind on by warm-up gets its
+    state ("provisional", "confirmed", "off"), message and guarantee; ``provisional``/``confirmed`` list them;
+    the message begins with "on — warm-up certified, checking on your traffic: ..." while a kind is provisional;
+    ``warmup`` holds the warm-up population's own rule_state. Publishes the kinds to the Risk Filter
+    (:func:`publish`). Without warm-up labels the state is returned as it was. ``update``: record what the warm-up
+    labels imply (``Learner.state``); a reader (the panel's route) passes False."""
+    wns = warmup_namespace(namespace)
+    if not learner.store.labels(wns):
+        publish(namespace, {})
+        return rule_state
+    traffic = learner.state(namespace, update=update) if traffic is None else traffic
+    wl = warm_learner(learner)
+    warm = wl.state(wns, update=update)
+    kinds = kind_states(learner, namespace, traffic, warm, settings)
+    publish(namespace, kinds)
+    out = dict(rule_state)
+    strata = {k: dict(v) for k, v in (rule_state.get("strata") or {}).items()}
+    for st, ks in kinds.items():
+        strata[st] = {**strata.get(st, {"stratum": st}), "state": ks.state, "message": ks.message,
+                      "guarantee": ks.guarantee, "warmup": ks.to_dict()}
+    out["strata"] = strata
+    prov = sorted(k for k, v in kinds.items() if v.state == "provisional")
+    conf = sorted(k for k, v in kinds.items() if v.state == "confirmed")
+    off = sorted(k for k, v in kinds.items() if v.state == "off")
+    out["provisional"], out["confirmed"], out["warmup_off"] = prov, conf, off
+    parts = []
+    if prov:
+        parts.append(f"on — warm-up certified, checking on your traffic: {', '.join(prov)}")
+    if conf:
+        parts.append(f"on — warm-up certified and confirmed on your traffic: {', '.join(conf)}")
+    if off:
+        parts.append(f"off — warm-up certified but not on your traffic: {', '.join(off)}")
+    if parts:
+        out["message"] = "; ".join(parts) + "; " + str(rule_state.get("message", ""))
+        if rule_state.get("state") in ("learning", "off") and (prov or conf):
+            out["state"] = "provisional" if prov else "certified"
+    ws = wl.rule_state(wns, warm)
+    out["warmup"] = {"namespace": wns, "state": ws["state"], "labels": ws["labels_total"],
+                     "message": ws["message"], "strata": ws["strata"]}
+    return out
+
+
+__all__ = ["KindState", "WARMUP_SUFFIX", "WarmupSettings", "is_warmup_namespace", "kind_states", "overlay_state",
+           "provisional", "publish", "warm_learner", "warm_settings", "warmup_namespace"]
