@@ -209,13 +209,19 @@ def rules_state(directory: str | None) -> dict[str, Any]:
         return _redis_rules_state(str(directory).strip())
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
-    if not _is_cache_dir(path) or not (path / FILENAME).is_file():
+    if not _is_cache_dir(path) or not ((path / FILENAME).is_file() or (path / FILENAME).is_symlink()):
         return {**base, "exists": False, "namespaces": []}
+    from ..carnator_core.learn.labels import LabelStore, LabelStoreError
     from ..carnator_core.learn.learner import Learner
 
-    learner = Learner(path)
+    try:  # read only: the panel creates and writes nothing, and a record that is a link is refused
+        learner = Learner(path, store=LabelStore(path, read_only=True))
+    except LabelStoreError as e:
+        raise RouteError(503, str(e)) from None
     try:
         return {**base, "exists": True, "namespaces": _namespace_states(learner, learner.store.namespaces())}
+    except LabelStoreError as e:
+        raise RouteError(503, str(e)) from None
     finally:
         learner.store.close()
 

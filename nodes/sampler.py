@@ -177,9 +177,8 @@ def learning_state(model, positive, negative, latent_image, probe, signature, de
                    config) -> dict:
     """Learning mode after the request is served (``carnator_core.learn.runtime.observe``): label within the
     budget, and the rule_state the badge shows. The record is the cache's: ``learn.sqlite`` in a cache folder, or
-    the Redis cache's own (every worker on that Redis learns the same rule). A record that cannot be reached
-    (Redis down) costs the label, never the request: the state says so."""
-    from ..carnator_core.cache.redis_url import is_redis_url
+    the Redis cache's own (every worker on that Redis learns the same rule). A record that cannot be used (Redis
+    down, a damaged or unwritable learn.sqlite) costs the label, never the request: the state says so."""
     from ..carnator_core.learn.labels import LabelStoreError
     from ..carnator_core.learn.runtime import observe
 
@@ -193,11 +192,16 @@ def learning_state(model, positive, negative, latent_image, probe, signature, de
                        probe=probe, signature=signature, decision=decision, samples=samples, report=report,
                        store=open_store(cache), reuse_config=config, served_s=served_s, pending=_pending_prompts)
     except LabelStoreError as e:
-        if not is_redis_url(cache.path):
-            raise  # a cache folder's learn.sqlite that cannot be used is the user's to fix (the error says how)
-        log.warning("carnator learning: %s", e)
+        # the clip is served whatever the record's trouble (damaged, unwritable, a link, Redis down): said on the
+        # badge every time, in the log once per cause
+        if str(e) not in _SAID:
+            _SAID.add(str(e))
+            log.warning("carnator learning: %s", e)
         return {"state": "learning", "labels": 0, "needed": 0, "namespace": ns,
                 "message": f"learning — no label this time: {e}"}
+
+
+_SAID: set[str] = set()
 
 
 def _pending_prompts() -> int:

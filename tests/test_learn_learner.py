@@ -155,13 +155,11 @@ def test_learned_rule_file_round_trip_verification_and_refusal(tmp_path: Path) -
     assert learned.on == ["reseed"] and learned.thresholds("reseed") is not None
     assert learned.rule.recall_k == 1 and learned.settings == ln.settings
     assert learned.states["reseed"].sequence.to_dict() == ln.state(NS)["reseed"].sequence.to_dict()
-    # the record is recomputed, not trusted: a hand-edited state changes nothing; an edited label is refused
+    # sealed: any edit (here the informative state) is refused, naming the file (tests/test_learn_rulefile.py)
     data = json.loads(path.read_text())
     data["learning"]["strata"]["reseed"]["state"] = "learning"
-    assert rulefile.from_doc(data).on == ["reseed"]
-    data["learning"]["labels"][25]["x"] = 1
-    with pytest.raises(RuleFormatError, match="checksum"):
-        rulefile.from_doc(data)
+    with pytest.raises(RuleFormatError, match="'learned.json' fails its integrity check"):
+        rulefile.from_doc(data, str(path))
     # refused for another model or config, as every rule
     with pytest.raises(RuleMismatchError):
         learned.rule.check_applicable("another-model", "cfg")

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import test_redis_store
 from test_learn_learner import NS, ROOT, WRITER as SQLITE_WRITER, derive_at_once, feed, kill_writer_mid_write
+from test_learn_rulefile import certified  # noqa: F401 — the fixture (a certified record and its learned rule)
 
 from carnator.carnator_core.learn.labels import Covariate, Label, LabelStoreError
-from carnator.carnator_core.learn.learner import Learner, LearnSettings, learner_for
+from carnator.carnator_core.learn.learner import Learner, LearnSettings, learner_for, rule_namespace
 from carnator.carnator_core.learn.redis_labels import RedisLabelStore
 
 server, redis_url = test_redis_store.server, test_redis_store.redis_url  # the real redis-server, flushed per test
@@ -204,17 +205,22 @@ def test_a_worker_that_labelled_nothing_takes_up_the_farms_switch_on(redis_url, 
     settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
     labeller, idle = worker(redis_url, settings), worker(redis_url, settings)
     rng = np.random.default_rng(7)
-    feed(labeller, 30, "reseed", rng, check=False)
-    feed(labeller, 170, "reseed", rng, start=30, every=10)  # the state derived as serving does
-    assert labeller.state(NS)["reseed"].on
+    ns = rule_namespace("0123456789abcdef0000", CFG.rule_fingerprint())  # the probe's (a learned rule checks it)
+    for i in range(200):
+        vec = tuple(float(v) for v in rng.uniform(0.0, 1.0, 4))
+        labeller.store.add_covariate(ns, Covariate(f"k{i}", "reseed", f"e{i}", 0.9, vec, False))
+        labeller.store.add_label(ns, Label(f"k{i}", "reseed", f"e{i}", 0.9, vec, False, True, 0, "shadow", "j"))
+        if i >= 30 and i % 10 == 9:
+            labeller.state(ns)  # the state derived as serving does
+    assert labeller.state(ns)["reseed"].on
     path = tmp_path / "rules" / "learned.json"
     probe = SimpleNamespace(model_fingerprint="0123456789abcdef0000", config=CFG)
     ctx = {"rule_path": str(path)}
-    runtime._sync_rule(idle, NS, ctx, probe, None)
+    runtime._sync_rule(idle, ns, ctx, probe, None)
     learned = rulefile.load_learned(path)
     assert learned.on == ["reseed"] and learned.thresholds("reseed") is not None
     stamp = path.stat().st_mtime_ns
-    runtime._sync_rule(idle, NS, ctx, probe, None)
+    runtime._sync_rule(idle, ns, ctx, probe, None)
     assert path.stat().st_mtime_ns == stamp  # nothing changed: not rewritten
 
 
@@ -236,3 +242,56 @@ def test_redis_gone_mid_run_is_a_label_store_error_saying_so(tmp_path):
         assert [lab.request_key for lab in st.labels(NS)] == ["k1"] and st.add_label(NS, label(2))
     finally:
         srv.stop()
+
+
+def test_a_redis_that_may_evict_the_records_keys_is_refused_at_open_with_the_reason(redis_url, server):
+    c = server.client()
+    try:
+        for policy in ("allkeys-lru", "allkeys-random"):
+            c.config_set("maxmemory-policy", policy)
+            with pytest.raises(LabelStoreError, match=f"maxmemory-policy {policy}: it may evict .* noeviction"):
+                RedisLabelStore.open(redis_url, full_url=redis_url)
+        c.config_set("maxmemory-policy", "volatile-lru")  # evicts only keys with an expiry: the record has none
+        RedisLabelStore.open(redis_url, full_url=redis_url).close()
+    finally:
+        c.config_set("maxmemory-policy", "noeviction")
+        c.close()
+
+
+def test_a_lost_id_counter_never_makes_a_label_overwrite_another(redis_url, server):
+    st = RedisLabelStore.open(redis_url, full_url=redis_url)
+    for i in range(5):
+        st.add_label(NS, label(i))
+    c = server.client()
+    c.delete(f"{st.prefix}:{{{NS}}}:seq")  # what an evicting Redis (or a hand) did to the counter
+    c.close()
+    assert st.add_label(NS, label(99))
+    assert [(lab.request_key, lab.id) for lab in st.labels(NS)] == [(f"k{i}", i + 1) for i in range(5)] + [("k99", 6)]
+
+
+def test_a_copied_rule_on_a_shared_record(redis_url, server, certified, tmp_path):  # noqa: F811
+    """An empty farm record imports a copied learned rule; one with labels of its own keeps it as it is and never
+    rewrites it (a shared record cannot be set aside by one worker)."""
+    import json
+
+    from test_learn_rulefile import JUDGE, NS as RNS, PROBE, SETTINGS, saved
+
+    from carnator.carnator_core.learn import rulefile, runtime
+
+    _, doc = certified
+    path = saved(doc, tmp_path / "rules" / "mine.json")
+    ln = Learner(redis_url, SETTINGS, store=RedisLabelStore.open(redis_url, full_url=redis_url))
+    assert "imported into this cache's learning record" in runtime.adopt_rule_file(ln, RNS, path)
+    assert len(ln.store.labels(RNS)) == len(doc["learning"]["labels"]) and ln.state(RNS)["reseed"].on
+    c = server.client()
+    c.flushall()
+    c.close()
+    ln = Learner(redis_url, SETTINGS, store=RedisLabelStore.open(redis_url, full_url=redis_url))
+    ln.store.add_label(RNS, label(1, stratum="colour"))
+    assert "never rewritten" in runtime.adopt_rule_file(ln, RNS, path)
+    before = path.read_bytes()
+    notes: list[str] = []
+    runtime._LAST_ON.pop(str(path), None)
+    runtime._write_rule(ln, RNS, {"rule_path": str(path), "k": 1}, PROBE, None, JUDGE, notes=notes)
+    assert path.read_bytes() == before and "not rewritten" in notes[0]
+    assert rulefile.from_doc(json.loads(before)).on == ["reseed"]

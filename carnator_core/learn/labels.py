@@ -16,17 +16,41 @@ Tables (all keyed by the cache namespace, i.e. model × generation config):
   compute it cost;
 * ``ledger``     — compute served and compute spent labelling/auditing, the budget's accounting;
 * ``events``     — state changes (switch-on per stratum, drift, refits) with their messages.
+
+Faults (as the cache's catalogue, ``cache/catalog.py``, ``cache/store.py``):
+
+* **Confined.** ``learn.sqlite`` and its ``-wal`` / ``-shm`` / ``-journal`` files must be plain files in the cache
+  folder: a symbolic link among them (SQLite would write where it points) makes the record unusable; the links
+  are moved to the cache's ``quarantine/`` (never their targets, never deleted) and a fresh record is started.
+* **Damaged.** A file that is not SQLite, fails ``PRAGMA quick_check`` or has a schema that is not ours is moved
+  to ``quarantine/`` (with its side files) and a fresh record started, with one warning; damage found later by a
+  query is handled the same way and that call raises ``LabelStoreError`` saying so. The learned rule file's record
+  is imported into the fresh one at the next learning request (``runtime.adopt_rule_file``).
+* **Unwritable** (read-only folder, full disk, permissions): ``LabelStoreError`` saying which. No raw
+  ``sqlite3`` error leaves a public method. The sampler turns it into a message on the badge: the clip is served.
+* **Read-only opening** (``read_only=True``, the panel's route): nothing is created or written, links are refused.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from urllib.parse import quote
+
+from ..cache.catalog import SIDE_FILES, is_corruption, is_full
+
+log = logging.getLogger("carnator")
+T = TypeVar("T")
+QUICK_CHECK_MAX_BYTES = 64 << 20  # the whole-file check at open, up to this size (larger: damage found by queries)
+_TABLES = ("meta", "covariates", "labels", "ledger", "events")
 
 FILENAME = "learn.sqlite"
 SCHEMA = 1
@@ -166,59 +190,193 @@ class RecordReads:
 class LabelStore(RecordReads):
     """``learn.sqlite`` of one cache folder (module docstring). Thread-safe; one connection per instance."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, *, read_only: bool = False):
         """``directory``: the cache folder (``learn.sqlite`` is created in it), or ":memory:" for a record that
-        lives only in this process (re-checking a learned rule file)."""
-        memory = str(directory) == ":memory:"
-        self.path = Path(FILENAME) if memory else Path(directory) / FILENAME
+        lives only in this process (re-checking a learned rule file). ``read_only``: open an existing record
+        without creating or writing anything (LabelStoreError when there is none or it is unusable)."""
+        self.memory = str(directory) == ":memory:"
+        self.path = Path(FILENAME) if self.memory else Path(directory) / FILENAME
+        self.read_only = read_only
         self._lock = threading.Lock()
         self.corrupt = 0
-        try:
-            if memory:
-                self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
-                                             check_same_thread=False)
-                self._conn.execute("PRAGMA journal_mode=WAL")
-                self._conn.execute("PRAGMA synchronous=FULL")
+        self.problem = ""  # what was wrong with the record this instance found (and set aside), said once
+        self._conn: sqlite3.Connection | None = None
+        with self._lock:
+            self._open()
+
+    # ------------------------------------------------------------------ opening, faults
+    def _links(self) -> list[str]:
+        return [p.name for p in (self.path, *(Path(str(self.path) + s) for s in SIDE_FILES)) if p.is_symlink()]
+
+    def _open(self) -> None:
+        """Connect (caller holds the lock): a record that is a link, damaged or not ours is set aside and a fresh
+        one started (read-only: refused); an unwritable one raises LabelStoreError saying why."""
+        if self.memory:
+            self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
             self._conn.executescript(_DDL)
-            row = self._conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            if row is None:
-                self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
-            elif row[0] != str(SCHEMA):
-                raise LabelStoreError(f"{self.path} has learning schema {row[0]}, this Carnator reads {SCHEMA}: "
-                                      "update Carnator, or move the file away to start learning afresh")
+            self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+            return
+        for attempt in (1, 2):
+            links = self._links()
+            why = f"{links[0]} is a symbolic link (SQLite would write where it points)" if links else None
+            if why is None:
+                try:
+                    self._conn = self._connect()
+                    why = self._check()
+                    if why is None:
+                        return
+                except sqlite3.Error as e:
+                    if not is_corruption(e):
+                        self._close_conn()
+                        raise self._error(e, "opening") from None
+                    why = f"{type(e).__name__}: {e}"
+                self._close_conn()
+            if self.read_only:
+                raise LabelStoreError(f"the learning record {self.path} is unusable ({why}); it is set aside and "
+                                      "started afresh at the next learning request")
+            if attempt == 2:
+                raise LabelStoreError(f"the learning record {self.path} just started afresh is unusable ({why}); "
+                                      "check the disk and the cache folder's permissions")
+            self._set_aside_file(why)
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.read_only:
+            if not self.path.is_file():
+                raise LabelStoreError(f"there is no learning record at {self.path}")
+            conn = sqlite3.connect(f"file:{quote(str(self.path))}?mode=ro", uri=True, isolation_level=None,
+                                   check_same_thread=False)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.execute("PRAGMA trusted_schema=OFF")
+            if not self.read_only:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _check(self) -> str | None:
+        """Why the open record cannot be used (None: it can): damaged pages, a schema that is not ours, another
+        schema version (LabelStoreError: never set aside, a newer Carnator's record is not damaged)."""
+        c = self._conn
+        assert c is not None
+        names = {n for (n,) in c.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'trigger', "
+                                         "'view')")} - {"sqlite_sequence"}
+        if not names and not self.read_only:
+            c.executescript(_DDL)
+            c.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+            return None
+        if names != set(_TABLES):
+            return f"its tables are not a learning record's ({sorted(names)[:8]})"
+        if self.path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
+            check = [r[0] for r in c.execute("PRAGMA quick_check(5)").fetchall()]
+            if check != ["ok"]:
+                return "damaged pages: " + "; ".join(str(x) for x in check)
+        row = c.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if row is None and not self.read_only:
+            c.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+        elif row is not None and row[0] != str(SCHEMA):
+            raise LabelStoreError(f"{self.path} has learning schema {row[0]}, this Carnator reads {SCHEMA}: "
+                                  "update Carnator, or move the file away to start learning afresh")
+        return None
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+            self._conn = None
+
+    def _set_aside_file(self, why: str) -> None:
+        """Move ``learn.sqlite`` and its side files (links as links) to the cache's ``quarantine/``, say so once."""
+        qdir = self.path.parent / "quarantine"
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"
+        moved = []
+        try:
+            qdir.mkdir(exist_ok=True)
+            if qdir.is_symlink():
+                raise LabelStoreError(f"{qdir} is a symbolic link; a cache folder must not link elsewhere. Remove it.")
+            for suffix in ("", *SIDE_FILES):
+                p = Path(str(self.path) + suffix)
+                if p.exists() or p.is_symlink():
+                    os.replace(p, qdir / f"learn-{stamp}.sqlite{suffix}")
+                    moved.append(p.name)
+        except OSError as e:
+            raise LabelStoreError(f"the learning record {self.path} is unusable ({why}) and cannot be set aside "
+                                  f"({e.strerror or e}); check the cache folder's permissions and free space") from None
+        self.problem = (f"the learning record {self.path.name} was unusable ({why}); it is set aside in "
+                        f"quarantine/ as learn-{stamp}.sqlite and learning starts afresh (the learned rule file's "
+                        "labels are imported back)")
+        log.warning("carnator learning: %s", self.problem)
+
+    def _error(self, e: BaseException, what: str) -> LabelStoreError:
+        if is_full(e):
+            why = "the disk is full: free space"
+        elif isinstance(e, sqlite3.OperationalError) and "readonly" in str(e).lower().replace("-", "").replace(
+                " ", ""):
+            why = "the cache folder is read-only: make it writable"
+        elif isinstance(e, (PermissionError, sqlite3.OperationalError)) and "unable to open" in str(e).lower():
+            why = "it cannot be opened: check the cache folder's permissions"
+        else:
+            why = "check the disk and the cache folder's permissions"
+        return LabelStoreError(f"the learning record {self.path} failed while {what} ({type(e).__name__}: {e}); "
+                               f"{why}. Requests are served and cached meanwhile; nothing is labelled")
+
+    def _guard(self, fn: Callable[[sqlite3.Connection], T], what: str) -> T:
+        """Run ``fn`` on the connection (caller holds the lock): sqlite3 errors become LabelStoreError; damage is
+        set aside and the record started afresh before raising."""
+        try:
+            if self._conn is None:
+                self._open()
+            assert self._conn is not None
+            return fn(self._conn)
         except sqlite3.Error as e:
-            raise LabelStoreError(f"the learning record {self.path} cannot be opened ({e}); check the cache "
-                                  "folder's permissions and free space") from None
+            if not is_corruption(e) or self.memory or self.read_only:
+                raise self._error(e, what) from None
+            self._close_conn()
+            self._set_aside_file(f"{type(e).__name__}: {e}")
+            self._open()
+            raise LabelStoreError(self.problem) from None
+        except OSError as e:
+            raise self._error(e, what) from None
 
     # ------------------------------------------------------------------ plumbing
-    class _Tx:
-        def __init__(self, conn: sqlite3.Connection, lock: threading.Lock):
-            self.conn, self.lock = conn, lock
+    def _write(self, fn: Callable[[sqlite3.Connection], T], what: str) -> T:
+        """One write transaction (BEGIN IMMEDIATE … COMMIT) under ``_guard``."""
+        if self.read_only:
+            raise LabelStoreError(f"the learning record {self.path} is open read-only")
 
-        def __enter__(self) -> sqlite3.Connection:
-            self.lock.acquire()
-            self.conn.execute("BEGIN IMMEDIATE")
-            return self.conn
-
-        def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        def tx(c: sqlite3.Connection) -> T:
+            c.execute("BEGIN IMMEDIATE")
             try:
-                self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
-            finally:
-                self.lock.release()
+                out = fn(c)
+            except BaseException:
+                try:
+                    c.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise
+            c.execute("COMMIT")
+            return out
 
-    def _tx(self) -> "LabelStore._Tx":
-        return LabelStore._Tx(self._conn, self._lock)
+        with self._lock:
+            return self._guard(tx, what)
+
+    def _read(self, sql: str, args: tuple, what: str = "reading") -> list[tuple]:
+        with self._lock:
+            return self._guard(lambda c: c.execute(sql, args).fetchall(), what)
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            self._close_conn()
 
     def _rows(self, sql: str, args: tuple) -> Iterator[tuple[int, dict[str, Any]]]:
-        with self._lock:
-            rows = self._conn.execute(sql, args).fetchall()
+        rows = self._read(sql, args)
         for row_id, body, digest in rows:
             if checksum(body) != digest:
                 self.corrupt += 1
@@ -236,41 +394,63 @@ class LabelStore(RecordReads):
     def add_covariate(self, namespace: str, cov: Covariate) -> bool:
         """Record a served request's covariates (once per request key; True if new)."""
         body = _dump({**asdict(cov), "vector": [float(v) for v in cov.vector]})
-        with self._tx() as c:
-            cur = c.execute("INSERT OR IGNORE INTO covariates (namespace, request_key, body, checksum) "
-                            "VALUES (?, ?, ?, ?)", (namespace, cov.request_key, body, checksum(body)))
-            return cur.rowcount > 0
-
+        return self._write(lambda c: c.execute("INSERT OR IGNORE INTO covariates (namespace, request_key, body, "
+                                               "checksum) VALUES (?, ?, ?, ?)",
+                                               (namespace, cov.request_key, body, checksum(body))).rowcount > 0,
+                           "recording a request")
 
     # ------------------------------------------------------------------ labels
     def add_label(self, namespace: str, label: Label, *, keep_id: bool = False) -> bool:
         """Persist one label (one transaction; once per request key and kind; True if new). ``keep_id``: store it
         under ``label.id`` (replaying a learned rule file, whose fits and pilot refer to labels by id)."""
-        body = _dump(label.to_row())
-        with self._tx() as c:
-            if keep_id and label.id > 0:
-                cur = c.execute("INSERT OR IGNORE INTO labels (id, namespace, request_key, kind, body, checksum) "
-                                "VALUES (?, ?, ?, ?, ?, ?)", (int(label.id), namespace, label.request_key,
-                                                              label.kind, body, checksum(body)))
-            else:
-                cur = c.execute("INSERT OR IGNORE INTO labels (namespace, request_key, kind, body, checksum) "
-                                "VALUES (?, ?, ?, ?, ?)", (namespace, label.request_key, label.kind, body,
-                                                           checksum(body)))
-            return cur.rowcount > 0
+        return self._write(lambda c: _insert_label(c, namespace, label, keep_id), "writing a label")
 
     def has_label(self, namespace: str, request_key: str) -> bool:
-        with self._lock:
-            return self._conn.execute("SELECT 1 FROM labels WHERE namespace=? AND request_key=?",
-                                      (namespace, request_key)).fetchone() is not None
+        return bool(self._read("SELECT 1 FROM labels WHERE namespace=? AND request_key=? LIMIT 1",
+                               (namespace, request_key)))
 
+    def label_id_floor(self, namespace: str) -> int:
+        """The highest label id in use (any namespace: ids are one sequence in this file); a label imported into
+        ``namespace`` is shifted above it."""
+        rows = self._read("SELECT max(id) FROM labels", ())
+        seq = self._read("SELECT seq FROM sqlite_sequence WHERE name='labels'", ())
+        return max(int(rows[0][0] or 0) if rows else 0, int(seq[0][0] or 0) if seq else 0)
+
+    def import_record(self, namespace: str, labels: Sequence[Label], events: Sequence[Mapping[str, Any]]) -> int:
+        """Import a learned rule file's record into ``namespace`` in one transaction: its labels shifted above every
+        id in use (their order kept; the events' ``since`` shifted alike, so each fit and the pilot count the same
+        labels), its events once each (``event_key``). A label already there (request key and kind) is skipped.
+        Returns the labels imported."""
+        def tx(c: sqlite3.Connection) -> int:
+            top = c.execute("SELECT max(id) FROM labels").fetchone()[0] or 0
+            seq = c.execute("SELECT seq FROM sqlite_sequence WHERE name='labels'").fetchone()
+            offset = max(int(top), int(seq[0]) if seq else 0)
+            n = sum(_insert_label(c, namespace, replace(lab, id=lab.id + offset), True) for lab in labels)
+            for e in events:
+                _insert_event(c, namespace, shift_event(e, offset))
+            return n
+
+        return self._write(tx, "importing a learned rule's record")
+
+    def set_aside(self, namespace: str) -> str:
+        """Rename ``namespace``'s record (covariates, labels, ledger, events) to a new namespace
+        ``<namespace>~set-aside-<stamp>`` (kept, never deleted; listed by ``namespaces``); returns that name."""
+        aside = f"{namespace}~set-aside-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+        def tx(c: sqlite3.Connection) -> str:
+            for table in ("covariates", "labels", "ledger", "events"):
+                c.execute(f"UPDATE {table} SET namespace=? WHERE namespace=?", (aside, namespace))
+            return aside
+
+        return self._write(tx, "setting a record aside")
 
     # ------------------------------------------------------------------ ledger
     def ledger(self, namespace: str) -> dict[str, float]:
-        with self._lock:
-            row = self._conn.execute("SELECT served_s, label_s, audit_s, requests, checksum FROM ledger "
-                                     "WHERE namespace=?", (namespace,)).fetchone()
-        if row is None:
+        rows = self._read("SELECT served_s, label_s, audit_s, requests, checksum FROM ledger WHERE namespace=?",
+                          (namespace,))
+        if not rows:
             return {"served_s": 0.0, "label_s": 0.0, "audit_s": 0.0, "requests": 0}
+        row = rows[0]
         d = {"served_s": float(row[0]), "label_s": float(row[1]), "audit_s": float(row[2]), "requests": int(row[3])}
         if checksum(_dump(d)) != row[4]:
             self.corrupt += 1
@@ -279,7 +459,7 @@ class LabelStore(RecordReads):
     def charge(self, namespace: str, *, served_s: float = 0.0, label_s: float = 0.0, audit_s: float = 0.0,
                requests: int = 0) -> dict[str, float]:
         """Add compute to the namespace's ledger (one transaction); returns the new totals."""
-        with self._tx() as c:
+        def tx(c: sqlite3.Connection) -> dict[str, float]:
             row = c.execute("SELECT served_s, label_s, audit_s, requests FROM ledger WHERE namespace=?",
                             (namespace,)).fetchone()
             cur = row or (0.0, 0.0, 0.0, 0)
@@ -287,29 +467,57 @@ class LabelStore(RecordReads):
                  "audit_s": float(cur[2]) + audit_s, "requests": int(cur[3]) + requests}
             c.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?, ?, ?, ?, ?)",
                       (namespace, d["served_s"], d["label_s"], d["audit_s"], d["requests"], checksum(_dump(d))))
-        return d
+            return d
+
+        return self._write(tx, "charging compute")
 
     # ------------------------------------------------------------------ events
     def add_event(self, namespace: str, kind: str, message: str, **facts: Any) -> None:
         """Record a state transition once: a transition with a key (``event_key``) already recorded — by another
         process deriving the same state at the same moment — is dropped, inside the same write transaction."""
-        body = _dump({"kind": kind, "message": message, "t": time.time(), **facts})
-        key = event_key(kind, facts)
-        with self._tx() as c:
-            if key:
-                for (old,) in c.execute("SELECT body FROM events WHERE namespace=?", (namespace,)):
-                    try:
-                        d = json.loads(old)
-                    except ValueError:
-                        continue
-                    if event_key(str(d.get("kind", "")), d) == key:
-                        return
-            c.execute("INSERT INTO events (namespace, body, checksum) VALUES (?, ?, ?)",
-                      (namespace, body, checksum(body)))
-
+        body = {"kind": kind, "message": message, "t": time.time(), **facts}
+        self._write(lambda c: _insert_event(c, namespace, body), "recording a state change")
 
     def namespaces(self) -> list[str]:
-        with self._lock:
-            rows = self._conn.execute("SELECT namespace FROM covariates UNION SELECT namespace FROM labels "
-                                      "UNION SELECT namespace FROM ledger").fetchall()
+        rows = self._read("SELECT namespace FROM covariates UNION SELECT namespace FROM labels "
+                          "UNION SELECT namespace FROM ledger", ())
         return sorted(r[0] for r in rows)
+
+
+def _insert_label(c: sqlite3.Connection, namespace: str, label: Label, keep_id: bool) -> bool:
+    body = _dump(label.to_row())
+    if keep_id and label.id > 0:
+        cur = c.execute("INSERT OR IGNORE INTO labels (id, namespace, request_key, kind, body, checksum) "
+                        "VALUES (?, ?, ?, ?, ?, ?)", (int(label.id), namespace, label.request_key, label.kind, body,
+                                                      checksum(body)))
+    else:
+        cur = c.execute("INSERT OR IGNORE INTO labels (namespace, request_key, kind, body, checksum) "
+                        "VALUES (?, ?, ?, ?, ?)", (namespace, label.request_key, label.kind, body, checksum(body)))
+    return cur.rowcount > 0
+
+
+def _insert_event(c: sqlite3.Connection, namespace: str, event: Mapping[str, Any]) -> bool:
+    key = event_key(str(event.get("kind", "")), event)
+    if key:
+        for (old,) in c.execute("SELECT body FROM events WHERE namespace=?", (namespace,)):
+            try:
+                d = json.loads(old)
+            except ValueError:
+                continue
+            if event_key(str(d.get("kind", "")), d) == key:
+                return False
+    body = _dump(dict(event))
+    c.execute("INSERT INTO events (namespace, body, checksum) VALUES (?, ?, ?)", (namespace, body, checksum(body)))
+    return True
+
+
+def shift_event(event: Mapping[str, Any], offset: int) -> dict[str, Any]:
+    """``event`` with the label ids it refers to (a fit's and the pilot order's ``since``) shifted by ``offset``."""
+    e = json.loads(json.dumps(event))
+    if not offset:
+        return e
+    if e.get("kind") == "fit" and isinstance(e.get("fit"), dict) and "since" in e["fit"]:
+        e["fit"]["since"] = int(e["fit"]["since"]) + offset
+    if e.get("kind") == "order" and "since" in e:
+        e["since"] = int(e["since"]) + offset
+    return e

@@ -36,21 +36,38 @@ Contracts
   exactly as one worker writes them, and every worker derives from that one.
 * **Faults.** A Redis that cannot be reached raises ``LabelStoreError`` saying so (the request is already served;
   the sampler reports the state as unavailable and serves on).
+* **Eviction.** A Redis whose ``maxmemory-policy`` may evict keys without an expiry (``allkeys-*``) would drop
+  labels silently; it is refused at open (``LabelStoreError`` naming the policy and the fix). ``volatile-*`` and
+  ``noeviction`` never evict the record's keys (none has an expiry). A Redis that does not answer ``CONFIG GET``
+  (managed services) is used with one warning that it could not be checked. Whatever the policy, a row is never
+  overwritten: an id counter that went missing skips the ids in use.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
-from dataclasses import asdict
-from typing import Any, Callable, Iterator, TypeVar
+from dataclasses import asdict, replace
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import redis
 
 from ..cache.redis_store import PREFIX as CACHE_PREFIX
-from .labels import SCHEMA, Covariate, Label, LabelStoreError, RecordReads, _dump, checksum, event_key
+from .labels import (
+    SCHEMA,
+    Covariate,
+    Label,
+    LabelStoreError,
+    RecordReads,
+    _dump,
+    checksum,
+    event_key,
+    shift_event,
+)
 
 T = TypeVar("T")
+log = logging.getLogger("carnator")
 DIGEST = 64  # hex characters of the SHA-256 that starts each row
 
 # KEYS: rows hash, unique-key hash, seq hash[, request set]; ARGV: unique key, row (checksum + body), seq field,
@@ -65,6 +82,8 @@ if id > 0 then
   if cur < id then redis.call('HSET', KEYS[3], ARGV[3], id) end
 else
   id = redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+  -- a counter that went missing (evicted, deleted by hand) must never make a row overwrite another
+  while redis.call('HEXISTS', KEYS[1], tostring(id)) == 1 do id = redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
 end
 redis.call('HSET', KEYS[1], tostring(id), ARGV[2])
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], id) end
@@ -104,6 +123,7 @@ class RedisLabelStore(RecordReads):
         self.corrupt = 0
         self._add = client.register_script(_ADD_ROW)
         self._charge = client.register_script(_CHARGE)
+        self._check_eviction_policy()
         got = self._call(lambda: (claim and client.set(f"{self.prefix}:schema", str(SCHEMA), nx=True),
                                   client.get(f"{self.prefix}:schema")))[1]
         if got is not None and _s(got) != str(SCHEMA):
@@ -128,6 +148,26 @@ class RedisLabelStore(RecordReads):
 
     def close(self) -> None:
         self._r.close()
+
+    _UNCHECKED: set[str] = set()
+
+    def _check_eviction_policy(self) -> None:
+        """Refuse a Redis that may evict the record's keys (module docstring, "Eviction")."""
+        try:
+            policy = _s(self._r.config_get("maxmemory-policy").get("maxmemory-policy") or "")
+        except redis.ResponseError as e:
+            if self.url not in RedisLabelStore._UNCHECKED:
+                RedisLabelStore._UNCHECKED.add(self.url)
+                log.warning("carnator learning: Redis at %s does not say its maxmemory-policy (%s); make sure it is "
+                            "noeviction or volatile-*: a policy that evicts keys would drop labels", self.url, e)
+            return
+        except (redis.ConnectionError, redis.TimeoutError):
+            return  # unreachable: the next command says so
+        if policy.startswith("allkeys-"):
+            raise LabelStoreError(f"Redis at {self.url} runs with maxmemory-policy {policy}: it may evict the learning "
+                                  "record's keys when memory is full, and labels would vanish silently. Set "
+                                  "maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, or in "
+                                  "redis.conf); requests are served and cached meanwhile, nothing is labelled")
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, fn: Callable[[], T]) -> T:
@@ -200,6 +240,21 @@ class RedisLabelStore(RecordReads):
 
     def has_label(self, namespace: str, request_key: str) -> bool:
         return bool(self._call(lambda: self._r.sismember(self._k(namespace, "lab:req"), request_key)))
+
+    def label_id_floor(self, namespace: str) -> int:
+        """The highest label id taken in ``namespace`` (ids are per namespace here)."""
+        return int(self._call(lambda: self._r.hget(self._k(namespace, "seq"), "lab")) or 0)
+
+    def import_record(self, namespace: str, labels: Sequence[Label], events: Sequence[Mapping[str, Any]]) -> int:
+        """``LabelStore.import_record`` on Redis: labels shifted above the namespace's ids (order kept), events
+        once each with their ``since`` shifted alike. Row by row (each one script): two workers importing at once
+        write each label and transition once, the second's shifted copies being dropped as already there."""
+        offset = self.label_id_floor(namespace)
+        n = sum(self.add_label(namespace, replace(lab, id=lab.id + offset), keep_id=True) for lab in labels)
+        for e in events:
+            e = shift_event(e, offset)
+            self._insert(namespace, "ev", event_key(str(e.get("kind", "")), e), _dump(e))
+        return n
 
 
     # ------------------------------------------------------------------ ledger

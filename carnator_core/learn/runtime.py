@@ -9,9 +9,15 @@
   charge the compute served, record the covariates, run a shadow label (or the audit's label) within the budget,
   re-derive the state, rewrite the learned rule file when the state changed, and return the ``rule_state`` for
   the report and the badge.
+* :func:`adopt_rule_file` — a learned rule file that holds labels this cache's record lacks (copied from another
+  machine or cache folder, or the record was set aside after damage) is imported into the record before anything
+  is written: the copy keeps what it certified, and it is never overwritten by a smaller record. A record it
+  diverges from is set aside (renamed, kept) first; a record that cannot be set aside (Redis) leaves the file as
+  it is, never rewritten. What happened is said on the badge and in the log.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import replace
@@ -58,13 +64,17 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
     """The Risk Filter's decision in learning mode (module docstring). ``learned``: a verified
     ``rulefile.LearnedRule`` for this model and config (its applicability already checked), or None."""
     t0 = time.perf_counter()
-    settings = learned.settings if learned is not None else (settings or LearnSettings())
+    if learned is not None:  # the file's certified settings, with the node's operational ones (budget, audits)
+        settings = learned.settings if settings is None else replace(
+            learned.settings, budget=settings.budget, audit_share=settings.audit_share)
+    settings = settings or LearnSettings()
     model_fp = str(getattr(probe, "model_fingerprint", ""))
     config = getattr(probe, "config", None)
     ns = rule_namespace(model_fp, config.rule_fingerprint()) if config is not None else candidates.namespace
     ctx: dict[str, Any] = {"rule_file": rule_file, "rule_path": str(rule_path), "namespace": ns,
                            "settings": settings.to_dict(), "audit": False,
-                           "k": int(candidates.k or len(tuple(candidates.items)) or 1)}
+                           "k": int(candidates.k or len(tuple(candidates.items)) or 1),
+                           "origin": learned.origin if learned is not None else ""}
     top = None
     accept = False
     reason = ""
@@ -102,6 +112,9 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
         summary = f"LEARNING → dense: no candidates recalled; filter {ms:.2f} ms"
     else:
         summary = f"LEARNING → dense: {reason}; filter {ms:.2f} ms"
+    if learned is not None and learned.origin == "copied":
+        summary += (f" [learned rule {Path(str(rule_path)).name} is a copy (not sealed by this installation): "
+                    "it is used as it is, imported into this cache's learning record]")
     return Decision(accepted=accept, candidate=top if accept else None, verdicts=verdicts,
                     mode="signature" if accept else LEARNING_MODE,
                     rule_id=learned.rule.rule_id if learned is not None else "", filter_ms=ms, summary=summary,
@@ -190,6 +203,11 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     wrote_rule = False
     ns = str(ctx.get("namespace", ""))
     answered = getattr(probe, "answered", None) is not None
+    notes: list[str] = [learner.store.problem] if getattr(learner.store, "problem", "") else []
+    if getattr(learner.store, "problem", ""):
+        learner.store.problem = ""  # said once
+    if ctx.get("rule_path"):
+        notes.append(adopt_rule_file(learner, ns, ctx["rule_path"]))
     learner.store.charge(ns, served_s=float(served_s), requests=1)
     done = ""
     key = str(getattr(probe, "request_key", "") or "")
@@ -250,7 +268,7 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                 if learner.store.add_label(ns, label):
                     learner.store.charge(ns, **({"audit_s": float(served_s)} if audit else {"label_s": cost}))
                 done = f"{'audit' if audit else 'shadow'} label x={x:+d} ({stratum}, {cost:.2f} s)"
-                latest = _write_rule(learner, ns, ctx, probe, reuse_config, judge)
+                latest = _write_rule(learner, ns, ctx, probe, reuse_config, judge, notes=notes)
                 wrote_rule = True
             except Exception as e:  # noqa: BLE001 — the request is served; a failed label is only lost work
                 log.warning("carnator learning: labelling request %s failed (%s: %s); it is not labelled",
@@ -260,11 +278,72 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
         elif why_not and why_not != "budget":
             done = why_not
     if shared and not wrote_rule:  # other workers may have labelled meanwhile
-        latest = _sync_rule(learner, ns, ctx, probe, reuse_config)
+        latest = _sync_rule(learner, ns, ctx, probe, reuse_config, notes)
     state = learner.rule_state(ns, latest)
     state = _warmup.overlay_state(learner, ns, state, latest)
     state["label"] = done
+    notes = [n for n in notes if n]
+    if notes:
+        state["notes"] = notes
+        state["message"] += " — " + "; ".join(notes)
     return state
+
+
+def _ident(lab: Label) -> tuple:
+    """What makes a label the same label in two records (ids differ once imported)."""
+    return (lab.request_key, lab.kind, lab.stratum, int(lab.x), bool(lab.reusable), bool(lab.missing),
+            tuple(float(v) for v in lab.vector), lab.judge, json.dumps(dict(lab.judge_settings or {}),
+                                                                       sort_keys=True))
+
+
+def file_record(path: str | Path) -> Any:
+    """The verified learned rule at ``path`` (``rulefile.LearnedRule``), or None when there is none or it is
+    refused (the Risk Filter reports a refused file when the prompt is queued)."""
+    from ..risk.rule import RuleFormatError
+    from . import rulefile
+
+    data = rulefile.read_if_learned(path)
+    if data is None:
+        return None
+    try:
+        return rulefile.from_doc(data, str(path))
+    except RuleFormatError:
+        return None
+
+
+def missing_from(learner: Any, ns: str, learned: Any) -> list[Label]:
+    """The labels of the learned rule ``learned`` that the record's namespace ``ns`` lacks."""
+    have = {_ident(lab) for lab in learner.store.labels(ns)}
+    return [lab for lab in learned.labels if _ident(lab) not in have]
+
+
+def adopt_rule_file(learner: Any, ns: str, path: str | Path) -> str:
+    """Import the learned rule file at ``path`` into the record's namespace ``ns`` when it holds labels the
+    record lacks (module docstring). Returns what happened, for the badge ("" when nothing did)."""
+    learned = file_record(path)
+    if learned is None or learned.namespace != ns:
+        return ""
+    missing = missing_from(learner, ns, learned)
+    if not missing:
+        return ""
+    name = Path(str(path)).name
+    origin = "a copy (not sealed by this installation)" if learned.origin == "copied" else "sealed here"
+    aside = ""
+    if learner.store.labels(ns) or learner.store.events(ns):
+        set_aside = getattr(learner.store, "set_aside", None)
+        if set_aside is None:
+            msg = (f"learned rule {name} ({origin}) holds {len(missing)} labels this shared record lacks and the "
+                   "record cannot take them: the file is used as it is and never rewritten; remove or rename it to "
+                   "have the shared record's rule written instead")
+            log.warning("carnator learning: %s", msg)
+            return msg
+        aside = set_aside(ns)
+    n = learner.store.import_record(ns, learned.labels, learned.events)
+    msg = (f"learned rule {name} ({origin}, {len(learned.labels)} labels, reuse on for "
+           f"{', '.join(learned.on) or 'nothing yet'}) imported into this cache's learning record ({n} labels)"
+           + (f"; the record it replaced is kept as {aside}" if aside else ""))
+    log.warning("carnator learning: %s", msg)
+    return msg
 
 
 def _over_max_active(model: Any, probe: Any, signature: Any, cached: Any, cfg: Any) -> bool:
@@ -280,7 +359,8 @@ def _over_max_active(model: Any, probe: Any, signature: Any, cached: Any, cfg: A
 _LAST_ON: dict[str, tuple[str, ...]] = {}
 
 
-def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any) -> Any:
+def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any,
+               notes: list[str] | None = None) -> Any:
     """On a farm's shared record a stratum may switch on (or off after a drift) on another worker's label: this
     worker's learned rule file (what its Risk Filter reads) is rewritten when the record's switched-on strata differ
     from what it last wrote, naming the judge the latest label names. Returns the states it derived, or None."""
@@ -288,14 +368,16 @@ def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_
     if labels and ctx.get("rule_path"):
         last = labels[-1]
         judge = SimpleNamespace(name=last.judge, settings=dict(last.judge_settings))
-        return _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True)
+        return _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True, notes=notes)
     return None
 
 
 def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any, judge: Any, *,
-                only_if_changed: bool = False) -> Any:
+                only_if_changed: bool = False, notes: list[str] | None = None) -> Any:
     """Rewrite the learned rule file when a stratum switched on or off, and every 25 labels (sharing) unless
-    ``only_if_changed``. Returns the states it derived from the record (None without a rule path)."""
+    ``only_if_changed``. Never over a file holding labels the record lacks (``adopt_rule_file`` imports those
+    first), never past ``rulefile.MAX_LEARNED_BYTES`` (``rulefile.save``): each is said in ``notes``. Returns the
+    states it derived from the record (None without a rule path)."""
     from . import rulefile
 
     path = ctx.get("rule_path")
@@ -307,14 +389,28 @@ def _write_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse
     changed = _LAST_ON.get(str(path)) != on and (on or Path(path).exists())
     if not changed and (only_if_changed or n % 25 != 0):
         return states
-    _LAST_ON[str(path)] = on
+    theirs = file_record(path) if Path(path).exists() else None
+    if theirs is not None and theirs.namespace == ns and missing_from(learner, ns, theirs):
+        if notes is not None:
+            notes.append(f"learned rule {Path(path).name} holds labels this record lacks: not rewritten")
+        return states
     cfg = probe.config
     reuse_meta = replace(reuse_config, mode="joint").to_meta() if reuse_config is not None else None
-    doc = rulefile.build(learner, ns, model_fingerprint=probe.model_fingerprint,
-                         rule_fingerprint=cfg.rule_fingerprint(), arch=cfg.arch, config_meta=cfg.to_meta(),
-                         reuse_meta=reuse_meta, judge={"name": judge.name,
-                                                       "settings": dict(getattr(judge, "settings", {}) or {})},
-                         states=states, recall_k=int(ctx.get("k") or 1))
-    rulefile.save(doc, path)
+
+    def doc(keep_prompts: bool = True) -> dict[str, Any]:
+        return rulefile.build(learner, ns, model_fingerprint=probe.model_fingerprint,
+                              rule_fingerprint=cfg.rule_fingerprint(), arch=cfg.arch, config_meta=cfg.to_meta(),
+                              reuse_meta=reuse_meta, judge={"name": judge.name,
+                                                            "settings": dict(getattr(judge, "settings", {}) or {})},
+                              states=states, recall_k=int(ctx.get("k") or 1), keep_prompts=keep_prompts)
+
+    try:
+        rulefile.save(doc(), path, rebuild=doc)
+    except rulefile.LearnedFileFull as e:
+        log.warning("carnator learning: %s", e)
+        if notes is not None:
+            notes.append(str(e))
+        return states
+    _LAST_ON[str(path)] = on
     log.info("carnator learning: wrote learned rule %s (reuse on for: %s)", Path(path).name, ", ".join(on) or "none")
     return states
