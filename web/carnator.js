@@ -66,6 +66,10 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
+function plural(n, word, many = `${word}s`) {
+  return `${n} ${n === 1 ? word : many}`;
+}
+
 function shortId(id) {
   return id ? String(id).slice(0, 10) : "–";
 }
@@ -107,6 +111,24 @@ function notCompared(verdict) {
     .map((c) => c.axis));
 }
 
+/** The kinds of change (strata: what differs between the request and the cached clip), as a person names them. */
+const KIND_WORDS = {
+  reseed: "re-rolls (a new seed)", rewording: "rewordings", colour: "colour edits", size: "size edits",
+  position: "position edits", motion: "motion edits", background: "background edits", object: "object swaps",
+  count: "changes in the number of objects", mixed: "edits of several kinds at once", exact: "exact repeats",
+};
+
+export function kindWords(stratum) {
+  return KIND_WORDS[stratum] || `'${stratum}' changes`;
+}
+
+/** A verdict the rule refused for its kind of change alone (it passed the thresholds): {stratum, why}, where why
+ *  is the certificate's figure ("(b − c)/n = (3 − 1)/40, U = 0.1200 > α = 0.05", or "was never certified …"). */
+function refusedKind(verdict) {
+  const m = /passes the rule, but stratum '([^']+)'(.*?)\s*— refused/.exec(verdict?.reason || "");
+  return m ? { stratum: m[1], why: m[2].replace(/^:\s*/, "").trim() } : null;
+}
+
 /** One axis check as a line: "✓ object colour ΔE 3.20 ≤ 6.00", or "· object shape: not compared (…)". */
 export function checkLine(c, skipped) {
   const a = AXES[c.axis] || { label: c.axis, unit: "" };
@@ -118,13 +140,14 @@ export function checkLine(c, skipped) {
   };
 }
 
-/** How the request ran: hit (exact / node cache / reuse), miss, or dense — and dense because it was asked to
- *  (the sampler's mode = dense, the filter's mode = never) or because nothing was connected to decide. */
+/** How the request ran: hit (exact / reuse), miss, dense — dense because it was asked to (the sampler's mode = dense,
+ *  the filter's mode = never) or because nothing was connected to decide — or not run: ComfyUI's own node cache
+ *  handed back the output of an unchanged graph, and no Carnator stage ran (neither a hit nor a lookup). */
 export function kindOf(report) {
   const d = report?.decision ? String(report.decision) : "dense";
+  if (report?.outcome === "not_run" || report?.mode === "node_cache") return { key: "not_run", sub: "node_cache" };
   if (d === "hit") {
     if (report.mode === "exact") return { key: "hit", sub: "exact" };
-    if (report.mode === "node_cache") return { key: "hit", sub: "node_cache" };
     return { key: "hit", sub: "reuse" };
   }
   if (report?.requested_mode === "dense") return { key: "dense", sub: "forced" };
@@ -134,10 +157,26 @@ export function kindOf(report) {
   return { key: d, sub: "" }; // a decision this version does not know: shown under its own name
 }
 
+/** The one definition of a hit and of a lookup (the panel's help says it in words, from the server's
+ *  /carnator/cache/stats `definitions`; the cache's own counters count the same way): a lookup is a request
+ *  Carnator served that searched its cache (the Risk Filter ran, or an exact repeat was found); a hit is a lookup
+ *  answered from the cache (an exact repeat, or a reuse of a cached clip). A panel event carries the server's
+ *  reading of both (nodes/_history.py); a report is read here the same way. */
+export function isHit(r) {
+  return kindOf(r).key === "hit";
+}
+
+export function isLookup(r) {
+  if (typeof r?.lookup === "boolean") return r.lookup;
+  const k = kindOf(r).key;
+  return k === "hit" || (k !== "not_run" && r?.filter_mode != null);
+}
+
 const COLORS = {
   hit: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
   miss: { bg: "#4d3a1f", fg: "#ffe2b3", pill: "#c77d1a" },
   dense: { bg: "#2f3340", fg: "#d8dce6", pill: "#5b6478" },
+  not_run: { bg: "#262a33", fg: "#c3c9d6", pill: "#4a5366" },
   idle: { bg: "#2a2d35", fg: "#aab0bd", pill: "#444a57" },
 };
 
@@ -145,9 +184,9 @@ function headline(report, k) {
   const saved = `saved ${pct(report.saving)}`;
   if (k.key === "hit") {
     if (k.sub === "exact") return "HIT · exact repeat · no model call";
-    if (k.sub === "node_cache") return "HIT · ComfyUI node cache · no model call";
     return `HIT · ${report.mode || "joint"} reuse · ${saved}`;
   }
+  if (k.key === "not_run") return "NOT RUN · ComfyUI reused its output";
   if (k.key === "miss") return "MISS · ran dense";
   if (k.sub === "forced") return "DENSE · reuse off (mode = dense)";
   if (k.sub === "never") return "DENSE · Risk Filter mode = never";
@@ -182,7 +221,8 @@ export function ruleLine(report) {
     return `rule: ${report.rule_id} (certified)`;
   }
   if (report?.filter_mode === "prompt_only") return "rule: none · prompt-only baseline, no certificate";
-  if (report?.mode === "exact" || report?.mode === "node_cache") return "rule: not needed (identical request)";
+  if (report?.mode === "node_cache") return "rule: not asked (nothing ran)";
+  if (report?.mode === "exact") return "rule: not needed (identical request)";
   return "rule: none connected";
 }
 
@@ -194,6 +234,7 @@ function summaryLine(report, k, verdict) {
   if (k.key === "hit" && k.sub === "reuse") {
     return `${pct(report.active_fraction)} of tokens recomputed · ${t}`;
   }
+  if (k.key === "not_run") return "graph unchanged: not a Carnator hit";
   if (k.key === "hit") return `entry ${shortId(report.entry_id)} · ${t}`;
   if (k.sub === "forced" || k.sub === "never") {
     const acc = verdict?.accepted ? `filter accepted ${shortId(verdict.entry_id)}, not used · ` : "";
@@ -203,6 +244,8 @@ function summaryLine(report, k, verdict) {
     const rs = report.rule_state?.state;
     if (rs === "learning" || rs === "off") return `served dense: the rule is ${rs} · ${t}`;
     if (!verdict) return `no cached candidate · ${t}`;
+    const refused = refusedKind(verdict);
+    if (refused) return `${kindWords(refused.stratum)} are not certified yet → ran dense`;
     const skipped = notCompared(verdict);
     const failed = (verdict.checks || []).find((c) => !c.passed && !skipped.has(c.axis));
     if (/one side only/.test(verdict.reason || "")) return "objects differ from the closest entry";
@@ -210,7 +253,7 @@ function summaryLine(report, k, verdict) {
       const a = AXES[failed.axis] || { label: failed.axis, unit: "" };
       return `${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " ");
     }
-    return report.reason ? String(report.reason) : `closest ${shortId(verdict.entry_id)} · ${t}`;
+    return `no cached clip close enough → ran dense · ${t}`;
   }
   return `${t}`;
 }
@@ -218,12 +261,21 @@ function summaryLine(report, k, verdict) {
 /** Everything the report says, for the details popover: every line in full (wrapped, never cut). */
 function detailLines(report, k, verdict) {
   const lines = [];
-  if (report.mode === "node_cache") lines.push({ text: "ComfyUI's node cache handed back the stored result." });
+  if (k.key === "not_run") {
+    lines.push({ text: "Nothing in the graph changed since its last run, so ComfyUI handed back the output it kept: " +
+      "no Carnator stage ran and the model was not called. Carnator counts it neither as a lookup nor as a hit." });
+  }
   if (verdict) {
     const sim = typeof verdict.similarity === "number" ? ` · prompt similarity ${num(verdict.similarity)}` : "";
     lines.push({ text: `${k.key === "hit" ? "entry" : "closest entry"} ${verdict.entry_id}${sim}` });
     const skipped = notCompared(verdict);
     for (const c of verdict.checks || []) lines.push(checkLine(c, skipped.has(c.axis)));
+    const refused = refusedKind(verdict);
+    if (refused) {
+      lines.push({ text: `${kindWords(refused.stratum)} are not certified: ${refused.why || "no certificate"}` +
+        (/U = /.test(refused.why) ? " (U: the bound on how much more often reuse fails than a dense run; it must " +
+          "be ≤ α)" : ""), color: NOTE_COLOR });
+    }
     if (verdict.reason) lines.push({ text: `filter: ${verdict.reason}`, color: NOTE_COLOR });
   } else if (k.key !== "dense") {
     lines.push({ text: "no cached candidate in this namespace" });
@@ -234,8 +286,10 @@ function detailLines(report, k, verdict) {
       lines.push({ text: `share of attention blocks kept: ${pct(report.block_density)}` });
     }
   }
-  lines.push({ text: `share of compute saved: ${pct(report.saving)} · model calls ${report.model_calls ?? "–"}` +
-    ` of ${report.steps_total ?? "–"} steps · ${seconds((report.timings_ms || {}).total)}` });
+  if (k.key !== "not_run") {
+    lines.push({ text: `share of compute saved: ${pct(report.saving)} · model calls ${report.model_calls ?? "–"}` +
+      ` of ${report.steps_total ?? "–"} steps · ${seconds((report.timings_ms || {}).total)}` });
+  }
   if (report.reason && !(verdict && report.reason === report.decision_summary)) {
     lines.push({ text: `why: ${report.reason}`, color: NOTE_COLOR });
   }
@@ -543,11 +597,12 @@ function historyPlot(events, purges) {
   let hits = 0, misses = 0;
   const hp = [], mp = [];
   events.forEach((e, i) => {
-    if (e.decision === "hit") hits++;
-    else misses++;
+    const kind = kindOf(e).key;
+    if (kind === "hit") hits++;
+    else if (kind !== "not_run") misses++;
     hp.push([x(i), hits]);
     mp.push([x(i), misses]);
-    const s = typeof e.saving === "number" ? Math.max(0, Math.min(1, e.saving)) : 0;
+    const s = kind !== "not_run" && typeof e.saving === "number" ? Math.max(0, Math.min(1, e.saving)) : 0;
     g.append(svg("rect", { x: x(i) - bw / 2, y: H - pad - s * (H / 2 - pad), width: bw, height: s * (H / 2 - pad),
       fill: "#2e9e4f", opacity: 0.55, class: "carnator-saved-bar" }));
   });
@@ -584,7 +639,7 @@ function requestRow(e) {
     el("div", { style: { minWidth: "0", flex: "1 1 auto" } }, [
       el("div", { textContent: head, className: "carnator-req-decision",
         style: { color: colors.fg, background: colors.bg, borderLeft: `3px solid ${colors.pill}`, padding: "0 4px",
-          fontSize: "12px", whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }),
+          fontSize: "12px", overflowWrap: "anywhere" } }),
       el("div", { textContent: `${when} · seed ${e.seed ?? "–"} · ${e.prompt || ""}`, title: e.prompt || "",
         style: { fontSize: "11px", opacity: "0.8", whiteSpace: "nowrap", overflow: "hidden",
           textOverflow: "ellipsis" } }),
@@ -592,34 +647,64 @@ function requestRow(e) {
   ]);
 }
 
-function namespaceCard(ns, stats, events, purges, learned) {
+const LISTED = 8; // rows of the request list per namespace
+
+function namespaceCard(ns, stats, events, purges, learned, held) {
   // The rule's state: learning mode's record for this namespace (kept in the cache folder) when there is one, else
   // as the last request that went through the Risk Filter saw it (exact repeats need no rule).
   const decided = [...events].reverse().find((e) => e.rule_state || e.rule_id || e.filter_mode);
   const rule = learned ? ruleLine({ rule_state: learned }) : decided ? ruleLine(decided)
     : events.length ? ruleLine(events[events.length - 1]) : "rule: – (no request served since the server started)";
-  const hits = events.filter((e) => e.decision === "hit").length;
-  const saved = events.reduce((s, e) => s + (typeof e.saving === "number" ? e.saving : 0), 0);
+  // The cache's own counters (reset by a purge) and this server's history (kept through a purge): both counted by
+  // the one definition of a hit and a lookup (the help above the cards).
   const counts = stats
-    ? `${stats.entries} entries · ${bytes(stats.bytes)} · hits ${stats.hits}/${stats.lookups} lookups (all time)`
-    : "no entries (purged, or not written yet)";
+    ? `cache: ${plural(stats.entries, "entry", "entries")} · ${bytes(stats.bytes)} · ` +
+      `${plural(stats.hits, "hit")} of ${plural(stats.lookups, "lookup")} since purge`
+    : "cache: no entries (purged, or not written yet)";
+  const h = held || { requests: events.length, hits: events.filter(isHit).length,
+    lookups: events.filter(isLookup).length, not_run: events.filter((e) => kindOf(e).key === "not_run").length };
+  const ran = events.filter((e) => kindOf(e).key !== "not_run");
+  const saved = ran.reduce((s, e) => s + (typeof e.saving === "number" ? e.saving : 0), 0);
+  const listed = events.slice(-LISTED).reverse();
   return el("div", { className: "carnator-ns", dataset: { namespace: ns },
     style: { margin: "10px 0", padding: "8px", border: "1px solid var(--border-color, #444)", borderRadius: "6px" } },
   [
-    el("div", { textContent: namespaceLabel(ns, stats), title: ns,
-      style: { fontWeight: "bold", whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }),
+    el("div", { className: "carnator-ns-title", textContent: namespaceLabel(ns, stats), title: ns,
+      style: { fontWeight: "bold", overflowWrap: "anywhere" } }),
     el("div", { className: "carnator-ns-rule", textContent: rule, style: { margin: "2px 0" } }),
     el("div", { className: "carnator-ns-counts", textContent: counts, style: { opacity: "0.8", fontSize: "12px" } }),
     el("div", { className: "carnator-ns-recent", style: { fontSize: "12px", margin: "4px 0 2px" },
-      textContent: events.length
-        ? `last ${events.length} requests: ${hits} hits, ${events.length - hits} misses/dense · saved ` +
-          `${pct(saved / events.length)} of their compute on average`
+      textContent: h.requests
+        ? `since the server started: ${plural(h.requests, "request")} · ${plural(h.hits, "hit")} of ` +
+          `${plural(h.lookups, "lookup")}` +
+          (h.not_run ? ` · ${h.not_run} not run (ComfyUI reused its output)` : "") +
+          (ran.length ? ` · saved ${pct(saved / ran.length)} of the compute of the last ${ran.length} that ran` : "")
         : "no requests served since the server started" }),
     events.length ? historyPlot(events, purges) : null,
     events.length ? el("div", { style: { fontSize: "11px", opacity: "0.7" },
-      textContent: "lines: hits (green), misses and dense runs (orange), cumulative · bars: share of compute " +
-        "saved per request · dashed: purge" }) : null,
-    ...events.slice(-6).reverse().map(requestRow),
+      textContent: `the last ${events.length} requests · lines: hits (green), misses and dense runs (orange), ` +
+        "cumulative · bars: share of compute saved per request · dashed: purge" }) : null,
+    listed.length ? el("div", { className: "carnator-req-title", style: { fontSize: "12px", margin: "6px 0 2px",
+      fontWeight: "bold" }, textContent: listed.length === 1 ? "the last request"
+      : `last ${listed.length} requests, newest first` }) : null,
+    ...listed.map(requestRow),
+  ]);
+}
+
+/** The panel's help: what each number counts (the definitions come from the server: one text for all). */
+function helpBox(definitions) {
+  const d = definitions || {};
+  const item = (term, text) => el("li", {}, [el("b", { textContent: `${term}: ` }), text || "–"]);
+  return el("details", { className: "carnator-help", style: { margin: "6px 0", fontSize: "12px" } }, [
+    el("summary", { textContent: "What the numbers mean", style: { cursor: "pointer" } }),
+    el("ul", { style: { margin: "4px 0", paddingLeft: "18px" } }, [
+      item("lookup", d.lookup),
+      item("hit", d.hit),
+      item("not run (ComfyUI reused its output)", d.not_run),
+      item("since purge", "the cache's own counters: a purge sets them back to 0"),
+      item("since the server started", "the requests this ComfyUI process served, per model and settings; a purge " +
+        "keeps them, a restart empties them"),
+    ]),
   ]);
 }
 
@@ -639,6 +724,7 @@ function renderPanel(root) {
   const table = el("table", { className: "carnator-stats", style: { width: "100%", borderCollapse: "collapse" } });
   const message = el("div", { className: "carnator-message", style: { margin: "8px 0", minHeight: "1.2em" } });
   const spaces = el("div", { className: "carnator-namespaces" });
+  let help = helpBox(null);
   const button = (text, cls, onclick, title) =>
     el("button", {
       textContent: text, className: cls, onclick, title,
@@ -673,15 +759,18 @@ function renderPanel(root) {
       table.replaceChildren(
         row("entries", String(s.entries ?? 0) + answers),
         row("size", bytes(s.bytes ?? 0)),
-        row("hits", `${s.hits ?? 0} of ${s.lookups ?? 0} lookups` +
+        row("hits since purge", `${s.hits ?? 0} of ${plural(s.lookups ?? 0, "lookup")}` +
           (s.hit_rate == null || !s.lookups ? "" : ` (${pct(s.hit_rate, 1)})`)),
-        row("this session", sessionLine()),
       );
+      const open = help.open;
+      help.replaceWith(help = helpBox(s.definitions || h?.definitions));
+      help.open = open;
       const byNs = new Map((Array.isArray(s.namespaces) ? s.namespaces : []).map((n) => [n.namespace, n]));
       const events = h?.namespaces || {};
       const names = [...new Set([...Object.keys(events), ...byNs.keys()])];
       spaces.replaceChildren(...(names.length
-        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || [], learned.get(ns)))
+        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || [], learned.get(ns),
+          h?.counts?.[ns]))
         : [el("div", { textContent: "no namespace yet: queue a workflow with a Carnator Cache node",
           style: { opacity: "0.7" } })]));
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";
@@ -716,22 +805,17 @@ function renderPanel(root) {
       button("Purge…", "carnator-purge", purge, "Delete every entry; the next queue recomputes")]),
     message,
     table,
+    help,
     spaces,
   );
   state.refreshPanel = refresh;
   refresh();
 }
 
-function sessionLine() {
-  const n = state.reports.length;
-  const hits = state.reports.filter((r) => r.decision === "hit").length;
-  return n ? `${hits}/${n} hits (${pct(hits / n)})` : "no runs yet";
-}
-
 // ---------------------------------------------------------------------------------------------------------
 
 // For tests and other extensions: the text the badge shows for a report, and its details.
-Object.assign(state, { badgeLines, ruleLine, kindOf, BADGE_HEIGHT });
+Object.assign(state, { badgeLines, ruleLine, kindOf, isHit, isLookup, BADGE_HEIGHT });
 
 app.registerExtension({
   name: "carnator.ReuseBadge",
