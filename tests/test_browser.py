@@ -281,12 +281,23 @@ def inject_report(page: Any, node_id: str, report: dict[str, Any]) -> None:
 
 
 def badge_rows(page: Any, node_id: str) -> list[str]:
-    """The rows the badge of sampler ``node_id`` shows on the page."""
+    """The rows of the badge of sampler ``node_id`` on the page, in full (a narrow row shows a shorter form of it,
+    ``shown_rows``; the full text is its tooltip)."""
     return page.evaluate("""(id) => {
         const w = app.graph.getNodeById(id).widgets.find(w => w.name === 'carnator_badge');
         const vue = document.querySelector(`[data-node-id="${id}"] .carnator-badge`);
         const e = vue || w.element;
-        return [...e.children].map(d => d.textContent);
+        return [...e.children].map(d => d.title || d.textContent);
+    }""", node_id)
+
+
+def shown_rows(page: Any, node_id: str) -> list[dict[str, Any]]:
+    """What each badge row shows: its text, its full text (tooltip) and whether it is cut (wider than its box)."""
+    return page.evaluate("""(id) => {
+        const w = app.graph.getNodeById(id).widgets.find(w => w.name === 'carnator_badge');
+        const e = document.querySelector(`[data-node-id="${id}"] .carnator-badge`) || w.element;
+        return [...e.children].map(d => ({text: d.textContent, full: d.title, width: d.clientWidth,
+                                          cut: d.scrollWidth > d.clientWidth + 1}));
     }""", node_id)
 
 
@@ -386,9 +397,9 @@ EXPECTED_ROWS = {
                    "rule: none connected"],
     "unfiltered": ["DENSE · no Risk Filter connected", "2.01 s", "rule: none connected"],
     "strata_none": ["MISS · ran dense", "re-rolls (a new seed) are not certified yet → ran dense",
-                    "rule: certified strata: none — exact repeats only"],
+                    "rule: no kind certified · exact repeats only"],
     "strata_some": ["HIT · joint reuse · saved 62%", "23% of tokens recomputed · 0.84 s",
-                    "rule: certified strata: size, colour"],
+                    "rule: reuse on for size, colour"],
     "learning": ["MISS · ran dense", "served dense: the rule is learning · 1.65 s",
                  "rule: learning · 37 of 120 labels (serving dense)"],
 }
@@ -801,12 +812,9 @@ def test_a_refused_kind_reads_in_words(page: Any, server: ComfyServer, ui: str) 
     assert rows[:2] == ["MISS · ran dense", "motion edits are not certified yet → ran dense"], rows
     focus_sampler(page, 0.75)
     time.sleep(0.5)
-    cut = page.evaluate("""(id) => {
-        const w = app.graph.getNodeById(id).widgets.find(w => w.name === 'carnator_badge');
-        const e = document.querySelector(`[data-node-id="${id}"] .carnator-badge`) || w.element;
-        return [...e.children].filter(r => r.scrollWidth > r.clientWidth + 1).map(r => r.textContent);
-    }""", sampler)
-    assert cut == [], cut
+    shown = shown_rows(page, sampler)
+    assert not any(r["cut"] for r in shown), shown
+    assert shown[1]["text"].startswith("motion edits") and "not certified" in shown[1]["text"], shown
     b = badge_element_box(page, sampler)
     page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
     page.wait_for_selector(".carnator-details", timeout=30_000)
@@ -814,6 +822,116 @@ def test_a_refused_kind_reads_in_words(page: Any, server: ComfyServer, ui: str) 
     assert "motion edits are not certified: (b − c)/n = (" in details and "> α = 0.05" in details, details
     page.screenshot(path=str(ARTIFACTS / ui / "badge_refused_kind.png"))
     page.keyboard.press("Escape")
+    ours = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
+    assert not ours, ours
+
+
+STRATA_STATE = {  # a learner's per-kind record after its pilot (the fields web/carnator.js reads)
+    "colour": {"state": "learning", "labels": 19, "needed": 86, "rank": 0, "sequence": {"n": 12}},
+    "reseed": {"state": "learning", "labels": 9, "needed": 86, "rank": 1, "sequence": {"n": 5}},
+    "size": {"state": "certified", "labels": 90, "needed": 86, "rank": 2, "sequence": {"n": 86}},
+}
+LONG_ROWS = {  # the longest rows each kind of report gives, besides REPORTS
+    "five_kinds": {**REPORTS_HIT, "certified_strata": ["size", "colour", "rewording", "reseed", "position"]},
+    "refused_count": {**REPORTS["strata_none"], "verdicts": [{
+        **REPORTS["strata_none"]["verdicts"][0],
+        "reason": "rejected: passes the rule, but stratum 'count': (b − c)/n = (9 − 1)/61, U = 0.2100 > α = 0.05 — "
+                  "refused, served dense"}]},
+    "pilot": {**REPORTS["learning"], "rule_state": {
+        "state": "learning", "labels": 0, "needed": 86, "labels_total": 4, "namespace": "a1b2", "message": "",
+        "strata": {"colour": {"state": "learning", "labels": 4, "needed": 86, "rank": -1, "sequence": None}},
+        "pilot": {"requests": 23, "size": 60, "done": False}, "requests_per_label": {}}},
+    "learning_kinds": {**REPORTS["learning"], "rule_state": {
+        "state": "learning", "labels": 12, "needed": 86, "labels_total": 118, "namespace": "a1b2", "message": "",
+        "strata": STRATA_STATE, "pilot": {"requests": 60, "size": 60, "done": True},
+        "requests_per_label": {"colour": 4.2, "reseed": 7.5, "size": 3.1}}},
+    "off": {**REPORTS["learning"], "rule_state": {
+        "state": "off", "labels": 12, "needed": 212, "labels_total": 118, "namespace": "a1b2", "message": "",
+        "strata": {**STRATA_STATE, "colour": {**STRATA_STATE["colour"], "state": "off", "needed": 212,
+                                              "sequence": {"n": 123}}},
+        "pilot": {"requests": 60, "size": 60, "done": True}, "requests_per_label": {"colour": 14.2}}},
+}
+
+
+def test_learning_progress_in_words(page: Any) -> None:
+    """Learning's progress as the badge and the details give it, from a learner's rule_state: the pilot's requests
+    with a candidate, then per kind the labels its test counts (not the ones it cannot) and about how many requests
+    remain at the traffic mix the pilot measured."""
+    open_workflow(page, "embedded")
+    sampler = sampler_ids(page)[0]
+    inject_report(page, sampler, LONG_ROWS["pilot"])
+    rows = badge_rows(page, sampler)
+    assert rows[1:] == ["learning (pilot) → ran dense · 1.65 s",
+                        "rule: learning · pilot: 23 of 60 requests with a candidate"], rows
+    inject_report(page, sampler, LONG_ROWS["learning_kinds"])
+    rows = badge_rows(page, sampler)
+    # colour: first in the order, 12 counted of 86, (86 − 12) · 4.2 = 310.8 → about 311 requests
+    assert rows[1:] == ["colour edits: about 311 requests to go → ran dense",
+                        "rule: learning · colour edits: 12 of 86 labels"], rows
+    details = page.evaluate("(r) => window.carnator.badgeLines(r).details.map(l => l.text)",
+                            LONG_ROWS["learning_kinds"])
+    assert "reuse on for size edits (certified)" in details, details
+    assert any(d.startswith("colour edits: 12 of about 86 labels · about 311 requests to go at this traffic mix (7 "
+                            "more made that its test cannot count") for d in details), details
+    assert any(d.startswith("re-rolls (a new seed): 5 of about 86 labels · about 608 requests to go") for d in details)
+
+
+def test_learning_shows_the_pilot_from_the_first_request(page: Any, server: ComfyServer, ui: str) -> None:
+    """The EasyCache workflow learns its rule: from its first request the badge and the panel show the pilot's
+    progress, as GET /carnator/rules counts it (served requests with a cached candidate, of the pilot's 60)."""
+    import secrets
+
+    directory = f"learn_{secrets.token_hex(4)}"  # a cache, and so a learning record, of its own
+    open_workflow(page, "embedded_easycache")
+    set_widget(page, "CarnatorCacheLoader", "directory", directory)
+    sampler = sampler_ids(page)[0]
+    seen = []
+    for seed in (101, 102):  # the second request has the first as its cached candidate
+        set_widget(page, "CarnatorEarlyProbe", "seed", seed)
+        report = run_and_wait_for_badge(page, server)
+        assert report["rule_state"]["state"] == "learning", report
+        learned = server.get(f"/carnator/rules?directory={directory}")["namespaces"]
+        pilot = next(r["pilot"] for r in learned if r["namespace"] == report["rule_state"]["namespace"])
+        assert pilot["size"] == 60 and not pilot["done"], pilot
+        assert report["rule_state"]["pilot"] == pilot, (report["rule_state"], pilot)
+        rows = badge_rows(page, sampler)
+        assert rows[2] == f"rule: learning · pilot: {pilot['requests']} of 60 requests with a candidate", rows
+        assert rows[1].startswith("learning (pilot) → ran dense"), rows
+        assert not any(r["cut"] for r in shown_rows(page, sampler))
+        seen.append(pilot["requests"])
+    assert seen == [0, 1], seen  # the first request had no candidate; the second had the first
+    open_panel(page)
+    wait_for_panel(page, "panel.querySelector('.carnator-dir')?.value === arg.dir && [...panel.querySelectorAll("
+                         "'.carnator-ns-learning')].some(e => e.textContent.includes(arg.text))",
+                   {"dir": directory, "text": "pilot: 1 of 60 requests with a candidate"})
+    page.screenshot(path=str(ARTIFACTS / ui / "panel_learning.png"))
+
+
+def test_badge_rows_whole_at_75_and_100_percent_and_at_the_minimum_width(page: Any, ui: str) -> None:
+    """No badge row is cut, whatever the report: at 75 % and 100 % zoom at the workflow's width each row shows in
+    full or in a shorter form of itself (the whole row is its tooltip), and at the node's minimum width too."""
+    open_workflow(page, "embedded")
+    sampler = sampler_ids(page)[0]
+    width0 = page.evaluate("(id) => app.graph.getNodeById(id).size[0]", sampler)
+    cases = {**REPORTS, **LONG_ROWS}
+    for label, width in (("default", None), ("minimum", "min")):
+        if width == "min":
+            page.evaluate("(id) => { const n = app.graph.getNodeById(id); n.setSize([1, n.size[1]]); "
+                          "n.setSize([n.computeSize()[0], n.size[1]]); app.canvas.setDirty(true, true); }", sampler)
+            w = page.evaluate("(id) => app.graph.getNodeById(id).size[0]", sampler)
+            assert 280 <= w < width0, w  # narrower than as loaded, never narrower than its rows need
+        for zoom in (0.75, 1.0):
+            for kind, report in cases.items():
+                inject_report(page, sampler, report)
+                focus_sampler(page, zoom)
+                time.sleep(0.3)
+                shown = shown_rows(page, sampler)
+                full = page.evaluate("(r) => window.carnator.badgeLines(r).lines"
+                                     ".map(l => [l.text, ...(l.short || [])])", report)
+                assert [r["full"] for r in shown] == [f[0] for f in full], (kind, shown)
+                assert all(r["text"] in f for r, f in zip(shown, full)), (kind, shown, full)
+                assert not any(r["cut"] for r in shown), (label, zoom, kind, shown)
+            page.screenshot(path=str(ARTIFACTS / ui / f"badge_rows_{label}_{int(zoom * 100)}.png"))
     ours = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
     assert not ours, ours
 

@@ -34,6 +34,8 @@ const LINE_HEIGHT = 17; // px per badge row
 const BADGE_PAD = 5; // px, inside the badge's border
 const BADGE_ROWS = 3; // decision, summary, rule: always three, so the node never changes height for a report
 const BADGE_HEIGHT = BADGE_PAD * 2 + 2 + LINE_HEIGHT * BADGE_ROWS;
+// The sampler's minimum width: the badge's text then has about 250 px, which every row's shortest form fits.
+const MIN_NODE_WIDTH = 300;
 
 const PASS_COLOR = "#8fe3a3";
 const FAIL_COLOR = "#ff9a8a";
@@ -180,82 +182,166 @@ const COLORS = {
   idle: { bg: "#2a2d35", fg: "#aab0bd", pill: "#444a57" },
 };
 
+/** A badge row: its text and shorter forms, tried in turn where the row is too narrow for it (the whole text is
+ *  the row's tooltip and in the details). */
+function row(text, ...short) {
+  return { text, short: short.filter((x) => x && x !== text) };
+}
+
 function headline(report, k) {
   const saved = `saved ${pct(report.saving)}`;
   if (k.key === "hit") {
-    if (k.sub === "exact") return "HIT · exact repeat · no model call";
-    return `HIT · ${report.mode || "joint"} reuse · ${saved}`;
+    if (k.sub === "exact") return row("HIT · exact repeat · no model call", "HIT · exact repeat");
+    return row(`HIT · ${report.mode || "joint"} reuse · ${saved}`, `HIT · ${saved}`);
   }
-  if (k.key === "not_run") return "NOT RUN · ComfyUI reused its output";
-  if (k.key === "miss") return "MISS · ran dense";
-  if (k.sub === "forced") return "DENSE · reuse off (mode = dense)";
-  if (k.sub === "never") return "DENSE · Risk Filter mode = never";
-  if (k.key === "dense") return "DENSE · no Risk Filter connected";
-  return String(k.key).toUpperCase();
+  if (k.key === "not_run") return row("NOT RUN · ComfyUI reused its output", "NOT RUN · ComfyUI's output");
+  if (k.key === "miss") return row("MISS · ran dense");
+  if (k.sub === "forced") return row("DENSE · reuse off (mode = dense)", "DENSE · mode = dense");
+  if (k.sub === "never") return row("DENSE · Risk Filter mode = never", "DENSE · filter: never");
+  if (k.key === "dense") return row("DENSE · no Risk Filter connected", "DENSE · no Risk Filter");
+  return row(String(k.key).toUpperCase());
 }
 
-/** The rule's state as one line: contract `rule_state` {state, labels, needed, message, namespace} when the
- *  report carries it, else what the decision says (the rule file that decided). */
-export function ruleLine(report) {
+/** Short names of the kinds of change, for narrow rows. */
+const KIND_SHORT = { reseed: "re-rolls", count: "object counts", mixed: "mixed edits", object: "object swaps",
+  background: "backgrounds" };
+
+/** The kinds as list items ("reuse on for size, colour, rewordings"). */
+const KIND_NOUN = { reseed: "re-rolls", rewording: "rewordings", object: "object swaps", count: "object counts",
+  mixed: "mixed edits" };
+
+function kindNoun(stratum) {
+  return KIND_NOUN[stratum] || stratum;
+}
+
+function kindShort(stratum) {
+  return KIND_SHORT[stratum] || kindWords(stratum);
+}
+
+/** Learning progress from a `rule_state`: {pilot: {requests, size} while the pilot runs, or null}, and per kind of
+ *  change still learning, in the order they are certified in: {stratum, counted (labels its test counts), made
+ *  (labels made of it, counted or not), needed, toGo (about how many more served requests, at the traffic mix the
+ *  pilot measured; null when unknown)}. */
+export function learningProgress(rs) {
+  const pilot = rs?.pilot && !rs.pilot.done ? rs.pilot : null;
+  const rates = rs?.requests_per_label || {};
+  const kinds = Object.entries(rs?.strata || {}).filter(([, x]) => x && x.state !== "certified" && x.state !== "audited")
+    .map(([stratum, x]) => {
+      const counted = pilot ? 0 : x.sequence?.n ?? 0;
+      const needed = Number.isFinite(x.needed) ? x.needed : null;
+      const left = needed == null ? null : Math.max(needed - counted, 0);
+      const rate = rates[stratum];
+      return { stratum, counted, made: x.labels ?? 0, needed, rank: Number.isFinite(x.rank) ? x.rank : 99,
+        toGo: !pilot && left != null && typeof rate === "number" && isFinite(rate) ? Math.ceil(left * rate) : null };
+    })
+    .sort((p, q) => (p.rank < 0 ? 99 : p.rank) - (q.rank < 0 ? 99 : q.rank) || p.stratum.localeCompare(q.stratum));
+  const certified = Object.entries(rs?.strata || {}).filter(([, x]) => x?.state === "certified" ||
+    x?.state === "audited").map(([k]) => k);
+  return { pilot, kinds, certified, counted: kinds.reduce((t, x) => t + x.counted, 0) };
+}
+
+function ruleRow(report) {
   const rs = report?.rule_state;
   if (rs && typeof rs === "object" && rs.state) {
     const s = String(rs.state);
-    if (s === "learning") {
+    const prog = learningProgress(rs);
+    if (s === "learning" || s === "off") {
+      const what = s === "off" ? "off, relearning" : "learning";
+      if (prog.pilot) {
+        const { requests, size } = prog.pilot;
+        return row(`rule: ${what} · pilot: ${requests} of ${size} requests with a candidate`,
+          `rule: ${what} · pilot: ${requests} of ${size} requests`, `${what} · pilot ${requests}/${size}`);
+      }
+      const head = prog.kinds[0];
+      if (head && head.needed != null) {
+        return row(`rule: ${what} · ${kindWords(head.stratum)}: ${head.counted} of ${head.needed} labels`,
+          `rule: ${what} · ${kindShort(head.stratum)}: ${head.counted}/${head.needed} labels`,
+          `${what} · ${head.counted}/${head.needed} labels`);
+      }
+      if (s === "off") return row("rule: off · serving dense");
       const n = Number.isFinite(rs.labels) ? rs.labels : "?";
       const of = Number.isFinite(rs.needed) ? ` of ${rs.needed}` : "";
-      return `rule: learning · ${n}${of} labels (serving dense)`;
+      return row(`rule: ${what} · ${n}${of} labels (serving dense)`, `rule: ${what} · ${n}${of} labels`);
     }
-    if (s === "certified") return "rule: certified · reuse on";
-    if (s === "audited") return "rule: certified, audited · reuse on";
-    if (s === "off") return "rule: off · serving dense";
-    if (s === "shipped") return "rule: shipped, certified · reuse on";
-    return `rule: ${s}`;
+    const on = prog.certified.length ? prog.certified : null;
+    if (s === "certified" || s === "audited") {
+      const audited = s === "audited" ? ", audited" : "";
+      return row(on ? `rule: certified${audited} · reuse on for ${on.map(kindNoun).join(", ")}`
+        : `rule: certified${audited} · reuse on`, `rule: certified${audited} · reuse on`);
+    }
+    if (s === "shipped") return row("rule: shipped, certified · reuse on");
+    return row(`rule: ${s}`);
   }
   if (report?.rule_id) {
     // A rule with per-stratum certificates serves only the strata that certified alone; its pooled certificate
     // says nothing about the others. With none certified only exact repeats (answered before the filter) reuse.
     const cs = report.certified_strata;
     if (Array.isArray(cs)) {
-      return cs.length ? `rule: certified strata: ${cs.join(", ")}` : "rule: certified strata: none — exact repeats only";
+      return cs.length
+        ? row(`rule: reuse on for ${cs.map(kindNoun).join(", ")}`, `rule: reuse on for ${plural(cs.length, "kind")} ` +
+          "of change", `rule: ${cs.length} kinds certified`)
+        : row("rule: no kind certified · exact repeats only", "rule: exact repeats only");
     }
-    return `rule: ${report.rule_id} (certified)`;
+    return row(`rule: ${report.rule_id} (certified)`, "rule: certified");
   }
-  if (report?.filter_mode === "prompt_only") return "rule: none · prompt-only baseline, no certificate";
-  if (report?.mode === "node_cache") return "rule: not asked (nothing ran)";
-  if (report?.mode === "exact") return "rule: not needed (identical request)";
-  return "rule: none connected";
+  if (report?.filter_mode === "prompt_only") {
+    return row("rule: none · prompt-only baseline, no certificate", "rule: none · prompt only");
+  }
+  if (report?.mode === "node_cache") return row("rule: not asked (nothing ran)");
+  if (report?.mode === "exact") return row("rule: not needed (identical request)", "rule: not needed");
+  return row("rule: none connected");
+}
+
+/** The rule's state as one line (the badge's third row in full; the panel's card). */
+export function ruleLine(report) {
+  return ruleRow(report).text;
 }
 
 /** The summary row: the one figure that matters for this kind of decision. */
 function summaryLine(report, k, verdict) {
   const t = seconds((report.timings_ms || {}).total);
   // The Cache Writer could not keep the clip (full disk, read-only, unreachable): the clip itself is fine.
-  if (report.not_cached) return `⚠ not cached: ${report.not_cached}`;
+  if (report.not_cached) return row(`⚠ not cached: ${report.not_cached}`, "⚠ not cached (click for why)");
   if (k.key === "hit" && k.sub === "reuse") {
-    return `${pct(report.active_fraction)} of tokens recomputed · ${t}`;
+    return row(`${pct(report.active_fraction)} of tokens recomputed · ${t}`,
+      `${pct(report.active_fraction)} recomputed · ${t}`);
   }
-  if (k.key === "not_run") return "graph unchanged: not a Carnator hit";
-  if (k.key === "hit") return `entry ${shortId(report.entry_id)} · ${t}`;
+  if (k.key === "not_run") return row("graph unchanged: not a Carnator hit", "not a Carnator hit");
+  if (k.key === "hit") return row(`entry ${shortId(report.entry_id)} · ${t}`);
   if (k.sub === "forced" || k.sub === "never") {
     const acc = verdict?.accepted ? `filter accepted ${shortId(verdict.entry_id)}, not used · ` : "";
-    return `${acc}${t}`;
+    return row(`${acc}${t}`, verdict?.accepted ? `filter accepted one, not used · ${t}` : "",
+      verdict?.accepted ? "accepted, not used" : "");
   }
   if (k.key === "miss") {
-    const rs = report.rule_state?.state;
-    if (rs === "learning" || rs === "off") return `served dense: the rule is ${rs} · ${t}`;
-    if (!verdict) return `no cached candidate · ${t}`;
+    const rs = report.rule_state;
+    if (rs?.state === "learning" || rs?.state === "off") {
+      const prog = learningProgress(rs);
+      if (prog.pilot) return row(`learning (pilot) → ran dense · ${t}`, "learning (pilot) → ran dense");
+      const head = prog.kinds[0];
+      if (head?.toGo != null) {
+        return row(`${kindWords(head.stratum)}: about ${head.toGo} requests to go → ran dense`,
+          `${kindShort(head.stratum)}: ~${head.toGo} requests to go → dense`, `~${head.toGo} requests to go → dense`);
+      }
+      return row(`served dense: the rule is ${rs.state} · ${t}`, `the rule is ${rs.state} → dense`);
+    }
+    if (!verdict) return row(`no cached candidate · ${t}`, "no cached candidate");
     const refused = refusedKind(verdict);
-    if (refused) return `${kindWords(refused.stratum)} are not certified yet → ran dense`;
+    if (refused) {
+      return row(`${kindWords(refused.stratum)} are not certified yet → ran dense`,
+        `${kindShort(refused.stratum)} not certified yet → dense`, `${kindShort(refused.stratum)}: not certified`);
+    }
     const skipped = notCompared(verdict);
     const failed = (verdict.checks || []).find((c) => !c.passed && !skipped.has(c.axis));
-    if (/one side only/.test(verdict.reason || "")) return "objects differ from the closest entry";
+    if (/one side only/.test(verdict.reason || "")) return row("objects differ from the closest entry", "objects differ");
     if (failed) {
       const a = AXES[failed.axis] || { label: failed.axis, unit: "" };
-      return `${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " ");
+      return row(`${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " "),
+        `${a.label} ${num(failed.value)} > ${num(failed.threshold)}`);
     }
-    return `no cached clip close enough → ran dense · ${t}`;
+    return row(`no cached clip close enough → ran dense · ${t}`, "no cached clip close enough");
   }
-  return `${t}`;
+  return row(`${t}`);
 }
 
 /** Everything the report says, for the details popover: every line in full (wrapped, never cut). */
@@ -294,11 +380,36 @@ function detailLines(report, k, verdict) {
     lines.push({ text: `why: ${report.reason}`, color: NOTE_COLOR });
   }
   const rs = report.rule_state;
-  if (rs && rs.message) lines.push({ text: `rule: ${rs.message}`, color: MUTED_COLOR });
+  const learning = learningLines(rs);
+  if (learning.length) for (const text of learning) lines.push({ text, color: MUTED_COLOR });
+  else if (rs && rs.message) lines.push({ text: `rule: ${rs.message}`, color: MUTED_COLOR });
   if (rs && rs.namespace) lines.push({ text: `namespace ${rs.namespace}`, color: MUTED_COLOR });
   for (const f of report.fallbacks || []) lines.push({ text: `fallback: ${f}`, color: NOTE_COLOR });
   if (report.not_cached) lines.push({ text: `not cached (the clip is fine): ${report.not_cached}`, color: NOTE_COLOR });
   return lines;
+}
+
+/** Learning's progress in full, one line each (the details popover and the panel's card): the pilot, then per kind
+ *  still learning its labels that its test counts, of about how many, and about how many requests to go. */
+export function learningLines(rs) {
+  if (!rs || !rs.strata || !["learning", "off", "certified", "audited"].includes(String(rs.state))) return [];
+  const prog = learningProgress(rs);
+  const out = [];
+  if (prog.pilot) {
+    out.push(`pilot: ${prog.pilot.requests} of ${prog.pilot.size} requests with a candidate — then the kinds of ` +
+      "change are put in the order they are certified in, and labels count from there");
+  }
+  if (prog.certified.length) out.push(`reuse on for ${prog.certified.map(kindWords).join(", ")} (certified)`);
+  if (!prog.pilot) {
+    for (const x of prog.kinds.slice(0, 4)) {
+      const extra = x.made > x.counted ? ` (${x.made - x.counted} more made that its test cannot count: before ` +
+        "the order was fixed, or the reuse run could not run)" : "";
+      out.push(`${kindWords(x.stratum)}: ${x.counted} of about ${x.needed ?? "?"} labels` +
+        (x.toGo != null ? ` · about ${x.toGo} requests to go at this traffic mix` : "") + extra);
+    }
+    if (prog.kinds.length > 4) out.push(`${prog.kinds.length - 4} more kinds learning after these`);
+  }
+  return out;
 }
 
 /** The badge for a report: {kind, sub, colors, lines: [decision, summary, rule], details: [...]}. Pure; the DOM
@@ -307,9 +418,9 @@ export function badgeLines(report) {
   const k = kindOf(report);
   const verdict = chosenVerdict(report);
   const lines = [
-    { text: headline(report, k), bold: true },
-    { text: summaryLine(report, k, verdict) },
-    { text: ruleLine(report), color: MUTED_COLOR },
+    { ...headline(report, k), bold: true },
+    summaryLine(report, k, verdict),
+    { ...ruleRow(report), color: MUTED_COLOR },
   ];
   return { kind: k.key, sub: k.sub, colors: COLORS[k.key] || COLORS.dense, lines,
     details: detailLines(report, k, verdict) };
@@ -347,13 +458,30 @@ export function renderBadge(element, report) {
   });
   element.title = report ? "Click for the full decision" : "";
   element.replaceChildren(...lines.map((line, i) => {
-    const row = document.createElement("div");
-    row.className = i ? "carnator-badge-line" : "carnator-badge-head";
-    styleRow(row, line, i, colors);
-    row.textContent = line.text;
-    return row;
+    const div = document.createElement("div");
+    div.className = i ? "carnator-badge-line" : "carnator-badge-head";
+    styleRow(div, line, i, colors);
+    div.textContent = line.text;
+    div.title = line.text; // the whole row, whichever form is shown
+    div.dataset.full = line.text;
+    div.carnatorForms = [line.text, ...(line.short || [])];
+    return div;
   }));
+  fitRows(element);
   return lines.length;
+}
+
+/** Show each row in the longest of its forms that fits the badge's width (never cut: the shortest forms fit the
+ *  node's minimum width). Runs again whenever the badge is laid out anew (zoom, a resized node). */
+function fitRows(element) {
+  for (const div of element.children) {
+    const forms = div.carnatorForms;
+    if (!forms || !div.clientWidth) continue; // not laid out yet: the resize observer calls again
+    for (const text of forms) {
+      if (div.textContent !== text) div.textContent = text;
+      if (div.scrollWidth <= div.clientWidth + 1) break;
+    }
+  }
 }
 
 function closeDetails() {
@@ -402,6 +530,7 @@ function badgeWidget(node) {
   if (existing) return existing;
   const element = document.createElement("div");
   element.className = "carnator-badge";
+  if (typeof ResizeObserver === "function") new ResizeObserver(() => fitRows(element)).observe(element);
   element.addEventListener("click", (e) => {
     e.stopPropagation();
     openDetails(element, node.carnatorReport);
@@ -631,7 +760,7 @@ function requestRow(e) {
         flex: "0 0 auto" } })
     : el("div", { className: "carnator-thumb-none", textContent: "–", style: { width: "40px", height: "40px",
       flex: "0 0 auto", textAlign: "center", lineHeight: "40px", opacity: "0.5" } });
-  const head = headline(e, k);
+  const head = headline(e, k).text;
   return el("div", { className: "carnator-req", dataset: { decision: k.key },
     style: { display: "flex", gap: "8px", alignItems: "center", padding: "3px 0",
       borderTop: "1px solid rgba(255,255,255,0.06)" } }, [
@@ -672,6 +801,8 @@ function namespaceCard(ns, stats, events, purges, learned, held) {
     el("div", { className: "carnator-ns-title", textContent: namespaceLabel(ns, stats), title: ns,
       style: { fontWeight: "bold", overflowWrap: "anywhere" } }),
     el("div", { className: "carnator-ns-rule", textContent: rule, style: { margin: "2px 0" } }),
+    el("div", { className: "carnator-ns-learning", style: { fontSize: "12px", opacity: "0.85" } },
+      learningLines(learned || decided?.rule_state).map((text) => el("div", { textContent: text }))),
     el("div", { className: "carnator-ns-counts", textContent: counts, style: { opacity: "0.8", fontSize: "12px" } }),
     el("div", { className: "carnator-ns-recent", style: { fontSize: "12px", margin: "4px 0 2px" },
       textContent: h.requests
@@ -815,7 +946,7 @@ function renderPanel(root) {
 // ---------------------------------------------------------------------------------------------------------
 
 // For tests and other extensions: the text the badge shows for a report, and its details.
-Object.assign(state, { badgeLines, ruleLine, kindOf, isHit, isLookup, BADGE_HEIGHT });
+Object.assign(state, { badgeLines, ruleLine, kindOf, isHit, isLookup, learningProgress, learningLines, BADGE_HEIGHT });
 
 app.registerExtension({
   name: "carnator.ReuseBadge",
@@ -867,6 +998,13 @@ app.registerExtension({
       return r;
     };
     if (nodeData.name !== SAMPLER) return;
+    // Never narrower than the badge's rows need (LiteGraph's resize and the layout take computeSize as the minimum).
+    const computeSize = nodeType.prototype.computeSize;
+    nodeType.prototype.computeSize = function () {
+      const size = computeSize.apply(this, arguments);
+      size[0] = Math.max(size[0], MIN_NODE_WIDTH);
+      return size;
+    };
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       const r = onExecuted?.apply(this, arguments);
