@@ -19,6 +19,16 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Mapping
 
+#: The one definition of a hit and of a lookup: the badge (web/carnator.js ``isHit`` / ``isLookup``), the panel, its
+#: help, these events and the cache's own counters (``/carnator/cache/stats``; carnator_core/request.py counts a
+#: request's lookup and hit when it is served) all count this way.
+DEFINITIONS = {
+    "lookup": "a request Carnator served that searched its cache: the Risk Filter ran, or an exact repeat was found",
+    "hit": "a lookup answered from the cache: an exact repeat (no model call) or a reuse of a cached clip",
+    "not_run": "ComfyUI's own node cache handed back the output of an unchanged graph: no Carnator stage ran, so it "
+               "is neither a lookup nor a hit",
+}
+
 MAX_EVENTS = 200
 MAX_NAMESPACES = 32
 THUMB_PX = 96
@@ -26,10 +36,30 @@ THUMB_PX = 96
 _LOCK = threading.Lock()
 _EVENTS: "OrderedDict[str, deque[dict[str, Any]]]" = OrderedDict()
 _PURGES: "deque[float]" = deque(maxlen=MAX_EVENTS)
+STARTED = time.time()  # the history covers the requests since then (this process)
 
 #: Report fields an event keeps (the rest of a report is per-axis detail the badge already shows).
 _KEEP = ("decision", "mode", "entry_id", "saving", "model_calls", "steps_total", "active_fraction", "reason",
          "requested_mode", "filter_mode", "rule_id", "certified_strata", "rule_state", "decision_summary")
+
+
+def outcome(meta: Mapping[str, Any]) -> str:
+    """What a served request counts as: "hit", "miss", "dense" (forced, or nothing connected to decide) or
+    "not_run" (ComfyUI's node cache answered: no Carnator stage ran)."""
+    if meta.get("mode") == "node_cache":
+        return "not_run"
+    if meta.get("decision") == "hit":
+        return "hit"
+    if meta.get("decision") == "miss" and meta.get("requested_mode") != "dense" and meta.get("filter_mode") != "never":
+        return "miss"
+    return "dense"
+
+
+def is_lookup(meta: Mapping[str, Any]) -> bool:
+    """Whether a served request searched the cache (``DEFINITIONS["lookup"]``): a hit, or a request the Risk Filter
+    decided (its report names the filter's mode)."""
+    kind = outcome(meta)
+    return kind == "hit" or (kind != "not_run" and meta.get("filter_mode") is not None)
 
 
 def thumbnail(samples: Any, model: Any = None) -> str | None:
@@ -71,7 +101,8 @@ def record(namespace: str, meta: Mapping[str, Any], *, prompt: str = "", seed: i
            thumb: str | None = None) -> None:
     """Remember one served request of ``namespace`` (its report ``meta``, as the badge gets it)."""
     event = {k: meta.get(k) for k in _KEEP if k in meta}
-    event.update(time=time.time(), prompt=str(prompt)[:200], seed=seed, thumbnail=thumb)
+    event.update(time=time.time(), prompt=str(prompt)[:200], seed=seed, thumbnail=thumb, outcome=outcome(meta),
+                 lookup=is_lookup(meta))
     with _LOCK:
         q = _EVENTS.get(namespace)
         if q is None:

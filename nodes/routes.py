@@ -6,7 +6,8 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
 
 * ``GET  /carnator/cache/stats?directory=carnator_cache`` → the store's statistics as JSON (``Store.stats()``:
   entries, bytes, lookups, hits, hit_rate, namespaces, ...), or ``exists: false`` and zeros for a directory that
-  is not a Carnator cache (yet): reading stats never creates a cache.
+  is not a Carnator cache (yet): reading stats never creates a cache. Its lookups and hits count since the last
+  purge (``counted_since``), by the one definition of both (``definitions``, ``nodes/_history.py``).
 * ``POST /carnator/cache/purge`` with JSON ``{"directory": "carnator_cache"}`` → what the purge removed. The
   cache's purge count moves, and with it the Cache loader node's change fingerprint: ComfyUI runs the same graph
   again next time instead of answering it from its own node cache.
@@ -14,8 +15,10 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
   cache folder: each namespace's ``rule_state`` ("learning — n labels of about N needed; ...", per stratum), or
   ``namespaces: []`` when nothing was learned there yet (reading never creates the learning record).
 * ``GET  /carnator/requests?namespace=&limit=50`` → the last requests this server process served, per namespace
-  (``nodes/_history.py``: time, decision, share of compute saved, rule and rule state, a thumbnail), newest last,
-  and ``purges``: when this process purged a cache. Lives in memory: empty after a restart.
+  (``nodes/_history.py``: time, decision, what it counts as, share of compute saved, rule and rule state, a
+  thumbnail), newest last; ``counts`` per namespace over every event held (requests, hits, lookups, not run),
+  ``since`` (when the history started) and ``purges``: when this process purged a cache. Lives in memory: empty
+  after a restart; a purge keeps it.
 
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
 resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
@@ -148,14 +151,16 @@ def _redis_answer(directory: str, purge: bool) -> dict[str, Any]:
     base = {"directory": directory, "path": store.url}
     try:
         if not store.exists():
-            empty = {"purged": 0} if purge else {"entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None}
+            empty = {"purged": 0} if purge else {"entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None,
+                                                 "counted_since": "purge", "definitions": _history.DEFINITIONS}
             return {**base, "exists": False, **empty}
         if purge:
             result = store.purge()
             log.info("carnator: cache %s purged from the web panel: %s", store.url, result)
             _history.mark_purge()
             return {**base, "exists": True, "purged": result}
-        return {**base, "exists": True, **_jsonable(store.stats())}
+        return {**base, "exists": True, **_jsonable(store.stats()), "counted_since": "purge",
+                "definitions": _history.DEFINITIONS}
     except CacheUnavailableError as e:
         raise RouteError(503, str(e)) from None
 
@@ -167,7 +172,8 @@ def cache_stats(directory: str | None) -> dict[str, Any]:
     path = resolve_directory(directory)
     base = {"directory": directory or DEFAULT_DIRECTORY, "path": str(path)}
     if not _is_cache_dir(path):
-        return {**base, "exists": False, "entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None}
+        return {**base, "exists": False, "entries": 0, "bytes": 0, "lookups": 0, "hits": 0, "hit_rate": None,
+                "counted_since": "purge", "definitions": _history.DEFINITIONS}
     store = _open(path)
     try:
         stats = _jsonable(store.stats())
@@ -177,7 +183,7 @@ def cache_stats(directory: str | None) -> dict[str, Any]:
             close()
     if not isinstance(stats, dict):
         stats = {"stats": stats}
-    return {**base, "exists": True, **stats}
+    return {**base, "exists": True, **stats, "counted_since": "purge", "definitions": _history.DEFINITIONS}
 
 
 def cache_purge(directory: str | None) -> dict[str, Any]:
@@ -279,7 +285,13 @@ def recent_requests(namespace: str | None, limit: str | None) -> dict[str, Any]:
     if not 1 <= n <= MAX_LIMIT:
         raise RouteError(400, f"limit must be an integer between 1 and {MAX_LIMIT}, got {n}")
     events = _history.recent((namespace or "").strip() or None)
-    return {"namespaces": {ns: ev[-n:] for ns, ev in events.items()}, "purges": _history.purges()}
+    # ``counts``: every event the server still holds, counted by the one definition (``definitions``), beside the
+    # last ``limit`` events listed; the history survives a purge and starts with the server (``since``).
+    counts = {ns: {"requests": len(ev), "hits": sum(e.get("outcome") == "hit" for e in ev),
+                   "lookups": sum(bool(e.get("lookup")) for e in ev),
+                   "not_run": sum(e.get("outcome") == "not_run" for e in ev)} for ns, ev in events.items()}
+    return {"namespaces": {ns: ev[-n:] for ns, ev in events.items()}, "counts": counts, "purges": _history.purges(),
+            "since": _history.STARTED, "definitions": _history.DEFINITIONS}
 
 
 async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:

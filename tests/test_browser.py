@@ -281,12 +281,23 @@ def inject_report(page: Any, node_id: str, report: dict[str, Any]) -> None:
 
 
 def badge_rows(page: Any, node_id: str) -> list[str]:
-    """The rows the badge of sampler ``node_id`` shows on the page."""
+    """The rows of the badge of sampler ``node_id`` on the page, in full (a narrow row shows a shorter form of it,
+    ``shown_rows``; the full text is its tooltip)."""
     return page.evaluate("""(id) => {
         const w = app.graph.getNodeById(id).widgets.find(w => w.name === 'carnator_badge');
         const vue = document.querySelector(`[data-node-id="${id}"] .carnator-badge`);
         const e = vue || w.element;
-        return [...e.children].map(d => d.textContent);
+        return [...e.children].map(d => d.title || d.textContent);
+    }""", node_id)
+
+
+def shown_rows(page: Any, node_id: str) -> list[dict[str, Any]]:
+    """What each badge row shows: its text, its full text (tooltip) and whether it is cut (wider than its box)."""
+    return page.evaluate("""(id) => {
+        const w = app.graph.getNodeById(id).widgets.find(w => w.name === 'carnator_badge');
+        const e = document.querySelector(`[data-node-id="${id}"] .carnator-badge`) || w.element;
+        return [...e.children].map(d => ({text: d.textContent, full: d.title, width: d.clientWidth,
+                                          cut: d.scrollWidth > d.clientWidth + 1}));
     }""", node_id)
 
 
@@ -385,10 +396,10 @@ EXPECTED_ROWS = {
     "not_cached": ["DENSE · reuse off (mode = dense)", "⚠ not cached: the cache folder's disk is full (12 KiB free)",
                    "rule: none connected"],
     "unfiltered": ["DENSE · no Risk Filter connected", "2.01 s", "rule: none connected"],
-    "strata_none": ["MISS · ran dense", "stratum 'reseed' refused",
-                    "rule: certified strata: none — exact repeats only"],
+    "strata_none": ["MISS · ran dense", "re-rolls (a new seed) are not certified yet → ran dense",
+                    "rule: no kind certified · exact repeats only"],
     "strata_some": ["HIT · joint reuse · saved 62%", "23% of tokens recomputed · 0.84 s",
-                    "rule: certified strata: size, colour"],
+                    "rule: reuse on for size, colour"],
     "learning": ["MISS · ran dense", "served dense: the rule is learning · 1.65 s",
                  "rule: learning · 37 of 120 labels (serving dense)"],
 }
@@ -634,9 +645,10 @@ def test_real_runs_badges_no_overlap_panel_and_purge(page: Any, server: ComfySer
     assert badge_rows(page, sampler)[0] == "DENSE · reuse off (mode = dense)"
     assert_no_overlap(page, "forced dense", out / "dense.png")
 
-    # 5. The same graph again: ComfyUI's own node cache answers it (nothing runs).
+    # 5. The same graph again: ComfyUI's own node cache answers it (nothing runs): not a Carnator hit.
     report = run_and_wait_for_badge(page, server)
-    assert (report["decision"], report["mode"], report["model_calls"]) == ("hit", "node_cache", 0), report
+    assert (report["mode"], report["model_calls"]) == ("node_cache", 0), report
+    assert badge_rows(page, sampler)[0] == "NOT RUN · ComfyUI reused its output"
 
     # 6. The panel: this namespace with its rule, the requests with decisions and thumbnails; then purge.
     page.locator(".carnator-cache-tab-button, [data-testid='carnator-cache-tab-button']").first.click()
@@ -672,6 +684,254 @@ def test_real_runs_badges_no_overlap_panel_and_purge(page: Any, server: ComfySer
                            timeout=30_000)
     assert page.locator(".carnator-ns .carnator-purge-mark").count() >= 1
     page.screenshot(path=str(out / "cache_panel_after_purge.png"))
+    ours = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
+    assert not ours, ours
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def open_panel(page: Any) -> None:
+    """Open the Carnator sidebar tab (its button), unless it is open."""
+    if not page.locator(".carnator-panel").count():
+        page.locator(".carnator-cache-tab-button, [data-testid='carnator-cache-tab-button']").first.click()
+    page.wait_for_selector(".carnator-panel", timeout=30_000)
+
+
+def wait_for_panel(page: Any, condition: str, arg: Any = None) -> None:
+    """Refresh the panel until ``condition`` (a JS expression over ``panel`` and ``arg``) holds."""
+    page.wait_for_function(f"""(arg) => {{
+        const panel = document.querySelector('.carnator-panel');
+        if (!panel) return false;
+        if ({condition}) return true;
+        window.carnator.refreshPanel?.();
+        return false;
+    }}""", arg=arg, timeout=60_000, polling=1000)
+
+
+def test_requeue_is_not_run_and_one_definition_of_hits(page: Any, server: ComfyServer, ui: str) -> None:
+    """A dense warm-up, its exact repeat through the full graph (a hit) and a requeue of that unchanged graph, which
+    ComfyUI's own node cache answers: the badge says NOT RUN (ComfyUI reused its output), never a hit; the badge,
+    the panel, its request list, GET /carnator/requests and the cache's counters (GET /carnator/cache/stats) count
+    one hit and one lookup, by the one definition the panel's help states; the cache's counters say "since purge"
+    and the request list shows as many rows as its title says."""
+    import secrets
+
+    directory = f"counts_{secrets.token_hex(4)}"  # a cache of its own: its counters start at 0
+    seed = 7_000 + secrets.randbelow(10**6)  # a request of its own in the server's history
+    open_workflow(page, "embedded_warm_cache")
+    set_widget(page, "CarnatorCacheLoader", "directory", directory)
+    set_widget(page, "CarnatorEarlyProbe", "seed", seed)
+    reports_ = [run_and_wait_for_badge(page, server)]
+    assert reports_[0]["decision"] == "dense", reports_[0]
+    open_workflow(page, "embedded")
+    set_widget(page, "CarnatorCacheLoader", "directory", directory)
+    set_widget(page, "CarnatorEarlyProbe", "seed", seed)
+    reports_.append(run_and_wait_for_badge(page, server))
+    assert (reports_[1]["decision"], reports_[1]["mode"]) == ("hit", "exact"), reports_[1]
+    reports_.append(run_and_wait_for_badge(page, server))  # the unchanged graph again
+    assert (reports_[2]["mode"], reports_[2]["model_calls"]) == ("node_cache", 0), reports_[2]
+    sampler = sampler_ids(page)[0]
+    rows = badge_rows(page, sampler)
+    assert rows == ["NOT RUN · ComfyUI reused its output", "graph unchanged: not a Carnator hit",
+                    "rule: not asked (nothing ran)"], rows
+    b = badge_element_box(page, sampler)
+    page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
+    page.wait_for_selector(".carnator-details", timeout=30_000)
+    details = page.locator(".carnator-details").inner_text()
+    assert "neither as a lookup nor as a hit" in details and "saved" not in details, details
+    page.keyboard.press("Escape")
+
+    # The cache's counters: the exact repeat is the one hit and the one lookup (the warm-up had no Risk Filter,
+    # the node cache ran nothing); the badge's reading of the three reports is the same.
+    stats = server.get(f"/carnator/cache/stats?directory={directory}")
+    assert (stats["hits"], stats["lookups"], stats["counted_since"]) == (1, 1, "purge"), stats
+    assert page.evaluate("(rs) => [rs.filter(window.carnator.isHit).length, rs.filter(window.carnator.isLookup)"
+                         ".length]", reports_) == [1, 1]
+    listed = server.get("/carnator/requests?limit=200")
+    ns, ours = next((ns, [e for e in ev if e.get("seed") == seed]) for ns, ev in listed["namespaces"].items()
+                    if any(e.get("seed") == seed for e in ev))
+    assert [(e["outcome"], e["lookup"]) for e in ours] == [("dense", False), ("hit", True), ("not_run", False)], ours
+    counts = listed["counts"][ns]
+    held = [e for e in listed["namespaces"][ns]]
+    assert counts == {"requests": len(held), "hits": sum(e["outcome"] == "hit" for e in held),
+                      "lookups": sum(e["lookup"] for e in held),
+                      "not_run": sum(e["outcome"] == "not_run" for e in held)}, (counts, held)
+
+    # The panel says the same, with the span each count covers and the definitions in its help.
+    open_panel(page)
+    wait_for_panel(page, "panel.querySelector('.carnator-dir')?.value === arg && "
+                         "[...panel.querySelectorAll('.carnator-ns .carnator-req')].length > 0", directory)
+    wait_for_panel(page, "panel.querySelector(`.carnator-ns[data-namespace=\"${arg}\"] .carnator-req`)"
+                         "?.dataset.decision === 'not_run'", ns)
+    card = page.locator(f'.carnator-ns[data-namespace="{ns}"]')
+    mine = next(n for n in stats["namespaces"] if n["namespace"] == ns)
+    assert card.locator(".carnator-ns-counts").inner_text().endswith(
+        f"{plural(mine['hits'], 'hit')} of {plural(mine['lookups'], 'lookup')} since purge")
+    recent = card.locator(".carnator-ns-recent").inner_text()
+    counts = server.get("/carnator/requests?limit=60")["counts"][ns]
+    assert recent.startswith(f"since the server started: {plural(counts['requests'], 'request')} · "
+                             f"{plural(counts['hits'], 'hit')} of {plural(counts['lookups'], 'lookup')} · "
+                             f"{counts['not_run']} not run (ComfyUI reused its output)"), (recent, counts)
+    table = page.locator(".carnator-stats").inner_text()
+    assert "hits since purge\t1 of 1 lookup" in table, table
+    title = card.locator(".carnator-req-title").inner_text()
+    listed_rows = card.locator(".carnator-req")
+    assert title == f"last {listed_rows.count()} requests, newest first" and listed_rows.count() >= 3, title
+    newest = listed_rows.first
+    assert newest.get_attribute("data-decision") == "not_run"
+    assert newest.locator(".carnator-req-decision").inner_text() == "NOT RUN · ComfyUI reused its output"
+    page.locator(".carnator-help summary").click()
+    help_text = page.locator(".carnator-help").inner_text()
+    for text in stats["definitions"].values():
+        assert text in help_text, (text, help_text)
+    page.screenshot(path=str(ARTIFACTS / ui / "panel_counts.png"))
+    ours_ = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
+    assert not ours_, ours_
+
+
+def test_a_refused_kind_reads_in_words(page: Any, server: ComfyServer, ui: str) -> None:
+    """A motion edit of a cached request, which the shipped rule refuses for its kind of change alone (it passes the
+    thresholds): the badge says so in words on the badge itself, and a click shows the certificate's figure."""
+    import secrets
+
+    directory = f"kinds_{secrets.token_hex(4)}"
+    open_workflow(page, "embedded")
+    set_widget(page, "CarnatorCacheLoader", "directory", directory)
+    text = "a big red ball moves to the right in the top left, on green grass"
+    set_widget(page, "PrimitiveStringMultiline", "value", text)
+    first = run_and_wait_for_badge(page, server)
+    assert first["decision"] == "miss" and first["model_calls"] > 0, first  # an empty cache: computed, stored
+    set_widget(page, "PrimitiveStringMultiline", "value", text.replace("moves to the right", "moves up"))
+    report = run_and_wait_for_badge(page, server)
+    assert report["decision"] == "miss" and report["model_calls"] > 0, report
+    assert any("stratum 'motion'" in v["reason"] and "refused" in v["reason"] for v in report["verdicts"]), report
+    sampler = sampler_ids(page)[0]
+    rows = badge_rows(page, sampler)
+    assert rows[:2] == ["MISS · ran dense", "motion edits are not certified yet → ran dense"], rows
+    focus_sampler(page, 0.75)
+    time.sleep(0.5)
+    shown = shown_rows(page, sampler)
+    assert not any(r["cut"] for r in shown), shown
+    assert shown[1]["text"].startswith("motion edits") and "not certified" in shown[1]["text"], shown
+    b = badge_element_box(page, sampler)
+    page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
+    page.wait_for_selector(".carnator-details", timeout=30_000)
+    details = page.locator(".carnator-details").inner_text()
+    assert "motion edits are not certified: (b − c)/n = (" in details and "> α = 0.05" in details, details
+    page.screenshot(path=str(ARTIFACTS / ui / "badge_refused_kind.png"))
+    page.keyboard.press("Escape")
+    ours = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
+    assert not ours, ours
+
+
+STRATA_STATE = {  # a learner's per-kind record after its pilot (the fields web/carnator.js reads)
+    "colour": {"state": "learning", "labels": 19, "needed": 86, "rank": 0, "sequence": {"n": 12}},
+    "reseed": {"state": "learning", "labels": 9, "needed": 86, "rank": 1, "sequence": {"n": 5}},
+    "size": {"state": "certified", "labels": 90, "needed": 86, "rank": 2, "sequence": {"n": 86}},
+}
+LONG_ROWS = {  # the longest rows each kind of report gives, besides REPORTS
+    "five_kinds": {**REPORTS_HIT, "certified_strata": ["size", "colour", "rewording", "reseed", "position"]},
+    "refused_count": {**REPORTS["strata_none"], "verdicts": [{
+        **REPORTS["strata_none"]["verdicts"][0],
+        "reason": "rejected: passes the rule, but stratum 'count': (b − c)/n = (9 − 1)/61, U = 0.2100 > α = 0.05 — "
+                  "refused, served dense"}]},
+    "pilot": {**REPORTS["learning"], "rule_state": {
+        "state": "learning", "labels": 0, "needed": 86, "labels_total": 4, "namespace": "a1b2", "message": "",
+        "strata": {"colour": {"state": "learning", "labels": 4, "needed": 86, "rank": -1, "sequence": None}},
+        "pilot": {"requests": 23, "size": 60, "done": False}, "requests_per_label": {}}},
+    "learning_kinds": {**REPORTS["learning"], "rule_state": {
+        "state": "learning", "labels": 12, "needed": 86, "labels_total": 118, "namespace": "a1b2", "message": "",
+        "strata": STRATA_STATE, "pilot": {"requests": 60, "size": 60, "done": True},
+        "requests_per_label": {"colour": 4.2, "reseed": 7.5, "size": 3.1}}},
+    "off": {**REPORTS["learning"], "rule_state": {
+        "state": "off", "labels": 12, "needed": 212, "labels_total": 118, "namespace": "a1b2", "message": "",
+        "strata": {**STRATA_STATE, "colour": {**STRATA_STATE["colour"], "state": "off", "needed": 212,
+                                              "sequence": {"n": 123}}},
+        "pilot": {"requests": 60, "size": 60, "done": True}, "requests_per_label": {"colour": 14.2}}},
+}
+
+
+def test_learning_progress_in_words(page: Any) -> None:
+    """Learning's progress as the badge and the details give it, from a learner's rule_state: the pilot's requests
+    with a candidate, then per kind the labels its test counts (not the ones it cannot) and about how many requests
+    remain at the traffic mix the pilot measured."""
+    open_workflow(page, "embedded")
+    sampler = sampler_ids(page)[0]
+    inject_report(page, sampler, LONG_ROWS["pilot"])
+    rows = badge_rows(page, sampler)
+    assert rows[1:] == ["learning (pilot) → ran dense · 1.65 s",
+                        "rule: learning · pilot: 23 of 60 requests with a candidate"], rows
+    inject_report(page, sampler, LONG_ROWS["learning_kinds"])
+    rows = badge_rows(page, sampler)
+    # colour: first in the order, 12 counted of 86, (86 − 12) · 4.2 = 310.8 → about 311 requests
+    assert rows[1:] == ["colour edits: about 311 requests to go → ran dense",
+                        "rule: learning · colour edits: 12 of 86 labels"], rows
+    details = page.evaluate("(r) => window.carnator.badgeLines(r).details.map(l => l.text)",
+                            LONG_ROWS["learning_kinds"])
+    assert "reuse on for size edits (certified)" in details, details
+    assert any(d.startswith("colour edits: 12 of about 86 labels · about 311 requests to go at this traffic mix (7 "
+                            "more made that its test cannot count") for d in details), details
+    assert any(d.startswith("re-rolls (a new seed): 5 of about 86 labels · about 608 requests to go") for d in details)
+
+
+def test_learning_shows_the_pilot_from_the_first_request(page: Any, server: ComfyServer, ui: str) -> None:
+    """The EasyCache workflow learns its rule: from its first request the badge and the panel show the pilot's
+    progress, as GET /carnator/rules counts it (served requests with a cached candidate, of the pilot's 60)."""
+    import secrets
+
+    directory = f"learn_{secrets.token_hex(4)}"  # a cache, and so a learning record, of its own
+    open_workflow(page, "embedded_easycache")
+    set_widget(page, "CarnatorCacheLoader", "directory", directory)
+    sampler = sampler_ids(page)[0]
+    seen = []
+    for seed in (101, 102):  # the second request has the first as its cached candidate
+        set_widget(page, "CarnatorEarlyProbe", "seed", seed)
+        report = run_and_wait_for_badge(page, server)
+        assert report["rule_state"]["state"] == "learning", report
+        learned = server.get(f"/carnator/rules?directory={directory}")["namespaces"]
+        pilot = next(r["pilot"] for r in learned if r["namespace"] == report["rule_state"]["namespace"])
+        assert pilot["size"] == 60 and not pilot["done"], pilot
+        assert report["rule_state"]["pilot"] == pilot, (report["rule_state"], pilot)
+        rows = badge_rows(page, sampler)
+        assert rows[2] == f"rule: learning · pilot: {pilot['requests']} of 60 requests with a candidate", rows
+        assert rows[1].startswith("learning (pilot) → ran dense"), rows
+        assert not any(r["cut"] for r in shown_rows(page, sampler))
+        seen.append(pilot["requests"])
+    assert seen == [0, 1], seen  # the first request had no candidate; the second had the first
+    open_panel(page)
+    wait_for_panel(page, "panel.querySelector('.carnator-dir')?.value === arg.dir && [...panel.querySelectorAll("
+                         "'.carnator-ns-learning')].some(e => e.textContent.includes(arg.text))",
+                   {"dir": directory, "text": "pilot: 1 of 60 requests with a candidate"})
+    page.screenshot(path=str(ARTIFACTS / ui / "panel_learning.png"))
+
+
+def test_badge_rows_whole_at_75_and_100_percent_and_at_the_minimum_width(page: Any, ui: str) -> None:
+    """No badge row is cut, whatever the report: at 75 % and 100 % zoom at the workflow's width each row shows in
+    full or in a shorter form of itself (the whole row is its tooltip), and at the node's minimum width too."""
+    open_workflow(page, "embedded")
+    sampler = sampler_ids(page)[0]
+    width0 = page.evaluate("(id) => app.graph.getNodeById(id).size[0]", sampler)
+    cases = {**REPORTS, **LONG_ROWS}
+    for label, width in (("default", None), ("minimum", "min")):
+        if width == "min":
+            page.evaluate("(id) => { const n = app.graph.getNodeById(id); n.setSize([1, n.size[1]]); "
+                          "n.setSize([n.computeSize()[0], n.size[1]]); app.canvas.setDirty(true, true); }", sampler)
+            w = page.evaluate("(id) => app.graph.getNodeById(id).size[0]", sampler)
+            assert 280 <= w < width0, w  # narrower than as loaded, never narrower than its rows need
+        for zoom in (0.75, 1.0):
+            for kind, report in cases.items():
+                inject_report(page, sampler, report)
+                focus_sampler(page, zoom)
+                time.sleep(0.3)
+                shown = shown_rows(page, sampler)
+                full = page.evaluate("(r) => window.carnator.badgeLines(r).lines"
+                                     ".map(l => [l.text, ...(l.short || [])])", report)
+                assert [r["full"] for r in shown] == [f[0] for f in full], (kind, shown)
+                assert all(r["text"] in f for r, f in zip(shown, full)), (kind, shown, full)
+                assert not any(r["cut"] for r in shown), (label, zoom, kind, shown)
+            page.screenshot(path=str(ARTIFACTS / ui / f"badge_rows_{label}_{int(zoom * 100)}.png"))
     ours = [e for e in PAGE_ERRORS if "carnator" in e.lower()]
     assert not ours, ours
 

@@ -34,6 +34,8 @@ const LINE_HEIGHT = 17; // px per badge row
 const BADGE_PAD = 5; // px, inside the badge's border
 const BADGE_ROWS = 3; // decision, summary, rule: always three, so the node never changes height for a report
 const BADGE_HEIGHT = BADGE_PAD * 2 + 2 + LINE_HEIGHT * BADGE_ROWS;
+// The sampler's minimum width: the badge's text then has about 250 px, which every row's shortest form fits.
+const MIN_NODE_WIDTH = 300;
 
 const PASS_COLOR = "#8fe3a3";
 const FAIL_COLOR = "#ff9a8a";
@@ -64,6 +66,10 @@ function bytes(n) {
     i++;
   }
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function plural(n, word, many = `${word}s`) {
+  return `${n} ${n === 1 ? word : many}`;
 }
 
 function shortId(id) {
@@ -107,6 +113,24 @@ function notCompared(verdict) {
     .map((c) => c.axis));
 }
 
+/** The kinds of change (strata: what differs between the request and the cached clip), as a person names them. */
+const KIND_WORDS = {
+  reseed: "re-rolls (a new seed)", rewording: "rewordings", colour: "colour edits", size: "size edits",
+  position: "position edits", motion: "motion edits", background: "background edits", object: "object swaps",
+  count: "changes in the number of objects", mixed: "edits of several kinds at once", exact: "exact repeats",
+};
+
+export function kindWords(stratum) {
+  return KIND_WORDS[stratum] || `'${stratum}' changes`;
+}
+
+/** A verdict the rule refused for its kind of change alone (it passed the thresholds): {stratum, why}, where why
+ *  is the certificate's figure ("(b − c)/n = (3 − 1)/40, U = 0.1200 > α = 0.05", or "was never certified …"). */
+function refusedKind(verdict) {
+  const m = /passes the rule, but stratum '([^']+)'(.*?)\s*— refused/.exec(verdict?.reason || "");
+  return m ? { stratum: m[1], why: m[2].replace(/^:\s*/, "").trim() } : null;
+}
+
 /** One axis check as a line: "✓ object colour ΔE 3.20 ≤ 6.00", or "· object shape: not compared (…)". */
 export function checkLine(c, skipped) {
   const a = AXES[c.axis] || { label: c.axis, unit: "" };
@@ -118,13 +142,14 @@ export function checkLine(c, skipped) {
   };
 }
 
-/** How the request ran: hit (exact / node cache / reuse), miss, or dense — and dense because it was asked to
- *  (the sampler's mode = dense, the filter's mode = never) or because nothing was connected to decide. */
+/** How the request ran: hit (exact / reuse), miss, dense — dense because it was asked to (the sampler's mode = dense,
+ *  the filter's mode = never) or because nothing was connected to decide — or not run: ComfyUI's own node cache
+ *  handed back the output of an unchanged graph, and no Carnator stage ran (neither a hit nor a lookup). */
 export function kindOf(report) {
   const d = report?.decision ? String(report.decision) : "dense";
+  if (report?.outcome === "not_run" || report?.mode === "node_cache") return { key: "not_run", sub: "node_cache" };
   if (d === "hit") {
     if (report.mode === "exact") return { key: "hit", sub: "exact" };
-    if (report.mode === "node_cache") return { key: "hit", sub: "node_cache" };
     return { key: "hit", sub: "reuse" };
   }
   if (report?.requested_mode === "dense") return { key: "dense", sub: "forced" };
@@ -134,96 +159,209 @@ export function kindOf(report) {
   return { key: d, sub: "" }; // a decision this version does not know: shown under its own name
 }
 
+/** The one definition of a hit and of a lookup (the panel's help says it in words, from the server's
+ *  /carnator/cache/stats `definitions`; the cache's own counters count the same way): a lookup is a request
+ *  Carnator served that searched its cache (the Risk Filter ran, or an exact repeat was found); a hit is a lookup
+ *  answered from the cache (an exact repeat, or a reuse of a cached clip). A panel event carries the server's
+ *  reading of both (nodes/_history.py); a report is read here the same way. */
+export function isHit(r) {
+  return kindOf(r).key === "hit";
+}
+
+export function isLookup(r) {
+  if (typeof r?.lookup === "boolean") return r.lookup;
+  const k = kindOf(r).key;
+  return k === "hit" || (k !== "not_run" && r?.filter_mode != null);
+}
+
 const COLORS = {
   hit: { bg: "#1f4d2b", fg: "#c8f7d2", pill: "#2e9e4f" },
   miss: { bg: "#4d3a1f", fg: "#ffe2b3", pill: "#c77d1a" },
   dense: { bg: "#2f3340", fg: "#d8dce6", pill: "#5b6478" },
+  not_run: { bg: "#262a33", fg: "#c3c9d6", pill: "#4a5366" },
   idle: { bg: "#2a2d35", fg: "#aab0bd", pill: "#444a57" },
 };
+
+/** A badge row: its text and shorter forms, tried in turn where the row is too narrow for it (the whole text is
+ *  the row's tooltip and in the details). */
+function row(text, ...short) {
+  return { text, short: short.filter((x) => x && x !== text) };
+}
 
 function headline(report, k) {
   const saved = `saved ${pct(report.saving)}`;
   if (k.key === "hit") {
-    if (k.sub === "exact") return "HIT · exact repeat · no model call";
-    if (k.sub === "node_cache") return "HIT · ComfyUI node cache · no model call";
-    return `HIT · ${report.mode || "joint"} reuse · ${saved}`;
+    if (k.sub === "exact") return row("HIT · exact repeat · no model call", "HIT · exact repeat");
+    return row(`HIT · ${report.mode || "joint"} reuse · ${saved}`, `HIT · ${saved}`);
   }
-  if (k.key === "miss") return "MISS · ran dense";
-  if (k.sub === "forced") return "DENSE · reuse off (mode = dense)";
-  if (k.sub === "never") return "DENSE · Risk Filter mode = never";
-  if (k.key === "dense") return "DENSE · no Risk Filter connected";
-  return String(k.key).toUpperCase();
+  if (k.key === "not_run") return row("NOT RUN · ComfyUI reused its output", "NOT RUN · ComfyUI's output");
+  if (k.key === "miss") return row("MISS · ran dense");
+  if (k.sub === "forced") return row("DENSE · reuse off (mode = dense)", "DENSE · mode = dense");
+  if (k.sub === "never") return row("DENSE · Risk Filter mode = never", "DENSE · filter: never");
+  if (k.key === "dense") return row("DENSE · no Risk Filter connected", "DENSE · no Risk Filter");
+  return row(String(k.key).toUpperCase());
 }
 
-/** The rule's state as one line: contract `rule_state` {state, labels, needed, message, namespace} when the
- *  report carries it, else what the decision says (the rule file that decided). */
-export function ruleLine(report) {
+/** Short names of the kinds of change, for narrow rows. */
+const KIND_SHORT = { reseed: "re-rolls", count: "object counts", mixed: "mixed edits", object: "object swaps",
+  background: "backgrounds" };
+
+/** The kinds as list items ("reuse on for size, colour, rewordings"). */
+const KIND_NOUN = { reseed: "re-rolls", rewording: "rewordings", object: "object swaps", count: "object counts",
+  mixed: "mixed edits" };
+
+function kindNoun(stratum) {
+  return KIND_NOUN[stratum] || stratum;
+}
+
+function kindShort(stratum) {
+  return KIND_SHORT[stratum] || kindWords(stratum);
+}
+
+/** Learning progress from a `rule_state`: {pilot: {requests, size} while the pilot runs, or null}, and per kind of
+ *  change still learning, in the order they are certified in: {stratum, counted (labels its test counts), made
+ *  (labels made of it, counted or not), needed, toGo (about how many more served requests, at the traffic mix the
+ *  pilot measured; null when unknown)}. */
+export function learningProgress(rs) {
+  const pilot = rs?.pilot && !rs.pilot.done ? rs.pilot : null;
+  const rates = rs?.requests_per_label || {};
+  const kinds = Object.entries(rs?.strata || {}).filter(([, x]) => x && x.state !== "certified" && x.state !== "audited")
+    .map(([stratum, x]) => {
+      const counted = pilot ? 0 : x.sequence?.n ?? 0;
+      const needed = Number.isFinite(x.needed) ? x.needed : null;
+      const left = needed == null ? null : Math.max(needed - counted, 0);
+      const rate = rates[stratum];
+      return { stratum, counted, made: x.labels ?? 0, needed, rank: Number.isFinite(x.rank) ? x.rank : 99,
+        toGo: !pilot && left != null && typeof rate === "number" && isFinite(rate) ? Math.ceil(left * rate) : null };
+    })
+    .sort((p, q) => (p.rank < 0 ? 99 : p.rank) - (q.rank < 0 ? 99 : q.rank) || p.stratum.localeCompare(q.stratum));
+  const certified = Object.entries(rs?.strata || {}).filter(([, x]) => x?.state === "certified" ||
+    x?.state === "audited").map(([k]) => k);
+  return { pilot, kinds, certified, counted: kinds.reduce((t, x) => t + x.counted, 0) };
+}
+
+function ruleRow(report) {
   const rs = report?.rule_state;
   if (rs && typeof rs === "object" && rs.state) {
     const s = String(rs.state);
-    if (s === "learning") {
+    const prog = learningProgress(rs);
+    if (s === "learning" || s === "off") {
+      const what = s === "off" ? "off, relearning" : "learning";
+      if (prog.pilot) {
+        const { requests, size } = prog.pilot;
+        return row(`rule: ${what} · pilot: ${requests} of ${size} requests with a candidate`,
+          `rule: ${what} · pilot: ${requests} of ${size} requests`, `${what} · pilot ${requests}/${size}`);
+      }
+      const head = prog.kinds[0];
+      if (head && head.needed != null) {
+        return row(`rule: ${what} · ${kindWords(head.stratum)}: ${head.counted} of ${head.needed} labels`,
+          `rule: ${what} · ${kindShort(head.stratum)}: ${head.counted}/${head.needed} labels`,
+          `${what} · ${head.counted}/${head.needed} labels`);
+      }
+      if (s === "off") return row("rule: off · serving dense");
       const n = Number.isFinite(rs.labels) ? rs.labels : "?";
       const of = Number.isFinite(rs.needed) ? ` of ${rs.needed}` : "";
-      return `rule: learning · ${n}${of} labels (serving dense)`;
+      return row(`rule: ${what} · ${n}${of} labels (serving dense)`, `rule: ${what} · ${n}${of} labels`);
     }
-    if (s === "certified") return "rule: certified · reuse on";
-    if (s === "audited") return "rule: certified, audited · reuse on";
-    if (s === "off") return "rule: off · serving dense";
-    if (s === "shipped") return "rule: shipped, certified · reuse on";
-    return `rule: ${s}`;
+    const on = prog.certified.length ? prog.certified : null;
+    if (s === "certified" || s === "audited") {
+      const audited = s === "audited" ? ", audited" : "";
+      return row(on ? `rule: certified${audited} · reuse on for ${on.map(kindNoun).join(", ")}`
+        : `rule: certified${audited} · reuse on`, `rule: certified${audited} · reuse on`);
+    }
+    if (s === "shipped") return row("rule: shipped, certified · reuse on");
+    return row(`rule: ${s}`);
   }
   if (report?.rule_id) {
     // A rule with per-stratum certificates serves only the strata that certified alone; its pooled certificate
     // says nothing about the others. With none certified only exact repeats (answered before the filter) reuse.
     const cs = report.certified_strata;
     if (Array.isArray(cs)) {
-      return cs.length ? `rule: certified strata: ${cs.join(", ")}` : "rule: certified strata: none — exact repeats only";
+      return cs.length
+        ? row(`rule: reuse on for ${cs.map(kindNoun).join(", ")}`, `rule: reuse on for ${plural(cs.length, "kind")} ` +
+          "of change", `rule: ${cs.length} kinds certified`)
+        : row("rule: no kind certified · exact repeats only", "rule: exact repeats only");
     }
-    return `rule: ${report.rule_id} (certified)`;
+    return row(`rule: ${report.rule_id} (certified)`, "rule: certified");
   }
-  if (report?.filter_mode === "prompt_only") return "rule: none · prompt-only baseline, no certificate";
-  if (report?.mode === "exact" || report?.mode === "node_cache") return "rule: not needed (identical request)";
-  return "rule: none connected";
+  if (report?.filter_mode === "prompt_only") {
+    return row("rule: none · prompt-only baseline, no certificate", "rule: none · prompt only");
+  }
+  if (report?.mode === "node_cache") return row("rule: not asked (nothing ran)");
+  if (report?.mode === "exact") return row("rule: not needed (identical request)", "rule: not needed");
+  return row("rule: none connected");
+}
+
+/** The rule's state as one line (the badge's third row in full; the panel's card). */
+export function ruleLine(report) {
+  return ruleRow(report).text;
 }
 
 /** The summary row: the one figure that matters for this kind of decision. */
 function summaryLine(report, k, verdict) {
   const t = seconds((report.timings_ms || {}).total);
   // The Cache Writer could not keep the clip (full disk, read-only, unreachable): the clip itself is fine.
-  if (report.not_cached) return `⚠ not cached: ${report.not_cached}`;
+  if (report.not_cached) return row(`⚠ not cached: ${report.not_cached}`, "⚠ not cached (click for why)");
   if (k.key === "hit" && k.sub === "reuse") {
-    return `${pct(report.active_fraction)} of tokens recomputed · ${t}`;
+    return row(`${pct(report.active_fraction)} of tokens recomputed · ${t}`,
+      `${pct(report.active_fraction)} recomputed · ${t}`);
   }
-  if (k.key === "hit") return `entry ${shortId(report.entry_id)} · ${t}`;
+  if (k.key === "not_run") return row("graph unchanged: not a Carnator hit", "not a Carnator hit");
+  if (k.key === "hit") return row(`entry ${shortId(report.entry_id)} · ${t}`);
   if (k.sub === "forced" || k.sub === "never") {
     const acc = verdict?.accepted ? `filter accepted ${shortId(verdict.entry_id)}, not used · ` : "";
-    return `${acc}${t}`;
+    return row(`${acc}${t}`, verdict?.accepted ? `filter accepted one, not used · ${t}` : "",
+      verdict?.accepted ? "accepted, not used" : "");
   }
   if (k.key === "miss") {
-    const rs = report.rule_state?.state;
-    if (rs === "learning" || rs === "off") return `served dense: the rule is ${rs} · ${t}`;
-    if (!verdict) return `no cached candidate · ${t}`;
+    const rs = report.rule_state;
+    if (rs?.state === "learning" || rs?.state === "off") {
+      const prog = learningProgress(rs);
+      if (prog.pilot) return row(`learning (pilot) → ran dense · ${t}`, "learning (pilot) → ran dense");
+      const head = prog.kinds[0];
+      if (head?.toGo != null) {
+        return row(`${kindWords(head.stratum)}: about ${head.toGo} requests to go → ran dense`,
+          `${kindShort(head.stratum)}: ~${head.toGo} requests to go → dense`, `~${head.toGo} requests to go → dense`);
+      }
+      return row(`served dense: the rule is ${rs.state} · ${t}`, `the rule is ${rs.state} → dense`);
+    }
+    if (!verdict) return row(`no cached candidate · ${t}`, "no cached candidate");
+    const refused = refusedKind(verdict);
+    if (refused) {
+      return row(`${kindWords(refused.stratum)} are not certified yet → ran dense`,
+        `${kindShort(refused.stratum)} not certified yet → dense`, `${kindShort(refused.stratum)}: not certified`);
+    }
     const skipped = notCompared(verdict);
     const failed = (verdict.checks || []).find((c) => !c.passed && !skipped.has(c.axis));
-    if (/one side only/.test(verdict.reason || "")) return "objects differ from the closest entry";
+    if (/one side only/.test(verdict.reason || "")) return row("objects differ from the closest entry", "objects differ");
     if (failed) {
       const a = AXES[failed.axis] || { label: failed.axis, unit: "" };
-      return `${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " ");
+      return row(`${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " "),
+        `${a.label} ${num(failed.value)} > ${num(failed.threshold)}`);
     }
-    return report.reason ? String(report.reason) : `closest ${shortId(verdict.entry_id)} · ${t}`;
+    return row(`no cached clip close enough → ran dense · ${t}`, "no cached clip close enough");
   }
-  return `${t}`;
+  return row(`${t}`);
 }
 
 /** Everything the report says, for the details popover: every line in full (wrapped, never cut). */
 function detailLines(report, k, verdict) {
   const lines = [];
-  if (report.mode === "node_cache") lines.push({ text: "ComfyUI's node cache handed back the stored result." });
+  if (k.key === "not_run") {
+    lines.push({ text: "Nothing in the graph changed since its last run, so ComfyUI handed back the output it kept: " +
+      "no Carnator stage ran and the model was not called. Carnator counts it neither as a lookup nor as a hit." });
+  }
   if (verdict) {
     const sim = typeof verdict.similarity === "number" ? ` · prompt similarity ${num(verdict.similarity)}` : "";
     lines.push({ text: `${k.key === "hit" ? "entry" : "closest entry"} ${verdict.entry_id}${sim}` });
     const skipped = notCompared(verdict);
     for (const c of verdict.checks || []) lines.push(checkLine(c, skipped.has(c.axis)));
+    const refused = refusedKind(verdict);
+    if (refused) {
+      lines.push({ text: `${kindWords(refused.stratum)} are not certified: ${refused.why || "no certificate"}` +
+        (/U = /.test(refused.why) ? " (U: the bound on how much more often reuse fails than a dense run; it must " +
+          "be ≤ α)" : ""), color: NOTE_COLOR });
+    }
     if (verdict.reason) lines.push({ text: `filter: ${verdict.reason}`, color: NOTE_COLOR });
   } else if (k.key !== "dense") {
     lines.push({ text: "no cached candidate in this namespace" });
@@ -234,17 +372,44 @@ function detailLines(report, k, verdict) {
       lines.push({ text: `share of attention blocks kept: ${pct(report.block_density)}` });
     }
   }
-  lines.push({ text: `share of compute saved: ${pct(report.saving)} · model calls ${report.model_calls ?? "–"}` +
-    ` of ${report.steps_total ?? "–"} steps · ${seconds((report.timings_ms || {}).total)}` });
+  if (k.key !== "not_run") {
+    lines.push({ text: `share of compute saved: ${pct(report.saving)} · model calls ${report.model_calls ?? "–"}` +
+      ` of ${report.steps_total ?? "–"} steps · ${seconds((report.timings_ms || {}).total)}` });
+  }
   if (report.reason && !(verdict && report.reason === report.decision_summary)) {
     lines.push({ text: `why: ${report.reason}`, color: NOTE_COLOR });
   }
   const rs = report.rule_state;
-  if (rs && rs.message) lines.push({ text: `rule: ${rs.message}`, color: MUTED_COLOR });
+  const learning = learningLines(rs);
+  if (learning.length) for (const text of learning) lines.push({ text, color: MUTED_COLOR });
+  else if (rs && rs.message) lines.push({ text: `rule: ${rs.message}`, color: MUTED_COLOR });
   if (rs && rs.namespace) lines.push({ text: `namespace ${rs.namespace}`, color: MUTED_COLOR });
   for (const f of report.fallbacks || []) lines.push({ text: `fallback: ${f}`, color: NOTE_COLOR });
   if (report.not_cached) lines.push({ text: `not cached (the clip is fine): ${report.not_cached}`, color: NOTE_COLOR });
   return lines;
+}
+
+/** Learning's progress in full, one line each (the details popover and the panel's card): the pilot, then per kind
+ *  still learning its labels that its test counts, of about how many, and about how many requests to go. */
+export function learningLines(rs) {
+  if (!rs || !rs.strata || !["learning", "off", "certified", "audited"].includes(String(rs.state))) return [];
+  const prog = learningProgress(rs);
+  const out = [];
+  if (prog.pilot) {
+    out.push(`pilot: ${prog.pilot.requests} of ${prog.pilot.size} requests with a candidate — then the kinds of ` +
+      "change are put in the order they are certified in, and labels count from there");
+  }
+  if (prog.certified.length) out.push(`reuse on for ${prog.certified.map(kindWords).join(", ")} (certified)`);
+  if (!prog.pilot) {
+    for (const x of prog.kinds.slice(0, 4)) {
+      const extra = x.made > x.counted ? ` (${x.made - x.counted} more made that its test cannot count: before ` +
+        "the order was fixed, or the reuse run could not run)" : "";
+      out.push(`${kindWords(x.stratum)}: ${x.counted} of about ${x.needed ?? "?"} labels` +
+        (x.toGo != null ? ` · about ${x.toGo} requests to go at this traffic mix` : "") + extra);
+    }
+    if (prog.kinds.length > 4) out.push(`${prog.kinds.length - 4} more kinds learning after these`);
+  }
+  return out;
 }
 
 /** The badge for a report: {kind, sub, colors, lines: [decision, summary, rule], details: [...]}. Pure; the DOM
@@ -253,9 +418,9 @@ export function badgeLines(report) {
   const k = kindOf(report);
   const verdict = chosenVerdict(report);
   const lines = [
-    { text: headline(report, k), bold: true },
-    { text: summaryLine(report, k, verdict) },
-    { text: ruleLine(report), color: MUTED_COLOR },
+    { ...headline(report, k), bold: true },
+    summaryLine(report, k, verdict),
+    { ...ruleRow(report), color: MUTED_COLOR },
   ];
   return { kind: k.key, sub: k.sub, colors: COLORS[k.key] || COLORS.dense, lines,
     details: detailLines(report, k, verdict) };
@@ -293,13 +458,30 @@ export function renderBadge(element, report) {
   });
   element.title = report ? "Click for the full decision" : "";
   element.replaceChildren(...lines.map((line, i) => {
-    const row = document.createElement("div");
-    row.className = i ? "carnator-badge-line" : "carnator-badge-head";
-    styleRow(row, line, i, colors);
-    row.textContent = line.text;
-    return row;
+    const div = document.createElement("div");
+    div.className = i ? "carnator-badge-line" : "carnator-badge-head";
+    styleRow(div, line, i, colors);
+    div.textContent = line.text;
+    div.title = line.text; // the whole row, whichever form is shown
+    div.dataset.full = line.text;
+    div.carnatorForms = [line.text, ...(line.short || [])];
+    return div;
   }));
+  fitRows(element);
   return lines.length;
+}
+
+/** Show each row in the longest of its forms that fits the badge's width (never cut: the shortest forms fit the
+ *  node's minimum width). Runs again whenever the badge is laid out anew (zoom, a resized node). */
+function fitRows(element) {
+  for (const div of element.children) {
+    const forms = div.carnatorForms;
+    if (!forms || !div.clientWidth) continue; // not laid out yet: the resize observer calls again
+    for (const text of forms) {
+      if (div.textContent !== text) div.textContent = text;
+      if (div.scrollWidth <= div.clientWidth + 1) break;
+    }
+  }
 }
 
 function closeDetails() {
@@ -348,6 +530,7 @@ function badgeWidget(node) {
   if (existing) return existing;
   const element = document.createElement("div");
   element.className = "carnator-badge";
+  if (typeof ResizeObserver === "function") new ResizeObserver(() => fitRows(element)).observe(element);
   element.addEventListener("click", (e) => {
     e.stopPropagation();
     openDetails(element, node.carnatorReport);
@@ -543,11 +726,12 @@ function historyPlot(events, purges) {
   let hits = 0, misses = 0;
   const hp = [], mp = [];
   events.forEach((e, i) => {
-    if (e.decision === "hit") hits++;
-    else misses++;
+    const kind = kindOf(e).key;
+    if (kind === "hit") hits++;
+    else if (kind !== "not_run") misses++;
     hp.push([x(i), hits]);
     mp.push([x(i), misses]);
-    const s = typeof e.saving === "number" ? Math.max(0, Math.min(1, e.saving)) : 0;
+    const s = kind !== "not_run" && typeof e.saving === "number" ? Math.max(0, Math.min(1, e.saving)) : 0;
     g.append(svg("rect", { x: x(i) - bw / 2, y: H - pad - s * (H / 2 - pad), width: bw, height: s * (H / 2 - pad),
       fill: "#2e9e4f", opacity: 0.55, class: "carnator-saved-bar" }));
   });
@@ -576,7 +760,7 @@ function requestRow(e) {
         flex: "0 0 auto" } })
     : el("div", { className: "carnator-thumb-none", textContent: "–", style: { width: "40px", height: "40px",
       flex: "0 0 auto", textAlign: "center", lineHeight: "40px", opacity: "0.5" } });
-  const head = headline(e, k);
+  const head = headline(e, k).text;
   return el("div", { className: "carnator-req", dataset: { decision: k.key },
     style: { display: "flex", gap: "8px", alignItems: "center", padding: "3px 0",
       borderTop: "1px solid rgba(255,255,255,0.06)" } }, [
@@ -584,7 +768,7 @@ function requestRow(e) {
     el("div", { style: { minWidth: "0", flex: "1 1 auto" } }, [
       el("div", { textContent: head, className: "carnator-req-decision",
         style: { color: colors.fg, background: colors.bg, borderLeft: `3px solid ${colors.pill}`, padding: "0 4px",
-          fontSize: "12px", whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }),
+          fontSize: "12px", overflowWrap: "anywhere" } }),
       el("div", { textContent: `${when} · seed ${e.seed ?? "–"} · ${e.prompt || ""}`, title: e.prompt || "",
         style: { fontSize: "11px", opacity: "0.8", whiteSpace: "nowrap", overflow: "hidden",
           textOverflow: "ellipsis" } }),
@@ -592,34 +776,66 @@ function requestRow(e) {
   ]);
 }
 
-function namespaceCard(ns, stats, events, purges, learned) {
+const LISTED = 8; // rows of the request list per namespace
+
+function namespaceCard(ns, stats, events, purges, learned, held) {
   // The rule's state: learning mode's record for this namespace (kept in the cache folder) when there is one, else
   // as the last request that went through the Risk Filter saw it (exact repeats need no rule).
   const decided = [...events].reverse().find((e) => e.rule_state || e.rule_id || e.filter_mode);
   const rule = learned ? ruleLine({ rule_state: learned }) : decided ? ruleLine(decided)
     : events.length ? ruleLine(events[events.length - 1]) : "rule: – (no request served since the server started)";
-  const hits = events.filter((e) => e.decision === "hit").length;
-  const saved = events.reduce((s, e) => s + (typeof e.saving === "number" ? e.saving : 0), 0);
+  // The cache's own counters (reset by a purge) and this server's history (kept through a purge): both counted by
+  // the one definition of a hit and a lookup (the help above the cards).
   const counts = stats
-    ? `${stats.entries} entries · ${bytes(stats.bytes)} · hits ${stats.hits}/${stats.lookups} lookups (all time)`
-    : "no entries (purged, or not written yet)";
+    ? `cache: ${plural(stats.entries, "entry", "entries")} · ${bytes(stats.bytes)} · ` +
+      `${plural(stats.hits, "hit")} of ${plural(stats.lookups, "lookup")} since purge`
+    : "cache: no entries (purged, or not written yet)";
+  const h = held || { requests: events.length, hits: events.filter(isHit).length,
+    lookups: events.filter(isLookup).length, not_run: events.filter((e) => kindOf(e).key === "not_run").length };
+  const ran = events.filter((e) => kindOf(e).key !== "not_run");
+  const saved = ran.reduce((s, e) => s + (typeof e.saving === "number" ? e.saving : 0), 0);
+  const listed = events.slice(-LISTED).reverse();
   return el("div", { className: "carnator-ns", dataset: { namespace: ns },
     style: { margin: "10px 0", padding: "8px", border: "1px solid var(--border-color, #444)", borderRadius: "6px" } },
   [
-    el("div", { textContent: namespaceLabel(ns, stats), title: ns,
-      style: { fontWeight: "bold", whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" } }),
+    el("div", { className: "carnator-ns-title", textContent: namespaceLabel(ns, stats), title: ns,
+      style: { fontWeight: "bold", overflowWrap: "anywhere" } }),
     el("div", { className: "carnator-ns-rule", textContent: rule, style: { margin: "2px 0" } }),
+    el("div", { className: "carnator-ns-learning", style: { fontSize: "12px", opacity: "0.85" } },
+      learningLines(learned || decided?.rule_state).map((text) => el("div", { textContent: text }))),
     el("div", { className: "carnator-ns-counts", textContent: counts, style: { opacity: "0.8", fontSize: "12px" } }),
     el("div", { className: "carnator-ns-recent", style: { fontSize: "12px", margin: "4px 0 2px" },
-      textContent: events.length
-        ? `last ${events.length} requests: ${hits} hits, ${events.length - hits} misses/dense · saved ` +
-          `${pct(saved / events.length)} of their compute on average`
+      textContent: h.requests
+        ? `since the server started: ${plural(h.requests, "request")} · ${plural(h.hits, "hit")} of ` +
+          `${plural(h.lookups, "lookup")}` +
+          (h.not_run ? ` · ${h.not_run} not run (ComfyUI reused its output)` : "") +
+          (ran.length ? ` · saved ${pct(saved / ran.length)} of the compute of the last ${ran.length} that ran` : "")
         : "no requests served since the server started" }),
     events.length ? historyPlot(events, purges) : null,
     events.length ? el("div", { style: { fontSize: "11px", opacity: "0.7" },
-      textContent: "lines: hits (green), misses and dense runs (orange), cumulative · bars: share of compute " +
-        "saved per request · dashed: purge" }) : null,
-    ...events.slice(-6).reverse().map(requestRow),
+      textContent: `the last ${events.length} requests · lines: hits (green), misses and dense runs (orange), ` +
+        "cumulative · bars: share of compute saved per request · dashed: purge" }) : null,
+    listed.length ? el("div", { className: "carnator-req-title", style: { fontSize: "12px", margin: "6px 0 2px",
+      fontWeight: "bold" }, textContent: listed.length === 1 ? "the last request"
+      : `last ${listed.length} requests, newest first` }) : null,
+    ...listed.map(requestRow),
+  ]);
+}
+
+/** The panel's help: what each number counts (the definitions come from the server: one text for all). */
+function helpBox(definitions) {
+  const d = definitions || {};
+  const item = (term, text) => el("li", {}, [el("b", { textContent: `${term}: ` }), text || "–"]);
+  return el("details", { className: "carnator-help", style: { margin: "6px 0", fontSize: "12px" } }, [
+    el("summary", { textContent: "What the numbers mean", style: { cursor: "pointer" } }),
+    el("ul", { style: { margin: "4px 0", paddingLeft: "18px" } }, [
+      item("lookup", d.lookup),
+      item("hit", d.hit),
+      item("not run (ComfyUI reused its output)", d.not_run),
+      item("since purge", "the cache's own counters: a purge sets them back to 0"),
+      item("since the server started", "the requests this ComfyUI process served, per model and settings; a purge " +
+        "keeps them, a restart empties them"),
+    ]),
   ]);
 }
 
@@ -639,6 +855,7 @@ function renderPanel(root) {
   const table = el("table", { className: "carnator-stats", style: { width: "100%", borderCollapse: "collapse" } });
   const message = el("div", { className: "carnator-message", style: { margin: "8px 0", minHeight: "1.2em" } });
   const spaces = el("div", { className: "carnator-namespaces" });
+  let help = helpBox(null);
   const button = (text, cls, onclick, title) =>
     el("button", {
       textContent: text, className: cls, onclick, title,
@@ -673,15 +890,18 @@ function renderPanel(root) {
       table.replaceChildren(
         row("entries", String(s.entries ?? 0) + answers),
         row("size", bytes(s.bytes ?? 0)),
-        row("hits", `${s.hits ?? 0} of ${s.lookups ?? 0} lookups` +
+        row("hits since purge", `${s.hits ?? 0} of ${plural(s.lookups ?? 0, "lookup")}` +
           (s.hit_rate == null || !s.lookups ? "" : ` (${pct(s.hit_rate, 1)})`)),
-        row("this session", sessionLine()),
       );
+      const open = help.open;
+      help.replaceWith(help = helpBox(s.definitions || h?.definitions));
+      help.open = open;
       const byNs = new Map((Array.isArray(s.namespaces) ? s.namespaces : []).map((n) => [n.namespace, n]));
       const events = h?.namespaces || {};
       const names = [...new Set([...Object.keys(events), ...byNs.keys()])];
       spaces.replaceChildren(...(names.length
-        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || [], learned.get(ns)))
+        ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || [], learned.get(ns),
+          h?.counts?.[ns]))
         : [el("div", { textContent: "no namespace yet: queue a workflow with a Carnator Cache node",
           style: { opacity: "0.7" } })]));
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";
@@ -716,22 +936,17 @@ function renderPanel(root) {
       button("Purge…", "carnator-purge", purge, "Delete every entry; the next queue recomputes")]),
     message,
     table,
+    help,
     spaces,
   );
   state.refreshPanel = refresh;
   refresh();
 }
 
-function sessionLine() {
-  const n = state.reports.length;
-  const hits = state.reports.filter((r) => r.decision === "hit").length;
-  return n ? `${hits}/${n} hits (${pct(hits / n)})` : "no runs yet";
-}
-
 // ---------------------------------------------------------------------------------------------------------
 
 // For tests and other extensions: the text the badge shows for a report, and its details.
-Object.assign(state, { badgeLines, ruleLine, kindOf, BADGE_HEIGHT });
+Object.assign(state, { badgeLines, ruleLine, kindOf, isHit, isLookup, learningProgress, learningLines, BADGE_HEIGHT });
 
 app.registerExtension({
   name: "carnator.ReuseBadge",
@@ -783,6 +998,13 @@ app.registerExtension({
       return r;
     };
     if (nodeData.name !== SAMPLER) return;
+    // Never narrower than the badge's rows need (LiteGraph's resize and the layout take computeSize as the minimum).
+    const computeSize = nodeType.prototype.computeSize;
+    nodeType.prototype.computeSize = function () {
+      const size = computeSize.apply(this, arguments);
+      size[0] = Math.max(size[0], MIN_NODE_WIDTH);
+      return size;
+    };
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       const r = onExecuted?.apply(this, arguments);

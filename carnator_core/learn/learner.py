@@ -547,8 +547,14 @@ class Learner:
         # "labels" of "needed": while learning, the closest kind's own labels against its own need (the badge's
         # "n of N"); "labels_total" counts every kind's
         shown = n_close if state == "learning" else labels
+        # the pilot's progress (served requests with a candidate of its size; "done" once the order is fixed) and,
+        # after it, the served requests per accepted label of each kind it measured (the order event's "why")
+        order = next((e for e in self.store.events(namespace) if e.get("kind") == "order"), None)
+        pilot = {"requests": min(len(self.store.covariates(namespace)), self.settings.pilot),
+                 "size": self.settings.pilot, "done": self.settings.strata != "graph" or order is not None}
         return {"state": state, "labels": int(shown), "needed": int(needed), "labels_total": int(labels),
-                "message": msg, "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())}}
+                "message": msg, "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())},
+                "pilot": pilot, "requests_per_label": dict((order or {}).get("why") or {})}
 
     # ------------------------------------------------------------------ budget
     def budget_allows(self, namespace: str, busy: bool, rank: int = 0) -> bool:
