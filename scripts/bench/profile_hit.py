@@ -36,6 +36,22 @@ import bench_table1 as T  # noqa: E402
 from workload import add_workload_args, spec_from_args  # noqa: E402
 
 
+def write_strip(env: Any, folder: Path, rid: str, dense: Any, hit: Any) -> dict[str, Any]:
+    """Decode a hit and its dense twin (evaluation only, not timed) and write dense | hit | 2 x |diff| frames."""
+    import numpy as np
+    from PIL import Image
+
+    from carnator.carnator_core.lab import metrics as M
+
+    d, h = env.dec.decode_clips(dense)[0].numpy(), env.dec.decode_clips(hit)[0].numpy()
+    folder.mkdir(parents=True, exist_ok=True)
+    diff = np.repeat(np.abs(h - d).max(-1, keepdims=True), 3, -1)
+    img = np.concatenate([np.concatenate(list(x), 1) for x in (d, h, np.clip(2 * diff, 0, 1))], 0)
+    path = folder / f"{rid}.png"
+    Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)).save(path)
+    return {"png": str(path), "psnr_vs_dense": round(float(M.psnr(h, d)), 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(ap)
@@ -49,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also serve each hit with comfy_patch.CHAIN_RESTRICTED_BLOCKS off (the per-block gather and "
                          "scatter), in the same rounds, and check that both give the same latent")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--png", type=Path, default=None,
+                    help="write each hit's frames beside its dense twin's here (rows: dense | hit | 2 x |diff|), with "
+                         "the PSNR of the hit against the twin")
     args = ap.parse_args(argv)
 
     from carnator.carnator_core.embedded.model import ensure_comfy_importable
@@ -114,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 outs = {}
                 for m in order:
                     if m == "dense":
-                        _, sec, _ = T.run_request(env, "dense", req, None, None)
+                        outs[m], sec, _ = T.run_request(env, "dense", req, None, None)
                         if rnd:
                             t_dense.append(sec)
                         continue
@@ -153,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                 sort_by="self_cpu_time_total", row_limit=args.top))
                     if rnd:
                         t_hit.append(sec)
+                if args.png is not None and rnd == args.rounds:
+                    row_png = write_strip(env, args.png, req.rid, outs["dense"], outs["carnator"])
                 if "carnator_nochain" in outs:
                     same.append(bool(torch.equal(outs["carnator"], outs["carnator_nochain"])))
                 if rnd:
@@ -172,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                    "dense_calls": med(per_call["dense_n"]), "dense_calls_s": round(med(per_call["dense_s"]), 4),
                    "restricted_calls": med(per_call["restricted_n"]),
                    "restricted_calls_s": round(med(per_call["restricted_s"]), 4), "load1": loads}
+            if args.png is not None:
+                row.update(row_png)
             if t_off:
                 row.update({"t_hit_nochain_s": round(med(t_off), 4),
                             "measured_nochain": round(med(t_off) / med(t_dense), 4),
