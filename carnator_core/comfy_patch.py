@@ -344,6 +344,11 @@ class _Run:
     kv_record_call: int | None = None
     kv_budget: int = 0
     kv_over_budget: bool = False
+    # Within one model call: the full hidden states the last restricted block returned, the token subset and the
+    # subset's hidden states it wrote into them, so that the next restricted block takes its input without a gather
+    # and writes its output in place (see ``_block_patch``); and per block argument, its subset gather.
+    carry: tuple | None = None
+    gathered: dict = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
@@ -358,6 +363,8 @@ class _Run:
         self.layer = -1
         self.refresh_pending = False
         self.block_evals = 0
+        self.carry = None
+        self.gathered.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -391,6 +398,8 @@ def _predict_wrapper(run: _Run):
                 run.stats["skipped_calls"] += 1
                 return cached.clone()
             x_in = x * m + renoised * (1 - m)
+            run.carry = None  # hidden states are chained within one model call only
+            run.gathered.clear()
             refresh = bool(plan.kv_context and plan.restrict_tokens and
                            (i in plan.refresh_calls or not run.kv or run.refresh_pending))
             run.refreshing, run.block_evals = refresh, 0
@@ -446,7 +455,7 @@ def _subset_tokens(run: _Run, layer: int, plan: ReusePlan, n_tokens: int) -> tup
     every token of every key block some active query block keeps pulled in nearly the whole sequence whenever
     the recorded structure is not very sparse: density 0.65 on the embedded model gave a token fraction of 1.0.)
     """
-    key = ("subset", layer)
+    key = ("subset",)  # the same for every layer: one object, so consecutive blocks can tell they share it
     if key in run.subset_cache:
         return run.subset_cache[key]
     active = plan.active_tokens
@@ -461,6 +470,12 @@ def _composition(topts: dict, batch: int) -> tuple:
     """Which rows a model call's batch holds (cond/uncond chunks and size): recorded keys/values of one call
     are reused only by calls of the same composition."""
     return (tuple(topts.get("cond_or_uncond") or ()), int(batch))
+
+
+# Restricted blocks of one model call pass the subset's hidden states on directly (one copy of the full hidden
+# states per call instead of a copy, a gather and a scatter per block; the same values). False restores the per-block
+# path, for side-by-side measurements (scripts/bench/profile_hit.py --compare-chain).
+CHAIN_RESTRICTED_BLOCKS = True
 
 
 def _block_patch(run: _Run, layer: int, previous: Callable | None):
@@ -489,17 +504,39 @@ def _block_patch(run: _Run, layer: int, previous: Callable | None):
                 run.stats["token_layer_dense"] += n
                 return original(args)
             sub_args = dict(args)
+            # The previous block was restricted to the same subset and returned ``img`` (see below): its subset rows
+            # are that block's output as computed, so it is this block's input as it is, without a gather.
+            chained = CHAIN_RESTRICTED_BLOCKS and plan.kv_context and run.carry is not None \
+                and run.carry[0] is img and run.carry[1] is subset
             for name, dim in run.adapter.token_dims.items():
-                if name in sub_args:
-                    sub_args[name] = _gather_arg(sub_args[name], dim, subset, n)
+                if name not in sub_args:
+                    continue
+                value = sub_args[name]
+                if name == "img" and chained:
+                    sub_args[name] = run.carry[2]
+                elif name != "img" and CHAIN_RESTRICTED_BLOCKS:
+                    # Other per-token arguments (rotary frequencies) are the same tensor in every block of a call:
+                    # gathered once per call.
+                    hit = run.gathered.get(name)
+                    if hit is None or hit[0] is not value or hit[1] is not subset:
+                        hit = run.gathered[name] = (value, subset, _gather_arg(value, dim, subset, n))
+                    sub_args[name] = hit[2]
+                else:
+                    sub_args[name] = _gather_arg(value, dim, subset, n)
             topts = dict(args["transformer_options"])
             topts[KEY + "_subset"] = subset
             sub_args["transformer_options"] = topts
             out = original(sub_args)["img"]
-            res = img.clone()
             if plan.kv_context:  # every subset token saw its full context: keep all of them
+                # The tokens outside the subset pass through every restricted block unchanged: the first restricted
+                # block of a call copies the hidden states once, the next ones write their subset rows in place into
+                # that copy (this run's own tensor, returned to the model's block loop and read by the next block
+                # only), instead of a full copy, a gather and a scatter per block.
+                res = img if chained else img.clone()
                 res[:, subset.to(img.device)] = out
+                run.carry = (res, subset, out) if CHAIN_RESTRICTED_BLOCKS else None
             else:
+                res = img.clone()
                 res[:, plan.active_tokens.to(img.device)] = out[:, pos.to(img.device)]
             run.stats["token_layer_evals"] += int(subset.numel())
             run.stats["token_layer_dense"] += n

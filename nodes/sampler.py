@@ -44,7 +44,11 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 CACHE.Input("cache", optional=True, tooltip="The cache the accepted entry comes from."),
                 io.Combo.Input("mode", options=list(MODES), default="joint",
                                tooltip="joint = region + sparse attention; latent / attention = one axis only "
-                                       "(ablations); dense = never reuse."),
+                                       "(ablations); dense = never reuse. The attention axis is OFF wherever it "
+                                       "cannot pay (sparse_kernel = cost): at the embedded model's 576 tokens on "
+                                       "the CPU and for every token subset on CUDA the recorded structure is never "
+                                       "applied, so joint = latent there, and attention mode computes every token "
+                                       "and pair: it continues dense and is reported as a miss."),
                 advanced(io.Int.Input("dense_first_layers", default=0, min=0, max=100,
                                       tooltip="First transformer blocks always computed densely (0: every block "
                                               "computes only the changed region, over the full context).")),
@@ -92,9 +96,12 @@ class CarnatorJointReuseSampler(io.ComfyNode):
                 advanced(io.Combo.Input("sparse_kernel", options=list(SPARSE_KERNELS), default="cost",
                                         tooltip="joint mode: cost = restrict a layer's attention to the cached "
                                                 "run's recorded blocks only where that is estimated to be faster "
-                                                "than attending to every key (long sequences, sparse structure); "
+                                                "than attending to every key (CPU, long sequences, sparse "
+                                                "structure); that is never at the embedded model's 576 tokens and "
+                                                "never for a token subset on CUDA (measured slower than plain "
+                                                "attention on an H200), so there the attention axis is off; "
                                                 "always = wherever the structure is not nearly dense (what rules "
-                                                "certified before this setting ran).")),
+                                                "certified before this setting ran; slower where cost says no).")),
                 advanced(io.String.Input("refresh_at", default="",
                                          tooltip="Where the dense refreshes after the first run, as fractions of "
                                                  "the steps after the probe, one per refresh after the first "

@@ -157,3 +157,13 @@ def test_attention_only_reuse_that_computes_everything_is_a_miss_equal_to_dense(
     import torch
 
     assert torch.equal(out, final)
+
+
+def test_learning_benchmark_reports_the_per_request_ratio_beside_the_sum():
+    sys.path.insert(0, str(BENCH))
+    import bench_learn
+
+    rows = [{"latency_s": 0.5, "dense_latency_s": 1.0}, {"latency_s": 4.0, "dense_latency_s": 4.0}]
+    assert bench_learn.per_request_ratio(rows) == pytest.approx(2 / 1.5)
+    assert bench_learn.paired_ratio(rows) == pytest.approx(5.0 / 4.5)
+    assert bench_learn.per_request_ratio([]) is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -229,6 +230,14 @@ def paired_ratio(rows: list[dict[str, Any]]) -> float | None:
     return sum(r["dense_latency_s"] for r in rows) / served if rows and served else None
 
 
+def per_request_ratio(rows: list[dict[str, Any]]) -> float | None:
+    """n / Σ (served latency / its dense twin's latency) over requests that have a twin: each request against its own
+    twin, so a slow stretch of a shared machine weighs its requests no more than any others (the headline; the sum
+    ratio ``paired_ratio`` beside it)."""
+    ratios = [r["latency_s"] / r["dense_latency_s"] for r in rows if r.get("dense_latency_s")]
+    return len(ratios) / sum(ratios) if ratios and sum(ratios) > 0 else None
+
+
 def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | None,
                  dense_med: float | None) -> dict[str, Any] | None:
     """What the first certificate cost: the requests served and the shadow labels made up to the request that
@@ -284,6 +293,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_whole_run_vs_dense_median": speedup(rows),
         "speedup_after_switch_on": speedup([r for r in rows if on_at and r["i"] + 1 > on_at]) if on_at else None,
         "paired_ratio_dense_over_served": paired_ratio(paired),
+        "per_request_ratio_vs_dense_twin": per_request_ratio(paired),
+        "per_request_ratio_after_switch_on": per_request_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "mean_label_s": mean_label,
         # the offline protocol labels a request with a dense run and a reuse run (its pairs file), on warm caches
         "offline_equivalent_s": n_shadow * ((dense_med or 0) + (mean_label or 0)),

@@ -591,7 +591,8 @@ def row_rule_label(status: dict[str, Any] | None) -> str:
     if not status or status.get("certified") is not False:
         return ""
     where = f" {Path(status['path']).name}" if status.get("path") else ""
-    return f" — {status.get('state', 'UNCERTIFIED')} rule{where}"
+    state = status.get("state", "UNCERTIFIED")
+    return f" — {state}{'' if state.endswith('rule') else ' rule'}{where}"
 
 
 def frozen_stream_setup(args: argparse.Namespace, tmp: Path, wl: Any) -> tuple[Env, Any, dict[str, Any], Any]:
