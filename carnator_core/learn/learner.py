@@ -163,7 +163,10 @@ def accepts(th: Thresholds, vector: Sequence[float], missing: bool) -> bool:
 
 @dataclass(frozen=True)
 class Fit:
-    """Fit ``index`` of a stratum: thresholds from covariates alone; its test uses labels with id > ``since``."""
+    """Fit ``index`` of a stratum: thresholds from covariates alone. Its test uses the labels with id > ``since``
+    made while it was the stratum's current fit: those with id ≤ the next fit's ``created`` (``fit_window``).
+    ``created``: the record's last label id when the fit was recorded (a record written before this field existed
+    reads ``since``)."""
 
     stratum: str
     index: int
@@ -171,15 +174,38 @@ class Fit:
     level: float
     thresholds: Thresholds
     source: str  # "covariates" | "seed"
+    created: int = -1
+
+    def __post_init__(self) -> None:
+        if self.created < 0:
+            object.__setattr__(self, "created", self.since)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stratum": self.stratum, "index": self.index, "since": self.since, "level": self.level,
-                "thresholds": self.thresholds.to_dict(), "source": self.source}
+                "thresholds": self.thresholds.to_dict(), "source": self.source, "created": self.created}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Fit":
         return cls(str(d["stratum"]), int(d["index"]), int(d["since"]), float(d["level"]),
-                   Thresholds.from_dict(d["thresholds"]), str(d.get("source", "covariates")))
+                   Thresholds.from_dict(d["thresholds"]), str(d.get("source", "covariates")),
+                   int(d.get("created", d["since"])))
+
+
+def fit_window(fits: Sequence[Fit]) -> dict[int, tuple[int, float]]:
+    """fit index → (since, until): the label ids whose labels its test may count (since < id ≤ until).
+
+    A fit's test counts only labels made while it was its stratum's current fit. Labels are made only for
+    requests the *current* fit accepts (``runtime.observe``), so after a refit the older fit's population would
+    be sampled only inside the newer (stricter) thresholds — a safer sub-region than the one it is a hypothesis
+    about. Its test is therefore frozen at the refit: a replaced fit counts no label after its successor was
+    recorded. (Measured before this rule, ``tests/test_learn_validity.py``: a replaced fit 1 whose true excess
+    was ≥ α was rejected in 6 of 20 simulated streams, against its level 0.0375.)"""
+    ordered = sorted(fits, key=lambda f: f.index)
+    out: dict[int, tuple[int, float]] = {}
+    for k, fit in enumerate(ordered):
+        until = float(ordered[k + 1].created) if k + 1 < len(ordered) else math.inf
+        out[fit.index] = (fit.since, until)
+    return out
 
 
 @dataclass
@@ -338,7 +364,9 @@ class Learner:
         return out
 
     def _new_fit(self, namespace: str, stratum: str, index: int, since: int, covs: Sequence[Covariate],
-                 why: str) -> Fit | None:
+                 why: str, created: int = 0) -> Fit | None:
+        """Record fit ``index`` of ``stratum`` (None when there is no fit left or too few covariates).
+        ``created``: the record's last label id now (the older fit's test is frozen there, ``fit_window``)."""
         s = self.settings
         if index > s.max_fits:
             return None
@@ -352,7 +380,7 @@ class Learner:
             th, source = _quantile_thresholds(covs[:need], level), "covariates"
             if th is None:
                 return None
-        fit = Fit(stratum, index, since, level, th, source)
+        fit = Fit(stratum, index, since, level, th, source, max(int(created), int(since)))
         self.store.add_event(namespace, "fit", f"stratum {stratum}: fit {index} ({why})", fit=fit.to_dict())
         return fit
 
@@ -376,9 +404,10 @@ class Learner:
         fits = self.fits(namespace)
         events = self.store.events(namespace)
         strata = sorted({c.stratum for c in covs if c.stratum in STRATA} | set(fits))
+        last_id = max((lab.id for lab in labels), default=0)
         if update:
             for st in strata:
-                if st not in fits and self._new_fit(namespace, st, 1, 0, covs, "first fit") is not None:
+                if st not in fits and self._new_fit(namespace, st, 1, 0, covs, "first fit", last_id) is not None:
                     return True, {}
         order = self._order(namespace, covs, labels, fits, events, update)
         if order is None:
@@ -390,6 +419,7 @@ class Learner:
         seqs: dict[tuple[str, int], BettingSequence] = {}
         switched: dict[tuple[str, int], int] = {}
         by_stratum = {st: fits.get(st, []) for st in ranking}
+        windows = {st: fit_window(fs) for st, fs in by_stratum.items()}
         latest = max(labels, key=lambda x: x.id) if labels else None
         for lab in sorted(shadow, key=lambda x: x.id):
             if lab.id <= since or not lab.reusable or lab.stratum not in by_stratum:
@@ -397,7 +427,8 @@ class Learner:
             if not same_label(lab, latest):  # another judge or reading: another label (module docstring)
                 continue
             for fit in by_stratum[lab.stratum]:
-                if lab.id <= fit.since or not accepts(fit.thresholds, lab.vector, lab.missing):
+                lo, hi = windows[lab.stratum][fit.index]
+                if not lo < lab.id <= hi or not accepts(fit.thresholds, lab.vector, lab.missing):
                     continue
                 node = (lab.stratum, fit.index)
                 seq = seqs.setdefault(node, BettingSequence(s.alpha, s.delta))
@@ -438,14 +469,13 @@ class Learner:
                            "reuse is off for this stratum and learning resumes on new labels")
                     log.warning("carnator learning: %s", msg)
                     self.store.add_event(namespace, "drift", msg, stratum=st, fit=fit.index)
-                    last = max((lab.id for lab in labels), default=0)
-                    self._new_fit(namespace, st, fit.index + 1, last, covs, "after drift")
+                    self._new_fit(namespace, st, fit.index + 1, last_id, covs, "after drift", last_id)
                     return True, {}
             if not switched_at and not drifted and update and seq.n >= s.fail_after and \
                     (seq.b - seq.c) / seq.n >= s.alpha and \
-                    self._new_fit(namespace, st, fit.index + 1, max(fit.since, since), covs,
+                    self._new_fit(namespace, st, fit.index + 1, max(last_id, since), covs,
                                   f"fit {fit.index} showed excess {(seq.b - seq.c) / seq.n:.3f} ≥ α on "
-                                  f"{seq.n} labels") is not None:
+                                  f"{seq.n} labels", last_id) is not None:
                 return True, {}
             if switched_at and not drifted:
                 if update and not any(e.get("kind") == "on" and e.get("stratum") == st and e.get("fit") == fit.index

@@ -73,6 +73,7 @@ excess is exactly α would have shown none with probability 0.95^n, which is abo
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -216,9 +217,36 @@ class BettingSequence:
         return value
 
     def _upper(self) -> float:
+        # Every level's exclusion is monotone in the level (``upper``'s docstring), so the first excluded grid
+        # level is found by bisection: about log2(800) ≈ 10 levels evaluated instead of all 800 (the state is
+        # derived after every served request, and the full grid cost 0.45 s at 2,000 labels).
+        grid = np.unique(np.concatenate([np.arange(-1.0, 1.0 + 1e-12, GRID_STEP), [self.alpha]]))
+        xs = np.asarray(self._xs, dtype=np.float64)
+        bets = [np.asarray(self._bets)] + [np.full(1, f / (1.0 - self.alpha)) for f in self.fixed]
+
+        def excluded(i: int) -> bool:
+            m = float(grid[i])
+            cap = self.c_max / (1.0 - m) if m < 1.0 else math.inf
+            parts = np.stack([np.cumsum(np.log1p(np.minimum(lam, cap) * (m - xs))) for lam in bets])
+            top_part = parts.max(axis=0)
+            mix = top_part + np.log(np.exp(parts - top_part).mean(axis=0))
+            return bool((mix >= self.threshold - 1e-12).any())
+
+        lo, hi = 0, len(grid)  # the first excluded index lies in [lo, hi] (hi: none is)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if excluded(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return float(grid[lo]) if lo < len(grid) else 1.0
+
+    def _upper_full_grid(self) -> float:
+        """U_t over every grid level at once (the definition; ``_upper`` must agree with it)."""
         grid = np.unique(np.concatenate([np.arange(-1.0, 1.0 + 1e-12, GRID_STEP), [self.alpha]]))
         xs = np.asarray(self._xs, dtype=np.float64)[:, None]
-        cap = (self.c_max / (1.0 - grid))[None, :]
+        with np.errstate(divide="ignore"):
+            cap = (self.c_max / (1.0 - grid))[None, :]
         bets = [np.asarray(self._bets)[:, None]] + [np.full((1, 1), f / (1.0 - self.alpha)) for f in self.fixed]
         parts = np.stack([np.cumsum(np.log1p(np.minimum(lam, cap) * (grid[None, :] - xs)), axis=0) for lam in bets])
         top_part = parts.max(axis=0)
@@ -332,6 +360,11 @@ class GraphProcedure:
     def offer(self, node, p: float) -> list:
         """Offer the node's current p-value; returns the nodes rejected by it (possibly a cascade), in order."""
         self._p[node] = min(float(p), self._p.get(node, 1.0))
+        # After every offer no node is within its level (the loop below rejects them all), and levels change only
+        # when a node is rejected: so only the offered node can have become ready (the state is derived after
+        # every request, with one offer per label, over every (stratum, fit) node)
+        if node in self.rejected or self._p[node] > self.level(node):
+            return []
         out = []
         while True:
             ready = [j for j in self.weight if j not in self.rejected and self._p.get(j, 1.0) <= self.level(j)]
@@ -373,8 +406,10 @@ def family_delta(delta: float, *, n_strata: int, fit_index: int, n_levels: int, 
     return float(delta) * share
 
 
+@functools.lru_cache(maxsize=1024)
 def labels_needed(alpha: float, delta: float, c_max: float = C_MAX, fixed: tuple = FIXED_FRACTIONS) -> int:
-    """Labels without a single failure after which the test certifies (the floor of any certificate here)."""
+    """Labels without a single failure after which the test certifies (the floor of any certificate here;
+    memoised: the badge asks for it on every derivation)."""
     seq = BettingSequence(alpha, delta, c_max, fixed)
     for n in range(1, 100_000):
         seq.update(0)
