@@ -105,3 +105,65 @@ def test_the_upper_sequence_by_bisection_equals_the_full_grid() -> None:
             np.where(u < pb, 1, np.where(u < pb + pc, -1, 0)))
         assert s._upper() == s._upper_full_grid()
 
+
+# ----------------------------------------------------------------------------------------- a fitted record
+VEC = (0.1, 0.0, 0.0, 0.0)
+
+
+def fitted_learner(strata: dict[str, int], **settings: object) -> Learner:
+    """A Learner on an in-memory record whose strata (name → covariates, the first leading the order) have fit 1
+    accepting ``VEC`` and the order fixed with no pilot: every label added afterwards counts for fit 1's test.
+    Refits are off (``fail_after`` out of reach) so that a stream's labels stay with one hypothesis."""
+    base = dict(min_fit=20, level=1.0, pilot=0, fail_after=10**9)
+    ln = Learner("memory", LearnSettings(**{**base, **settings}), store=MemoryRecord())
+    k = 0
+    for stratum, n in strata.items():
+        for _ in range(n):
+            k += 1
+            ln.store.add_covariate(NS, Covariate(f"c{k}", stratum, f"c{k}", 0.9, VEC, False))
+    ln.state(NS)
+    return ln
+
+
+def add_labels(ln: Learner, stratum: str, xs: "np.ndarray | list[int]", *, entries: "list[str] | None" = None,
+               kind: str = "shadow", judge_settings: "dict | None" = None, start: int = 0) -> None:
+    for i, x in enumerate(xs):
+        key = f"{kind}-{stratum}-{start + i}"
+        entry = entries[i] if entries is not None else key
+        ln.store.add_label(NS, Label(key, stratum, entry, 0.9, VEC, False, True, int(x), kind, "test-judge",
+                                     dict(judge_settings or {})))
+
+
+# ----------------------------------------------------------------------------------------- 5. judge readings
+def test_a_label_of_an_older_judge_reading_never_brings_old_certificates_back() -> None:
+    """Certified under checker version 1; one label of version 2 starts the tests afresh (reuse off); then labels
+    of version 1 again (a worker not yet upgraded, a rollback). Before the fix the single version-1 label made the
+    old certificate come back at once (state "certified" after it)."""
+    ln = fitted_learner({"reseed": 20})
+    add_labels(ln, "reseed", [0] * 120, judge_settings={"checker_version": 1})
+    assert ln.state(NS)["reseed"].on
+    add_labels(ln, "reseed", [0], judge_settings={"checker_version": 2}, start=1000)
+    assert not ln.state(NS)["reseed"].on
+    add_labels(ln, "reseed", [0], judge_settings={"checker_version": 1}, start=2000)
+    st = ln.state(NS)["reseed"]
+    assert not st.on and st.sequence.n == 1, (st.state, st.sequence.n)
+    add_labels(ln, "reseed", [0] * 200, judge_settings={"checker_version": 1}, start=3000)
+    st = ln.state(NS)["reseed"]
+    assert not st.on and st.sequence.n == 1  # however many: the old reading's labels count for nothing now
+    rs = ln.rule_state(NS)
+    assert "321 labels of an older judge reading" in rs["message"], rs["message"]
+    # the reading in force certifies on its own labels
+    add_labels(ln, "reseed", [0] * 120, judge_settings={"checker_version": 2}, start=4000)
+    st = ln.state(NS)["reseed"]
+    assert st.on and st.sequence.n <= 121  # its first label and these
+
+
+def test_a_lower_version_never_seen_before_does_not_take_over() -> None:
+    """A worker still on version 1 joins a record that only ever saw version 2: its labels are of an older
+    reading by the judge's own version number, so they count for nothing and remove nothing."""
+    ln = fitted_learner({"reseed": 20})
+    add_labels(ln, "reseed", [0] * 120, judge_settings={"checker_version": 2})
+    assert ln.state(NS)["reseed"].on
+    add_labels(ln, "reseed", [1] * 3, judge_settings={"checker_version": 1}, start=1000)
+    assert ln.state(NS)["reseed"].on
+

@@ -41,18 +41,25 @@ The guarantee: P(some stratum is ever switched on while its fitted rule's true e
 labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not
 independent draws of anything but the stream itself: the guarantee is for the stream as it comes.
 
-One label at a time: the tests count only labels of the judge and settings of the record's latest label
-(``same_label``; e.g. the pixel checker's reading, ``checker_version``). A record continued under another judge
-(an upgrade) starts every test afresh on the new labels — the old label's certificates are closed, not carried
-over, since the two labels measure different things — and the guarantee holds for each label in turn. (A farm
-whose workers judge with different readings would keep restarting each other's tests: upgrade them together.)
+One label at a time: the tests count only labels of the judge reading in force (``reading_in_force``: judge +
+settings, e.g. the pixel checker's ``checker_version``) — the newest reading the record has ever seen. A reading
+seen for the first time takes over, unless the judge's own version numbers say it is older; a reading once
+superseded never takes over again. So a record continued under a new judge (an upgrade) starts every test afresh
+on the new labels (the old certificates are closed, not carried over: the two labels measure different things),
+and a label of an older reading after that — a farm worker not yet upgraded, a rollback — counts for nothing and
+revives nothing (tests/test_learn_validity.py). A farm with mixed versions therefore behaves predictably: the
+newest reading's labels are the only ones counted, older workers stop labelling (their labels would count for
+nothing) and the badge says how many labels of an older reading were not counted. The guarantee holds for each
+reading's tests in turn.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import threading
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -224,6 +231,7 @@ class StratumState:
     switched_on_at: int = 0  # label id at which it certified (0: not)
     rank: int = -1           # its place in the order the strata are certified in (−1: the pilot runs)
     level: float = 0.0       # the δ its current fit is tested at now (the graph's level; 0 once passed on)
+    superseded: int = 0      # its labels of a judge reading other than the one in force (counted by no test)
 
     @property
     def on(self) -> bool:
@@ -274,6 +282,45 @@ def same_label(a: Label, b: Label | None) -> bool:
     """Whether two labels are the same label: the same judge with the same settings (e.g. the pixel checker's
     ``checker_version``). Labels of different judges or settings measure different things and are never pooled."""
     return b is not None and a.judge == b.judge and dict(a.judge_settings or {}) == dict(b.judge_settings or {})
+
+
+def _versions(settings: Mapping[str, Any] | None) -> dict[str, float]:
+    """The judge's own version numbers among its settings (numeric values of keys that name a version)."""
+    return {k: float(v) for k, v in dict(settings or {}).items()
+            if "version" in str(k).lower() and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def older_reading(judge: str, settings: Mapping[str, Any] | None, than: Label) -> bool:
+    """Whether the reading (``judge``, ``settings``) is older than ``than``'s by the judge's own version numbers:
+    the same judge, and of the version keys both carry none higher and one lower."""
+    if judge != than.judge:
+        return False
+    mine, theirs = _versions(settings), _versions(than.judge_settings)
+    shared = sorted(set(mine) & set(theirs))
+    return bool(shared) and all(mine[k] <= theirs[k] for k in shared) and any(mine[k] < theirs[k] for k in shared)
+
+
+def reading_in_force(labels: Sequence[Label]) -> Label | None:
+    """The label whose judge reading (judge + settings) the tests count, from the record alone: the newest
+    reading ever seen. Walking the labels in id order, a reading seen for the first time takes over unless it is
+    older than the one in force by the judge's own version numbers (``older_reading``); a reading seen before
+    never takes over again. Labels are never deleted and ids only grow, so once a newer reading has been seen, no
+    later label of an older one — a farm worker not yet upgraded, a rollback — can bring its certificates back,
+    and every process derives the same reading."""
+    current: Label | None = None
+    seen: set[str] = set()
+    for lab in sorted(labels, key=lambda x: x.id):
+        key = _dump_reading(lab.judge, lab.judge_settings)
+        if key in seen:
+            continue
+        seen.add(key)
+        if current is None or not older_reading(lab.judge, lab.judge_settings, current):
+            current = lab
+    return current
+
+
+def _dump_reading(judge: str, settings: Mapping[str, Any] | None) -> str:
+    return json.dumps([judge, dict(settings or {})], sort_keys=True, default=str)
 
 
 def first_level(settings: LearnSettings) -> float:
@@ -420,7 +467,8 @@ class Learner:
         switched: dict[tuple[str, int], int] = {}
         by_stratum = {st: fits.get(st, []) for st in ranking}
         windows = {st: fit_window(fs) for st, fs in by_stratum.items()}
-        latest = max(labels, key=lambda x: x.id) if labels else None
+        latest = reading_in_force(labels)
+        superseded = Counter(lab.stratum for lab in labels if not same_label(lab, latest))
         for lab in sorted(shadow, key=lambda x: x.id):
             if lab.id <= since or not lab.reusable or lab.stratum not in by_stratum:
                 continue
@@ -446,7 +494,8 @@ class Learner:
                 need = labels_needed(s.alpha, graph.level((st, 1)) or s.delta)
                 out[st] = StratumState(st, None, None, None, "learning", n_labels, need,
                                        f"learning ({st}) — {n_labels} labels; thresholds are fitted after "
-                                       f"{s.min_fit} served requests with a cached candidate", n_cov, rank=rank)
+                                       f"{s.min_fit} served requests with a cached candidate", n_cov, rank=rank,
+                                       superseded=superseded.get(st, 0))
                 continue
             node = (st, fit.index)
             level = graph.rejected_level.get(node, graph.level(node))
@@ -489,7 +538,7 @@ class Learner:
                        f"α = {s.alpha}, anytime-valid at δ = {level:.4g})"
                        + (f"; {drift.n} audits, no drift" if drift is not None and drift.n else ""))
                 out[st] = StratumState(st, fit, seq, drift, state, n_labels, seq.n, msg, n_cov, switched_at,
-                                       rank=rank, level=level)
+                                       rank=rank, level=level, superseded=superseded.get(st, 0))
                 continue
             off = drifted or any(e.get("kind") == "drift" and e.get("stratum") == st for e in events)
             if drifted:  # the drifted fit has no successor left (max_fits): off for good
@@ -500,7 +549,7 @@ class Learner:
             msg = (f"{what} ({st}) — {seq.n} labels of about {needed} needed; reuse switches on when certified "
                    f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha}, kind {rank + 1} of the order)")
             out[st] = StratumState(st, fit, seq, drift, "off" if off else "learning", n_labels, needed, msg, n_cov,
-                                   rank=rank, level=level)
+                                   rank=rank, level=level, superseded=superseded.get(st, 0))
         return False, out
 
     def _order(self, namespace: str, covs: Sequence[Covariate], labels: Sequence[Label],
@@ -549,6 +598,7 @@ class Learner:
         """The per-namespace ``rule_state`` the badge and the panel render (shared contract)."""
         states = self.state(namespace) if states is None else states
         labels = sum(x.labels for x in states.values())
+        superseded = sum(x.superseded for x in states.values())
         on = sorted(x.stratum for x in states.values() if x.on)
         off = sorted(x.stratum for x in states.values() if x.state == "off")
         learning = [x for x in states.values() if not x.on]
@@ -576,9 +626,23 @@ class Learner:
                       else "") + "; reuse switches on when certified")
         # "labels" of "needed": while learning, the closest kind's own labels against its own need (the badge's
         # "n of N"); "labels_total" counts every kind's
+        if superseded:
+            msg += (f"; {superseded} labels of an older judge reading are not counted (the newest reading seen "
+                    "is in force: upgrade every worker's judge)")
         shown = n_close if state == "learning" else labels
         return {"state": state, "labels": int(shown), "needed": int(needed), "labels_total": int(labels),
                 "message": msg, "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())}}
+
+    def reading_superseded(self, namespace: str, judge: str, settings: Mapping[str, Any] | None) -> bool:
+        """Whether a label of this judge reading would count for nothing: the record has seen it and another
+        reading is now in force, or it is older than the one in force by version (``reading_in_force``)."""
+        labels = self.store.labels(namespace)
+        current = reading_in_force(labels)
+        if current is None or _dump_reading(judge, settings) == _dump_reading(current.judge, current.judge_settings):
+            return False
+        key = _dump_reading(judge, settings)
+        seen = any(_dump_reading(lab.judge, lab.judge_settings) == key for lab in labels)
+        return seen or older_reading(judge, settings, current)
 
     # ------------------------------------------------------------------ budget
     def budget_allows(self, namespace: str, busy: bool, rank: int = 0) -> bool:

@@ -22,7 +22,16 @@ from typing import Any, Callable, Mapping, Sequence
 from ..risk.discrepancy import discrepancies
 from ..types import Candidates, CandidateVerdict, Decision, Signature
 from .labels import Covariate, Label
-from .learner import STRATA, LearnSettings, accepts, audit_draw, learner_for, rule_namespace, stratum_of
+from .learner import (
+    STRATA,
+    LearnSettings,
+    accepts,
+    audit_draw,
+    learner_for,
+    reading_in_force,
+    rule_namespace,
+    stratum_of,
+)
 
 log = logging.getLogger("carnator")
 
@@ -215,6 +224,11 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                 judge, decode, why_not = judge_and_decoder(model, probe)
             if judge is None:
                 want = False
+            elif learner.reading_superseded(ns, str(judge.name), dict(getattr(judge, "settings", {}) or {})):
+                # the record has moved on to a newer judge reading: this worker's label would count for nothing
+                want, why_not = False, (f"not labelled: this worker's judge reading ({judge.name} "
+                                        f"{dict(getattr(judge, 'settings', {}) or {})}) is older than the record's; "
+                                        "upgrade it")
         if want:
             try:
                 cand = ctx["candidate"]
@@ -275,10 +289,11 @@ _LAST_ON: dict[str, tuple[str, ...]] = {}
 def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_config: Any) -> Any:
     """On a farm's shared record a stratum may switch on (or off after a drift) on another worker's label: this
     worker's learned rule file (what its Risk Filter reads) is rewritten when the record's switched-on strata differ
-    from what it last wrote, naming the judge the latest label names. Returns the states it derived, or None."""
+    from what it last wrote, naming the judge reading in force (``learner.reading_in_force``). Returns the states
+    it derived, or None."""
     labels = learner.store.labels(ns)
     if labels and ctx.get("rule_path"):
-        last = labels[-1]
+        last = reading_in_force(labels)
         judge = SimpleNamespace(name=last.judge, settings=dict(last.judge_settings))
         return _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True)
     return None
