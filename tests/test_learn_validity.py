@@ -167,3 +167,35 @@ def test_a_lower_version_never_seen_before_does_not_take_over() -> None:
     add_labels(ln, "reseed", [1] * 3, judge_settings={"checker_version": 1}, start=1000)
     assert ln.state(NS)["reseed"].on
 
+# ----------------------------------------------------------------------------------------- 6. the b-rate alone
+def test_a_kind_whose_reuse_fails_often_never_switches_on_however_many_c_the_judge_finds() -> None:
+    """p_b = 0.20, p_c = 0.18: the excess (0.02) is below α, but reuse fails one request in five. A judge that
+    over-calls dense failures must not certify it. Before the fix 6 of 40 streams of 2,000 labels switched on
+    at the head's level (0.0375)."""
+    reps = 40
+    rng = np.random.default_rng(6)
+    on = 0
+    for _ in range(reps):
+        ln = fitted_learner({"reseed": 20})
+        u = rng.random(2000)
+        add_labels(ln, "reseed", np.where(u < 0.2, 1, np.where(u < 0.38, -1, 0)))
+        on += ln.state(NS)["reseed"].on
+    assert on == 0, on
+
+
+def test_the_b_rate_ceiling_costs_nothing_when_reuse_rarely_fails() -> None:
+    """The second test (b-rate ≤ ``b_ceiling``) is inside the same level (both must reject: an intersection-union
+    test), and at the rates every frequent kind showed (0–3 % b) it certifies before the excess test does: the
+    labels a kind needs are those of the excess test alone."""
+    from carnator_core.learn.sequence import labels_needed
+
+    for seed, pb in ((1, 0.0), (2, 0.01), (3, 0.02)):
+        rng = np.random.default_rng(seed)
+        xs = (rng.random(1500) < pb).astype(int)
+        alone = BettingSequence(0.05, 0.0375)
+        at = next((i + 1 for i, x in enumerate(xs) if alone.update(int(x)).certified), None)
+        ln = fitted_learner({"reseed": 20})
+        add_labels(ln, "reseed", xs[:at] if at else xs)
+        st = ln.state(NS)["reseed"]
+        assert at is not None and st.on and st.sequence.n == at, (pb, at, st.sequence.n)
+    assert labels_needed(0.05, 0.0375) == 86

@@ -113,6 +113,9 @@ class LearnSettings:
     min_fit:       covariates (served requests with a candidate) before the first fit.
     fail_after:    accepted labels after which a fit with an empirical excess ≥ α is replaced.
     max_fits:      fits per stratum (their δ shares 2^−j sum below 1).
+    b_ceiling:     β, the b-rate a kind must also be shown below (``sequence``: "The b-rate alone"): a kind switches
+                   on only when its excess is certified ≤ α *and* its failure rate p_b ≤ β, both at the same level,
+                   so a judge that over-calls dense failures (c) cannot certify a kind whose reuse fails often.
     seed_thresholds: thresholds from another rule for fit 1 (the certificate is still earned on own labels).
     """
 
@@ -128,6 +131,7 @@ class LearnSettings:
     min_fit: int = 20
     fail_after: int = 40
     max_fits: int = 6
+    b_ceiling: float = 0.1
     seed_thresholds: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -137,7 +141,8 @@ class LearnSettings:
                   (self.pilot >= 0 and 0 < self.head_weight <= 1, "pilot ≥ 0 and head_weight in (0, 1]"),
                   (0 < self.level <= 1 and 0 < self.tighten <= 1, "level and tighten in (0, 1]"),
                   (self.min_fit >= 1 and self.fail_after >= 1 and 1 <= self.max_fits <= 30,
-                   "min_fit, fail_after ≥ 1 and max_fits in [1, 30]")]
+                   "min_fit, fail_after ≥ 1 and max_fits in [1, 30]"),
+                  (self.alpha <= self.b_ceiling < 1, "b_ceiling in [alpha, 1)")]
         bad = [what for ok, what in checks if not ok]
         if bad:
             raise ValueError(f"learning settings need {', '.join(bad)}; got {self}")
@@ -479,9 +484,9 @@ class Learner:
                 if not lo < lab.id <= hi or not accepts(fit.thresholds, lab.vector, lab.missing):
                     continue
                 node = (lab.stratum, fit.index)
-                seq = seqs.setdefault(node, BettingSequence(s.alpha, s.delta))
+                seq = seqs.setdefault(node, BettingSequence(s.alpha, s.delta, b_ceiling=s.b_ceiling))
                 seq.update(lab.x)
-                for j in graph.offer(node, math.exp(-seq.max_log_capital)):
+                for j in graph.offer(node, seq.p_value):
                     switched[j] = lab.id
         out: dict[str, StratumState] = {}
         for st in strata:
@@ -499,9 +504,11 @@ class Learner:
                 continue
             node = (st, fit.index)
             level = graph.rejected_level.get(node, graph.level(node))
-            seq = seqs.get(node) or BettingSequence(s.alpha, s.delta)
+            seq = seqs.get(node) or BettingSequence(s.alpha, s.delta, b_ceiling=s.b_ceiling)
             if level > 0:
                 seq.delta = level  # what its U_t and "certified" are read at (the graph's level for this node)
+                if seq.b_test is not None:
+                    seq.b_test.delta = level
             switched_at = switched.get(node, 0)
             drifted = any(e.get("kind") == "drift" and e.get("stratum") == st and e.get("fit") == fit.index
                           for e in events)
@@ -545,9 +552,13 @@ class Learner:
                 needed, what = 0, f"off after a drift; no fit left (max_fits = {s.max_fits})"
             else:
                 needed = estimate_needed(seq, s.alpha, level) if level > 0 else 10 * max(seq.n, 1)
+                if level > 0 and seq.b_test is not None:  # both tests must certify: the slower one decides
+                    needed = max(needed, estimate_needed(seq.b_test, seq.b_test.alpha, level))
                 what = "off after a drift, learning again" if off else "learning"
             msg = (f"{what} ({st}) — {seq.n} labels of about {needed} needed; reuse switches on when certified "
-                   f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha}, kind {rank + 1} of the order)")
+                   f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha}, kind {rank + 1} of the order"
+                   + (f"; its failure rate {seq.b}/{seq.n} is not yet shown ≤ {s.b_ceiling}"
+                      if seq.n and seq.excess_certified and not seq.b_certified else "") + ")")
             out[st] = StratumState(st, fit, seq, drift, "off" if off else "learning", n_labels, needed, msg, n_cov,
                                    rank=rank, level=level, superseded=superseded.get(st, 0))
         return False, out
