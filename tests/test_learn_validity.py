@@ -199,3 +199,43 @@ def test_the_b_rate_ceiling_costs_nothing_when_reuse_rarely_fails() -> None:
         st = ln.state(NS)["reseed"]
         assert at is not None and st.on and st.sequence.n == at, (pb, at, st.sequence.n)
     assert labels_needed(0.05, 0.0375) == 86
+
+
+# ----------------------------------------------------------------------------------------- 3. bursts of one scene
+def burst_stream(rng: np.random.Generator, burst: int, n_labels: int = 1000) -> tuple[np.ndarray, list[str]]:
+    """Labels in bursts of ``burst`` recalls of one cached entry (a user iterating on one scene): each entry's
+    reuse fails at its own rate — 0.5 for one entry in ten, never for the others — so the long-run excess over
+    entries is exactly α = 0.05, and the labels within a burst are dependent (they share the entry's rate)."""
+    n_entries = -(-n_labels // burst)
+    rate = np.where(rng.random(n_entries) < 0.1, 0.5, 0.0)
+    per_label = np.repeat(rate, burst)[:n_labels]
+    xs = (rng.random(n_labels) < per_label).astype(int)
+    return xs, [f"entry{i // burst}" for i in range(n_labels)]
+
+
+def test_bursts_on_one_cached_entry_do_not_switch_a_kind_on_at_long_run_excess_alpha() -> None:
+    """The cached entry is the unit: a test counts at most one label per cached entry (its first), so a burst of
+    recalls of one entry weighs as one draw. Before the fix, 40 streams of 1,000 labels per burst length
+    L = 5, 20, 100 switched on at the head's level (0.0375) in 14, 29 and 39 of 40 (ceiling 3.2)."""
+    reps, level = 40, 0.1 * 0.5 * fit_share(1)
+    rng = np.random.default_rng(3)
+    on = {}
+    for burst in (5, 20, 100):
+        on[burst] = 0
+        for _ in range(reps):
+            xs, entries = burst_stream(rng, burst)
+            ln = fitted_learner({"reseed": 20})
+            add_labels(ln, "reseed", xs, entries=entries)
+            on[burst] += ln.state(NS)["reseed"].on
+    assert all(v <= binomial_ceiling(level, reps) for v in on.values()), on
+
+
+def test_the_entry_as_unit_still_certifies_a_safe_kind_served_in_bursts() -> None:
+    """Bursts of 5 recalls of entries that never fail: one label per entry counts, so the kind certifies once
+    enough distinct entries were labelled (86 at the head's level), not after 86 labels of a handful of them."""
+    ln = fitted_learner({"reseed": 20})
+    xs, entries = np.zeros(600, dtype=int), [f"entry{i // 5}" for i in range(600)]
+    add_labels(ln, "reseed", xs, entries=entries)
+    st = ln.state(NS)["reseed"]
+    # on the first label of the 86th entry (label ids from 1); the test went on counting one label per entry
+    assert st.on and st.switched_on_at == 5 * 85 + 1 and st.sequence.n == 120 and len(st.entries) == 120

@@ -37,10 +37,23 @@ next one then 81; about 212 when 2 % of its labels fail), and no valid test can 
 (``sequence``). On a stream that spreads over many kinds of change the first switch-on therefore comes after
 roughly pilot + 86 / (the head kind's share of requests that give an accepted, reusable label) requests.
 
-The guarantee: P(some stratum is ever switched on while its fitted rule's true excess (b − c)/n is ≥ α) ≤ δ, for
-labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not
-independent draws of anything but the stream itself: the guarantee is for the stream as it comes.
+The guarantee: P(some (stratum, fit) is ever switched on — or rejected in the graph, passing its level on — while
+its population's excess is ≥ α or its b-rate is ≥ ``b_ceiling``) ≤ δ. Each (stratum, fit) is a hypothesis about
+one population, and its test counts exactly a fair sample of it:
 
+* **whose requests**: served requests of the stratum whose chosen candidate the fit accepts, made *while the fit
+  is the stratum's current one* (labels are made only inside the current fit's thresholds, so a replaced fit's
+  test is frozen at the refit, ``fit_window``; a refit counts only labels made after it is recorded);
+* **the unit is the cached entry**: a test counts at most one label per cached entry (the first of its labels in
+  the fit's window), so a burst of requests recalling one entry (a user iterating on one scene) weighs as one
+  draw. The excess certified is the excess over the cached entries the kind's requests recall — each entry once —
+  not over requests: a workload whose risky entries are recalled more often than its safe ones is served with a
+  request-weighted excess the test does not see (the entries' risks, not their popularity, are certified);
+* **the judge reading in force** (below).
+
+Under the null, given everything before it, each counted label is a draw of that population (its selection
+depends on the current fit, the entries already counted and the order, never on its outcome), so its conditional
+mean is ≥ α (or the b-indicator's ≥ β) and the capital is a supermartingale (``sequence``).
 One label at a time: the tests count only labels of the judge reading in force (``reading_in_force``: judge +
 settings, e.g. the pixel checker's ``checker_version``) — the newest reading the record has ever seen. A reading
 seen for the first time takes over, unless the judge's own version numbers say it is older; a reading once
@@ -237,6 +250,7 @@ class StratumState:
     rank: int = -1           # its place in the order the strata are certified in (−1: the pilot runs)
     level: float = 0.0       # the δ its current fit is tested at now (the graph's level; 0 once passed on)
     superseded: int = 0      # its labels of a judge reading other than the one in force (counted by no test)
+    entries: frozenset = frozenset()  # the cached entries its current fit's test has counted a label of
 
     @property
     def on(self) -> bool:
@@ -470,6 +484,7 @@ class Learner:
         graph = build_graph(ranking, s)
         seqs: dict[tuple[str, int], BettingSequence] = {}
         switched: dict[tuple[str, int], int] = {}
+        counted: dict[tuple[str, int], set[str]] = {}  # the cached entries each test has counted a label of
         by_stratum = {st: fits.get(st, []) for st in ranking}
         windows = {st: fit_window(fs) for st, fs in by_stratum.items()}
         latest = reading_in_force(labels)
@@ -484,7 +499,13 @@ class Learner:
                 if not lo < lab.id <= hi or not accepts(fit.thresholds, lab.vector, lab.missing):
                     continue
                 node = (lab.stratum, fit.index)
-                seq = seqs.setdefault(node, BettingSequence(s.alpha, s.delta, b_ceiling=s.b_ceiling))
+                entries = counted.setdefault(node, set())
+                if lab.entry_id in entries:
+                    continue  # the cached entry is the unit: one label per entry and test (module docstring)
+                entries.add(lab.entry_id)
+                seq = seqs.get(node)
+                if seq is None:
+                    seq = seqs[node] = BettingSequence(s.alpha, s.delta, b_ceiling=s.b_ceiling)
                 seq.update(lab.x)
                 for j in graph.offer(node, seq.p_value):
                     switched[j] = lab.id
@@ -545,7 +566,8 @@ class Learner:
                        f"α = {s.alpha}, anytime-valid at δ = {level:.4g})"
                        + (f"; {drift.n} audits, no drift" if drift is not None and drift.n else ""))
                 out[st] = StratumState(st, fit, seq, drift, state, n_labels, seq.n, msg, n_cov, switched_at,
-                                       rank=rank, level=level, superseded=superseded.get(st, 0))
+                                       rank=rank, level=level, superseded=superseded.get(st, 0),
+                                       entries=frozenset(counted.get(node, ())))
                 continue
             off = drifted or any(e.get("kind") == "drift" and e.get("stratum") == st for e in events)
             if drifted:  # the drifted fit has no successor left (max_fits): off for good
@@ -560,7 +582,8 @@ class Learner:
                    + (f"; its failure rate {seq.b}/{seq.n} is not yet shown ≤ {s.b_ceiling}"
                       if seq.n and seq.excess_certified and not seq.b_certified else "") + ")")
             out[st] = StratumState(st, fit, seq, drift, "off" if off else "learning", n_labels, needed, msg, n_cov,
-                                   rank=rank, level=level, superseded=superseded.get(st, 0))
+                                   rank=rank, level=level, superseded=superseded.get(st, 0),
+                                   entries=frozenset(counted.get(node, ())))
         return False, out
 
     def _order(self, namespace: str, covs: Sequence[Covariate], labels: Sequence[Label],

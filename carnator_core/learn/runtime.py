@@ -209,7 +209,10 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
         st = states.get(str(stratum))
         audit = bool(ctx.get("audit"))
         want = audit or (st is not None and not st.on and stratum in STRATA and not cov.missing
-                         and (st.fit is None or accepts(st.fit.thresholds, cov.vector, cov.missing)))
+                         and (st.fit is None or accepts(st.fit.thresholds, cov.vector, cov.missing))
+                         # the cached entry is the unit: a second label of an entry its test has counted would
+                         # count for nothing (``learner`` module docstring), so it is not made
+                         and cov.entry_id not in st.entries)
         busy = bool(pending is not None and pending() > 0)
         why_not = ""
         if want and not audit and not learner.budget_allows(ns, busy, learner.rank_among_learning(states,
