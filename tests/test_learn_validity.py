@@ -239,3 +239,62 @@ def test_the_entry_as_unit_still_certifies_a_safe_kind_served_in_bursts() -> Non
     st = ln.state(NS)["reseed"]
     # on the first label of the 86th entry (label ids from 1); the test went on counting one label per entry
     assert st.on and st.switched_on_at == 5 * 85 + 1 and st.sequence.n == 120 and len(st.entries) == 120
+
+
+# ----------------------------------------------------------------------------------------- 4. drift
+def audited_stream(seed: int, clean: int, jump: float, after: int = 150) -> str:
+    """A stratum certified on 86 clean labels, then ``clean`` audits without a failure, then ``after`` audits of
+    which a share ``jump`` fail (b); the stratum's state after them (derived once: the detector replays every
+    audit)."""
+    rng = np.random.default_rng(seed)
+    ln = fitted_learner({"reseed": 20})
+    add_labels(ln, "reseed", [0] * 86)
+    assert ln.state(NS)["reseed"].on
+    add_labels(ln, "reseed", [0] * clean, kind="audit", start=10_000)
+    add_labels(ln, "reseed", (rng.random(after) < jump).astype(int), kind="audit", start=20_000)
+    return ln.state(NS)["reseed"].state
+
+
+def test_drift_is_caught_as_fast_after_a_long_clean_history_as_without_one() -> None:
+    """A jump to p_b = 0.2 is switched off within 150 audits whether 0 or 1,000 clean audits came first. Before
+    the fix (one test pooling every audit since switch-on) the jump was caught within 150 audits in 6 of 6
+    streams without history and in 0 of 6 after 1,000 clean audits."""
+    fresh = sum(audited_stream(seed, 0, 0.2) == "off" for seed in range(6))
+    seasoned = sum(audited_stream(seed, 1000, 0.2) == "off" for seed in range(6))
+    assert fresh >= 5 and seasoned >= 5, (fresh, seasoned)
+
+
+def test_the_vectorised_detector_is_the_detector() -> None:
+    from carnator_core.learn.sequence import DriftDetector
+
+    rng = np.random.default_rng(8)
+    xs = np.where(rng.random((20, 300)) < 0.12, 1, np.where(rng.random((20, 300)) < 0.03, -1, 0))
+    at = DriftDetector.first_alarm(xs, 0.05, 200.0)
+    for row, first in zip(xs, at):
+        d = DriftDetector(0.05, 200.0)
+        for x in row:
+            d.update(int(x))
+        assert d.alarm_at == (first if first <= 300 else 0)
+    assert (at <= 300).sum() >= 10  # most of these streams (excess 0.09) do alarm
+
+
+def test_drift_delays_and_false_alarms_reference_values() -> None:
+    """The figures behind docs/LEARNING.md's drift table (scripts/bench/bench_drift.py prints it): audits to the
+    switch-off after a jump, with and without 1,000 clean audits first, and the false-alarm control at excess
+    exactly α (P(alarm within T audits) ≤ T/ARL)."""
+    from carnator_core.learn.sequence import DriftDetector
+
+    rng = np.random.default_rng(0)
+    medians = {}
+    for pb in (0.08, 0.2):
+        for pre in (0, 1000):
+            xs = np.concatenate([np.zeros((400, pre), dtype=np.int8),
+                                 (rng.random((400, 1500)) < pb).astype(np.int8)], axis=1)
+            at = DriftDetector.first_alarm(xs, 0.05)
+            assert (at <= pre).sum() == 0  # no false alarm during a clean history
+            medians[(pb, pre)] = int(np.median(at - pre))
+    assert medians == {(0.08, 0): 228, (0.08, 1000): 211, (0.2, 0): 61, (0.2, 1000): 47}, medians
+    # the delay does not grow with a clean history (the pooled test's median: 39 → 484 audits at p_b = 0.2)
+    assert all(medians[(pb, 1000)] <= medians[(pb, 0)] for pb in (0.08, 0.2))
+    at = DriftDetector.first_alarm((rng.random((2000, 300)) < 0.05).astype(np.int8), 0.05)
+    assert (at <= 300).mean() <= 300 / 1000

@@ -22,7 +22,8 @@ against the candidate, ``risk.strata``):
    graph gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the
    next.
 4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %) is served dense instead and its
-   reuse labelled against it; ``sequence.DriftTest`` (H0: excess ≤ α) watches these labels, and when it fires the
+   reuse labelled against it; ``sequence.DriftDetector`` (a restarting e-detector of excess > α) watches these
+   labels, and when it fires the
    stratum is switched off ("off", with the message) and learning resumes with the next fit.
 
 Which requests get labelled (the policy): only requests whose chosen candidate the stratum's current fit would accept
@@ -84,7 +85,7 @@ from .labels import Covariate, Label, LabelStore
 from .sequence import (
     METHOD,
     BettingSequence,
-    DriftTest,
+    DriftDetector,
     GraphProcedure,
     family_delta,
     fit_share,
@@ -129,6 +130,8 @@ class LearnSettings:
     b_ceiling:     β, the b-rate a kind must also be shown below (``sequence``: "The b-rate alone"): a kind switches
                    on only when its excess is certified ≤ α *and* its failure rate p_b ≤ β, both at the same level,
                    so a judge that over-calls dense failures (c) cannot certify a kind whose reuse fails often.
+    drift_arl:     the audits' drift detector's threshold (``sequence.DriftDetector``): while a switched-on kind's
+                   audited excess is ≤ α a false switch-off comes after at least this many audits on average.
     seed_thresholds: thresholds from another rule for fit 1 (the certificate is still earned on own labels).
     """
 
@@ -145,6 +148,7 @@ class LearnSettings:
     fail_after: int = 40
     max_fits: int = 6
     b_ceiling: float = 0.1
+    drift_arl: float = 1000.0
     seed_thresholds: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -155,7 +159,8 @@ class LearnSettings:
                   (0 < self.level <= 1 and 0 < self.tighten <= 1, "level and tighten in (0, 1]"),
                   (self.min_fit >= 1 and self.fail_after >= 1 and 1 <= self.max_fits <= 30,
                    "min_fit, fail_after ≥ 1 and max_fits in [1, 30]"),
-                  (self.alpha <= self.b_ceiling < 1, "b_ceiling in [alpha, 1)")]
+                  (self.alpha <= self.b_ceiling < 1, "b_ceiling in [alpha, 1)"),
+                  (self.drift_arl >= 1, "drift_arl ≥ 1")]
         bad = [what for ok, what in checks if not ok]
         if bad:
             raise ValueError(f"learning settings need {', '.join(bad)}; got {self}")
@@ -240,7 +245,7 @@ class StratumState:
     stratum: str
     fit: Fit | None
     sequence: BettingSequence | None
-    drift: DriftTest | None
+    drift: DriftDetector | None
     state: str  # "learning" | "certified" | "audited" | "off"
     labels: int
     needed: int
@@ -535,14 +540,16 @@ class Learner:
                           for e in events)
             drift = None
             if switched_at:
-                drift = DriftTest(s.alpha, level)
+                drift = DriftDetector(s.alpha, s.drift_arl)
                 for lab in audits:
                     if lab.stratum == st and lab.id > switched_at and lab.reusable and \
                             same_label(lab, latest) and accepts(fit.thresholds, lab.vector, lab.missing):
                         drift.update(lab.x)
                 if drift.drifted and not drifted and update:
                     msg = (f"drift in stratum {st}: the audited hits' excess is above α = {s.alpha} "
-                           f"({drift.b} b, {drift.c} c of {drift.n} audits; anytime-valid test at δ = {level:.4g}); "
+                           f"({drift.b} b, {drift.c} c of {drift.n} audits; e-detector alarm at audit "
+                           f"{drift.alarm_at}, "
+                           f"false alarms on average no sooner than {s.drift_arl:g} audits); "
                            "reuse is off for this stratum and learning resumes on new labels")
                     log.warning("carnator learning: %s", msg)
                     self.store.add_event(namespace, "drift", msg, stratum=st, fit=fit.index)

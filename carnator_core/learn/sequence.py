@@ -16,7 +16,7 @@ Under H0(m), E[1 + λ_t (m − X_t) | past] = 1 + λ_t (m − E[X_t | past]) ≤
 supermartingale and Ville's inequality gives P(sup_t K_t(m) ≥ 1/δ) ≤ δ — whatever the stopping time, however
 often one looks (continuous monitoring). The rule is certified at level α once K_t(α) ≥ 1/δ has happened
 (*ever*: the event is already δ-controlled, so a certificate once earned stands; drift is watched by a second,
-separate test, :class:`DriftTest`).
+separate detector, :class:`DriftDetector`).
 
 The bets are a *mixture* of three gamblers, each with a third of the starting capital (the average of
 supermartingales that start at 1 is one, so Ville applies to the sum): K_t = (K_t^plug + K_t^0.7 + K_t^0.45) / 3.
@@ -319,42 +319,99 @@ METHOD = ("betting test supermartingale of H0: (b − c)/n ≥ α, the mean of t
           f"{C_MAX}/(1 − m), Ville's inequality (carnator_core/learn/sequence.py)")
 
 
+DRIFT_FRACTIONS = (0.95, 0.6, 0.3, 0.15)  # the drift detector's bets, as fractions of 1/(1 + α)
+DRIFT_ARL = 1000.0  # its threshold c: on audits whose excess is ≤ α, a false alarm comes after ≥ c audits on average
+
+
 @dataclass
-class DriftTest:
-    """The audit's anytime-valid test of H0: Δ ≤ α on a switched-on rule's audited hits: capital
-    Π (1 + λ_i (X_i − α)), λ ≤ c_max/(1 + α) predictable. Crossing 1/δ says the excess has drifted above α
-    (P(false alarm ever) ≤ δ while the rule is in fact fine)."""
+class DriftDetector:
+    """The audits' drift detector: a Shiryaev–Roberts e-detector (Shin, Ramdas & Rinaldo 2024, "E-detectors: a
+    nonparametric framework for sequential change detection") of a rise of the excess above α, on a switched-on
+    rule's audited hits, restarted at every audit so that its delay does not grow with a clean history.
+
+    For each bet λ_k = f_k/(1 + α) (``DRIFT_FRACTIONS``) and each start j ≤ t, Π_{i=j..t} (1 + λ_k (X_i − α)) is a
+    betting e-process for H0: "every audit's excess is ≤ α" (a non-negative supermartingale from 1: every factor is
+    > 0 and has conditional mean ≤ 1 under H0). The statistic sums them over the start points and averages over the
+    bets: R_t = mean_k R_t^k, R_t^k = (1 + λ_k (X_t − α)) (R_{t−1}^k + 1), R_0 = 0. Under H0, R_t − t is a
+    supermartingale, so the alarm time τ = inf{t: R_t ≥ c} has E[τ] ≥ c (the average run length to a false alarm
+    is at least ``arl`` audits), and P(τ ≤ T) ≤ T/c for every horizon T (Ville's inequality applied to
+    R_t − t + T, non-negative up to T). No bound can keep the chance of a false alarm ever below δ *and* a delay
+    that does not grow with the history: the alarm is a switch-off (the safe side), and its control is the ARL.
+
+    After a jump the bets that match it grow at their rate from wherever R stands: a clean history leaves R near
+    its small stationary level (each R^k ≈ f/(1 − f) with f = 1 − λ_k α), never far below 1, so the delay is that
+    of a fresh start (the pooled test this replaces took 490 audits after 1,000 clean ones, against 38 without)."""
 
     alpha: float
-    delta: float
-    c_max: float = C_MAX
+    arl: float = DRIFT_ARL
+    fractions: tuple = DRIFT_FRACTIONS
     n: int = 0
     b: int = 0
     c: int = 0
-    log_capital: float = 0.0
+    stats: list = field(default_factory=list)  # R_t^k per bet
+    alarm_at: int = 0                          # the audit at which R first reached the threshold (0: never)
+    peak: float = 0.0                          # max_s R_s
 
     def __post_init__(self) -> None:
-        _check_level(self.alpha, self.delta)
+        _check_level(self.alpha, 0.5)
+        self.fractions = tuple(float(f) for f in self.fractions)
+        if not all(0.0 < f < 1.0 for f in self.fractions) or not self.fractions:
+            raise ValueError(f"drift bet fractions must be in (0, 1), got {self.fractions}")
+        if not self.arl >= 1.0:
+            raise ValueError(f"the drift threshold (ARL) must be ≥ 1, got {self.arl}")
+        if not self.stats:
+            self.stats = [0.0] * len(self.fractions)
 
-    def update(self, x: int) -> "DriftTest":
+    @property
+    def bets(self) -> list[float]:
+        return [f / (1.0 + self.alpha) for f in self.fractions]
+
+    @property
+    def statistic(self) -> float:
+        return sum(self.stats) / len(self.stats)
+
+    def update(self, x: int) -> "DriftDetector":
         if x not in OUTCOMES:
             raise ValueError(f"a label outcome is −1 (c), 0 or +1 (b), got {x!r}")
-        pb, pc, p0 = _plug_in(self.n, self.b, self.c, min(0.5, 2.0 * self.alpha))
-        a = self.alpha
-        lam = kelly_bet((1.0 - a, -1.0 - a, -a), (pb, pc, p0), self.c_max / (1.0 + a))
-        self.log_capital += math.log1p(lam * (x - self.alpha))
+        self.stats = [(1.0 + lam * (x - self.alpha)) * (r + 1.0) for lam, r in zip(self.bets, self.stats)]
         self.n += 1
         self.b += int(x == 1)
         self.c += int(x == -1)
+        self.peak = max(self.peak, self.statistic)
+        if not self.alarm_at and self.statistic >= self.arl:
+            self.alarm_at = self.n
         return self
 
     @property
     def drifted(self) -> bool:
-        return self.log_capital >= math.log(1.0 / self.delta)
+        """The statistic has reached the threshold at some audit (a switch-off once raised stands)."""
+        return self.alarm_at > 0
+
+    @staticmethod
+    def first_alarm(xs: np.ndarray, alpha: float, arl: float = DRIFT_ARL,
+                    fractions: tuple = DRIFT_FRACTIONS) -> np.ndarray:
+        """For each row of ``xs`` (streams × audits, outcomes −1/0/+1) the audit at which the detector first
+        alarms (T + 1: never) — the same recursion as ``update``, vectorised over streams (simulations)."""
+        xs = np.asarray(xs, dtype=np.float64)
+        reps, horizon = xs.shape
+        lam = np.asarray(fractions, dtype=np.float64)[None, :] / (1.0 + alpha)
+        r = np.zeros((reps, lam.shape[1]))
+        out = np.full(reps, horizon + 1)
+        for t in range(horizon):
+            r = (1.0 + lam * (xs[:, t:t + 1] - alpha)) * (r + 1.0)
+            fresh = (r.mean(axis=1) >= arl) & (out > horizon)
+            out[fresh] = t + 1
+        return out
 
     def to_dict(self) -> dict:
-        return {"n": self.n, "b": self.b, "c": self.c, "alpha": self.alpha, "delta": self.delta,
-                "log_capital": round(self.log_capital, 6), "drifted": self.drifted}
+        return {"n": self.n, "b": self.b, "c": self.c, "alpha": self.alpha, "arl": self.arl,
+                "statistic": round(self.statistic, 6), "peak": round(self.peak, 6), "alarm_at": self.alarm_at,
+                "drifted": self.drifted, "method": DRIFT_METHOD}
+
+
+DRIFT_METHOD = ("Shiryaev–Roberts e-detector of excess > α on the audits (mean over bets "
+                f"{', '.join(map(str, DRIFT_FRACTIONS))} of 1/(1 + α)); alarm at R ≥ the ARL threshold "
+                "(carnator_core/learn/sequence.py)")
 
 
 def fit_share(index: int, strata: str = "graph") -> float:
