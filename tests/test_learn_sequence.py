@@ -14,7 +14,7 @@ from carnator_core.learn.learner import STRATA, LearnSettings, build_graph
 from carnator_core.learn.sequence import (
     FIXED_FRACTIONS,
     BettingSequence,
-    DriftTest,
+    DriftDetector,
     GraphProcedure,
     family_delta,
     fit_share,
@@ -105,11 +105,14 @@ def test_family_delta_splits_over_strata_fits_and_levels() -> None:
     assert total <= 0.1
 
 
-def test_drift_test_fires_on_drift_and_rarely_on_a_fine_rule() -> None:
+def test_the_drift_detector_fires_on_drift_and_rarely_on_a_fine_rule() -> None:
+    """The audits' detector is an e-detector (``DriftDetector``): its false alarms are controlled by the average
+    run length (P(alarm within T audits) ≤ T/ARL while the excess is ≤ α), not by a δ over all time — the pooled
+    test it replaced (P(ever) ≤ δ) took longer to fire the longer things had gone well."""
     rng = np.random.default_rng(3)
     fired = []
     for _ in range(30):
-        d = DriftTest(0.05, 0.1)
+        d = DriftDetector(0.05)
         for i, x in enumerate(draws(rng, 400, 0.2, 0.2)):
             if d.update(int(x)).drifted:
                 fired.append(i + 1)
@@ -117,12 +120,12 @@ def test_drift_test_fires_on_drift_and_rarely_on_a_fine_rule() -> None:
     assert len(fired) >= 28 and float(np.median(fired)) < 100, fired
     false = 0
     for _ in range(200):
-        d = DriftTest(0.05, 0.2)
+        d = DriftDetector(0.05, arl=1000.0)
         for x in draws(rng, 300, 0.05, 0.1):  # exactly at α: H0 (excess ≤ α) holds
             if d.update(int(x)).drifted:
                 false += 1
                 break
-    assert false / 200 <= 0.2 + 3 * math.sqrt(0.2 * 0.8 / 200)
+    assert false / 200 <= 300 / 1000 + 3 * math.sqrt(0.3 * 0.7 / 200)
 
 
 def test_the_graph_is_a_fallback_procedure_whose_result_does_not_depend_on_the_order_of_offers() -> None:

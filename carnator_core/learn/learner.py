@@ -22,7 +22,8 @@ against the candidate, ``risk.strata``):
    graph gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the
    next.
 4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %) is served dense instead and its
-   reuse labelled against it; ``sequence.DriftTest`` (H0: excess ≤ α) watches these labels, and when it fires the
+   reuse labelled against it; ``sequence.DriftDetector`` (a restarting e-detector of excess > α) watches these
+   labels, and when it fires the
    stratum is switched off ("off", with the message) and learning resumes with the next fit.
 
 Which requests get labelled (the policy): only requests whose chosen candidate the stratum's current fit would accept
@@ -37,22 +38,42 @@ next one then 81; about 212 when 2 % of its labels fail), and no valid test can 
 (``sequence``). On a stream that spreads over many kinds of change the first switch-on therefore comes after
 roughly pilot + 86 / (the head kind's share of requests that give an accepted, reusable label) requests.
 
-The guarantee: P(some stratum is ever switched on while its fitted rule's true excess (b − c)/n is ≥ α) ≤ δ, for
-labels drawn from the traffic the rule would accept (budget-thinned). Requests sharing one cache are not
-independent draws of anything but the stream itself: the guarantee is for the stream as it comes.
+The guarantee: P(some (stratum, fit) is ever switched on — or rejected in the graph, passing its level on — while
+its population's excess is ≥ α or its b-rate is ≥ ``b_ceiling``) ≤ δ. Each (stratum, fit) is a hypothesis about
+one population, and its test counts exactly a fair sample of it:
 
-One label at a time: the tests count only labels of the judge and settings of the record's latest label
-(``same_label``; e.g. the pixel checker's reading, ``checker_version``). A record continued under another judge
-(an upgrade) starts every test afresh on the new labels — the old label's certificates are closed, not carried
-over, since the two labels measure different things — and the guarantee holds for each label in turn. (A farm
-whose workers judge with different readings would keep restarting each other's tests: upgrade them together.)
+* **whose requests**: served requests of the stratum whose chosen candidate the fit accepts, made *while the fit
+  is the stratum's current one* (labels are made only inside the current fit's thresholds, so a replaced fit's
+  test is frozen at the refit, ``fit_window``; a refit counts only labels made after it is recorded);
+* **the unit is the cached entry**: a test counts at most one label per cached entry (the first of its labels in
+  the fit's window), so a burst of requests recalling one entry (a user iterating on one scene) weighs as one
+  draw. The excess certified is the excess over the cached entries the kind's requests recall — each entry once —
+  not over requests: a workload whose risky entries are recalled more often than its safe ones is served with a
+  request-weighted excess the test does not see (the entries' risks, not their popularity, are certified);
+* **the judge reading in force** (below).
+
+Under the null, given everything before it, each counted label is a draw of that population (its selection
+depends on the current fit, the entries already counted and the order, never on its outcome), so its conditional
+mean is ≥ α (or the b-indicator's ≥ β) and the capital is a supermartingale (``sequence``).
+One label at a time: the tests count only labels of the judge reading in force (``reading_in_force``: judge +
+settings, e.g. the pixel checker's ``checker_version``) — the newest reading the record has ever seen. A reading
+seen for the first time takes over, unless the judge's own version numbers say it is older; a reading once
+superseded never takes over again. So a record continued under a new judge (an upgrade) starts every test afresh
+on the new labels (the old certificates are closed, not carried over: the two labels measure different things),
+and a label of an older reading after that — a farm worker not yet upgraded, a rollback — counts for nothing and
+revives nothing (tests/test_learn_validity.py). A farm with mixed versions therefore behaves predictably: the
+newest reading's labels are the only ones counted, older workers stop labelling (their labels would count for
+nothing) and the badge says how many labels of an older reading were not counted. The guarantee holds for each
+reading's tests in turn.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import threading
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -64,7 +85,7 @@ from .labels import Covariate, Label, LabelStore
 from .sequence import (
     METHOD,
     BettingSequence,
-    DriftTest,
+    DriftDetector,
     GraphProcedure,
     family_delta,
     fit_share,
@@ -106,6 +127,11 @@ class LearnSettings:
     min_fit:       covariates (served requests with a candidate) before the first fit.
     fail_after:    accepted labels after which a fit with an empirical excess ≥ α is replaced.
     max_fits:      fits per stratum (their δ shares 2^−j sum below 1).
+    b_ceiling:     β, the b-rate a kind must also be shown below (``sequence``: "The b-rate alone"): a kind switches
+                   on only when its excess is certified ≤ α *and* its failure rate p_b ≤ β, both at the same level,
+                   so a judge that over-calls dense failures (c) cannot certify a kind whose reuse fails often.
+    drift_arl:     the audits' drift detector's threshold (``sequence.DriftDetector``): while a switched-on kind's
+                   audited excess is ≤ α a false switch-off comes after at least this many audits on average.
     seed_thresholds: thresholds from another rule for fit 1 (the certificate is still earned on own labels).
     """
 
@@ -121,6 +147,8 @@ class LearnSettings:
     min_fit: int = 20
     fail_after: int = 40
     max_fits: int = 6
+    b_ceiling: float = 0.1
+    drift_arl: float = 1000.0
     seed_thresholds: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -130,7 +158,9 @@ class LearnSettings:
                   (self.pilot >= 0 and 0 < self.head_weight <= 1, "pilot ≥ 0 and head_weight in (0, 1]"),
                   (0 < self.level <= 1 and 0 < self.tighten <= 1, "level and tighten in (0, 1]"),
                   (self.min_fit >= 1 and self.fail_after >= 1 and 1 <= self.max_fits <= 30,
-                   "min_fit, fail_after ≥ 1 and max_fits in [1, 30]")]
+                   "min_fit, fail_after ≥ 1 and max_fits in [1, 30]"),
+                  (self.alpha <= self.b_ceiling < 1, "b_ceiling in [alpha, 1)"),
+                  (self.drift_arl >= 1, "drift_arl ≥ 1")]
         bad = [what for ok, what in checks if not ok]
         if bad:
             raise ValueError(f"learning settings need {', '.join(bad)}; got {self}")
@@ -163,7 +193,10 @@ def accepts(th: Thresholds, vector: Sequence[float], missing: bool) -> bool:
 
 @dataclass(frozen=True)
 class Fit:
-    """Fit ``index`` of a stratum: thresholds from covariates alone; its test uses labels with id > ``since``."""
+    """Fit ``index`` of a stratum: thresholds from covariates alone. Its test uses the labels with id > ``since``
+    made while it was the stratum's current fit: those with id ≤ the next fit's ``created`` (``fit_window``).
+    ``created``: the record's last label id when the fit was recorded (a record written before this field existed
+    reads ``since``)."""
 
     stratum: str
     index: int
@@ -171,15 +204,38 @@ class Fit:
     level: float
     thresholds: Thresholds
     source: str  # "covariates" | "seed"
+    created: int = -1
+
+    def __post_init__(self) -> None:
+        if self.created < 0:
+            object.__setattr__(self, "created", self.since)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stratum": self.stratum, "index": self.index, "since": self.since, "level": self.level,
-                "thresholds": self.thresholds.to_dict(), "source": self.source}
+                "thresholds": self.thresholds.to_dict(), "source": self.source, "created": self.created}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Fit":
         return cls(str(d["stratum"]), int(d["index"]), int(d["since"]), float(d["level"]),
-                   Thresholds.from_dict(d["thresholds"]), str(d.get("source", "covariates")))
+                   Thresholds.from_dict(d["thresholds"]), str(d.get("source", "covariates")),
+                   int(d.get("created", d["since"])))
+
+
+def fit_window(fits: Sequence[Fit]) -> dict[int, tuple[int, float]]:
+    """fit index → (since, until): the label ids whose labels its test may count (since < id ≤ until).
+
+    A fit's test counts only labels made while it was its stratum's current fit. Labels are made only for
+    requests the *current* fit accepts (``runtime.observe``), so after a refit the older fit's population would
+    be sampled only inside the newer (stricter) thresholds — a safer sub-region than the one it is a hypothesis
+    about. Its test is therefore frozen at the refit: a replaced fit counts no label after its successor was
+    recorded. (Measured before this rule, ``tests/test_learn_validity.py``: a replaced fit 1 whose true excess
+    was ≥ α was rejected in 6 of 20 simulated streams, against its level 0.0375.)"""
+    ordered = sorted(fits, key=lambda f: f.index)
+    out: dict[int, tuple[int, float]] = {}
+    for k, fit in enumerate(ordered):
+        until = float(ordered[k + 1].created) if k + 1 < len(ordered) else math.inf
+        out[fit.index] = (fit.since, until)
+    return out
 
 
 @dataclass
@@ -189,7 +245,7 @@ class StratumState:
     stratum: str
     fit: Fit | None
     sequence: BettingSequence | None
-    drift: DriftTest | None
+    drift: DriftDetector | None
     state: str  # "learning" | "certified" | "audited" | "off"
     labels: int
     needed: int
@@ -198,6 +254,8 @@ class StratumState:
     switched_on_at: int = 0  # label id at which it certified (0: not)
     rank: int = -1           # its place in the order the strata are certified in (−1: the pilot runs)
     level: float = 0.0       # the δ its current fit is tested at now (the graph's level; 0 once passed on)
+    superseded: int = 0      # its labels of a judge reading other than the one in force (counted by no test)
+    entries: frozenset = frozenset()  # the cached entries its current fit's test has counted a label of
 
     @property
     def on(self) -> bool:
@@ -248,6 +306,45 @@ def same_label(a: Label, b: Label | None) -> bool:
     """Whether two labels are the same label: the same judge with the same settings (e.g. the pixel checker's
     ``checker_version``). Labels of different judges or settings measure different things and are never pooled."""
     return b is not None and a.judge == b.judge and dict(a.judge_settings or {}) == dict(b.judge_settings or {})
+
+
+def _versions(settings: Mapping[str, Any] | None) -> dict[str, float]:
+    """The judge's own version numbers among its settings (numeric values of keys that name a version)."""
+    return {k: float(v) for k, v in dict(settings or {}).items()
+            if "version" in str(k).lower() and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def older_reading(judge: str, settings: Mapping[str, Any] | None, than: Label) -> bool:
+    """Whether the reading (``judge``, ``settings``) is older than ``than``'s by the judge's own version numbers:
+    the same judge, and of the version keys both carry none higher and one lower."""
+    if judge != than.judge:
+        return False
+    mine, theirs = _versions(settings), _versions(than.judge_settings)
+    shared = sorted(set(mine) & set(theirs))
+    return bool(shared) and all(mine[k] <= theirs[k] for k in shared) and any(mine[k] < theirs[k] for k in shared)
+
+
+def reading_in_force(labels: Sequence[Label]) -> Label | None:
+    """The label whose judge reading (judge + settings) the tests count, from the record alone: the newest
+    reading ever seen. Walking the labels in id order, a reading seen for the first time takes over unless it is
+    older than the one in force by the judge's own version numbers (``older_reading``); a reading seen before
+    never takes over again. Labels are never deleted and ids only grow, so once a newer reading has been seen, no
+    later label of an older one — a farm worker not yet upgraded, a rollback — can bring its certificates back,
+    and every process derives the same reading."""
+    current: Label | None = None
+    seen: set[str] = set()
+    for lab in sorted(labels, key=lambda x: x.id):
+        key = _dump_reading(lab.judge, lab.judge_settings)
+        if key in seen:
+            continue
+        seen.add(key)
+        if current is None or not older_reading(lab.judge, lab.judge_settings, current):
+            current = lab
+    return current
+
+
+def _dump_reading(judge: str, settings: Mapping[str, Any] | None) -> str:
+    return json.dumps([judge, dict(settings or {})], sort_keys=True, default=str)
 
 
 def first_level(settings: LearnSettings) -> float:
@@ -338,7 +435,9 @@ class Learner:
         return out
 
     def _new_fit(self, namespace: str, stratum: str, index: int, since: int, covs: Sequence[Covariate],
-                 why: str) -> Fit | None:
+                 why: str, created: int = 0) -> Fit | None:
+        """Record fit ``index`` of ``stratum`` (None when there is no fit left or too few covariates).
+        ``created``: the record's last label id now (the older fit's test is frozen there, ``fit_window``)."""
         s = self.settings
         if index > s.max_fits:
             return None
@@ -352,7 +451,7 @@ class Learner:
             th, source = _quantile_thresholds(covs[:need], level), "covariates"
             if th is None:
                 return None
-        fit = Fit(stratum, index, since, level, th, source)
+        fit = Fit(stratum, index, since, level, th, source, max(int(created), int(since)))
         self.store.add_event(namespace, "fit", f"stratum {stratum}: fit {index} ({why})", fit=fit.to_dict())
         return fit
 
@@ -376,9 +475,10 @@ class Learner:
         fits = self.fits(namespace)
         events = self.store.events(namespace)
         strata = sorted({c.stratum for c in covs if c.stratum in STRATA} | set(fits))
+        last_id = max((lab.id for lab in labels), default=0)
         if update:
             for st in strata:
-                if st not in fits and self._new_fit(namespace, st, 1, 0, covs, "first fit") is not None:
+                if st not in fits and self._new_fit(namespace, st, 1, 0, covs, "first fit", last_id) is not None:
                     return True, {}
         order = self._order(namespace, covs, labels, fits, events, update)
         if order is None:
@@ -389,20 +489,30 @@ class Learner:
         graph = build_graph(ranking, s)
         seqs: dict[tuple[str, int], BettingSequence] = {}
         switched: dict[tuple[str, int], int] = {}
+        counted: dict[tuple[str, int], set[str]] = {}  # the cached entries each test has counted a label of
         by_stratum = {st: fits.get(st, []) for st in ranking}
-        latest = max(labels, key=lambda x: x.id) if labels else None
+        windows = {st: fit_window(fs) for st, fs in by_stratum.items()}
+        latest = reading_in_force(labels)
+        superseded = Counter(lab.stratum for lab in labels if not same_label(lab, latest))
         for lab in sorted(shadow, key=lambda x: x.id):
             if lab.id <= since or not lab.reusable or lab.stratum not in by_stratum:
                 continue
             if not same_label(lab, latest):  # another judge or reading: another label (module docstring)
                 continue
             for fit in by_stratum[lab.stratum]:
-                if lab.id <= fit.since or not accepts(fit.thresholds, lab.vector, lab.missing):
+                lo, hi = windows[lab.stratum][fit.index]
+                if not lo < lab.id <= hi or not accepts(fit.thresholds, lab.vector, lab.missing):
                     continue
                 node = (lab.stratum, fit.index)
-                seq = seqs.setdefault(node, BettingSequence(s.alpha, s.delta))
+                entries = counted.setdefault(node, set())
+                if lab.entry_id in entries:
+                    continue  # the cached entry is the unit: one label per entry and test (module docstring)
+                entries.add(lab.entry_id)
+                seq = seqs.get(node)
+                if seq is None:
+                    seq = seqs[node] = BettingSequence(s.alpha, s.delta, b_ceiling=s.b_ceiling)
                 seq.update(lab.x)
-                for j in graph.offer(node, math.exp(-seq.max_log_capital)):
+                for j in graph.offer(node, seq.p_value):
                     switched[j] = lab.id
         out: dict[str, StratumState] = {}
         for st in strata:
@@ -415,37 +525,41 @@ class Learner:
                 need = labels_needed(s.alpha, graph.level((st, 1)) or s.delta)
                 out[st] = StratumState(st, None, None, None, "learning", n_labels, need,
                                        f"learning ({st}) — {n_labels} labels; thresholds are fitted after "
-                                       f"{s.min_fit} served requests with a cached candidate", n_cov, rank=rank)
+                                       f"{s.min_fit} served requests with a cached candidate", n_cov, rank=rank,
+                                       superseded=superseded.get(st, 0))
                 continue
             node = (st, fit.index)
             level = graph.rejected_level.get(node, graph.level(node))
-            seq = seqs.get(node) or BettingSequence(s.alpha, s.delta)
+            seq = seqs.get(node) or BettingSequence(s.alpha, s.delta, b_ceiling=s.b_ceiling)
             if level > 0:
                 seq.delta = level  # what its U_t and "certified" are read at (the graph's level for this node)
+                if seq.b_test is not None:
+                    seq.b_test.delta = level
             switched_at = switched.get(node, 0)
             drifted = any(e.get("kind") == "drift" and e.get("stratum") == st and e.get("fit") == fit.index
                           for e in events)
             drift = None
             if switched_at:
-                drift = DriftTest(s.alpha, level)
+                drift = DriftDetector(s.alpha, s.drift_arl)
                 for lab in audits:
                     if lab.stratum == st and lab.id > switched_at and lab.reusable and \
                             same_label(lab, latest) and accepts(fit.thresholds, lab.vector, lab.missing):
                         drift.update(lab.x)
                 if drift.drifted and not drifted and update:
                     msg = (f"drift in stratum {st}: the audited hits' excess is above α = {s.alpha} "
-                           f"({drift.b} b, {drift.c} c of {drift.n} audits; anytime-valid test at δ = {level:.4g}); "
+                           f"({drift.b} b, {drift.c} c of {drift.n} audits; e-detector alarm at audit "
+                           f"{drift.alarm_at}, "
+                           f"false alarms on average no sooner than {s.drift_arl:g} audits); "
                            "reuse is off for this stratum and learning resumes on new labels")
                     log.warning("carnator learning: %s", msg)
                     self.store.add_event(namespace, "drift", msg, stratum=st, fit=fit.index)
-                    last = max((lab.id for lab in labels), default=0)
-                    self._new_fit(namespace, st, fit.index + 1, last, covs, "after drift")
+                    self._new_fit(namespace, st, fit.index + 1, last_id, covs, "after drift", last_id)
                     return True, {}
             if not switched_at and not drifted and update and seq.n >= s.fail_after and \
                     (seq.b - seq.c) / seq.n >= s.alpha and \
-                    self._new_fit(namespace, st, fit.index + 1, max(fit.since, since), covs,
+                    self._new_fit(namespace, st, fit.index + 1, max(last_id, since), covs,
                                   f"fit {fit.index} showed excess {(seq.b - seq.c) / seq.n:.3f} ≥ α on "
-                                  f"{seq.n} labels") is not None:
+                                  f"{seq.n} labels", last_id) is not None:
                 return True, {}
             if switched_at and not drifted:
                 if update and not any(e.get("kind") == "on" and e.get("stratum") == st and e.get("fit") == fit.index
@@ -459,18 +573,24 @@ class Learner:
                        f"α = {s.alpha}, anytime-valid at δ = {level:.4g})"
                        + (f"; {drift.n} audits, no drift" if drift is not None and drift.n else ""))
                 out[st] = StratumState(st, fit, seq, drift, state, n_labels, seq.n, msg, n_cov, switched_at,
-                                       rank=rank, level=level)
+                                       rank=rank, level=level, superseded=superseded.get(st, 0),
+                                       entries=frozenset(counted.get(node, ())))
                 continue
             off = drifted or any(e.get("kind") == "drift" and e.get("stratum") == st for e in events)
             if drifted:  # the drifted fit has no successor left (max_fits): off for good
                 needed, what = 0, f"off after a drift; no fit left (max_fits = {s.max_fits})"
             else:
                 needed = estimate_needed(seq, s.alpha, level) if level > 0 else 10 * max(seq.n, 1)
+                if level > 0 and seq.b_test is not None:  # both tests must certify: the slower one decides
+                    needed = max(needed, estimate_needed(seq.b_test, seq.b_test.alpha, level))
                 what = "off after a drift, learning again" if off else "learning"
             msg = (f"{what} ({st}) — {seq.n} labels of about {needed} needed; reuse switches on when certified "
-                   f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha}, kind {rank + 1} of the order)")
+                   f"(fit {fit.index}, U = {seq.upper:.4f}, α = {s.alpha}, kind {rank + 1} of the order"
+                   + (f"; its failure rate {seq.b}/{seq.n} is not yet shown ≤ {s.b_ceiling}"
+                      if seq.n and seq.excess_certified and not seq.b_certified else "") + ")")
             out[st] = StratumState(st, fit, seq, drift, "off" if off else "learning", n_labels, needed, msg, n_cov,
-                                   rank=rank, level=level)
+                                   rank=rank, level=level, superseded=superseded.get(st, 0),
+                                   entries=frozenset(counted.get(node, ())))
         return False, out
 
     def _order(self, namespace: str, covs: Sequence[Covariate], labels: Sequence[Label],
@@ -519,6 +639,7 @@ class Learner:
         """The per-namespace ``rule_state`` the badge and the panel render (shared contract)."""
         states = self.state(namespace) if states is None else states
         labels = sum(x.labels for x in states.values())
+        superseded = sum(x.superseded for x in states.values())
         on = sorted(x.stratum for x in states.values() if x.on)
         off = sorted(x.stratum for x in states.values() if x.state == "off")
         learning = [x for x in states.values() if not x.on]
@@ -546,6 +667,9 @@ class Learner:
                       else "") + "; reuse switches on when certified")
         # "labels" of "needed": while learning, the closest kind's own labels against its own need (the badge's
         # "n of N"); "labels_total" counts every kind's
+        if superseded:
+            msg += (f"; {superseded} labels of an older judge reading are not counted (the newest reading seen "
+                    "is in force: upgrade every worker's judge)")
         shown = n_close if state == "learning" else labels
         # the pilot's progress (served requests with a candidate of its size; "done" once the order is fixed) and,
         # after it, the served requests per accepted label of each kind it measured (the order event's "why")
@@ -555,6 +679,17 @@ class Learner:
         return {"state": state, "labels": int(shown), "needed": int(needed), "labels_total": int(labels),
                 "message": msg, "namespace": namespace, "strata": {k: v.to_dict() for k, v in sorted(states.items())},
                 "pilot": pilot, "requests_per_label": dict((order or {}).get("why") or {})}
+
+    def reading_superseded(self, namespace: str, judge: str, settings: Mapping[str, Any] | None) -> bool:
+        """Whether a label of this judge reading would count for nothing: the record has seen it and another
+        reading is now in force, or it is older than the one in force by version (``reading_in_force``)."""
+        labels = self.store.labels(namespace)
+        current = reading_in_force(labels)
+        if current is None or _dump_reading(judge, settings) == _dump_reading(current.judge, current.judge_settings):
+            return False
+        key = _dump_reading(judge, settings)
+        seen = any(_dump_reading(lab.judge, lab.judge_settings) == key for lab in labels)
+        return seen or older_reading(judge, settings, current)
 
     # ------------------------------------------------------------------ budget
     def budget_allows(self, namespace: str, busy: bool, rank: int = 0) -> bool:

@@ -29,7 +29,16 @@ from ..risk.discrepancy import discrepancies
 from ..types import Candidates, CandidateVerdict, Decision, Signature
 from . import warmup as _warmup
 from .labels import Covariate, Label
-from .learner import STRATA, LearnSettings, accepts, audit_draw, learner_for, rule_namespace, stratum_of
+from .learner import (
+    STRATA,
+    LearnSettings,
+    accepts,
+    audit_draw,
+    learner_for,
+    reading_in_force,
+    rule_namespace,
+    stratum_of,
+)
 
 log = logging.getLogger("carnator")
 
@@ -225,7 +234,10 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
         st = states.get(str(stratum))
         audit = bool(ctx.get("audit"))
         want = audit or (st is not None and not st.on and stratum in STRATA and not cov.missing
-                         and (st.fit is None or accepts(st.fit.thresholds, cov.vector, cov.missing)))
+                         and (st.fit is None or accepts(st.fit.thresholds, cov.vector, cov.missing))
+                         # the cached entry is the unit: a second label of an entry its test has counted would
+                         # count for nothing (``learner`` module docstring), so it is not made
+                         and cov.entry_id not in st.entries)
         busy = bool(pending is not None and pending() > 0)
         why_not = ""
         if want and not audit and not learner.budget_allows(ns, busy, learner.rank_among_learning(states,
@@ -240,6 +252,11 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                 judge, decode, why_not = judge_and_decoder(model, probe)
             if judge is None:
                 want = False
+            elif learner.reading_superseded(ns, str(judge.name), dict(getattr(judge, "settings", {}) or {})):
+                # the record has moved on to a newer judge reading: this worker's label would count for nothing
+                want, why_not = False, (f"not labelled: this worker's judge reading ({judge.name} "
+                                        f"{dict(getattr(judge, 'settings', {}) or {})}) is older than the record's; "
+                                        "upgrade it")
         if want:
             try:
                 cand = ctx["candidate"]
@@ -363,10 +380,11 @@ def _sync_rule(learner: Any, ns: str, ctx: Mapping[str, Any], probe: Any, reuse_
                notes: list[str] | None = None) -> Any:
     """On a farm's shared record a stratum may switch on (or off after a drift) on another worker's label: this
     worker's learned rule file (what its Risk Filter reads) is rewritten when the record's switched-on strata differ
-    from what it last wrote, naming the judge the latest label names. Returns the states it derived, or None."""
+    from what it last wrote, naming the judge reading in force (``learner.reading_in_force``). Returns the states
+    it derived, or None."""
     labels = learner.store.labels(ns)
     if labels and ctx.get("rule_path"):
-        last = labels[-1]
+        last = reading_in_force(labels)
         judge = SimpleNamespace(name=last.judge, settings=dict(last.judge_settings))
         return _write_rule(learner, ns, ctx, probe, reuse_config, judge, only_if_changed=True, notes=notes)
     return None

@@ -16,7 +16,7 @@ Under H0(m), E[1 + λ_t (m − X_t) | past] = 1 + λ_t (m − E[X_t | past]) ≤
 supermartingale and Ville's inequality gives P(sup_t K_t(m) ≥ 1/δ) ≤ δ — whatever the stopping time, however
 often one looks (continuous monitoring). The rule is certified at level α once K_t(α) ≥ 1/δ has happened
 (*ever*: the event is already δ-controlled, so a certificate once earned stands; drift is watched by a second,
-separate test, :class:`DriftTest`).
+separate detector, :class:`DriftDetector`).
 
 The bets are a *mixture* of three gamblers, each with a third of the starting capital (the average of
 supermartingales that start at 1 is one, so Ville applies to the sum): K_t = (K_t^plug + K_t^0.7 + K_t^0.45) / 3.
@@ -39,6 +39,16 @@ Every gambler's bet is predictable (a function of labels 1..t−1 only), so the 
 The upper confidence sequence U_t is read off a grid of levels m (step ``GRID_STEP``): a level is excluded once its
 capital has crossed 1/δ; U_t = the smallest grid level above every level not excluded. For the true Δ, the grid
 level just below it is a true null, excluded with probability ≤ δ, so P(∃t: Δ > U_t) ≤ δ.
+
+The b-rate alone: Δ = p_b − p_c lets c cancel b one for one, so a judge that over-calls dense failures (many c)
+could certify a kind whose reuse fails often (p_b = 0.20, p_c = 0.18 certified within 2,000 labels in 6 of 40
+simulated streams, ``tests/test_learn_validity.py``). Each (stratum, fit) therefore runs a second test beside it,
+the same mixture of gamblers on the indicators 1{X = +1} against H0': p_b ≥ β (``b_ceiling``, 0.1 by default),
+and switches on only when *both* have rejected at its level. The hypothesis it certifies is "Δ < α and p_b < β";
+its null is the union "Δ ≥ α or p_b ≥ β", and an intersection-union test rejects it with probability at most the
+level of the test whose null holds — so each test runs at the whole level (no split of δ), and the node's running
+p-value offered to the graph is the larger of the two (``p_value``), which still only shrinks. With no failure the
+b-rate test (β > α) certifies before the excess test, so a kind that rarely fails needs no more labels than before.
 
 Multiplicity: the switch-on decisions are a family of tests, one per (stratum, fit) — a stratum's thresholds may be
 refitted (after a drift, or when a fit shows an excess) and each fit is its own hypothesis. The family-wise error,
@@ -73,6 +83,7 @@ excess is exactly α would have shown none with probability 0.95^n, which is abo
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -99,8 +110,14 @@ FIXED_FRACTIONS = (0.7, 0.45)  # the fixed gamblers' bets, as fractions of 1/(1 
 def kelly_bet(values: Sequence[float], probs: Sequence[float], cap: float) -> float:
     """argmax over λ ∈ [0, cap] of Σ p_i log(1 + λ v_i): the growth-optimal bet when the factor's payoffs are
     ``values`` with probabilities ``probs`` (concave in λ: bisection on the derivative; plain floats, it runs once
-    per label)."""
-    pairs = [(float(v), float(p)) for v, p in zip(values, probs) if p > 0.0]
+    per label). Memoised: the plug-in bets depend on the label counts only, and every derivation of the state
+    replays every test from its first label, so the same bets recur (the result is the same bisection's)."""
+    return _kelly_bet(tuple(float(v) for v in values), tuple(float(p) for p in probs), float(cap))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _kelly_bet(values: tuple, probs: tuple, cap: float) -> float:
+    pairs = [(v, p) for v, p in zip(values, probs) if p > 0.0]
 
     def slope(lam: float) -> float:
         return sum(p * v / (1.0 + lam * v) for v, p in pairs)
@@ -137,13 +154,16 @@ class BettingSequence:
     """The anytime-valid test of H0: Δ ≥ α and the upper confidence sequence of Δ, updated one label at a time.
 
     ``update(x)`` takes x ∈ {−1, 0, +1}. ``certified`` is True once K(α) ≥ 1/δ has happened; ``upper`` is U_t.
-    Deterministic: the same labels in the same order give the same state (a rule file's record is re-checked by
-    replaying its labels)."""
+    With ``b_ceiling`` = β it also runs the b-rate test (module docstring, "The b-rate alone"): the same three
+    gamblers betting against H0': p_b ≥ β on the indicators 1{x = +1}, and ``certified`` needs both tests to have
+    rejected at the same δ. Deterministic: the same labels in the same order give the same state (a rule file's
+    record is re-checked by replaying its labels)."""
 
     alpha: float
     delta: float
     c_max: float = C_MAX
     fixed: tuple = FIXED_FRACTIONS    # the fixed gamblers' fractions (() = the plug-in gambler alone)
+    b_ceiling: float | None = None    # β of the b-rate test (None: the excess test alone)
     n: int = 0
     b: int = 0
     c: int = 0
@@ -153,6 +173,7 @@ class BettingSequence:
     _bets: list = field(default_factory=list, repr=False)  # the plug-in gambler's λ_t
     _xs: list = field(default_factory=list, repr=False)
     _upper_memo: tuple = field(default=(-1, 0.0, 1.0), repr=False, compare=False)  # (n, δ, U_t) last computed
+    b_test: "BettingSequence | None" = field(default=None, repr=False)  # the b-rate test (``b_ceiling``)
 
     def __post_init__(self) -> None:
         _check_level(self.alpha, self.delta)
@@ -163,6 +184,10 @@ class BettingSequence:
             raise ValueError(f"fixed bet fractions must be in (0, 1), got {self.fixed}")
         if not self.log_parts:
             self.log_parts = [0.0] * (1 + len(self.fixed))
+        if self.b_ceiling is not None and self.b_test is None:
+            if not self.alpha <= float(self.b_ceiling) < 1.0:
+                raise ValueError(f"the b-rate ceiling must be in [α, 1), got {self.b_ceiling}")
+            self.b_test = BettingSequence(float(self.b_ceiling), self.delta, self.c_max, self.fixed)
 
     @property
     def threshold(self) -> float:
@@ -187,6 +212,8 @@ class BettingSequence:
         self.n += 1
         self.b += int(x == 1)
         self.c += int(x == -1)
+        if self.b_test is not None:
+            self.b_test.update(int(x == 1))
         return self
 
     def extend(self, xs: Iterable[int]) -> "BettingSequence":
@@ -195,9 +222,28 @@ class BettingSequence:
         return self
 
     @property
-    def certified(self) -> bool:
+    def excess_certified(self) -> bool:
         """K_s(α) ≥ 1/δ at some s ≤ t: H0: Δ ≥ α rejected (valid under continuous monitoring)."""
         return self.max_log_capital >= self.threshold
+
+    @property
+    def b_certified(self) -> bool:
+        """The b-rate test's capital has reached 1/δ (H0': p_b ≥ β rejected); True without a b-rate test."""
+        return self.b_test is None or self.b_test.max_log_capital >= self.threshold
+
+    @property
+    def certified(self) -> bool:
+        """Both H0: Δ ≥ α and (with ``b_ceiling``) H0': p_b ≥ β rejected at δ, each at some s ≤ t."""
+        return self.excess_certified and self.b_certified
+
+    @property
+    def p_value(self) -> float:
+        """The running p-value of the union null (Δ ≥ α or p_b ≥ β): the larger of the two tests' 1/sup K; it only
+        shrinks with t, and under either null it is ≤ u with probability ≤ u (Ville on the test whose null
+        holds)."""
+        top = self.max_log_capital if self.b_test is None else min(self.max_log_capital,
+                                                                   self.b_test.max_log_capital)
+        return math.exp(-top)
 
     @property
     def upper(self) -> float:
@@ -216,9 +262,36 @@ class BettingSequence:
         return value
 
     def _upper(self) -> float:
+        # Every level's exclusion is monotone in the level (``upper``'s docstring), so the first excluded grid
+        # level is found by bisection: about log2(800) ≈ 10 levels evaluated instead of all 800 (the state is
+        # derived after every served request, and the full grid cost 0.45 s at 2,000 labels).
+        grid = np.unique(np.concatenate([np.arange(-1.0, 1.0 + 1e-12, GRID_STEP), [self.alpha]]))
+        xs = np.asarray(self._xs, dtype=np.float64)
+        bets = [np.asarray(self._bets)] + [np.full(1, f / (1.0 - self.alpha)) for f in self.fixed]
+
+        def excluded(i: int) -> bool:
+            m = float(grid[i])
+            cap = self.c_max / (1.0 - m) if m < 1.0 else math.inf
+            parts = np.stack([np.cumsum(np.log1p(np.minimum(lam, cap) * (m - xs))) for lam in bets])
+            top_part = parts.max(axis=0)
+            mix = top_part + np.log(np.exp(parts - top_part).mean(axis=0))
+            return bool((mix >= self.threshold - 1e-12).any())
+
+        lo, hi = 0, len(grid)  # the first excluded index lies in [lo, hi] (hi: none is)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if excluded(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return float(grid[lo]) if lo < len(grid) else 1.0
+
+    def _upper_full_grid(self) -> float:
+        """U_t over every grid level at once (the definition; ``_upper`` must agree with it)."""
         grid = np.unique(np.concatenate([np.arange(-1.0, 1.0 + 1e-12, GRID_STEP), [self.alpha]]))
         xs = np.asarray(self._xs, dtype=np.float64)[:, None]
-        cap = (self.c_max / (1.0 - grid))[None, :]
+        with np.errstate(divide="ignore"):
+            cap = (self.c_max / (1.0 - grid))[None, :]
         bets = [np.asarray(self._bets)[:, None]] + [np.full((1, 1), f / (1.0 - self.alpha)) for f in self.fixed]
         parts = np.stack([np.cumsum(np.log1p(np.minimum(lam, cap) * (grid[None, :] - xs)), axis=0) for lam in bets])
         top_part = parts.max(axis=0)
@@ -235,7 +308,10 @@ class BettingSequence:
                 "log_capital": round(self.log_capital, 6), "max_log_capital": round(self.max_log_capital, 6),
                 "fixed": list(self.fixed), "log_parts": [round(v, 6) for v in self.log_parts],
                 "log_threshold": round(self.threshold, 6), "upper": round(self.upper, 6),
-                "certified": self.certified, "method": METHOD}
+                "certified": self.certified, "method": METHOD,
+                **({"b_ceiling": self.b_ceiling, "b_log_capital": round(self.b_test.log_capital, 6),
+                    "b_max_log_capital": round(self.b_test.max_log_capital, 6), "b_certified": self.b_certified}
+                   if self.b_test is not None else {})}
 
 
 METHOD = ("betting test supermartingale of H0: (b − c)/n ≥ α, the mean of three gamblers' capital (predictable "
@@ -243,42 +319,99 @@ METHOD = ("betting test supermartingale of H0: (b − c)/n ≥ α, the mean of t
           f"{C_MAX}/(1 − m), Ville's inequality (carnator_core/learn/sequence.py)")
 
 
+DRIFT_FRACTIONS = (0.95, 0.6, 0.3, 0.15)  # the drift detector's bets, as fractions of 1/(1 + α)
+DRIFT_ARL = 1000.0  # its threshold c: on audits whose excess is ≤ α, a false alarm comes after ≥ c audits on average
+
+
 @dataclass
-class DriftTest:
-    """The audit's anytime-valid test of H0: Δ ≤ α on a switched-on rule's audited hits: capital
-    Π (1 + λ_i (X_i − α)), λ ≤ c_max/(1 + α) predictable. Crossing 1/δ says the excess has drifted above α
-    (P(false alarm ever) ≤ δ while the rule is in fact fine)."""
+class DriftDetector:
+    """The audits' drift detector: a Shiryaev–Roberts e-detector (Shin, Ramdas & Rinaldo 2024, "E-detectors: a
+    nonparametric framework for sequential change detection") of a rise of the excess above α, on a switched-on
+    rule's audited hits, restarted at every audit so that its delay does not grow with a clean history.
+
+    For each bet λ_k = f_k/(1 + α) (``DRIFT_FRACTIONS``) and each start j ≤ t, Π_{i=j..t} (1 + λ_k (X_i − α)) is a
+    betting e-process for H0: "every audit's excess is ≤ α" (a non-negative supermartingale from 1: every factor is
+    > 0 and has conditional mean ≤ 1 under H0). The statistic sums them over the start points and averages over the
+    bets: R_t = mean_k R_t^k, R_t^k = (1 + λ_k (X_t − α)) (R_{t−1}^k + 1), R_0 = 0. Under H0, R_t − t is a
+    supermartingale, so the alarm time τ = inf{t: R_t ≥ c} has E[τ] ≥ c (the average run length to a false alarm
+    is at least ``arl`` audits), and P(τ ≤ T) ≤ T/c for every horizon T (Ville's inequality applied to
+    R_t − t + T, non-negative up to T). No bound can keep the chance of a false alarm ever below δ *and* a delay
+    that does not grow with the history: the alarm is a switch-off (the safe side), and its control is the ARL.
+
+    After a jump the bets that match it grow at their rate from wherever R stands: a clean history leaves R near
+    its small stationary level (each R^k ≈ f/(1 − f) with f = 1 − λ_k α), never far below 1, so the delay is that
+    of a fresh start (the pooled test this replaces took 490 audits after 1,000 clean ones, against 38 without)."""
 
     alpha: float
-    delta: float
-    c_max: float = C_MAX
+    arl: float = DRIFT_ARL
+    fractions: tuple = DRIFT_FRACTIONS
     n: int = 0
     b: int = 0
     c: int = 0
-    log_capital: float = 0.0
+    stats: list = field(default_factory=list)  # R_t^k per bet
+    alarm_at: int = 0                          # the audit at which R first reached the threshold (0: never)
+    peak: float = 0.0                          # max_s R_s
 
     def __post_init__(self) -> None:
-        _check_level(self.alpha, self.delta)
+        _check_level(self.alpha, 0.5)
+        self.fractions = tuple(float(f) for f in self.fractions)
+        if not all(0.0 < f < 1.0 for f in self.fractions) or not self.fractions:
+            raise ValueError(f"drift bet fractions must be in (0, 1), got {self.fractions}")
+        if not self.arl >= 1.0:
+            raise ValueError(f"the drift threshold (ARL) must be ≥ 1, got {self.arl}")
+        if not self.stats:
+            self.stats = [0.0] * len(self.fractions)
 
-    def update(self, x: int) -> "DriftTest":
+    @property
+    def bets(self) -> list[float]:
+        return [f / (1.0 + self.alpha) for f in self.fractions]
+
+    @property
+    def statistic(self) -> float:
+        return sum(self.stats) / len(self.stats)
+
+    def update(self, x: int) -> "DriftDetector":
         if x not in OUTCOMES:
             raise ValueError(f"a label outcome is −1 (c), 0 or +1 (b), got {x!r}")
-        pb, pc, p0 = _plug_in(self.n, self.b, self.c, min(0.5, 2.0 * self.alpha))
-        a = self.alpha
-        lam = kelly_bet((1.0 - a, -1.0 - a, -a), (pb, pc, p0), self.c_max / (1.0 + a))
-        self.log_capital += math.log1p(lam * (x - self.alpha))
+        self.stats = [(1.0 + lam * (x - self.alpha)) * (r + 1.0) for lam, r in zip(self.bets, self.stats)]
         self.n += 1
         self.b += int(x == 1)
         self.c += int(x == -1)
+        self.peak = max(self.peak, self.statistic)
+        if not self.alarm_at and self.statistic >= self.arl:
+            self.alarm_at = self.n
         return self
 
     @property
     def drifted(self) -> bool:
-        return self.log_capital >= math.log(1.0 / self.delta)
+        """The statistic has reached the threshold at some audit (a switch-off once raised stands)."""
+        return self.alarm_at > 0
+
+    @staticmethod
+    def first_alarm(xs: np.ndarray, alpha: float, arl: float = DRIFT_ARL,
+                    fractions: tuple = DRIFT_FRACTIONS) -> np.ndarray:
+        """For each row of ``xs`` (streams × audits, outcomes −1/0/+1) the audit at which the detector first
+        alarms (T + 1: never) — the same recursion as ``update``, vectorised over streams (simulations)."""
+        xs = np.asarray(xs, dtype=np.float64)
+        reps, horizon = xs.shape
+        lam = np.asarray(fractions, dtype=np.float64)[None, :] / (1.0 + alpha)
+        r = np.zeros((reps, lam.shape[1]))
+        out = np.full(reps, horizon + 1)
+        for t in range(horizon):
+            r = (1.0 + lam * (xs[:, t:t + 1] - alpha)) * (r + 1.0)
+            fresh = (r.mean(axis=1) >= arl) & (out > horizon)
+            out[fresh] = t + 1
+        return out
 
     def to_dict(self) -> dict:
-        return {"n": self.n, "b": self.b, "c": self.c, "alpha": self.alpha, "delta": self.delta,
-                "log_capital": round(self.log_capital, 6), "drifted": self.drifted}
+        return {"n": self.n, "b": self.b, "c": self.c, "alpha": self.alpha, "arl": self.arl,
+                "statistic": round(self.statistic, 6), "peak": round(self.peak, 6), "alarm_at": self.alarm_at,
+                "drifted": self.drifted, "method": DRIFT_METHOD}
+
+
+DRIFT_METHOD = ("Shiryaev–Roberts e-detector of excess > α on the audits (mean over bets "
+                f"{', '.join(map(str, DRIFT_FRACTIONS))} of 1/(1 + α)); alarm at R ≥ the ARL threshold "
+                "(carnator_core/learn/sequence.py)")
 
 
 def fit_share(index: int, strata: str = "graph") -> float:
@@ -332,6 +465,11 @@ class GraphProcedure:
     def offer(self, node, p: float) -> list:
         """Offer the node's current p-value; returns the nodes rejected by it (possibly a cascade), in order."""
         self._p[node] = min(float(p), self._p.get(node, 1.0))
+        # After every offer no node is within its level (the loop below rejects them all), and levels change only
+        # when a node is rejected: so only the offered node can have become ready (the state is derived after
+        # every request, with one offer per label, over every (stratum, fit) node)
+        if node in self.rejected or self._p[node] > self.level(node):
+            return []
         out = []
         while True:
             ready = [j for j in self.weight if j not in self.rejected and self._p.get(j, 1.0) <= self.level(j)]
@@ -373,8 +511,10 @@ def family_delta(delta: float, *, n_strata: int, fit_index: int, n_levels: int, 
     return float(delta) * share
 
 
+@functools.lru_cache(maxsize=1024)
 def labels_needed(alpha: float, delta: float, c_max: float = C_MAX, fixed: tuple = FIXED_FRACTIONS) -> int:
-    """Labels without a single failure after which the test certifies (the floor of any certificate here)."""
+    """Labels without a single failure after which the test certifies (the floor of any certificate here;
+    memoised: the badge asks for it on every derivation)."""
     seq = BettingSequence(alpha, delta, c_max, fixed)
     for n in range(1, 100_000):
         seq.update(0)
