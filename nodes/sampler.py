@@ -195,9 +195,13 @@ def learning_state(model, positive, negative, latent_image, probe, signature, de
                 "message": "learning — no labels: connect a Carnator Cache; served dense, reuse stays off"}
     served_s = (float(report.timings_ms.get("resume", 0.0)) + float(probe.timings.get("probe_ms", 0.0))) / 1000.0
     try:
-        return observe(directory=cache.path, model=model, positive=positive, negative=negative, latent=latent_image,
-                       probe=probe, signature=signature, decision=decision, samples=samples, report=report,
-                       store=open_store(cache), reuse_config=config, served_s=served_s, pending=_pending_prompts)
+        state = observe(directory=cache.path, model=model, positive=positive, negative=negative, latent=latent_image,
+                        probe=probe, signature=signature, decision=decision, samples=samples, report=report,
+                        store=open_store(cache), reuse_config=config, served_s=served_s, pending=_pending_prompts)
+        from .warmup import remember_request  # the idle-time worker edits this namespace's cached scenes
+
+        remember_request(model, negative, latent_image, probe, signature, decision, cache, config)
+        return state
     except LabelStoreError as e:
         # the clip is served whatever the record's trouble (damaged, unwritable, a link, Redis down): said on the
         # badge every time, in the log once per cause
