@@ -79,3 +79,16 @@ def test_a_plain_rule_for_another_model_says_how_to_learn_instead(risk, tmp_path
         risk.CarnatorRiskFilter.execute(Candidates(ns, ()), "embedded.json", "signature", 0.9, False,
                                         signature=sig(obj("dog")), probe=probe(MODEL, CONFIG))
     assert rule["model"]["fingerprint"] != MODEL
+
+
+def test_an_edited_learned_rule_is_refused_when_the_prompt_is_queued_naming_the_file(risk, tmp_path) -> None:
+    rules = tmp_path / "user" / "carnator" / "rules"
+    ln = Learner(tmp_path / "cache", SETTINGS)
+    feed(ln, 40, "reseed", np.random.default_rng(2))
+    path = rulefile.save(build(ln), rules / "mine.json")
+    assert risk.CarnatorRiskFilter.validate_inputs(rule_file="mine.json", mode="signature") is True
+    doc = json.loads(path.read_text())
+    next(e for e in doc["learning"]["events"] if e["kind"] == "fit")["fit"]["thresholds"]["context"] = 9.0
+    path.write_text(json.dumps(doc))
+    got = risk.CarnatorRiskFilter.validate_inputs(rule_file="mine.json", mode="signature")
+    assert isinstance(got, str) and "learned rule 'mine.json' fails its integrity check" in got

@@ -52,7 +52,7 @@ FORMAT = "carnator-learned-rule"
 VERSION = 2
 KEY = "learning"
 EXACT_METHOD = "exact unconditional paired bound on (b - c)/n (risk/bounds.py: excess_upper_bound)"
-MAX_LEARNED_BYTES = MAX_RULE_BYTES // 2  # 8 MiB: about 40,000 labels without prompts
+MAX_LEARNED_BYTES = MAX_RULE_BYTES // 2  # 8 MiB: about 30,000 labels (~260 bytes each with their keys)
 LABEL_FIELDS = ("id", "request_key", "stratum", "entry_id", "similarity", "vector", "missing", "reusable", "x",
                 "kind", "judge", "cost_s", "prompt", "candidate_prompt", "seed", "t")
 ENV_KEY_FILE = "CARNATOR_RULE_KEY_FILE"
