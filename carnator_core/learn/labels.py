@@ -375,8 +375,9 @@ class LabelStore(RecordReads):
                 if self._ino_now() == self._ino:  # still the file this query found damaged
                     self._set_aside_file(f"{type(e).__name__}: {e}")
             self._open()
-            raise LabelStoreError(self.problem or f"the learning record {self.path} was damaged and has been "
-                                  "replaced by another process; retry") from None
+            said, self.problem = self.problem, ""  # said by this error (once)
+            raise LabelStoreError(said or f"the learning record {self.path} was damaged and has been replaced by "
+                                  "another process; retry") from None
         except OSError as e:
             raise self._error(e, what) from None
 

@@ -314,6 +314,9 @@ def missing_from(learner: Any, ns: str, learned: Any) -> list[Label]:
     return [lab for lab in learned.labels if _ident(lab) not in have]
 
 
+_KEPT: set[tuple[str, str]] = set()
+
+
 def adopt_rule_file(learner: Any, ns: str, path: str | Path) -> str:
     """Import the learned rule file at ``path`` into the record's namespace ``ns`` when it holds labels the
     record lacks (module docstring). Returns what happened, for the badge ("" when nothing did)."""
@@ -332,7 +335,9 @@ def adopt_rule_file(learner: Any, ns: str, path: str | Path) -> str:
             msg = (f"learned rule {name} ({origin}) holds {len(missing)} labels this shared record lacks and the "
                    "record cannot take them: the file is used as it is and never rewritten; remove or rename it to "
                    "have the shared record's rule written instead")
-            log.warning("carnator learning: %s", msg)
+            if (str(path), ns) not in _KEPT:  # the log once; the badge every time
+                _KEPT.add((str(path), ns))
+                log.warning("carnator learning: %s", msg)
             return msg
         aside = set_aside(ns)
     n = learner.store.import_record(ns, learned.labels, learned.events)
