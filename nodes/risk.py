@@ -16,14 +16,14 @@ from typing import Any
 
 import folder_paths
 
-from ..carnator_core.learn.learner import LearnSettings
+from ..carnator_core.learn.learner import LearnSettings, rule_namespace
 from ..carnator_core.learn.rulefile import from_doc as learned_from_doc, read_if_learned
 from ..carnator_core.learn.runtime import learning_decision
 from ..carnator_core.paths import PathNotAllowedError, resolve_confined
 from ..carnator_core.request import exact_decision, signature_settings
 from ..carnator_core.risk.filter import MODES, decide_with_rule_file, probe_fingerprints, recall_problem
 from ..carnator_core.risk.pipeline import CalibrationSettings, calibrate_rule_in_dirs
-from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError
+from ..carnator_core.risk.rule import CALIBRATE_HINT, RiskRule, RuleError, RuleMismatchError
 from ._api import CANDIDATES, DECISION, PROBE, SIGNATURE, io
 from ._common import mark_advanced as _advanced  # advanced but required: the node's execute has no defaults
 
@@ -49,11 +49,22 @@ def rule_path(rule_file: str) -> Path | None:
         return None
 
 
+def learned_name(rule_file: str, namespace: str) -> str:
+    """The name a model × config learns under when ``rule_file`` already holds the rule learned for another one:
+    ``<stem>.<namespace><suffix>`` beside it (e.g. ``wan.json`` → ``wan.0123456789abcdef-9f2c….json``)."""
+    p = Path(rule_file.strip())
+    return str(p.with_name(f"{p.stem}.{namespace}{p.suffix or '.json'}"))
+
+
 def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_file: str,
                            settings: LearnSettings | None = None, seed_rule: str = "") -> Any:
     """Learning mode's decision (``carnator_core.learn.runtime``) when ``rule_file`` does not exist yet or is a
     learned rule; None for an ordinary rule file (the certified filter decides). ``seed_rule``: read only while no
-    rule file exists yet (a learned rule's own settings, seed included, are recorded in it)."""
+    rule file exists yet (a learned rule's own settings, seed included, are recorded in it).
+
+    One rule name, several models or configs: when ``rule_file`` is the rule learned for another model × config
+    (another checkpoint, LoRA, steps or resolution), this one learns under ``learned_name(rule_file, namespace)``
+    beside it — read from there once it exists — instead of being refused; the decision's summary says so."""
     path = rule_path(rule_file)
     data = read_if_learned(path) if path is not None else None
     if path is not None and data is None:
@@ -62,14 +73,29 @@ def learning_mode_decision(signature: Any, candidates: Any, probe: Any, rule_fil
         raise ValueError(f"rule file {rule_file!r} does not exist yet (learning mode) or is learned: connect the Early "
                          "Probe's output to the Risk Filter's probe input so the request can be labelled")
     learned = None
+    name, note = rule_file, ""
     if data is not None:
         learned = learned_from_doc(data, str(path))
-        learned.rule.check_applicable(*probe_fingerprints(probe))
+        model_fp, config_fp = probe_fingerprints(probe)
+        ns = rule_namespace(model_fp, config_fp)
+        if learned.namespace != ns:  # learned for another model × config: this one learns beside it
+            name = learned_name(rule_file, ns)
+            note = (f"{rule_file} is the rule learned for another model or config ({learned.rule.describe_target()}); "
+                    f"this model and config learn under {name}")
+            other = rule_path(name)
+            other_data = read_if_learned(other) if other is not None else None
+            if other is not None and other_data is None:
+                raise RuleError(f"{name} exists and is not a learned rule; this model and config learn under that "
+                                "name when the Risk Filter's rule_file is learned for another one: rename or remove "
+                                "it, or name another rule_file")
+            learned = learned_from_doc(other_data, str(other)) if other_data is not None else None
+        if learned is not None:
+            learned.rule.check_applicable(model_fp, config_fp)
     elif seed_rule.strip():
         settings = replace(settings or LearnSettings(), seed_thresholds=seed_thresholds(seed_rule))
-    target = resolve_confined(rule_file, [user_rules_dir()], must_exist=False, what="risk rule file")
-    return learning_decision(signature, candidates, probe, rule_file=rule_file, rule_path=target, learned=learned,
-                             settings=settings)
+    target = resolve_confined(name, [user_rules_dir()], must_exist=False, what="risk rule file")
+    return learning_decision(signature, candidates, probe, rule_file=name, rule_path=target, learned=learned,
+                             settings=settings, note=note)
 
 
 def seed_thresholds(seed_rule: str) -> tuple[float, float, float, float]:
@@ -209,7 +235,9 @@ class CarnatorRiskFilter(io.ComfyNode):
         try:
             p = resolve_confined(rule_file, rule_roots(), must_exist=True, what="risk rule file")
             st = p.stat()
-            return f"{p}:{st.st_mtime_ns}:{st.st_size}"
+            # the rules other models or configs learn beside it under this name (``learned_name``)
+            sib = [(q.name, q.stat().st_mtime_ns) for q in sorted(p.parent.glob(f"{p.stem}.*{p.suffix}"))]
+            return f"{p}:{st.st_mtime_ns}:{st.st_size}:{sib}"
         except (PathNotAllowedError, OSError):
             return math.nan  # never equal: execute, and let execute report the problem
 
@@ -236,17 +264,22 @@ class CarnatorRiskFilter(io.ComfyNode):
                                               seed_rule if isinstance(seed_rule, str) else "")
             if decision is not None:
                 return io.NodeOutput(decision, decision.summary, ui={"carnator_learning": [decision.summary]})
-        decision = decide_with_rule_file(
-            signature,
-            candidates,
-            rule_file=rule_file,
-            rule_roots=rule_roots(),
-            mode=mode,
-            prompt_threshold=prompt_threshold,
-            probe=probe,
-            allow_uncertified=allow_uncertified,
-            signature_settings=signature_settings,
-        )
+        try:
+            decision = decide_with_rule_file(
+                signature,
+                candidates,
+                rule_file=rule_file,
+                rule_roots=rule_roots(),
+                mode=mode,
+                prompt_threshold=prompt_threshold,
+                probe=probe,
+                allow_uncertified=allow_uncertified,
+                signature_settings=signature_settings,
+            )
+        except RuleMismatchError as e:
+            raise RuleMismatchError(f"{e} To learn a rule for this model and config instead, name a rule_file that "
+                                    f"does not exist yet (or rename or remove {rule_file!r}): learning mode starts "
+                                    "on the next prompt.") from None
         return io.NodeOutput(decision, decision.summary)
 
 

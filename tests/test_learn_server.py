@@ -159,3 +159,27 @@ def check_learning_record(store: Any, states: Sequence[dict[str, Any]]) -> list[
     assert states[-1]["labels"] <= states[-1]["labels_total"]  # the closest kind's own, after the pilot
     assert states[-1]["message"].startswith("learning — ")
     return labels
+
+
+def test_a_damaged_learning_record_never_costs_the_clip(server, tmp_path) -> None:
+    """A cache folder whose learn.sqlite is garbage and whose -wal links out of it: every learning request is served
+    (success, a clip), the badge says once what was wrong, the garbage and the link are set aside in quarantine/
+    (the link's target untouched), and labelling goes on in a fresh record."""
+    from carnator.carnator_core.cache.store import Store
+    from carnator.carnator_core.learn.labels import FILENAME, LabelStore
+
+    cache = "learn_damaged_cache"
+    root = server.base_dir / "output" / cache
+    Store.open(root).close()
+    (root / FILENAME).write_bytes(b"not a database " * 500)
+    outside = tmp_path / "precious.db"
+    outside.write_bytes(b"someone else's file")
+    (root / (FILENAME + "-wal")).symlink_to(outside)
+    states = learning_stream([server], cache)
+    said = [s["message"] for s in states if "was unusable" in s["message"]]
+    assert len(said) == 1 and "set aside in quarantine/" in said[0], [s["message"] for s in states]
+    assert outside.read_bytes() == b"someone else's file"
+    aside = sorted(p.name for p in (root / "quarantine").iterdir() if p.name.startswith("learn-"))
+    assert len(aside) == 2 and (root / "quarantine" / aside[1]).is_symlink(), aside
+    assert not (root / (FILENAME + "-wal")).is_symlink()
+    check_learning_record(LabelStore(root), states)

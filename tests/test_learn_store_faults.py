@@ -145,3 +145,22 @@ def test_the_panel_route_reads_without_writing_and_refuses_a_link(comfy_dirs, tm
         routes.rules_state("learn_cache")
     assert e.value.status == 503 and (tmp_path / "moved.sqlite").read_bytes() == before
     assert not Path(str(tmp_path / "moved.sqlite") + "-wal").exists()
+
+
+def test_two_processes_on_one_damaged_record_set_it_aside_once_and_share_the_fresh_one(tmp_path) -> None:
+    """A store opened before the damage and another that finds it: the second sets the file aside; the first then
+    follows the fresh file (never writes into the set-aside one, never sets the fresh one aside)."""
+    cache = tmp_path / "cache"
+    filled(cache, 50)
+    (cache / "locks").mkdir()
+    a = LabelStore(cache)
+    assert len(a.labels("ns")) == 50
+    db = cache / FILENAME
+    raw = bytearray(db.read_bytes())
+    raw[0:16] = b"garbage garbage!"
+    db.write_bytes(bytes(raw))
+    b = LabelStore(cache)
+    assert "was unusable" in b.problem and b.add_label("ns", label(7))
+    assert [lab.seed for lab in a.labels("ns")] == [7]  # a follows the fresh record
+    assert a.add_label("ns", label(8)) and [lab.seed for lab in b.labels("ns")] == [7, 8]
+    assert sum(n.endswith(".sqlite") for n in quarantined(cache)) == 1  # set aside once

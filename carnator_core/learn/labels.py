@@ -32,6 +32,7 @@ Faults (as the cache's catalogue, ``cache/catalog.py``, ``cache/store.py``):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,6 +45,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 from urllib.parse import quote
+
+from filelock import FileLock
 
 from ..cache.catalog import SIDE_FILES, is_corruption, is_full
 
@@ -201,6 +204,7 @@ class LabelStore(RecordReads):
         self.corrupt = 0
         self.problem = ""  # what was wrong with the record this instance found (and set aside), said once
         self._conn: sqlite3.Connection | None = None
+        self._ino: tuple[int, int] | None = None  # the file the connection was checked on
         with self._lock:
             self._open()
 
@@ -216,28 +220,54 @@ class LabelStore(RecordReads):
             self._conn.executescript(_DDL)
             self._conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
             return
-        for attempt in (1, 2):
-            links = self._links()
-            why = f"{links[0]} is a symbolic link (SQLite would write where it points)" if links else None
+        for attempt in (1, 2, 3):
+            ino = self._ino_now()
+            why = self._try()
             if why is None:
-                try:
-                    self._conn = self._connect()
-                    why = self._check()
-                    if why is None:
-                        return
-                except sqlite3.Error as e:
-                    if not is_corruption(e):
-                        self._close_conn()
-                        raise self._error(e, "opening") from None
-                    why = f"{type(e).__name__}: {e}"
-                self._close_conn()
+                self._ino = ino
+                return
             if self.read_only:
                 raise LabelStoreError(f"the learning record {self.path} is unusable ({why}); it is set aside and "
                                       "started afresh at the next learning request")
-            if attempt == 2:
+            if attempt == 3:
                 raise LabelStoreError(f"the learning record {self.path} just started afresh is unusable ({why}); "
                                       "check the disk and the cache folder's permissions")
-            self._set_aside_file(why)
+            with self._aside_lock():
+                if self._ino_now() == ino:  # not replaced meanwhile (another process setting it aside first)
+                    self._set_aside_file(why)
+
+    def _try(self) -> str | None:
+        """Connect and check (``self._conn`` set on success): None, or why the record is unusable (a link, damage,
+        not ours). Raises LabelStoreError for a record that cannot be opened at all (not damage: permissions...)."""
+        links = self._links()
+        if links:
+            return f"{links[0]} is a symbolic link (SQLite would write where it points)"
+        try:
+            self._conn = self._connect()
+            why = self._check()
+            if why is None:
+                return None
+        except sqlite3.Error as e:
+            if not is_corruption(e):
+                self._close_conn()
+                raise self._error(e, "opening") from None
+            why = f"{type(e).__name__}: {e}"
+        self._close_conn()
+        return why
+
+    def _ino_now(self) -> tuple[int, int] | None:
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def _aside_lock(self) -> Any:
+        """The cache's lock for setting the record aside (several processes on one folder set aside one file once)."""
+        locks = self.path.parent / "locks"
+        if locks.is_dir() and not locks.is_symlink():
+            return FileLock(str(locks / "learn.lock"), timeout=120)
+        return contextlib.nullcontext()
 
     def _connect(self) -> sqlite3.Connection:
         if self.read_only:
@@ -331,6 +361,8 @@ class LabelStore(RecordReads):
         """Run ``fn`` on the connection (caller holds the lock): sqlite3 errors become LabelStoreError; damage is
         set aside and the record started afresh before raising."""
         try:
+            if self._conn is not None and not self.memory and self._ino_now() != self._ino:
+                self._close_conn()  # set aside (or replaced) by another process: follow the file, not the old inode
             if self._conn is None:
                 self._open()
             assert self._conn is not None
@@ -339,9 +371,13 @@ class LabelStore(RecordReads):
             if not is_corruption(e) or self.memory or self.read_only:
                 raise self._error(e, what) from None
             self._close_conn()
-            self._set_aside_file(f"{type(e).__name__}: {e}")
+            with self._aside_lock():
+                if self._ino_now() == self._ino:  # still the file this query found damaged
+                    self._set_aside_file(f"{type(e).__name__}: {e}")
             self._open()
-            raise LabelStoreError(self.problem) from None
+            said, self.problem = self.problem, ""  # said by this error (once)
+            raise LabelStoreError(said or f"the learning record {self.path} was damaged and has been replaced by "
+                                  "another process; retry") from None
         except OSError as e:
             raise self._error(e, what) from None
 

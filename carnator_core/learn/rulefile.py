@@ -52,7 +52,7 @@ FORMAT = "carnator-learned-rule"
 VERSION = 2
 KEY = "learning"
 EXACT_METHOD = "exact unconditional paired bound on (b - c)/n (risk/bounds.py: excess_upper_bound)"
-MAX_LEARNED_BYTES = MAX_RULE_BYTES // 2  # 8 MiB: about 40,000 labels without prompts
+MAX_LEARNED_BYTES = MAX_RULE_BYTES // 2  # 8 MiB: about 30,000 labels (~260 bytes each with their keys)
 LABEL_FIELDS = ("id", "request_key", "stratum", "entry_id", "similarity", "vector", "missing", "reusable", "x",
                 "kind", "judge", "cost_s", "prompt", "candidate_prompt", "seed", "t")
 ENV_KEY_FILE = "CARNATOR_RULE_KEY_FILE"
@@ -176,7 +176,7 @@ def _unpack(rec: Mapping[str, Any], where: str) -> list[Label]:
                                   "prompt": prompts[p] if int(p) >= 0 else "",
                                   "candidate_prompt": prompts[q] if int(q) >= 0 else "", "seed": int(seed),
                                   "t": float(t)}, int(row_id))
-        except (TypeError, ValueError, KeyError, IndexError) as e:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise RuleFormatError(f"{where}: label {i} is malformed ({type(e).__name__}: {e})") from None
         if out and lab.id <= out[-1].id:
             raise RuleFormatError(f"{where}: label {i} is out of order (ids must increase)")
@@ -204,7 +204,7 @@ def _check_events(events: Any, where: str) -> list[dict[str, Any]]:
                 if not isinstance(e["stratum"], str):
                     raise ValueError("stratum is not a name")
                 int(e["fit"])
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise RuleFormatError(f"{where}: event {i} ({str(kind)[:20]!r}) is malformed ({type(err).__name__}: "
                                   f"{err}); restore the file Carnator wrote, or remove it to learn again") from None
         out.append(dict(e))
@@ -326,7 +326,7 @@ def from_doc(data: Mapping[str, Any], source: str = "", *, key: bytes | None = N
     try:
         settings = LearnSettings.from_dict(rec["settings"])
         labels = _unpack(rec, where)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, RuleFormatError):
             raise
         raise RuleFormatError(f"{where}: its 'learning' record is malformed ({type(e).__name__}: {e})") from None
@@ -340,7 +340,7 @@ def from_doc(data: Mapping[str, Any], source: str = "", *, key: bytes | None = N
             learner.store.add_event(ns, str(e.pop("kind", "")), str(e.pop("message", "")), **e)
         states = learner.state(ns, update=False)
         order = tuple(learner.order(ns) or ())
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise RuleFormatError(f"{where}: its record does not derive a state ({type(e).__name__}: {e}); restore the "
                               "file Carnator wrote, or remove it to learn again") from None
     finally:

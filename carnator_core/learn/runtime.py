@@ -69,9 +69,11 @@ def choose(options: Sequence[Mapping[str, Any]], order: Sequence[str] | None) ->
 
 def learning_decision(signature: Signature | None, candidates: Candidates, probe: Any, *, rule_file: str,
                       rule_path: str | Path, learned: Any = None,
-                      settings: LearnSettings | None = None) -> Decision:
+                      settings: LearnSettings | None = None, note: str = "") -> Decision:
     """The Risk Filter's decision in learning mode (module docstring). ``learned``: a verified
-    ``rulefile.LearnedRule`` for this model and config (its applicability already checked), or None."""
+    ``rulefile.LearnedRule`` for this model and config (its applicability already checked), or None.
+    ``settings``: the node's; of a learned rule only its budget and audit share are taken (the rest is the file's).
+    ``note``: said in the summary and on the badge (e.g. which name this model and config learn under)."""
     t0 = time.perf_counter()
     if learned is not None:  # the file's certified settings, with the node's operational ones (budget, audits)
         settings = learned.settings if settings is None else replace(
@@ -83,7 +85,7 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
     ctx: dict[str, Any] = {"rule_file": rule_file, "rule_path": str(rule_path), "namespace": ns,
                            "settings": settings.to_dict(), "audit": False,
                            "k": int(candidates.k or len(tuple(candidates.items)) or 1),
-                           "origin": learned.origin if learned is not None else ""}
+                           "origin": learned.origin if learned is not None else "", "note": note}
     top = None
     accept = False
     reason = ""
@@ -121,6 +123,8 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
         summary = f"LEARNING → dense: no candidates recalled; filter {ms:.2f} ms"
     else:
         summary = f"LEARNING → dense: {reason}; filter {ms:.2f} ms"
+    if note:
+        summary += f" [{note}]"
     if learned is not None and learned.origin == "copied":
         summary += (f" [learned rule {Path(str(rule_path)).name} is a copy (not sealed by this installation): "
                     "it is used as it is, imported into this cache's learning record]")
@@ -215,6 +219,7 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
     notes: list[str] = [learner.store.problem] if getattr(learner.store, "problem", "") else []
     if getattr(learner.store, "problem", ""):
         learner.store.problem = ""  # said once
+    notes.append(str(ctx.get("note") or ""))
     if ctx.get("rule_path"):
         notes.append(adopt_rule_file(learner, ns, ctx["rule_path"]))
     learner.store.charge(ns, served_s=float(served_s), requests=1)
@@ -334,6 +339,9 @@ def missing_from(learner: Any, ns: str, learned: Any) -> list[Label]:
     return [lab for lab in learned.labels if _ident(lab) not in have]
 
 
+_KEPT: set[tuple[str, str]] = set()
+
+
 def adopt_rule_file(learner: Any, ns: str, path: str | Path) -> str:
     """Import the learned rule file at ``path`` into the record's namespace ``ns`` when it holds labels the
     record lacks (module docstring). Returns what happened, for the badge ("" when nothing did)."""
@@ -352,7 +360,9 @@ def adopt_rule_file(learner: Any, ns: str, path: str | Path) -> str:
             msg = (f"learned rule {name} ({origin}) holds {len(missing)} labels this shared record lacks and the "
                    "record cannot take them: the file is used as it is and never rewritten; remove or rename it to "
                    "have the shared record's rule written instead")
-            log.warning("carnator learning: %s", msg)
+            if (str(path), ns) not in _KEPT:  # the log once; the badge every time
+                _KEPT.add((str(path), ns))
+                log.warning("carnator learning: %s", msg)
             return msg
         aside = set_aside(ns)
     n = learner.store.import_record(ns, learned.labels, learned.events)
