@@ -271,7 +271,7 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
                 shown = not opts.get("advanced") or name in node.links  # a linked widget is a socket row
                 n_widgets += (1 + bool(opts.get("control_after_generate"))) if shown else 0
                 n_advanced += not shown
-                multiline += bool(opts.get("multiline"))
+                multiline += bool(opts.get("multiline")) and name not in node.links  # linked: a socket row
                 widgets_values.append(node.values.get(name, widget_default(spec)))
                 if opts.get("control_after_generate"):
                     widgets_values.append(node.control)
