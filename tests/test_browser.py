@@ -1042,6 +1042,37 @@ def test_tuning_inputs_open_without_covering_any_node(page: Any, ui: str, name: 
     assert not moved, moved
 
 
+def test_early_probe_shows_no_blank_band(page: Any, ui: str) -> None:
+    """The Early Probe's prompt comes from the Prompt node (a link): on the canvas it keeps one row for its socket,
+    no text box and no blank band between or below the rows; in Vue nodes no row of the probe is taller than a row."""
+    open_workflow(page, "embedded")
+    fit_whole_graph(page)
+    probe = page.evaluate("() => String(app.graph._nodes.find(n => n.type === 'CarnatorEarlyProbe').id)")
+    if ui.endswith("-vue"):
+        rows = page.evaluate("""(id) => {
+            const e = document.querySelector(`[data-node-id="${id}"]`), s = app.canvas.ds.scale;
+            return [...e.querySelectorAll('[data-testid="node-widget"]')].map(r => [r.dataset.widgetName,
+                r.getBoundingClientRect().height / s]);
+        }""", probe)
+        assert rows and all(h <= 48 for _, h in rows), rows
+        return
+    layout = page.evaluate("""(id) => {
+        const n = app.graph.getNodeById(id);
+        app.canvas.draw(true, true);
+        const rows = (n.widgets || []).filter(w => (w.computedHeight ?? 0) > 0 && !(w.advanced && !n.showAdvanced))
+            .map(w => ({name: w.name, y: w.y ?? w.last_y, h: w.computedHeight,
+                        box: w.element ? getComputedStyle(w.element).opacity !== '0' && w.element.offsetHeight : 0}));
+        return {height: n.size[1], rows: rows.sort((a, b) => a.y - b.y)};
+    }""", probe)
+    rows = layout["rows"]
+    prompt = next(r for r in rows if r["name"] == "prompt")
+    assert prompt["h"] <= 24 and not prompt["box"], prompt  # a socket's row, no text box shown
+    gaps = [b["y"] - (a["y"] + a["h"]) for a, b in zip(rows, rows[1:])]
+    below = layout["height"] - (rows[-1]["y"] + rows[-1]["h"])
+    assert max(gaps) <= 6 and below <= 16, (gaps, below, layout)
+    page.screenshot(path=str(ARTIFACTS / ui / "early_probe.png"))
+
+
 def test_badge_from_the_executed_event_alone_and_a_new_decision(page: Any) -> None:
     """The API's "executed" event alone shows the badge (the node's onExecuted hook switched off, as where a
     frontend does not call it), and a decision the badge does not know yet shows under its own name."""

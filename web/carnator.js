@@ -915,11 +915,12 @@ function namespaceCard(ns, stats, events, purges, learned, held, title) {
         ? `since the server started: ${plural(h.requests, "request")} · ${plural(h.hits, "hit")} of ` +
           `${plural(h.lookups, "lookup")}` +
           (h.not_run ? ` · ${h.not_run} not run (ComfyUI reused its output)` : "") +
-          (ran.length ? ` · saved ${pct(saved / ran.length)} of the compute of the last ${ran.length} that ran` : "")
+          (ran.length ? ` · the last ${plural(ran.length, "run")} saved ${pct(saved / ran.length)} of their compute ` +
+            "on average" : "")
         : "no requests served since the server started" }),
     events.length ? historyPlot(events, purges) : null,
     events.length ? el("div", { style: { fontSize: "11px", opacity: "0.7" },
-      textContent: `the last ${events.length} requests · lines: hits (green), misses and dense runs (orange), ` +
+      textContent: `${plural(events.length, "request")} · lines: hits (green), misses and dense runs (orange), ` +
         "cumulative · bars: share of compute saved per request · dashed: purge" }) : null,
     listed.length ? el("div", { className: "carnator-req-title", style: { fontSize: "12px", margin: "6px 0 2px",
       fontWeight: "bold" }, textContent: listed.length === 1 ? "the last request"
@@ -1102,6 +1103,22 @@ app.registerExtension({
         if (min && this.size) this.setSize([Math.max(this.size[0], min[0]), min[1]]);
       } catch (e) {
         console.error("carnator: could not lay out the node", e);
+      }
+      return r;
+    };
+    // A saved node taller than its rows (a workflow saved while a text box took room, or by an older version) is
+    // fitted to them on the canvas when it has nothing that could use the room (no text box that is not linked).
+    const onConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      const r = onConfigure?.apply(this, arguments);
+      try {
+        if (!window.LiteGraph?.vueNodesMode && !(this.widgets || []).some((w) => w.element && w.name !== BADGE_WIDGET
+            && !isLinked(this, w))) {
+          const min = this.computeSize?.();
+          if (min && this.size && this.size[1] > min[1] + 1) this.setSize([this.size[0], min[1]]);
+        }
+      } catch (e) {
+        console.error("carnator: could not fit the node", e);
       }
       return r;
     };
