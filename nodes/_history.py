@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -36,6 +37,7 @@ THUMB_PX = 96
 _LOCK = threading.Lock()
 _EVENTS: "OrderedDict[str, deque[dict[str, Any]]]" = OrderedDict()
 _PURGES: "deque[float]" = deque(maxlen=MAX_EVENTS)
+_TITLES: "OrderedDict[str, dict[str, str]]" = OrderedDict()  # namespace -> its words (``describe``)
 STARTED = time.time()  # the history covers the requests since then (this process)
 
 #: Report fields an event keeps (the rest of a report is per-axis detail the badge already shows).
@@ -97,9 +99,84 @@ def thumbnail(samples: Any, model: Any = None) -> str | None:
         return None
 
 
+def _running_prompt() -> tuple[dict[str, Any], str] | None:
+    """(the API prompt ComfyUI is executing, the id of the node executing now), or None outside a server run."""
+    try:
+        from comfy_execution.utils import get_executing_context
+
+        ctx = get_executing_context()
+        instance = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+        if ctx is None or instance is None:
+            return None
+        for item in list(instance.prompt_queue.currently_running.values()):
+            if item[1] == ctx.prompt_id and isinstance(item[2], dict):
+                return item[2], str(ctx.node_id)
+    except Exception:  # noqa: BLE001 — another ComfyUI: the panel then names the namespace by its config alone
+        return None
+    return None
+
+
+def _title(node: Mapping[str, Any]) -> str:
+    return str((node.get("_meta") or {}).get("title") or node.get("class_type") or "?")
+
+
+def describe(graph: Mapping[str, Any], node_id: str) -> dict[str, str] | None:
+    """A namespace in words from the graph that served it: ``model``, the MODEL's loader (and its file) and every
+    patch on the way to the node (EasyCache, a LoRA, ... with their settings), and ``config``, the Early Probe's
+    schedule. None when the graph has no MODEL upstream of ``node_id``."""
+    def linked(value: Any) -> bool:
+        return isinstance(value, list) and len(value) == 2 and str(value[0]) in graph
+
+    seen: set[str] = set()
+    frontier, start, probe = [str(node_id)], None, None
+    while frontier and start is None:  # the nearest node upstream that takes a MODEL
+        nid = frontier.pop(0)
+        if nid in seen or nid not in graph:
+            continue
+        seen.add(nid)
+        inputs = graph[nid].get("inputs") or {}
+        if graph[nid].get("class_type") == "CarnatorEarlyProbe":
+            probe = inputs
+        if linked(inputs.get("model")):
+            start = str(inputs["model"][0])
+            probe = probe or next((graph[str(v[0])].get("inputs") for v in inputs.values() if linked(v)
+                                   and graph[str(v[0])].get("class_type") == "CarnatorEarlyProbe"), None)
+        frontier += [str(v[0]) for v in inputs.values() if linked(v)]
+    chain: list[Mapping[str, Any]] = []
+    while start is not None and len(chain) < 16:  # along MODEL to its loader
+        node = graph[start]
+        chain.append(node)
+        start = str(node["inputs"]["model"][0]) if linked((node.get("inputs") or {}).get("model")) else None
+    if not chain:
+        return None
+    loader, patches = chain[-1], chain[-2::-1]
+    files = [str(v) for k, v in (loader.get("inputs") or {}).items() if isinstance(v, str) and v and "name" in k]
+    words = [_title(loader) + (f" ({', '.join(files)})" if files else "")]
+    for node in patches:
+        values = [f"{k} {v:g}" for k, v in (node.get("inputs") or {}).items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)][:3]
+        names = [str(v) for k, v in (node.get("inputs") or {}).items() if isinstance(v, str) and v and "name" in k]
+        words.append(_title(node) + (f" ({', '.join(names + values)})" if names or values else ""))
+    config = ""
+    if probe:
+        bits = [f"probe {probe.get('probe_steps')} of {probe.get('steps')} steps" if "probe_steps" in probe else "",
+                f"{probe.get('sampler_name')}/{probe.get('scheduler')}" if "sampler_name" in probe else "",
+                f"cfg {probe.get('cfg'):g}" if isinstance(probe.get("cfg"), (int, float)) else ""]
+        config = " · ".join(b for b in bits if b)
+    return {"model": " + ".join(words), "config": config}
+
+
 def record(namespace: str, meta: Mapping[str, Any], *, prompt: str = "", seed: int | None = None,
            thumb: str | None = None) -> None:
-    """Remember one served request of ``namespace`` (its report ``meta``, as the badge gets it)."""
+    """Remember one served request of ``namespace`` (its report ``meta``, as the badge gets it), and the namespace
+    in words from the graph that served it (``titles``)."""
+    running = _running_prompt()
+    words = describe(*running) if running else None
+    if words:
+        with _LOCK:
+            _TITLES[namespace] = words
+            while len(_TITLES) > MAX_NAMESPACES * 4:
+                _TITLES.popitem(last=False)
     event = {k: meta.get(k) for k in _KEEP if k in meta}
     event.update(time=time.time(), prompt=str(prompt)[:200], seed=seed, thumbnail=thumb, outcome=outcome(meta),
                  lookup=is_lookup(meta))
@@ -130,3 +207,9 @@ def purges() -> list[float]:
     """When this process purged a cache (seconds since the epoch, the last ``MAX_EVENTS``)."""
     with _LOCK:
         return list(_PURGES)
+
+
+def titles() -> dict[str, dict[str, str]]:
+    """Each namespace this process served, in words (``describe``): kept through a purge."""
+    with _LOCK:
+        return {k: dict(v) for k, v in _TITLES.items()}

@@ -17,8 +17,9 @@ ComfyUI adds ``PromptServer.instance.routes`` to its web app after loading custo
 * ``GET  /carnator/requests?namespace=&limit=50`` → the last requests this server process served, per namespace
   (``nodes/_history.py``: time, decision, what it counts as, share of compute saved, rule and rule state, a
   thumbnail), newest last; ``counts`` per namespace over every event held (requests, hits, lookups, not run),
-  ``since`` (when the history started) and ``purges``: when this process purged a cache. Lives in memory: empty
-  after a restart; a purge keeps it.
+  ``since`` (when the history started), ``titles`` (each namespace in words: the MODEL's loader and its patches,
+  the probe's schedule, from the graph that served it) and ``purges``: when this process purged a cache. Lives in
+  memory: empty after a restart; a purge keeps it.
 
 ``directory`` is the same string a Carnator Cache loader node takes and is confined by the same rule: it must
 resolve (symlinks and ``..`` resolved) strictly inside ComfyUI's output directory, its user directory, or a root
@@ -291,7 +292,7 @@ def recent_requests(namespace: str | None, limit: str | None) -> dict[str, Any]:
                    "lookups": sum(bool(e.get("lookup")) for e in ev),
                    "not_run": sum(e.get("outcome") == "not_run" for e in ev)} for ns, ev in events.items()}
     return {"namespaces": {ns: ev[-n:] for ns, ev in events.items()}, "counts": counts, "purges": _history.purges(),
-            "since": _history.STARTED, "definitions": _history.DEFINITIONS}
+            "since": _history.STARTED, "definitions": _history.DEFINITIONS, "titles": _history.titles()}
 
 
 async def _answer(fn: Callable[[str | None], dict[str, Any]], directory: str | None) -> Any:

@@ -688,6 +688,21 @@ def test_real_runs_badges_no_overlap_panel_and_purge(page: Any, server: ComfySer
     assert not ours, ours
 
 
+def open_badge_details(page: Any, node_id: str) -> None:
+    """Click the badge of sampler ``node_id`` until its details show (a Vue node may still be moving to a new canvas
+    transform when the first click lands)."""
+    for attempt in range(3):
+        time.sleep(0.5)
+        b = badge_element_box(page, node_id)
+        page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
+        try:
+            page.wait_for_selector(".carnator-details", timeout=5_000)
+            return
+        except Exception:  # noqa: BLE001 — the click missed: measure again
+            if attempt == 2:
+                raise
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -736,9 +751,7 @@ def test_requeue_is_not_run_and_one_definition_of_hits(page: Any, server: ComfyS
     rows = badge_rows(page, sampler)
     assert rows == ["NOT RUN · ComfyUI reused its output", "graph unchanged: not a Carnator hit",
                     "rule: not asked (nothing ran)"], rows
-    b = badge_element_box(page, sampler)
-    page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
-    page.wait_for_selector(".carnator-details", timeout=30_000)
+    open_badge_details(page, sampler)
     details = page.locator(".carnator-details").inner_text()
     assert "neither as a lookup nor as a hit" in details and "saved" not in details, details
     page.keyboard.press("Escape")
@@ -815,9 +828,7 @@ def test_a_refused_kind_reads_in_words(page: Any, server: ComfyServer, ui: str) 
     shown = shown_rows(page, sampler)
     assert not any(r["cut"] for r in shown), shown
     assert shown[1]["text"].startswith("motion edits") and "not certified" in shown[1]["text"], shown
-    b = badge_element_box(page, sampler)
-    page.mouse.click(b["x"] + b["width"] / 2, b["y"] + b["height"] / 2)
-    page.wait_for_selector(".carnator-details", timeout=30_000)
+    open_badge_details(page, sampler)
     details = page.locator(".carnator-details").inner_text()
     assert "motion edits are not certified: (b − c)/n = (" in details and "> α = 0.05" in details, details
     page.screenshot(path=str(ARTIFACTS / ui / "badge_refused_kind.png"))
@@ -907,6 +918,44 @@ def test_learning_shows_the_pilot_from_the_first_request(page: Any, server: Comf
     page.screenshot(path=str(ARTIFACTS / ui / "panel_learning.png"))
 
 
+def test_card_titles_tell_namespaces_apart_in_words(page: Any, server: ComfyServer, ui: str) -> None:
+    """The plain embedded model and the same model behind EasyCache are two namespaces: their panel cards say which
+    is which in words (the loader, the EasyCache patch, the probe's schedule), before and after a purge, and never
+    show a namespace's hash."""
+    import re
+    import secrets
+
+    directory = f"titles_{secrets.token_hex(4)}"
+    spaces = []
+    for name in ("embedded", "embedded_easycache"):
+        open_workflow(page, name)
+        set_widget(page, "CarnatorCacheLoader", "directory", directory)
+        set_widget(page, "CarnatorEarlyProbe", "seed", 300 + len(spaces))
+        run_and_wait_for_badge(page, server)
+        spaces.append({n["namespace"] for n in server.get(f"/carnator/cache/stats?directory={directory}")
+                       ["namespaces"]} - set().union(*spaces))
+    plain, patched = (next(iter(x)) for x in spaces)
+    open_panel(page)
+    hexes = re.compile(r"[0-9a-f]{12,}")
+    for when in ("before", "after"):
+        wait_for_panel(page, "panel.querySelector('.carnator-dir')?.value === arg.dir && arg.ns.every(ns => "
+                             "panel.querySelector(`.carnator-ns[data-namespace=\"${ns}\"] .carnator-ns-title`))",
+                       {"dir": directory, "ns": [plain, patched]})
+        titles = {ns: page.locator(f'.carnator-ns[data-namespace="{ns}"]').locator(
+            ".carnator-ns-title, .carnator-ns-config").all_inner_texts() for ns in (plain, patched)}
+        assert titles[plain] != titles[patched], titles
+        assert "EasyCache" in " ".join(titles[patched]) and "EasyCache" not in " ".join(titles[plain]), titles
+        for ns, words in titles.items():
+            text = " ".join(words)
+            assert "Embedded Model Loader" in text and "probe 2 of 20 steps" in text, (when, text)
+            assert not hexes.search(text) and ns[:8] not in text, (when, text)
+        if when == "before":
+            page.screenshot(path=str(ARTIFACTS / ui / "panel_titles.png"))
+            page.locator(".carnator-purge").click()
+            page.wait_for_function("() => document.querySelector('.carnator-panel')?.dataset.entries === '0'",
+                                   timeout=30_000)
+
+
 def test_badge_rows_whole_at_75_and_100_percent_and_at_the_minimum_width(page: Any, ui: str) -> None:
     """No badge row is cut, whatever the report: at 75 % and 100 % zoom at the workflow's width each row shows in
     full or in a shorter form of itself (the whole row is its tooltip), and at the node's minimum width too."""
@@ -942,6 +991,86 @@ def save_readme_image(shot: Path, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     # A 128-colour palette keeps the committed picture small (the UI uses few colours).
     Image.open(shot).convert("RGB").quantize(colors=128).save(dest, optimize=True)
+
+
+def toggle_advanced(page: Any, node_id: str) -> None:
+    """A real click on a node's advanced-inputs button: the summary button on the canvas, the frontend's own
+    button in Vue nodes (the whole graph in view)."""
+    fit_whole_graph(page)
+    if page.evaluate("() => !!window.LiteGraph?.vueNodesMode"):
+        element = page.locator(f'[data-node-id="{node_id}"]')
+        before = element.bounding_box()["height"]
+        element.locator('[data-testid="advanced-inputs-button"]').first.click()
+        page.wait_for_function("([id, h]) => Math.abs(document.querySelector(`[data-node-id=\"${id}\"]`)"
+                               ".getBoundingClientRect().height - h) > 2", arg=[node_id, before], timeout=30_000)
+        time.sleep(1.0)  # the room below is made once the node has its new height
+        return
+    was = page.evaluate("(id) => !!app.graph.getNodeById(id).showAdvanced", node_id)
+    xy = page.evaluate("""(id) => {
+        const n = app.graph.getNodeById(id), w = n.widgets.find(w => w.name === 'carnator_advanced');
+        const ds = app.canvas.ds, r = app.canvas.canvas.getBoundingClientRect();
+        return [(n.pos[0] + n.size[0] / 2 + ds.offset[0]) * ds.scale + r.left,
+                (n.pos[1] + w.y + 10 + ds.offset[1]) * ds.scale + r.top];
+    }""", node_id)
+    page.mouse.click(*xy)
+    page.wait_for_function("([id, was]) => !!app.graph.getNodeById(id).showAdvanced !== was", arg=[node_id, was],
+                           timeout=30_000)
+    page.evaluate("() => app.canvas.draw(true, true)")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "workflows").glob("*.json")))
+def test_tuning_inputs_open_without_covering_any_node(page: Any, ui: str, name: str) -> None:
+    """Every node's advanced inputs opened, one after the other, with real clicks: what is below a node that grows
+    moves down, so no two nodes overlap; folded again, every node is back where the workflow put it."""
+    open_workflow(page, name)
+    page.keyboard.press("Escape")  # close a missing-models dialog, if any
+    fit_whole_graph(page)
+    ids = page.evaluate("""() => app.graph._nodes.filter(n => window.LiteGraph?.vueNodesMode
+        ? !!document.querySelector(`[data-node-id="${n.id}"] [data-testid="advanced-inputs-button"]`)
+        : (n.widgets || []).some(w => w.name === 'carnator_advanced')).map(n => String(n.id))""")
+    assert len(ids) >= 5, ids
+    loaded = page.evaluate("() => Object.fromEntries(app.graph._nodes.map(n => [n.id, [...n.pos]]))")
+    for node_id in ids:
+        toggle_advanced(page, node_id)
+    assert_no_overlap(page, f"{name} with every node's advanced inputs open",
+                      ARTIFACTS / ui / f"advanced_open_{name}.png")
+    for node_id in reversed(ids):
+        toggle_advanced(page, node_id)
+    assert_no_overlap(page, f"{name} folded again")
+    back = page.evaluate("() => Object.fromEntries(app.graph._nodes.map(n => [n.id, [...n.pos]]))")
+    moved = {k: (loaded[k], v) for k, v in back.items() if max(abs(a - b) for a, b in zip(loaded[k], v)) > 1}
+    assert not moved, moved
+
+
+def test_early_probe_shows_no_blank_band(page: Any, ui: str) -> None:
+    """The Early Probe's prompt comes from the Prompt node (a link): on the canvas it keeps one row for its socket,
+    no text box and no blank band between or below the rows; in Vue nodes no row of the probe is taller than a row."""
+    open_workflow(page, "embedded")
+    fit_whole_graph(page)
+    probe = page.evaluate("() => String(app.graph._nodes.find(n => n.type === 'CarnatorEarlyProbe').id)")
+    if ui.endswith("-vue"):
+        rows = page.evaluate("""(id) => {
+            const e = document.querySelector(`[data-node-id="${id}"]`), s = app.canvas.ds.scale;
+            return [...e.querySelectorAll('[data-testid="node-widget"]')].map(r => [r.dataset.widgetName,
+                r.getBoundingClientRect().height / s]);
+        }""", probe)
+        assert rows and all(h <= 48 for _, h in rows), rows
+        return
+    layout = page.evaluate("""(id) => {
+        const n = app.graph.getNodeById(id);
+        app.canvas.draw(true, true);
+        const rows = (n.widgets || []).filter(w => (w.computedHeight ?? 0) > 0 && !(w.advanced && !n.showAdvanced))
+            .map(w => ({name: w.name, y: w.y ?? w.last_y, h: w.computedHeight,
+                        box: w.element ? getComputedStyle(w.element).opacity !== '0' && w.element.offsetHeight : 0}));
+        return {height: n.size[1], rows: rows.sort((a, b) => a.y - b.y)};
+    }""", probe)
+    rows = layout["rows"]
+    prompt = next(r for r in rows if r["name"] == "prompt")
+    assert prompt["h"] <= 24 and not prompt["box"], prompt  # a socket's row, no text box shown
+    gaps = [b["y"] - (a["y"] + a["h"]) for a, b in zip(rows, rows[1:])]
+    below = layout["height"] - (rows[-1]["y"] + rows[-1]["h"])
+    assert max(gaps) <= 6 and below <= 16, (gaps, below, layout)
+    page.screenshot(path=str(ARTIFACTS / ui / "early_probe.png"))
 
 
 def test_badge_from_the_executed_event_alone_and_a_new_decision(page: Any) -> None:

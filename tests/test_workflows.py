@@ -294,6 +294,44 @@ def test_full_reuse_path(name: str) -> None:
     assert sampler["inputs"]["mode"] == "joint" and isinstance(sampler["inputs"]["decision"], list)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_note_says_what_the_named_rule_does(name: str) -> None:
+    """Each workflow's note agrees with the rule its Risk Filter names, read from rules/ here: a rule that ships is
+    said to ship, with the kinds of change it serves and the ones it refuses as its per-kind certificate has them;
+    a rule that does not ship is never said to ship or to be certified, and the note says the graph learns one."""
+    ui, api = load(name)
+    notes = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] in ("MarkdownNote", "Note")]
+    assert len(notes) == 1, notes
+    note = " ".join(notes[0].split())
+    filters = [n["inputs"] for n in api.values() if n["class_type"] == "CarnatorRiskFilter"]
+    if not filters:  # the warm-up graph decides nothing
+        assert "rule" not in note.lower(), note
+        return
+    rule_file = filters[0]["rule_file"]
+    path = ROOT / "rules" / rule_file
+    assert "usually a HIT" not in note, note
+    if not path.is_file():
+        assert f"`{rule_file}`" in note and "learning mode" in note, note
+        assert f"`{rule_file}` ships" not in note and "ships with Carnator, certified" not in note, note
+        assert not re.search(r"certified (for|on)", note), note
+        return
+    rule = json.loads(path.read_text(encoding="utf-8"))
+    assert f"risk rule `{rule_file}` ships with Carnator" in note, note
+    assert f"U = {rule['certificate']['upper_bound']:.4f}" in note, note
+    strata = rule.get("strata")
+    if strata is None:
+        return
+    serves, _, refuses = note.partition(" by reuse, and refuses ")
+    serves = serves.rpartition("it serves ")[2]
+    refuses = refuses.partition(" (not certified")[0]
+    for kind in strata["order"]:
+        words = make_workflows.KIND_WORDS[kind]
+        if kind in strata["certified"]:
+            assert words in serves and words not in refuses, (kind, serves, refuses)
+        else:
+            assert words in refuses and words not in serves, (kind, serves, refuses)
+
+
 def test_stock_loaders_and_file_names() -> None:
     def find(api: dict[str, Any], t: str) -> list[dict[str, Any]]:
         return [n["inputs"] for n in api.values() if n["class_type"] == t]

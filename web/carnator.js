@@ -622,6 +622,103 @@ function toggleLabel(node) {
   return `${prefix}▸ ${n} ${what}`;
 }
 
+/** Whether widget `w` of `node` takes its value from a link (its input socket is connected). */
+function isLinked(node, w) {
+  return (node.inputs || []).some((i) => i.widget?.name === w.name && i.link != null);
+}
+
+/** A DOM widget that a link feeds (the Early Probe's prompt from the Prompt node) shows nothing to edit: it keeps one
+ *  row, for its socket, and its text box is not shown. Without this the frontend still lays the box out (hidden on
+ *  1.58, an empty box on 1.32) and, in a node taller than its rows, grows it into a blank band. */
+function foldLinkedText(node) {
+  const ROW = 20;
+  for (const w of node.widgets || []) {
+    if (!w.element || w.carnatorFoldsLinked) continue;
+    w.carnatorFoldsLinked = true;
+    const linked = () => {
+      const on = isLinked(node, w);
+      w.element.style.opacity = on ? "0" : "";
+      w.element.style.pointerEvents = on ? "none" : "";
+      return on;
+    };
+    const layout = w.computeLayoutSize;
+    if (typeof layout === "function") {
+      w.computeLayoutSize = function () {
+        return linked() ? { minHeight: ROW, maxHeight: ROW, minWidth: 0 } : layout.apply(this, arguments);
+      };
+    }
+    const own = w.computeSize;
+    if (typeof own === "function") {
+      w.computeSize = function (width) {
+        return linked() ? [width ?? node.size?.[0] ?? 0, ROW] : own.apply(this, arguments);
+      };
+    }
+  }
+}
+
+/** Room for a node that grew from `before` to `after` canvas units tall (its tuning inputs shown): every node and
+ *  group below it whose span across overlaps it moves down by the growth, so that nothing is covered; when the node
+ *  folds again they move back up by as much as they were moved (unless the user moved them meanwhile). */
+function makeRoom(node, before, after) {
+  const graph = node.graph || app.graph;
+  const dy = after - before;
+  if (!graph || Math.abs(dy) < 1) return;
+  const title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  const x0 = node.pos[0], x1 = node.pos[0] + node.size[0], bottom = node.pos[1] + before;
+  if (dy < 0) {
+    for (const [item, moved, y] of node.carnatorPushed || []) {
+      if (Math.abs(item.pos[1] - y) < 0.5) item.pos = [item.pos[0], item.pos[1] - moved];
+    }
+    for (const [group, grown] of node.carnatorGrown || []) group.size[1] -= grown;
+    node.carnatorPushed = node.carnatorGrown = null;
+    graph.setDirtyCanvas?.(true, true);
+    return;
+  }
+  const across = (left, width) => left < x1 && left + width > x0;
+  const pushed = [];
+  for (const other of graph._nodes || []) {
+    if (other === node || !across(other.pos[0], other.size[0]) || other.pos[1] - title < bottom - 1) continue;
+    other.pos = [other.pos[0], other.pos[1] + dy];
+    pushed.push([other, dy, other.pos[1]]);
+  }
+  const grown = [];
+  for (const group of graph._groups || []) {
+    const [gx, gy] = group.pos, [gw, gh] = group.size;
+    if (!across(gx, gw)) continue;
+    if (gy >= bottom - 1) {
+      group.pos = [gx, gy + dy];
+      pushed.push([group, dy, group.pos[1]]);
+    } else if (gy + gh > bottom - title) {  // the node is in it: the group grows with it
+      group.size[1] += dy;
+      grown.push([group, dy]);
+    }
+  }
+  node.carnatorPushed = [...(node.carnatorPushed || []), ...pushed];
+  node.carnatorGrown = [...(node.carnatorGrown || []), ...grown];
+  graph.setDirtyCanvas?.(true, true);
+}
+
+/** Vue nodes: the frontend's own "Show advanced inputs" button (on any node) grows the node's HTML while its
+ *  LiteGraph size stays: measure the node before and after, and make room below it as on the canvas. */
+function watchVueAdvanced() {
+  document.addEventListener("click", (e) => {
+    const button = e.target?.closest?.('[data-testid="advanced-inputs-button"]');
+    const element = button?.closest?.("[data-node-id]");
+    if (!element || !window.LiteGraph?.vueNodesMode) return;
+    const node = app.graph?.getNodeById?.(element.dataset.nodeId);
+    if (!node) return;
+    const scale = () => app.canvas?.ds?.scale || 1;
+    const title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30; // the element's height includes the title bar
+    const before = element.getBoundingClientRect().height / scale() - title;
+    const settle = (tries) => requestAnimationFrame(() => requestAnimationFrame(() => {
+      const after = element.getBoundingClientRect().height / scale() - title;
+      if (Math.abs(after - before) >= 1) makeRoom(node, before, after);
+      else if (tries > 0) setTimeout(() => settle(tries - 1), 50);
+    }));
+    settle(10);
+  }, true);
+}
+
 /** Fold a Carnator node's advanced widgets away (canvas) and add the summary button that shows them. */
 function compactNode(node, names) {
   if (!names?.length || (node.widgets || []).some((w) => w.name === TOGGLE_WIDGET)) return;
@@ -647,6 +744,7 @@ function compactNode(node, names) {
       const min = node.computeSize();
       if (before && min[1] < node.size[1]) node.setSize([node.size[0], min[1]]);
     }
+    if (before != null && node.size) makeRoom(node, before, node.size[1]);
     node.setDirtyCanvas?.(true, true);
   }, {
     serialize: false,
@@ -703,13 +801,18 @@ function svg(tag, attrs = {}, children = []) {
   return e;
 }
 
-/** A namespace's label: the generation config a user recognises (architecture, latent, steps, sampler, cfg). */
-function namespaceLabel(ns, stats) {
+/** A namespace in words, never its hash: the model (its loader and patches such as EasyCache, from the graph that
+ *  served it: the requests route's `titles`) and the generation config (the cache's record of it, else the graph's
+ *  probe settings). */
+function namespaceLabel(ns, stats, title) {
   const c = stats?.config || {};
   const shape = Array.isArray(c.latent_shape) ? c.latent_shape.join("×") : "";
   const parts = [c.arch, shape && `latent ${shape}`, c.steps && `${c.steps} steps`,
     c.sampler && `${c.sampler}/${c.scheduler}`, c.cfg != null && `cfg ${c.cfg}`].filter(Boolean);
-  return parts.length ? parts.join(" · ") : ns;
+  const config = title?.config
+    ? [title.config, shape && `latent ${shape}`, c.arch].filter(Boolean).join(" · ") : parts.join(" · ");
+  const model = title?.model || (parts.length ? "a model this server has not run since it started" : "");
+  return { model: model || "a model and settings this server has not run since it started", config };
 }
 
 /** Hits and misses (cumulative) and the compute each request saved (bars), over the last requests, with the
@@ -778,7 +881,8 @@ function requestRow(e) {
 
 const LISTED = 8; // rows of the request list per namespace
 
-function namespaceCard(ns, stats, events, purges, learned, held) {
+function namespaceCard(ns, stats, events, purges, learned, held, title) {
+  const label = namespaceLabel(ns, stats, title);
   // The rule's state: learning mode's record for this namespace (kept in the cache folder) when there is one, else
   // as the last request that went through the Risk Filter saw it (exact repeats need no rule).
   const decided = [...events].reverse().find((e) => e.rule_state || e.rule_id || e.filter_mode);
@@ -798,8 +902,10 @@ function namespaceCard(ns, stats, events, purges, learned, held) {
   return el("div", { className: "carnator-ns", dataset: { namespace: ns },
     style: { margin: "10px 0", padding: "8px", border: "1px solid var(--border-color, #444)", borderRadius: "6px" } },
   [
-    el("div", { className: "carnator-ns-title", textContent: namespaceLabel(ns, stats), title: ns,
+    el("div", { className: "carnator-ns-title", textContent: label.model, title: `namespace ${ns}`,
       style: { fontWeight: "bold", overflowWrap: "anywhere" } }),
+    label.config ? el("div", { className: "carnator-ns-config", textContent: label.config,
+      style: { fontSize: "12px", overflowWrap: "anywhere" } }) : null,
     el("div", { className: "carnator-ns-rule", textContent: rule, style: { margin: "2px 0" } }),
     el("div", { className: "carnator-ns-learning", style: { fontSize: "12px", opacity: "0.85" } },
       learningLines(learned || decided?.rule_state).map((text) => el("div", { textContent: text }))),
@@ -809,11 +915,12 @@ function namespaceCard(ns, stats, events, purges, learned, held) {
         ? `since the server started: ${plural(h.requests, "request")} · ${plural(h.hits, "hit")} of ` +
           `${plural(h.lookups, "lookup")}` +
           (h.not_run ? ` · ${h.not_run} not run (ComfyUI reused its output)` : "") +
-          (ran.length ? ` · saved ${pct(saved / ran.length)} of the compute of the last ${ran.length} that ran` : "")
+          (ran.length ? ` · the last ${plural(ran.length, "run")} saved ${pct(saved / ran.length)} of their compute ` +
+            "on average" : "")
         : "no requests served since the server started" }),
     events.length ? historyPlot(events, purges) : null,
     events.length ? el("div", { style: { fontSize: "11px", opacity: "0.7" },
-      textContent: `the last ${events.length} requests · lines: hits (green), misses and dense runs (orange), ` +
+      textContent: `${plural(events.length, "request")} · lines: hits (green), misses and dense runs (orange), ` +
         "cumulative · bars: share of compute saved per request · dashed: purge" }) : null,
     listed.length ? el("div", { className: "carnator-req-title", style: { fontSize: "12px", margin: "6px 0 2px",
       fontWeight: "bold" }, textContent: listed.length === 1 ? "the last request"
@@ -901,7 +1008,7 @@ function renderPanel(root) {
       const names = [...new Set([...Object.keys(events), ...byNs.keys()])];
       spaces.replaceChildren(...(names.length
         ? names.map((ns) => namespaceCard(ns, byNs.get(ns), events[ns] || [], h?.purges || [], learned.get(ns),
-          h?.counts?.[ns]))
+          h?.counts?.[ns], h?.titles?.[ns]))
         : [el("div", { textContent: "no namespace yet: queue a workflow with a Carnator Cache node",
           style: { opacity: "0.7" } })]));
       message.textContent = s.exists ? "" : "empty: no cache has been written to this directory yet";
@@ -977,6 +1084,7 @@ app.registerExtension({
       }
       showReport(node, report);
     });
+    watchVueAdvanced();
     // The Cache Writer stores the entry after the sampler reported: refresh the panel when the prompt is done.
     api.addEventListener("execution_success", () => state.refreshPanel?.());
   },
@@ -989,11 +1097,28 @@ app.registerExtension({
       const r = onNodeCreated?.apply(this, arguments);
       try {
         compactNode(this, names);
+        if (!window.LiteGraph?.vueNodesMode) foldLinkedText(this);
         if (nodeData.name === SAMPLER) badgeWidget(this); // reserve the badge's rows now: a report never grows it
         const min = this.computeSize?.();
         if (min && this.size) this.setSize([Math.max(this.size[0], min[0]), min[1]]);
       } catch (e) {
         console.error("carnator: could not lay out the node", e);
+      }
+      return r;
+    };
+    // A saved node taller than its rows (a workflow saved while a text box took room, or by an older version) is
+    // fitted to them on the canvas when it has nothing that could use the room (no text box that is not linked).
+    const onConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      const r = onConfigure?.apply(this, arguments);
+      try {
+        if (!window.LiteGraph?.vueNodesMode && !(this.widgets || []).some((w) => w.element && w.name !== BADGE_WIDGET
+            && !isLinked(this, w))) {
+          const min = this.computeSize?.();
+          if (min && this.size && this.size[1] > min[1] + 1) this.setSize([this.size[0], min[1]]);
+        }
+      } catch (e) {
+        console.error("carnator: could not fit the node", e);
       }
       return r;
     };

@@ -271,7 +271,7 @@ def render_ui(graph: Graph, object_info: Mapping[str, Any]) -> dict[str, Any]:
                 shown = not opts.get("advanced") or name in node.links  # a linked widget is a socket row
                 n_widgets += (1 + bool(opts.get("control_after_generate"))) if shown else 0
                 n_advanced += not shown
-                multiline += bool(opts.get("multiline"))
+                multiline += bool(opts.get("multiline")) and name not in node.links  # linked: a socket row
                 widgets_values.append(node.values.get(name, widget_default(spec)))
                 if opts.get("control_after_generate"):
                     widgets_values.append(node.control)
@@ -480,36 +480,63 @@ model (README, "Your own model, day one"). A rule calibrated offline goes to `Co
 under that name (docs/CALIBRATION.md)."""
 
 SETUP_EMBEDDED = """**No downloads:** the embedded model ({frames} frames of {height}×{width} px, a small Wan-architecture model trained on a
-world of coloured shapes; vocabulary in docs/MODEL_CARD.md) and its risk rule `{rule}` ship with Carnator.
-{certificate} Queue a request, then a reworded one, a re-roll or a one-attribute edit of it (colour, size,
-position, motion): the second run is usually a HIT that recomputes only what changed."""
+world of coloured shapes; vocabulary in docs/MODEL_CARD.md) ships with Carnator.
+{rule_text}"""
+
+#: The kinds of change (rule strata) as the notes name them; the order of a rule's certificate is kept.
+KIND_WORDS = {"reseed": "re-rolls (a new seed)", "rewording": "rewordings", "colour": "colour edits",
+              "size": "size edits", "position": "position edits", "motion": "motion edits",
+              "background": "background edits", "object": "object swaps", "count": "changes in the number of objects",
+              "mixed": "edits of several kinds at once"}
+
+
+def _words(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def embedded_rule_summary(rule_file: str) -> str:
-    """One sentence on the shipped rule's certificate, read from ``rules/<rule_file>`` (so the workflow note says
-    what the file in the repository says; re-render after a new rule lands)."""
+    """What the rule ``rule_file`` does, read from ``rules/<rule_file>`` (so the workflow note says what the file in
+    the repository says; tests/test_workflows.py checks every note against the rule it names): which kinds of change
+    it serves by reuse and which it refuses, with its certificate; or, when no such rule ships, learning mode."""
     path = ROOT / "rules" / rule_file
     if not path.is_file():  # withdrawn (rules/withdrawn/): the Risk Filter serves dense and learns one
-        return (f"No `{rule_file}` ships (the rule was withdrawn, rules/README.md): the Risk Filter serves dense, "
-                "caches and learns a rule for this model (learning mode, docs/LEARNING.md).")
-    c = json.loads(path.read_text(encoding="utf-8"))["certificate"]
+        return (f"**No rule ships for this graph:** `{rule_file}` was withdrawn (rules/README.md), so the Risk Filter "
+                "runs in learning mode (docs/LEARNING.md): every request is served dense and cached, an exact repeat "
+                "is answered from the cache, and a rule is learned from labels of what was served; the badge and the "
+                "Carnator panel show its progress. Reuse switches on by itself for each kind of change that "
+                "certifies.")
+    rule = json.loads(path.read_text(encoding="utf-8"))
+    c = rule["certificate"]
     if not c.get("passed"):
-        return (f"The rule is NOT certified (U = {c['upper_bound']:.4f} > α = {c['alpha']}); the filter refuses it "
-                "unless allow_uncertified is on.")
+        return (f"Its rule `{rule_file}` ships but is NOT certified (U = {c['upper_bound']:.4f} > α = {c['alpha']}); "
+                "the filter refuses it unless allow_uncertified is on.")
     label = ("reuse failing where the dense run passes, net of the reverse: (b − c)/n = "
              f"({c['k']} − {c.get('c', 0)})/{c['n']}" if c.get("label") == "excess" else
              f"{c['k']} unsafe of {c['n']}")
-    return (f"Certified on {label} accepted requests of its certification split, U = {c['upper_bound']:.4f} ≤ α = "
-            f"{c['alpha']} at δ = {c['delta']}, accepting {100 * c['coverage']:.1f} % of them (rules/README.md).")
+    text = (f"Its risk rule `{rule_file}` ships with Carnator, certified on {label} accepted requests of its "
+            f"certification split, U = {c['upper_bound']:.4f} ≤ α = {c['alpha']} at δ = {c['delta']} "
+            "(rules/README.md).")
+    strata = rule.get("strata")
+    if strata is None:
+        return text + (" Queue a request, then a reworded one, a re-roll or a one-attribute edit of it: the second "
+                       "run reuses the first where the rule accepts it.")
+    served = [k for k in strata["order"] if k in strata["certified"]]
+    refused = [k for k in strata["order"] if k not in strata["certified"]]
+    text += (f" Per kind of change: it serves {_words([KIND_WORDS.get(k, k) for k in served]) or 'none'} by reuse"
+             + (f", and refuses {_words([KIND_WORDS.get(k, k) for k in refused])} (not certified: those run dense)."
+                if refused else "."))
+    if served:
+        text += (f" Queue a request, then one of its {KIND_WORDS.get(served[0], served[0])}: the second run is a HIT "
+                 "that recomputes only what changed, if the filter accepts the cached run.")
+    return text
 
 
 EASYCACHE_DEFAULTS = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
 
 SETUP_EASYCACHE = """**Behind EasyCache:** ComfyUI's EasyCache node (threshold 0.2, 15–95 %) patches the MODEL that both the Early
 Probe and the Joint Reuse Sampler run, so within a request EasyCache skips steps and across requests Carnator
-reuses. `{rule}` was certified for exactly this patched MODEL and a {k}-step probe: other EasyCache settings or
-another probe length are another model or config, and the Risk Filter refuses the rule for them (it names the
-rule files that do apply). The cache keeps these entries apart from the plain model's."""
+reuses. For Carnator the patched MODEL is another model: the cache keeps these entries apart from the plain
+model's, and a rule for it (`{rule}`) holds for exactly these EasyCache settings and a {k}-step probe."""
 
 NOTE_WARM = """## Carnator — warm the cache ({model})
 
@@ -658,13 +685,13 @@ def embedded(reuse: bool = True, tokenizer_input: str | None = "text_encoder", e
                   settings, reuse=reuse, prefix=name if reuse else name + "_warm")
     if reuse:
         cfg = _embedded_config()
-        setup = SETUP_EMBEDDED.format(frames=cfg.FRAMES, height=cfg.HEIGHT, width=cfg.WIDTH, rule=settings.rule_file,
-                                      certificate=embedded_rule_summary(settings.rule_file))
+        setup = SETUP_EMBEDDED.format(frames=cfg.FRAMES, height=cfg.HEIGHT, width=cfg.WIDTH,
+                                      rule_text=embedded_rule_summary(settings.rule_file))
         if easycache:
             setup += "\n\n" + SETUP_EASYCACHE.format(rule=settings.rule_file, k=settings.probe_steps)
         g.note(NOTE_REUSE.format(model="embedded default model", k=settings.probe_steps, steps=settings.steps,
                                  setup=setup), (X5, 600),
-               size=(440, 440 if easycache else 330))
+               size=(440, 440 if easycache else 400))
     else:
         g.note(NOTE_WARM.format(model="embedded default model"), (X5, 600), size=(440, 170))
     return g
