@@ -9,9 +9,10 @@ and no warm-up label enters the traffic's.
 
 A kind the warm-up test certifies (and the traffic's has not) is **provisional**: the Risk Filter reuses for it
 within the warm-up fit's thresholds, and audits a share ``WarmupSettings.audit_share`` of those hits (higher than a
-traffic-certified kind's), served dense and labelled like every audit. Its audits of real traffic feed two
-anytime-valid tests at ``confirm_share·δ`` each (``sequence``): the **confirmation** (H0: excess ≥ α, the
-``BettingSequence``) and the **drift** test (H0: excess ≤ α, the ``DriftTest``). Whichever crosses first decides:
+traffic-certified kind's), served dense and labelled like every audit. Its audits of real traffic feed the
+**confirmation** (H0: excess ≥ α, an anytime-valid ``BettingSequence`` at ``confirm_share·δ``) and the **drift**
+detector (a rise of the excess above α, the ``DriftDetector``, whose false alarms come on average no sooner than
+``LearnSettings.drift_arl`` audits; ``sequence``). Whichever crosses first decides:
 confirmed — the kind stays on, audited at the ordinary ``audit_share``; drift — the kind is **off** for that warm-up
 fit, for good (its traffic learning goes on as before). Every state is recomputed from the record: deterministic.
 
@@ -23,7 +24,8 @@ What each state guarantees, plainly (``KindState.guarantee``):
 * confirmed — about the user's traffic: the audited hits (a draw independent of their outcome) certify excess < α
   within the warm-up thresholds; P(some kind is confirmed while its traffic excess is ≥ α) ≤ δ (``confirm_share``
   ≤ 1/10 of δ per kind, ten kinds at most).
-* off — the audits showed an excess above α (false alarm ≤ ``confirm_share``·δ per kind); reuse for the kind waits
+* off — the audits showed an excess above α (the drift detector's false-alarm control is its average run length,
+  ``LearnSettings.drift_arl`` audits: a switch-off is the safe side); reuse for the kind waits
   for its certificate on traffic labels.
 
 The Risk Filter learns the provisional kinds of a namespace through :func:`provisional` (a per-process table that
@@ -38,7 +40,7 @@ from typing import Any, Mapping
 
 from ..risk.thresholds import Thresholds
 from .learner import STRATA, Learner, LearnSettings, StratumState, accepts, same_label
-from .sequence import BettingSequence, DriftTest
+from .sequence import BettingSequence, DriftDetector
 
 WARMUP_SUFFIX = "#warmup"
 
@@ -57,7 +59,7 @@ class WarmupSettings:
     """How warm-up certificates are used.
 
     audit_share:   share of a provisional kind's hits served dense and labelled (an audit of real traffic).
-    confirm_share: the share of δ each kind's confirmation test and drift test on those audits gets (≤ 1/10: ten
+    confirm_share: the share of δ each kind's confirmation test on those audits gets (≤ 1/10: ten
                    kinds at most keep the confirmations' family-wise error ≤ δ).
     """
 
@@ -90,7 +92,7 @@ class KindState:
     thresholds: Thresholds
     since: int              # the warm-up label id at which it certified; audits after it count
     confirm: BettingSequence
-    drift: DriftTest
+    drift: DriftDetector
     audit_share: float
     warm_labels: int
     message: str
@@ -122,7 +124,7 @@ def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumS
         if not w.on or w.fit is None or (st in traffic and traffic[st].on):
             continue
         th = w.fit.thresholds
-        confirm, drift = BettingSequence(s.alpha, level), DriftTest(s.alpha, level)
+        confirm, drift = BettingSequence(s.alpha, level), DriftDetector(s.alpha, s.drift_arl)
         verdict = ""
         for lab in sorted(labels, key=lambda x: x.id):
             if lab.stratum != st or lab.id <= w.switched_on_at or not lab.reusable or \
@@ -141,9 +143,11 @@ def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumS
                 f"c {w.sequence.c if w.sequence else 0}; anytime-valid at δ = {w.level:.4g})")
         if verdict == "off":
             msg = (f"{st}: off — {head}, but its audits on your traffic showed an excess above α = {s.alpha} "
-                   f"({drift.b} b, {drift.c} c of {drift.n} audits; anytime-valid drift test at δ = {level:.4g}); "
+                   f"({drift.b} b, {drift.c} c of {drift.n} audits; the drift detector, false alarms on average "
+                   f"no sooner than {s.drift_arl:g} audits); "
                    "reuse for it waits for a certificate on your own labels")
-            guarantee = (f"none for reuse: switched off; a false alarm had probability ≤ {level:.4g}")
+            guarantee = (f"none for reuse: switched off (on audits whose excess is ≤ α a false alarm comes on average "
+                         f"no sooner than {s.drift_arl:g} audits)")
             share = 0.0
         elif verdict == "confirmed":
             msg = (f"{st}: on — warm-up certified, confirmed on your traffic ({confirm.n} audits, b {confirm.b}, "
