@@ -591,6 +591,8 @@ def row_rule_label(status: dict[str, Any] | None) -> str:
     if not status or status.get("certified") is not False:
         return ""
     where = f" {Path(status['path']).name}" if status.get("path") else ""
+    if status.get("transferred"):
+        return f" — UNCERTIFIED rule{where} (certified for another model)"
     state = status.get("state", "UNCERTIFIED")
     return f" — {state}{'' if state.endswith('rule') else ' rule'}{where}"
 
