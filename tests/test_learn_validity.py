@@ -1,9 +1,11 @@
-"""Learning mode's anytime-valid guarantee under the traffic people have, by simulation through the project's own
-``Learner`` (an in-memory record, ``learn_sim.MemoryRecord``) and its sequences: each test sets up a traffic shape
-under which a null (stratum, fit) hypothesis — true excess ≥ α on the population its test is about — must be
-rejected with probability at most its level, counts how often it is, and pins the figure. Fixed seeds, bounded in
-labels and repetitions (never in wall time). The figures each test measured on the code before its fix are in the
-test's docstring."""
+"""Learning mode's anytime-valid guarantee under the traffic people have (docs/LEARNING.md, "What is guaranteed"),
+by simulation through the project's own ``Learner`` (on an in-memory record, ``learn_sim.MemoryRecord``), the
+sampler's hook ``runtime.observe`` (its model runs and judge faked) and the sequences: refits, a queue, bursts on
+one cached entry, drift after a clean history, judge upgrades and rollbacks, a judge that over-calls dense
+failures. Each sets up a traffic shape under which a null (stratum, fit) hypothesis must be rejected with
+probability at most its level (or a property the guarantee rests on must hold), counts, and pins the figure.
+Fixed seeds, bounded in labels and repetitions (never in wall time). The figure each test measured on the code
+before its fix is in its docstring."""
 from __future__ import annotations
 
 import math
