@@ -388,3 +388,23 @@ def test_which_requests_are_labelled_does_not_depend_on_the_queue(monkeypatch) -
     assert seen == blind, (len(seen ^ blind), len(seen), share)
     q = LearnSettings().label_share
     assert all(abs(v - q) <= 4 * math.sqrt(q * (1 - q) / 250) for v in share.values()), (share, q)
+
+
+def test_the_audit_share_rises_while_a_kind_is_young_or_a_drift_is_suspected() -> None:
+    """Four times the audit share (5 % → 20 %) for a kind's first 100 audits and while its detector's statistic is
+    at a quarter of the alarm threshold or more; the default share otherwise (``audit_share_now``)."""
+    from carnator_core.learn.learner import audit_share_now
+
+    ln = fitted_learner({"reseed": 20, "colour": 20})
+    add_labels(ln, "reseed", [0] * 86)
+    s = ln.settings
+    assert audit_share_now(ln.state(NS)["reseed"], s) == 0.2  # young: no audit yet
+    assert audit_share_now(ln.state(NS)["colour"], s) == 0.05  # not switched on: no detector
+    add_labels(ln, "reseed", [0] * 100, kind="audit", start=10_000)
+    st = ln.state(NS)["reseed"]
+    assert st.drift.n == 100 and audit_share_now(st, s) == 0.05
+    add_labels(ln, "reseed", [1] * 4, kind="audit", start=20_000)
+    assert audit_share_now(ln.state(NS)["reseed"], s) == 0.05  # statistic 184: not yet suspected
+    add_labels(ln, "reseed", [1], kind="audit", start=30_000)
+    st = ln.state(NS)["reseed"]
+    assert st.on and 250 <= st.drift.statistic < 1000 and audit_share_now(st, s) == 0.2

@@ -147,6 +147,11 @@ class LearnSettings:
                    so a judge that over-calls dense failures (c) cannot certify a kind whose reuse fails often.
     drift_arl:     the audits' drift detector's threshold (``sequence.DriftDetector``): while a switched-on kind's
                    audited excess is ≤ α a false switch-off comes after at least this many audits on average.
+    audit_boost:   the audit share is multiplied by this (at most 1) while a switched-on kind is young (fewer than
+                   ``young_audits`` audits of its fit) or a drift is suspected (the detector's statistic at a quarter
+                   of ``drift_arl`` or more): fewer hits are served between two audits when a drift is likeliest
+                   (``audit_share_now``). 1 = a constant share.
+    young_audits:  audits after a switch-on during which the boosted share applies.
     seed_thresholds: thresholds from another rule for fit 1 (the certificate is still earned on own labels).
     """
 
@@ -164,6 +169,8 @@ class LearnSettings:
     max_fits: int = 6
     b_ceiling: float = 0.1
     drift_arl: float = 1000.0
+    audit_boost: float = 4.0
+    young_audits: int = 100
     seed_thresholds: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -175,7 +182,8 @@ class LearnSettings:
                   (self.min_fit >= 1 and self.fail_after >= 1 and 1 <= self.max_fits <= 30,
                    "min_fit, fail_after ≥ 1 and max_fits in [1, 30]"),
                   (self.alpha <= self.b_ceiling < 1, "b_ceiling in [alpha, 1)"),
-                  (self.drift_arl >= 1, "drift_arl ≥ 1")]
+                  (self.drift_arl >= 1, "drift_arl ≥ 1"),
+                  (self.audit_boost >= 1 and self.young_audits >= 0, "audit_boost ≥ 1 and young_audits ≥ 0")]
         bad = [what for ok, what in checks if not ok]
         if bad:
             raise ValueError(f"learning settings need {', '.join(bad)}; got {self}")
@@ -727,6 +735,21 @@ def label_draw(share: float, request_key: str) -> bool:
     return h < share
 
 
+def audit_share_now(state: StratumState | None, settings: LearnSettings) -> float:
+    """The share of a switched-on kind's hits audited now: ``audit_share``, times ``audit_boost`` (at most 1) while
+    the kind is young (fewer than ``young_audits`` audits of its fit) or a drift is suspected (its detector's
+    statistic ≥ ``drift_arl``/4; a clean history keeps it near 66, 2 % of b near 100). The share depends only on
+    past audits, never on the hit at hand, so each audit stays a fair draw of the kind's hits and the detector's
+    false-alarm control (counted in audits) is unchanged; it only changes how many hits pass between audits."""
+    base = settings.audit_share
+    drift = state.drift if state is not None else None
+    if drift is None:
+        return base
+    young = drift.n < settings.young_audits
+    suspected = drift.statistic >= settings.drift_arl / 4.0
+    return min(1.0, base * settings.audit_boost) if (young or suspected) else base
+
+
 def audit_draw(share: float, request_key: str) -> bool:
     """Whether a switched-on hit is audited: a deterministic draw from the request key (the same request is
     audited or not in every process), at rate ``share``."""
@@ -762,4 +785,4 @@ def learner_for(directory: str | Path, settings: LearnSettings | None = None) ->
 
 
 __all__ = ["Fit", "LearnSettings", "Learner", "METHOD", "STRATA", "StratumState", "accepts", "audit_draw",
-           "label_draw", "learner_for", "rule_namespace", "stratum_of"]
+           "audit_share_now", "label_draw", "learner_for", "rule_namespace", "stratum_of"]

@@ -3,8 +3,9 @@
 * :func:`learning_decision` — what the Risk Filter decides when its rule file does not exist yet (learning: every
   request is served dense) or is a learned rule (``rulefile``): accept the chosen candidate (``choose``) only in a
   switched-on stratum within that stratum's thresholds; a share of those hits is drawn for audit (served dense,
-  labelled). The decision carries a ``learning`` record (rule file, namespace, the chosen candidate, its stratum and
-  discrepancies) for the sampler.
+  labelled; ``learner.audit_share_now``: raised while the stratum is young or a drift is suspected). The decision
+  carries a ``learning`` record (rule file, namespace, the chosen candidate, its stratum and discrepancies) for the
+  sampler.
 * :func:`observe` — what the Joint Reuse Sampler does after finishing a request whose decision carries that record:
   charge the compute served, record the covariates, run a shadow label (or the audit's label) when the request's
   label coin is drawn and the ledger is within the budget,
@@ -28,6 +29,7 @@ from .learner import (
     LearnSettings,
     accepts,
     audit_draw,
+    audit_share_now,
     label_draw,
     learner_for,
     reading_in_force,
@@ -89,7 +91,8 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
                       + (" (its reuse run may be labelled)" if stratum in STRATA else ""))
         elif not accepts(th, chosen["vector"], chosen["missing"]):
             reason = f"rejected: outside stratum {stratum!r}'s learned thresholds"
-        elif audit_draw(settings.audit_share, str(getattr(probe, "request_key", "") or "")):
+        elif audit_draw(audit_share_now(learned.states.get(stratum), settings),
+                        str(getattr(probe, "request_key", "") or "")):
             ctx["audit"] = True
             reason = f"audit: stratum {stratum!r} would reuse this entry; served dense and labelled instead"
         else:
