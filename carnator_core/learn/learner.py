@@ -21,10 +21,10 @@ against the candidate, ``risk.strata``):
    docstring, "Multiplicity"): reuse switches on for the stratum by itself once its test certifies at the level the
    graph gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the
    next.
-4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %) is served dense instead and its
-   reuse labelled against it; ``sequence.DriftDetector`` (a restarting e-detector of excess > α) watches these
-   labels, and when it fires the
-   stratum is switched off ("off", with the message) and learning resumes with the next fit.
+4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %; ``audit_share_now``: four times
+   that while the stratum is young or a drift is suspected) is served dense instead and its reuse labelled against
+   it; ``sequence.DriftDetector`` (a restarting e-detector of excess > α) watches these labels, and when it fires
+   the stratum is switched off ("off", with the message) and learning resumes with the next fit.
 
 Which requests get labelled (the policy): a served request can be labelled when its chosen candidate the
 stratum's current fit would accept (other labels cannot move its certificate), in a stratum not yet switched on,
