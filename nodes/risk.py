@@ -175,7 +175,8 @@ class CarnatorRiskFilter(io.ComfyNode):
                 _advanced(io.Float.Input(
                     "learn_budget", default=0.2, min=0.0, max=2.0, step=0.01, optional=True,
                     tooltip="Learning mode (no rule file yet, or a learned one): extra compute for labelling served "
-                    "requests, as a share of the compute served (0.2 = 20 %). 0 = never label.",
+                    "requests, as a share of the compute served (0.2 = 20 %): that share ÷ 0.6 of the requests that "
+                    "could be labelled are, drawn by a coin on the request (a third at 0.2). 0 = never label.",
                 )),
                 _advanced(io.Float.Input(
                     "audit_share", default=0.05, min=0.0, max=1.0, step=0.01, optional=True,

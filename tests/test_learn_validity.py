@@ -1,9 +1,11 @@
-"""Learning mode's anytime-valid guarantee under the traffic people have, by simulation through the project's own
-``Learner`` (an in-memory record, ``learn_sim.MemoryRecord``) and its sequences: each test sets up a traffic shape
-under which a null (stratum, fit) hypothesis — true excess ≥ α on the population its test is about — must be
-rejected with probability at most its level, counts how often it is, and pins the figure. Fixed seeds, bounded in
-labels and repetitions (never in wall time). The figures each test measured on the code before its fix are in the
-test's docstring."""
+"""Learning mode's anytime-valid guarantee under the traffic people have (docs/LEARNING.md, "What is guaranteed"),
+by simulation through the project's own ``Learner`` (on an in-memory record, ``learn_sim.MemoryRecord``), the
+sampler's hook ``runtime.observe`` (its model runs and judge faked) and the sequences: refits, a queue, bursts on
+one cached entry, drift after a clean history, judge upgrades and rollbacks, a judge that over-calls dense
+failures. Each sets up a traffic shape under which a null (stratum, fit) hypothesis must be rejected with
+probability at most its level (or a property the guarantee rests on must hold), counts, and pins the figure.
+Fixed seeds, bounded in labels and repetitions (never in wall time). The figure each test measured on the code
+before its fix is in its docstring."""
 from __future__ import annotations
 
 import math
@@ -298,3 +300,111 @@ def test_drift_delays_and_false_alarms_reference_values() -> None:
     assert all(medians[(pb, 1000)] <= medians[(pb, 0)] for pb in (0.08, 0.2))
     at = DriftDetector.first_alarm((rng.random((2000, 300)) < 0.05).astype(np.int8), 0.05)
     assert (at <= 300).mean() <= 300 / 1000
+
+
+# ----------------------------------------------------------------------------------------- 2. which requests
+class FakeClock:
+    """runtime's clock: a counterfactual label costs 0.6 s of a 1 s dense request (the budget then binds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+def observe_stream(monkeypatch, requests: list[tuple[str, int, float]], *, queue_blind: bool) -> set[str]:
+    """Serve ``requests`` (key, prompts waiting behind it, the reuse's failure rate) through ``runtime.observe``,
+    the sampler's learning hook, with everything around it faked: the counterfactual reuse run (0.6 s on the fake
+    clock), the judge (b with the request's rate, drawn from its key), the cache. Returns the labelled keys.
+    ``queue_blind``: report an empty queue whatever it holds."""
+    from types import SimpleNamespace
+
+    import carnator_core.request as request_mod
+    from carnator_core.learn import runtime
+    from carnator_core.types import Decision
+
+    settings = LearnSettings()
+    ln = Learner("memory", settings, store=MemoryRecord())
+    clock = FakeClock()
+    risk: dict[str, float] = {}
+
+    def finish_stages(*args: object, **kwargs: object) -> tuple:
+        clock.now += 0.6
+        return "reuse-latent", SimpleNamespace(decision="hit"), None
+
+    def label_counterfactual(judge: object, decode: object, probe: SimpleNamespace, *rest: object) -> object:
+        u = np.random.default_rng(abs(hash(probe.request_key)) % 2**32).random()
+        return SimpleNamespace(b=u < risk[probe.request_key], c=False)
+
+    monkeypatch.setattr(runtime, "learner_for", lambda directory, s=None: ln)
+    monkeypatch.setattr(runtime, "time", clock)
+    monkeypatch.setattr(runtime, "label_counterfactual", label_counterfactual)
+    monkeypatch.setattr(request_mod, "finish_stages", finish_stages)
+    store = SimpleNamespace(load=lambda entry_id, count_hit=False: SimpleNamespace(cached_run=lambda: None))
+    judge = SimpleNamespace(name="test-judge", settings={})
+    for key, waiting, rate in requests:
+        risk[key] = rate
+        cand = SimpleNamespace(entry_id=f"entry-{key}", prompt="a red cube")
+        ctx = {"settings": settings.to_dict(), "namespace": NS, "audit": False, "stratum": "reseed",
+               "entry_id": cand.entry_id, "similarity": 0.9, "vector": list(VEC), "missing": False,
+               "candidate": cand}
+        decision = Decision(accepted=False, candidate=None, verdicts=(), mode="learning", learning=ctx)
+        probe = SimpleNamespace(answered=None, request_key=key, prompt="a red cube", seed=1, model_fingerprint="m",
+                                config=SimpleNamespace(split=False, leftover_noise=False))
+        clock.now += 1.0  # the dense request itself
+        runtime.observe(directory="memory", model=None, positive=None, negative=None, latent={}, probe=probe,
+                        signature=None, decision=decision, samples="dense-latent",
+                        report=SimpleNamespace(decision="dense"), store=store, reuse_config=None, served_s=1.0,
+                        pending=(lambda: 0) if queue_blind else (lambda w=waiting: w), judge=judge,
+                        decode=lambda x: x)
+    return {lab.request_key for lab in ln.store.labels(NS)}
+
+
+def queued_stream(n_blocks: int = 25) -> list[tuple[str, int, float]]:
+    """Blocks of a script's queued batch of 10 variants (prompts waiting behind each; their reuse fails 30 % of
+    the time) alternating with 10 single requests sent one by one (an empty queue; reuse never fails)."""
+    out = []
+    for blk in range(n_blocks):
+        out += [(f"batch{blk}-{i}", 9 - i, 0.3) for i in range(10)]
+        out += [(f"single{blk}-{i}", 0, 0.0) for i in range(10)]
+    return out
+
+
+def test_which_requests_are_labelled_does_not_depend_on_the_queue(monkeypatch) -> None:
+    """The labelled requests are a coin's draw at a share fixed by the settings (paused only while the ledger is
+    over budget): the same requests are labelled whether or not prompts wait behind them, and queued batches are
+    labelled as often as single requests. Before the fix (room for 3 labels while prompts waited, 1 when idle)
+    the queue changed which requests were labelled (104 keys differed with the queue hidden, of 166 labelled) and
+    batches were labelled at 0.204 against 0.46 for single requests."""
+    stream = queued_stream()
+    seen = observe_stream(monkeypatch, stream, queue_blind=False)
+    blind = observe_stream(monkeypatch, stream, queue_blind=True)
+    share = {kind: sum(key in seen for key, _, _ in stream if key.startswith(kind)) / 250
+             for kind in ("batch", "single")}
+    assert seen == blind, (len(seen ^ blind), len(seen), share)
+    q = LearnSettings().label_share
+    assert all(abs(v - q) <= 4 * math.sqrt(q * (1 - q) / 250) for v in share.values()), (share, q)
+
+
+def test_the_audit_share_rises_while_a_kind_is_young_or_a_drift_is_suspected() -> None:
+    """Four times the audit share (5 % → 20 %) for a kind's first 100 audits and while its detector's statistic is
+    at a quarter of the alarm threshold or more; the default share otherwise (``audit_share_now``)."""
+    from carnator_core.learn.learner import audit_share_now
+
+    ln = fitted_learner({"reseed": 20, "colour": 20})
+    add_labels(ln, "reseed", [0] * 86)
+    s = ln.settings
+    assert audit_share_now(ln.state(NS)["reseed"], s) == 0.2  # young: no audit yet
+    assert audit_share_now(ln.state(NS)["colour"], s) == 0.05  # not switched on: no detector
+    add_labels(ln, "reseed", [0] * 100, kind="audit", start=10_000)
+    st = ln.state(NS)["reseed"]
+    assert st.drift.n == 100 and audit_share_now(st, s) == 0.05
+    add_labels(ln, "reseed", [1] * 4, kind="audit", start=20_000)
+    assert audit_share_now(ln.state(NS)["reseed"], s) == 0.05  # statistic 184: not yet suspected
+    add_labels(ln, "reseed", [1], kind="audit", start=30_000)
+    st = ln.state(NS)["reseed"]
+    assert st.on and 250 <= st.drift.statistic < 1000 and audit_share_now(st, s) == 0.2

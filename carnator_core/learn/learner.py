@@ -5,10 +5,10 @@ against the candidate, ``risk.strata``):
 
 1. **Learning.** Requests are served dense (bit-identical to KSampler); exact repeats are answered from the cache.
    Every served request that recalled a candidate records its *covariates* (stratum, the chosen candidate's four
-   discrepancies; no outcome). Within the compute budget (``LearnSettings.budget`` of the compute served, default
-   20 %) a request's *shadow label* is made: the reuse run the rule-to-be would make with its chosen candidate
-   (``runtime.choose``: among the recalled candidates, the one whose kind of change comes first in the order),
-   judged b/c against the clip just served.
+   discrepancies; no outcome). A share of them (``LearnSettings.label_share``, from the compute budget
+   ``budget``, default 20 % of the compute served; "Which requests get labelled" below) get a *shadow label*: the
+   reuse run the rule-to-be would make with its chosen candidate (``runtime.choose``: among the recalled
+   candidates, the one whose kind of change comes first in the order), judged b/c against the clip just served.
 2. **Fit.** A stratum's thresholds are fitted from covariates alone: fit j takes per-axis quantiles at level
    ``level·tighten^(j−1)`` of the namespace's first ``min_fit·2^(j−1)`` covariates (or a seed rule's thresholds
    for fit 1). No label outcome enters a fit. A fit whose accepted labels show an excess ≥ α after
@@ -21,17 +21,20 @@ against the candidate, ``risk.strata``):
    docstring, "Multiplicity"): reuse switches on for the stratum by itself once its test certifies at the level the
    graph gives it now (anytime-valid: checked after every label); a certified stratum passes its level on to the
    next.
-4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %) is served dense instead and its
-   reuse labelled against it; ``sequence.DriftDetector`` (a restarting e-detector of excess > α) watches these
-   labels, and when it fires the
-   stratum is switched off ("off", with the message) and learning resumes with the next fit.
+4. **Audit.** A share of a switched-on stratum's hits (``audit_share``, default 5 %; ``audit_share_now``: four times
+   that while the stratum is young or a drift is suspected) is served dense instead and its reuse labelled against
+   it; ``sequence.DriftDetector`` (a restarting e-detector of excess > α) watches these labels, and when it fires
+   the stratum is switched off ("off", with the message) and learning resumes with the next fit.
 
-Which requests get labelled (the policy): only requests whose chosen candidate the stratum's current fit would accept
-(other labels cannot move its certificate), in strata not yet switched on, whenever the budget has room — room for
-one label for the first stratum of the order still learning, for 1 + 2k labels for the k-th after it (so the
-budget goes first where a certificate is nearest), and two more while ComfyUI's queue holds other prompts (so a
-waiting user rarely waits for a label, and learning does not starve under constant load). The choice depends on
-costs, covariates and the order, never on the outcome of the label it is about to make.
+Which requests get labelled (the policy): a served request can be labelled when its chosen candidate the
+stratum's current fit would accept (other labels cannot move its certificate), in a stratum not yet switched on,
+with a cached entry its test has not counted yet, by a worker whose judge reading is in force. Of those, a coin
+decides: ``label_draw`` at ``LearnSettings.label_share`` = budget / ``LABEL_COST`` (1/3 at the default 20 %
+budget), drawn from the request key's hash, and skipped while the ledger shows labelling over ``budget`` of the
+compute served (``over_budget``; it reads only the past). Neither the coin nor the pause looks at the queue, the
+request's risk or any outcome, so the labelled requests are a fair sample of the requests that could be labelled
+— a script's queued batch is labelled as often as single requests (``tests/test_learn_validity.py``). The label
+runs in the sampler right after the request it labels.
 
 How soon: a stratum needs 86 accepted labels without a failure at the head of the order (α = 0.05, δ = 0.1; the
 next one then 81; about 212 when 2 % of its labels fail), and no valid test can do with fewer than 45
@@ -50,11 +53,18 @@ one population, and its test counts exactly a fair sample of it:
   draw. The excess certified is the excess over the cached entries the kind's requests recall — each entry once —
   not over requests: a workload whose risky entries are recalled more often than its safe ones is served with a
   request-weighted excess the test does not see (the entries' risks, not their popularity, are certified);
+* **which of them**: a coin at a share fixed by the settings (``label_draw``, paused only while the ledger is over
+  budget), never the queue, the request's risk or an outcome — so a queued batch is labelled as often as a single
+  request;
 * **the judge reading in force** (below).
 
-Under the null, given everything before it, each counted label is a draw of that population (its selection
-depends on the current fit, the entries already counted and the order, never on its outcome), so its conditional
-mean is ≥ α (or the b-indicator's ≥ β) and the capital is a supermartingale (``sequence``).
+The null of (stratum, fit) is that each request of its population — each cached entry's first labelled recall —
+has an excess ≥ α (or a b-rate ≥ β) given everything before it; for a stream of independent entries, that the
+population's excess over entries is ≥ α. Under it each counted label's conditional mean is ≥ α, because what
+selects it (the current fit, the entries already counted, the order, the coin) is fixed before its outcome and
+says nothing about it, and the capital is a supermartingale (``sequence``). Drift after a switch-on is watched
+separately (``sequence.DriftDetector``): a switch-off, never a switch-on, so it spends none of δ; its false
+alarms are bounded by an average run length (``drift_arl`` audits at excess α).
 One label at a time: the tests count only labels of the judge reading in force (``reading_in_force``: judge +
 settings, e.g. the pixel checker's ``checker_version``) — the newest reading the record has ever seen. A reading
 seen for the first time takes over, unless the judge's own version numbers say it is older; a reading once
@@ -107,6 +117,11 @@ except ImportError:  # pragma: no cover - exercised only on a tree without risk/
         return "mixed"
 
 
+#: A label's compute as a share of the dense request it labels: the counterfactual reuse run (about half a dense
+#: run) and the judge — the estimate the budget used before a label's cost was measured (``label_share``).
+LABEL_COST = 0.6
+
+
 @dataclass(frozen=True)
 class LearnSettings:
     """How a rule is learned (recorded in the learned rule file).
@@ -132,6 +147,11 @@ class LearnSettings:
                    so a judge that over-calls dense failures (c) cannot certify a kind whose reuse fails often.
     drift_arl:     the audits' drift detector's threshold (``sequence.DriftDetector``): while a switched-on kind's
                    audited excess is ≤ α a false switch-off comes after at least this many audits on average.
+    audit_boost:   the audit share is multiplied by this (at most 1) while a switched-on kind is young (fewer than
+                   ``young_audits`` audits of its fit) or a drift is suspected (the detector's statistic at a quarter
+                   of ``drift_arl`` or more): fewer hits are served between two audits when a drift is likeliest
+                   (``audit_share_now``). 1 = a constant share.
+    young_audits:  audits after a switch-on during which the boosted share applies.
     seed_thresholds: thresholds from another rule for fit 1 (the certificate is still earned on own labels).
     """
 
@@ -149,6 +169,8 @@ class LearnSettings:
     max_fits: int = 6
     b_ceiling: float = 0.1
     drift_arl: float = 1000.0
+    audit_boost: float = 4.0
+    young_audits: int = 100
     seed_thresholds: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -160,10 +182,18 @@ class LearnSettings:
                   (self.min_fit >= 1 and self.fail_after >= 1 and 1 <= self.max_fits <= 30,
                    "min_fit, fail_after ≥ 1 and max_fits in [1, 30]"),
                   (self.alpha <= self.b_ceiling < 1, "b_ceiling in [alpha, 1)"),
-                  (self.drift_arl >= 1, "drift_arl ≥ 1")]
+                  (self.drift_arl >= 1, "drift_arl ≥ 1"),
+                  (self.audit_boost >= 1 and self.young_audits >= 0, "audit_boost ≥ 1 and young_audits ≥ 0")]
         bad = [what for ok, what in checks if not ok]
         if bad:
             raise ValueError(f"learning settings need {', '.join(bad)}; got {self}")
+
+    @property
+    def label_share(self) -> float:
+        """The share of the requests that could be labelled that are (``label_draw``): ``budget`` over a label's
+        cost as a share of a dense run (``LABEL_COST``), at most 1 — so labelling spends about ``budget`` of the
+        compute served when every request could be labelled, and less otherwise."""
+        return min(1.0, self.budget / LABEL_COST)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -692,25 +722,38 @@ class Learner:
         return seen or older_reading(judge, settings, current)
 
     # ------------------------------------------------------------------ budget
-    def budget_allows(self, namespace: str, busy: bool, rank: int = 0) -> bool:
-        """Whether the budget has room for one more label of a stratum ``rank`` places behind the first stratum
-        still learning in the order: room for 1 + 2·rank labels (+2 while other prompts wait), so the head of the
-        order is labelled first and a waiting user rarely waits for a label."""
-        s = self.settings
+    def over_budget(self, namespace: str) -> bool:
+        """Whether labelling has spent more than ``budget`` of the compute served so far (the ledger): drawn
+        labels are skipped until the served compute catches up. It reads only the past, never the request at
+        hand, so it cannot select which kind of request is labelled."""
         led = self.store.ledger(namespace)
-        costs = [lab.cost_s for lab in self.store.labels(namespace, "shadow") if lab.cost_s > 0]
-        per_request = led["served_s"] / max(led["requests"], 1)
-        est = float(np.median(costs)) if costs else 0.6 * per_request
-        room = s.budget * led["served_s"] - led["label_s"]
-        return room >= est * (1.0 + 2.0 * max(rank, 0) + (2.0 if busy else 0.0))
+        return led["label_s"] > self.settings.budget * led["served_s"]
 
-    @staticmethod
-    def rank_among_learning(states: Mapping[str, StratumState], stratum: str) -> int:
-        """``stratum``'s place among the strata still learning, in the order (0 while the pilot runs)."""
-        st = states.get(stratum)
-        if st is None or st.rank < 0:
-            return 0
-        return sum(1 for x in states.values() if not x.on and 0 <= x.rank < st.rank)
+
+def label_draw(share: float, request_key: str) -> bool:
+    """Whether a served request that could be labelled is: a coin at ``share`` (``LearnSettings.label_share``),
+    drawn from the request key's hash (the same request gets the same draw in every process, and a replay of the
+    record is deterministic). The draw does not depend on the queue, on the request's risk or on any outcome, so
+    the labelled requests are a fair sample of the requests served (module docstring)."""
+    if share <= 0 or not request_key:
+        return False
+    h = int(hashlib.sha256(("label:" + request_key).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return h < share
+
+
+def audit_share_now(state: StratumState | None, settings: LearnSettings) -> float:
+    """The share of a switched-on kind's hits audited now: ``audit_share``, times ``audit_boost`` (at most 1) while
+    the kind is young (fewer than ``young_audits`` audits of its fit) or a drift is suspected (its detector's
+    statistic ≥ ``drift_arl``/4; a clean history keeps it near 66, 2 % of b near 100). The share depends only on
+    past audits, never on the hit at hand, so each audit stays a fair draw of the kind's hits and the detector's
+    false-alarm control (counted in audits) is unchanged; it only changes how many hits pass between audits."""
+    base = settings.audit_share
+    drift = state.drift if state is not None else None
+    if drift is None:
+        return base
+    young = drift.n < settings.young_audits
+    suspected = drift.statistic >= settings.drift_arl / 4.0
+    return min(1.0, base * settings.audit_boost) if (young or suspected) else base
 
 
 def audit_draw(share: float, request_key: str) -> bool:
@@ -748,4 +791,4 @@ def learner_for(directory: str | Path, settings: LearnSettings | None = None) ->
 
 
 __all__ = ["Fit", "LearnSettings", "Learner", "METHOD", "STRATA", "StratumState", "accepts", "audit_draw",
-           "learner_for", "rule_namespace", "stratum_of"]
+           "audit_share_now", "label_draw", "learner_for", "rule_namespace", "stratum_of"]

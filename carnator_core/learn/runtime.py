@@ -3,10 +3,12 @@
 * :func:`learning_decision` — what the Risk Filter decides when its rule file does not exist yet (learning: every
   request is served dense) or is a learned rule (``rulefile``): accept the chosen candidate (``choose``) only in a
   switched-on stratum within that stratum's thresholds; a share of those hits is drawn for audit (served dense,
-  labelled). The decision carries a ``learning`` record (rule file, namespace, the chosen candidate, its stratum and
-  discrepancies) for the sampler.
+  labelled; ``learner.audit_share_now``: raised while the stratum is young or a drift is suspected). The decision
+  carries a ``learning`` record (rule file, namespace, the chosen candidate, its stratum and discrepancies) for the
+  sampler.
 * :func:`observe` — what the Joint Reuse Sampler does after finishing a request whose decision carries that record:
-  charge the compute served, record the covariates, run a shadow label (or the audit's label) within the budget,
+  charge the compute served, record the covariates, run a shadow label (or the audit's label) when the request's
+  label coin is drawn and the ledger is within the budget,
   re-derive the state, rewrite the learned rule file when the state changed, and return the ``rule_state`` for
   the report and the badge.
 * :func:`adopt_rule_file` — a learned rule file that holds labels this cache's record lacks (copied from another
@@ -34,6 +36,8 @@ from .learner import (
     LearnSettings,
     accepts,
     audit_draw,
+    audit_share_now,
+    label_draw,
     learner_for,
     reading_in_force,
     rule_namespace,
@@ -105,7 +109,8 @@ def learning_decision(signature: Signature | None, candidates: Candidates, probe
                       + (" (its reuse run may be labelled)" if stratum in STRATA else ""))
         elif not accepts(th, chosen["vector"], chosen["missing"]):
             reason = f"rejected: outside stratum {stratum!r}'s learned thresholds"
-        elif audit_draw(share, str(getattr(probe, "request_key", "") or "")):
+        elif audit_draw(share if warm is not None else audit_share_now(learned.states.get(stratum), settings),
+                        str(getattr(probe, "request_key", "") or "")):
             ctx["audit"] = True
             reason = f"audit: stratum {stratum!r} would reuse this entry; served dense and labelled instead"
         else:
@@ -204,7 +209,11 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
             judge: Any = None, decode: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """After the sampler finished a request under a learning decision (module docstring). Returns the
     ``rule_state`` (plus ``label``: what was labelled for this request, if anything). Never raises for a labelling
-    problem: the request is already served; the problem is logged and said in the state's message."""
+    problem: the request is already served; the problem is logged and said in the state's message.
+
+    ``pending`` (prompts waiting in ComfyUI's queue) is accepted from the sampler but not consulted: which requests
+    are labelled must not depend on the queue (``learner.label_draw``); a worker that runs drawn labels while the
+    queue is idle would use it."""
     from ..cache.redis_url import is_redis_url
     from ..request import finish_stages
     from ..types import Decision as _Decision
@@ -243,11 +252,14 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                          # the cached entry is the unit: a second label of an entry its test has counted would
                          # count for nothing (``learner`` module docstring), so it is not made
                          and cov.entry_id not in st.entries)
-        busy = bool(pending is not None and pending() > 0)
         why_not = ""
-        if want and not audit and not learner.budget_allows(ns, busy, learner.rank_among_learning(states,
-                                                                                                  str(stratum))):
-            want, why_not = False, "budget"
+        if want and not audit:
+            # which requests are labelled: a coin at a share fixed by the settings, paused while the ledger is over
+            # budget — never the queue, the request's risk or an outcome (``learner.label_draw``)
+            if not label_draw(settings.label_share, key):
+                want, why_not = False, "not drawn"
+            elif learner.over_budget(ns):
+                want, why_not = False, "budget"
         if want and reuse_config is not None and getattr(reuse_config, "mode", "joint") == "dense":
             want, why_not = False, "sampler mode dense"
         if want and learner.store.has_label(ns, key):
@@ -297,7 +309,7 @@ def observe(*, directory: str | Path, model: Any, positive: Any, negative: Any, 
                             key[:12], type(e).__name__, e)
                 done = f"label failed: {e}"
                 latest = None
-        elif why_not and why_not != "budget":
+        elif why_not and why_not not in ("budget", "not drawn"):
             done = why_not
     if shared and not wrote_rule:  # other workers may have labelled meanwhile
         latest = _sync_rule(learner, ns, ctx, probe, reuse_config, notes)

@@ -74,8 +74,14 @@ at any time t are a subset of what the procedure makes on the ever p-values, who
 The order must not depend on the labels the tests use: it is fixed at the end of a *pilot* (the first ``pilot``
 served requests with a candidate) from the pilot's covariates and labels, and every test counts only labels after
 the pilot. Given what was seen up to then, the graph is fixed, so the guarantee holds conditionally and hence
-overall. A hypothesis created later (a refit) starts its capital at 1 when it is created (its thresholds come from
-covariates, never from its own outcomes), which keeps its capital a supermartingale from then on.
+overall. A hypothesis created later (a refit) starts its capital at 1 when it is created and counts only labels
+made after that (its thresholds come from covariates, never from its own outcomes), which keeps its capital a
+supermartingale from then on; the hypothesis it replaces counts no label after it (``learner.fit_window``).
+
+What a hypothesis' labels are a sample of — the requests of its stratum inside its fit while it is current, one
+label per cached entry, drawn by a coin independent of the queue, the request's risk and every outcome, under the
+judge reading in force — is the learner's (``learner`` module docstring, "The guarantee"); this module only needs
+that each counted label's conditional mean given the past is ≥ m under H0(m).
 
 The floor no procedure escapes: with no failure at all, a kind needs ln δ / ln(1 − α) ≈ 45 accepted labels of its
 own before any valid test at α = 0.05, δ = 0.1 can certify it (after n labels without failure a kind whose true
