@@ -168,6 +168,7 @@ export function ruleLine(report) {
     }
     if (s === "certified") return "rule: certified · reuse on";
     if (s === "audited") return "rule: certified, audited · reuse on";
+    if (s === "provisional") return "rule: on — warm-up certified, checking on your traffic";
     if (s === "off") return "rule: off · serving dense";
     if (s === "shipped") return "rule: shipped, certified · reuse on";
     return `rule: ${s}`;

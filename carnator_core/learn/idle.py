@@ -135,6 +135,7 @@ class IdleWorker:
         self._misses: dict[tuple[str, str], int] = {}
         self._cursor = 0
         self._in_flight = threading.Lock()  # held while a label runs (``wait_unwound``)
+        self._tried: set[str] = set()  # edits served in this process (labelled or not): not served again
 
     # ------------------------------------------------------------------ settings and state
     def configure(self, settings: IdleSettings) -> None:
@@ -337,13 +338,14 @@ class IdleWorker:
                 if e is None:
                     break
                 key = _edit_key(wns, e.prompt, e.seed)
-                if not learner.store.has_label(wns, key):
+                if key not in self._tried and not learner.store.has_label(wns, key):
                     edit = e
                     break
             if edit is not None:
                 break
         if edit is None:
             return {"result": "no label", "why": f"no cached scene offers a new {kind} edit", "kind": kind}
+        self._tried.add(_edit_key(wns, edit.prompt, edit.seed))
         self.doing = f"labelling {kind}: {edit.prompt[:120]!r} (from {edit.source[:80]!r})"
         calls = [0]
 
