@@ -277,13 +277,13 @@ class IdleWorker:
             spent = time.perf_counter() - t0
             self.stats.preempted += 1
             self.stats.preempted_s += spent
-            self._charge(spent)
+            self.record_spent(spent)
             self.last = {"result": "preempted", "at": str(e) or "model call", "kind": kind,
                          "seconds": round(spent, 3)}
             self.doing = "preempted — a prompt was queued; the partial label was discarded"
             return dict(self.last)
         spent = time.perf_counter() - t0
-        self._charge(spent)
+        self.record_spent(spent)
         self.stats.cost_s += spent
         if out.get("result") == "label":
             self.stats.labels += 1
@@ -296,7 +296,8 @@ class IdleWorker:
         self.last = {**out, "seconds": round(spent, 3)}
         return dict(self.last)
 
-    def _charge(self, seconds: float) -> None:
+    def record_spent(self, seconds: float) -> None:
+        """Count ``seconds`` of warm-up compute ending now (the budget mode's hour window)."""
         with self._lock:
             self._spent.append((time.monotonic(), float(seconds)))
 
