@@ -48,8 +48,10 @@ log = logging.getLogger("carnator")
 MODES = ("off", "idle", "budget")
 #: Attempts of one kind in a row that gave no label before the worker moves on to the next kind for a while.
 MAX_MISSES = 4
-#: Salts tried for one (entry, kind) before the entry is passed over (each salt is another edit).
+#: Salts tried for one (entry, kind) before the entry is passed over (each salt is another edit); a new seed is
+#: always another edit, so reseed may use many.
 MAX_SALTS = 4
+MAX_RESEEDS = 64
 
 
 class Preempted(Exception):
@@ -334,7 +336,7 @@ class IdleWorker:
         self._cursor += 1
         for i in range(len(entries)):
             entry = store.load(entries[(self._cursor + i) % len(entries)], count_hit=False)
-            for salt in range(MAX_SALTS):
+            for salt in range(MAX_RESEEDS if kind == "reseed" else MAX_SALTS):
                 e = make_edit(entry.prompt, int(entry.seed), kind, vocabulary=ctx.vocabulary, salt=salt)
                 if e is None:
                     break
