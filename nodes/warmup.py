@@ -17,7 +17,9 @@ Routes (registered on ``PromptServer`` when node discovery imports this module, 
   per kind), attempts without a label, pre-emptions, compute spent (``cost_s``; ``preempted_s`` of it discarded by
   pre-emptions; ``spent_last_hour_s``).
 * ``POST /carnator/warmup`` with JSON ``{"mode": "off" | "idle" | "budget", "minutes_per_hour": 10, "max_labels":
-  0}`` → sets it (400 with the reason for anything else) and answers the status.
+  0, "provisional_audit_share": 0.25}`` (any of them) → sets them (400 with the reason for anything else) and
+  answers the status. ``provisional_audit_share``: the share of a warm-up-certified kind's hits audited until its
+  audits of your traffic confirm it (``learn.warmup``).
 
 The setting starts from the environment variable ``CARNATOR_WARMUP`` ("off", the default; "idle"; "budget:10" for
 10 minutes per hour) and lives in the process: a restart starts from that variable again.
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 log = logging.getLogger("carnator")
@@ -140,19 +143,32 @@ def configure(body: Any) -> dict[str, Any]:
 
     if not isinstance(body, dict):
         raise ValueError('send JSON like {"mode": "idle"} or {"mode": "budget", "minutes_per_hour": 10}')
-    unknown = set(body) - {"mode", "minutes_per_hour", "max_labels"}
+    from ..carnator_core.learn import warmup
+
+    known = ("mode", "minutes_per_hour", "max_labels", "provisional_audit_share")
+    unknown = set(body) - set(known)
     if unknown:
-        raise ValueError(f"unknown warm-up settings {sorted(unknown)}; known: mode, minutes_per_hour, max_labels")
+        raise ValueError(f"unknown warm-up settings {sorted(unknown)}; known: {', '.join(known)}")
     cur = worker().settings
     try:
         new = IdleSettings(mode=str(body.get("mode", cur.mode)),
                            minutes_per_hour=float(body.get("minutes_per_hour", cur.minutes_per_hour)),
                            max_labels=int(body.get("max_labels", cur.max_labels)))
+        ws = warmup.current_settings()
+        ws = replace(ws, audit_share=float(body.get("provisional_audit_share", ws.audit_share)))
     except (TypeError, ValueError) as e:
         raise ValueError(str(e)) from None
     worker().configure(new)
-    log.info("carnator warm-up: set to %s", new.to_dict())
-    return worker().status()
+    warmup.configure(ws)
+    log.info("carnator warm-up: set to %s, provisional audit share %s", new.to_dict(), ws.audit_share)
+    return status()
+
+
+def status() -> dict[str, Any]:
+    """The worker's status and the provisional kinds' audit share (GET /carnator/warmup)."""
+    from ..carnator_core.learn import warmup
+
+    return {**worker().status(), "provisional_audit_share": warmup.current_settings().audit_share}
 
 
 def register(routes: Any) -> None:
@@ -162,7 +178,7 @@ def register(routes: Any) -> None:
     async def carnator_warmup_status(request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response(worker().status())
+        return web.json_response(status())
 
     @routes.post("/carnator/warmup")
     async def carnator_warmup_set(request: Any) -> Any:

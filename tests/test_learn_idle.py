@@ -73,9 +73,11 @@ def test_the_worker_labels_cached_scenes_while_idle_and_a_queued_prompt_preempts
     assert st["labels"] == 0 and len(st["namespaces"]) == 1 and st["doing"] == "off"  # off: nothing happens
     (ns,) = st["namespaces"]
     try:
-        for bad in ({"mode": "sometimes"}, {"minutes_per_hour": 90}, {"colour": "red"}, [1]):
+        for bad in ({"mode": "sometimes"}, {"minutes_per_hour": 90}, {"colour": "red"}, [1],
+                    {"provisional_audit_share": 1.5}):
             with pytest.raises(RuntimeError, match="400"):
                 server.post("/carnator/warmup", bad)
+        assert server.post("/carnator/warmup", {"provisional_audit_share": 0.3})["provisional_audit_share"] == 0.3
         server.post("/carnator/warmup", {"mode": "idle", "max_labels": 2})
         st = wait_for(server, lambda s: s["labels"] >= 2 and s["doing"].startswith("done"))
         assert st["labels"] == 2 and st["cost_s"] > 0 and sum(st["by_kind"].values()) == 2

@@ -269,6 +269,10 @@ function ruleRow(report) {
       return row(on ? `rule: certified${audited} · reuse on for ${on.map(kindNoun).join(", ")}`
         : `rule: certified${audited} · reuse on`, `rule: certified${audited} · reuse on`);
     }
+    if (s === "provisional") {
+      return row("rule: on — warm-up certified, checking on your traffic", "rule: on — warm-up certified, checking",
+        "on · warm-up certified");
+    }
     if (s === "shipped") return row("rule: shipped, certified · reuse on");
     return row(`rule: ${s}`);
   }

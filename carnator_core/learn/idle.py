@@ -48,8 +48,10 @@ log = logging.getLogger("carnator")
 MODES = ("off", "idle", "budget")
 #: Attempts of one kind in a row that gave no label before the worker moves on to the next kind for a while.
 MAX_MISSES = 4
-#: Salts tried for one (entry, kind) before the entry is passed over (each salt is another edit).
+#: Salts tried for one (entry, kind) before the entry is passed over (each salt is another edit); a new seed is
+#: always another edit, so reseed may use many.
 MAX_SALTS = 4
+MAX_RESEEDS = 64
 
 
 class Preempted(Exception):
@@ -135,6 +137,7 @@ class IdleWorker:
         self._misses: dict[tuple[str, str], int] = {}
         self._cursor = 0
         self._in_flight = threading.Lock()  # held while a label runs (``wait_unwound``)
+        self._tried: set[str] = set()  # edits served in this process (labelled or not): not served again
 
     # ------------------------------------------------------------------ settings and state
     def configure(self, settings: IdleSettings) -> None:
@@ -276,13 +279,13 @@ class IdleWorker:
             spent = time.perf_counter() - t0
             self.stats.preempted += 1
             self.stats.preempted_s += spent
-            self._charge(spent)
+            self.record_spent(spent)
             self.last = {"result": "preempted", "at": str(e) or "model call", "kind": kind,
                          "seconds": round(spent, 3)}
             self.doing = "preempted — a prompt was queued; the partial label was discarded"
             return dict(self.last)
         spent = time.perf_counter() - t0
-        self._charge(spent)
+        self.record_spent(spent)
         self.stats.cost_s += spent
         if out.get("result") == "label":
             self.stats.labels += 1
@@ -295,7 +298,8 @@ class IdleWorker:
         self.last = {**out, "seconds": round(spent, 3)}
         return dict(self.last)
 
-    def _charge(self, seconds: float) -> None:
+    def record_spent(self, seconds: float) -> None:
+        """Count ``seconds`` of warm-up compute ending now (the budget mode's hour window)."""
         with self._lock:
             self._spent.append((time.monotonic(), float(seconds)))
 
@@ -332,18 +336,19 @@ class IdleWorker:
         self._cursor += 1
         for i in range(len(entries)):
             entry = store.load(entries[(self._cursor + i) % len(entries)], count_hit=False)
-            for salt in range(MAX_SALTS):
+            for salt in range(MAX_RESEEDS if kind == "reseed" else MAX_SALTS):
                 e = make_edit(entry.prompt, int(entry.seed), kind, vocabulary=ctx.vocabulary, salt=salt)
                 if e is None:
                     break
                 key = _edit_key(wns, e.prompt, e.seed)
-                if not learner.store.has_label(wns, key):
+                if key not in self._tried and not learner.store.has_label(wns, key):
                     edit = e
                     break
             if edit is not None:
                 break
         if edit is None:
             return {"result": "no label", "why": f"no cached scene offers a new {kind} edit", "kind": kind}
+        self._tried.add(_edit_key(wns, edit.prompt, edit.seed))
         self.doing = f"labelling {kind}: {edit.prompt[:120]!r} (from {edit.source[:80]!r})"
         calls = [0]
 

@@ -72,6 +72,18 @@ class WarmupSettings:
                              f"{1.0 / len(STRATA):.2f}]; got {self}")
 
 
+_SETTINGS = [WarmupSettings()]
+
+
+def configure(settings: WarmupSettings) -> None:
+    """Set this process's warm-up settings (the user's: ``POST /carnator/warmup`` with ``provisional_audit_share``)."""
+    _SETTINGS[0] = settings
+
+
+def current_settings() -> WarmupSettings:
+    return _SETTINGS[0]
+
+
 def warm_settings(settings: LearnSettings) -> LearnSettings:
     """The warm-up population's learning settings: the traffic's, with no pilot (the order is ``STRATA``'s, fixed
     before any warm-up label: reseed first) and no seed thresholds (warm-up fits come from warm-up covariates)."""
@@ -111,9 +123,11 @@ class KindState:
 
 
 def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumState],
-                warm: Mapping[str, StratumState], settings: WarmupSettings = WarmupSettings()) -> dict[str, KindState]:
+                warm: Mapping[str, StratumState], settings: WarmupSettings | None = None) -> dict[str, KindState]:
     """The kinds certified on warm-up labels and not (yet) on traffic labels, with their traffic audits' verdict
-    (module docstring). ``traffic``/``warm``: the two populations' states (``Learner.state``)."""
+    (module docstring). ``traffic``/``warm``: the two populations' states (``Learner.state``); ``settings``: this
+    process's (``configure``) when None."""
+    settings = current_settings() if settings is None else settings
     s = learner.settings
     level = settings.confirm_share * s.delta
     labels = learner.store.labels(namespace, "audit")
@@ -188,13 +202,14 @@ def provisional(namespace: str, stratum: str) -> tuple[Thresholds, float] | None
 
 def overlay_state(learner: Learner, namespace: str, rule_state: dict[str, Any],
                   traffic: Mapping[str, StratumState] | None = None,
-                  settings: WarmupSettings = WarmupSettings(), *, update: bool = True) -> dict[str, Any]:
+                  settings: WarmupSettings | None = None, *, update: bool = True) -> dict[str, Any]:
     """``rule_state`` (``Learner.rule_state``) with the warm-up population added: each kind on by warm-up gets its
     state ("provisional", "confirmed", "off"), message and guarantee; ``provisional``/``confirmed`` list them;
     the message begins with "on — warm-up certified, checking on your traffic: ..." while a kind is provisional;
     ``warmup`` holds the warm-up population's own rule_state. Publishes the kinds to the Risk Filter
     (:func:`publish`). Without warm-up labels the state is returned as it was. ``update``: record what the warm-up
     labels imply (``Learner.state``); a reader (the panel's route) passes False."""
+    settings = current_settings() if settings is None else settings
     wns = warmup_namespace(namespace)
     if not learner.store.labels(wns):
         publish(namespace, {})
@@ -231,5 +246,6 @@ def overlay_state(learner: Learner, namespace: str, rule_state: dict[str, Any],
     return out
 
 
-__all__ = ["KindState", "WARMUP_SUFFIX", "WarmupSettings", "is_warmup_namespace", "kind_states", "overlay_state",
-           "provisional", "publish", "warm_learner", "warm_settings", "warmup_namespace"]
+__all__ = ["KindState", "WARMUP_SUFFIX", "WarmupSettings", "configure", "current_settings", "is_warmup_namespace",
+           "kind_states", "overlay_state", "provisional", "publish", "warm_learner", "warm_settings",
+           "warmup_namespace"]
