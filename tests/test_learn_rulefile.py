@@ -245,3 +245,26 @@ def test_the_nodes_budget_and_audit_share_are_honoured_with_a_learned_file(certi
     ln = Learner(tmp_path / "cache", got)
     ln.store.charge(NS, served_s=100.0, requests=10)
     assert not ln.budget_allows(NS, False)  # learn_budget = 0: never label
+
+
+def test_the_badge_says_a_copy_was_imported_once(certified, tmp_path) -> None:
+    """Through the Risk Filter's decision and the sampler's hook (``observe``) on a request that recalled nothing:
+    the summary says the rule is a copy; the first request's rule_state says it was imported, the next does not."""
+    _, doc = certified
+    copy = rulefile.seal(json.loads(json.dumps(doc)), key=b"machine A")
+    path = saved(copy, tmp_path / "rules" / "mine.json")
+    probe = SimpleNamespace(model_fingerprint=MODEL, config=CONFIG, answered=None, request_key="r1")
+    report = SimpleNamespace(decision="dense")
+    states = []
+    for key in ("r1", "r2"):
+        probe.request_key = key
+        d = runtime.learning_decision(None, Candidates(NS, ()), probe, rule_file="mine.json", rule_path=path,
+                                      learned=rulefile.load_learned(path), settings=LearnSettings())
+        assert "mine.json is a copy (not sealed by this installation)" in d.summary
+        states.append(runtime.observe(directory=tmp_path / "cache_b", model=None, positive=None, negative=None,
+                                      latent={}, probe=probe, signature=None, decision=d, samples=None,
+                                      report=report, store=None, reuse_config=None, served_s=1.0))
+    assert states[0]["state"] == "certified" and "reuse on for reseed" in states[0]["message"]
+    assert f"{len(doc['learning']['labels'])} labels, reuse on for reseed) imported into this cache's learning " \
+        "record" in states[0]["message"]
+    assert "imported" not in states[1]["message"] and states[1]["state"] == "certified"
