@@ -126,6 +126,7 @@ def page(server: ComfyServer, ui: str) -> Any:
 def open_workflow(page: Any, name: str) -> dict[str, Any]:
     """Load workflows/<name>.json through the frontend's own file input (what "Open" and drag-and-drop run);
     returns the API prompt the frontend makes of it."""
+    close_panel(page)  # the canvas whole, whatever an earlier test left open
     path = ROOT / "workflows" / f"{name}.json"
     workflow = json.loads(path.read_text(encoding="utf-8"))
     want = {"types": sorted(n["type"] for n in workflow["nodes"]), "links": len(workflow["links"])}
@@ -140,6 +141,16 @@ def open_workflow(page: Any, name: str) -> dict[str, Any]:
             && JSON.stringify(nodes.map(n => n.type).sort()) === JSON.stringify(want.types);
     }""", arg=want, timeout=30_000)
     return page.evaluate("async () => (await app.graphToPrompt()).output")
+
+
+PANEL_TAB = ".carnator-cache-tab-button, [data-testid='carnator-cache-tab-button']"
+
+
+def close_panel(page: Any) -> None:
+    """Close the Carnator sidebar tab if it is open (its tab button toggles it)."""
+    if page.locator(".carnator-panel").count() and page.locator(".carnator-panel").first.is_visible():
+        page.locator(PANEL_TAB).first.click()
+        page.wait_for_function("() => !document.querySelector('.carnator-panel')?.offsetParent", timeout=30_000)
 
 
 def run_and_wait_for_badge(page: Any, server: ComfyServer) -> dict[str, Any]:
@@ -651,7 +662,7 @@ def test_real_runs_badges_no_overlap_panel_and_purge(page: Any, server: ComfySer
     assert badge_rows(page, sampler)[0] == "NOT RUN · ComfyUI reused its output"
 
     # 6. The panel: this namespace with its rule, the requests with decisions and thumbnails; then purge.
-    page.locator(".carnator-cache-tab-button, [data-testid='carnator-cache-tab-button']").first.click()
+    open_panel(page)
     page.wait_for_function("() => Number(document.querySelector('.carnator-panel')?.dataset.entries) >= 1 && "
                            "Number(document.querySelector('.carnator-panel')?.dataset.requests) >= 5",
                            timeout=30_000)
@@ -698,9 +709,13 @@ def open_badge_details(page: Any, node_id: str) -> None:
         try:
             page.wait_for_selector(".carnator-details", timeout=5_000)
             return
-        except Exception:  # noqa: BLE001 — the click missed: measure again
+        except Exception as e:  # noqa: BLE001 — the click missed: measure again
             if attempt == 2:
-                raise
+                at = page.evaluate("([x, y]) => { const e = document.elementFromPoint(x, y); return e && "
+                                   "(e.tagName + '.' + e.className + ' in ' + e.parentElement?.className); }",
+                                   [b["x"] + b["width"] / 2, b["y"] + b["height"] / 2])
+                page.screenshot(path=str(ARTIFACTS / "badge_click_missed.png"))
+                raise AssertionError(f"clicking the badge at {b} opened no details; the element there: {at}") from e
 
 
 def plural(n: int, word: str) -> str:
@@ -709,9 +724,9 @@ def plural(n: int, word: str) -> str:
 
 def open_panel(page: Any) -> None:
     """Open the Carnator sidebar tab (its button), unless it is open."""
-    if not page.locator(".carnator-panel").count():
-        page.locator(".carnator-cache-tab-button, [data-testid='carnator-cache-tab-button']").first.click()
-    page.wait_for_selector(".carnator-panel", timeout=30_000)
+    if not (page.locator(".carnator-panel").count() and page.locator(".carnator-panel").first.is_visible()):
+        page.locator(PANEL_TAB).first.click()
+    page.wait_for_selector(".carnator-panel", state="visible", timeout=30_000)
 
 
 def wait_for_panel(page: Any, condition: str, arg: Any = None) -> None:
@@ -1013,8 +1028,17 @@ def toggle_advanced(page: Any, node_id: str) -> None:
                 (n.pos[1] + w.y + 10 + ds.offset[1]) * ds.scale + r.top];
     }""", node_id)
     page.mouse.click(*xy)
-    page.wait_for_function("([id, was]) => !!app.graph.getNodeById(id).showAdvanced !== was", arg=[node_id, was],
-                           timeout=30_000)
+    try:
+        page.wait_for_function("([id, was]) => !!app.graph.getNodeById(id).showAdvanced !== was",
+                               arg=[node_id, was], timeout=30_000)
+    except Exception as e:
+        where = page.evaluate("""([id, x, y]) => {
+            const n = app.graph.getNodeById(id), w = n.widgets.find(w => w.name === 'carnator_advanced');
+            const e = document.elementFromPoint(x, y);
+            return {type: n.type, pos: n.pos, size: n.size, wy: w.y, last_y: w.last_y, scale: app.canvas.ds.scale,
+                    at: e && (e.tagName + '.' + e.className)};
+        }""", [node_id, *xy])
+        raise AssertionError(f"the click at {xy} did not toggle node {node_id}: {where}") from e
     page.evaluate("() => app.canvas.draw(true, true)")
 
 

@@ -43,8 +43,18 @@ def test_purge_makes_the_same_graph_run_again_and_requests_are_listed(comfy_serv
 
     listed = server.get("/carnator/requests?limit=200")
     ours = [e for events in listed["namespaces"].values() for e in events if e.get("seed") == 11]
-    # The node-cache answer is recorded by the Cache Writer (no thumbnail: no new result was made).
+    # The node-cache answer is recorded by the Cache Writer (no thumbnail: no new result was made): not run, so
+    # neither a lookup nor a hit, by the one definition the routes state.
     assert [e["mode"] for e in ours][-3:] == [first["mode"], "node_cache", after["mode"]], ours
+    assert [e["outcome"] for e in ours][-3:] == [first["decision"], "not_run", after["decision"]], ours
+    assert not ours[-2]["lookup"] and set(listed["definitions"]) == {"lookup", "hit", "not_run"}, listed
+    ns = next(ns for ns, events in listed["namespaces"].items() if any(e.get("seed") == 11 for e in events))
+    counts = listed["counts"][ns]
+    held = listed["namespaces"][ns]
+    assert counts["not_run"] == sum(e["outcome"] == "not_run" for e in held) >= 1, (counts, held)
+    # the namespace in words, from the graph that served it: its MODEL's loader and the probe's schedule
+    assert "CarnatorEmbeddedLoader" in listed["titles"][ns]["model"], listed["titles"]
+    assert listed["titles"][ns]["config"] == "probe 2 of 8 steps · euler/simple · cfg 5", listed["titles"]
     assert listed["purges"], listed
     thumbs = [e["thumbnail"] for e in ours if e.get("thumbnail")]
     assert len(thumbs) >= 2, ours
