@@ -1011,11 +1011,12 @@ def save_readme_image(shot: Path, dest: Path) -> None:
 def toggle_advanced(page: Any, node_id: str) -> None:
     """A real click on a node's advanced-inputs button: the summary button on the canvas, the frontend's own
     button in Vue nodes (the whole graph in view)."""
+    page.evaluate("() => { app.canvas.deselectAll?.(); app.canvas.setDirty(true, true); }")  # no toolbox over it
     fit_whole_graph(page)
     if page.evaluate("() => !!window.LiteGraph?.vueNodesMode"):
         element = page.locator(f'[data-node-id="{node_id}"]')
         before = element.bounding_box()["height"]
-        element.locator('[data-testid="advanced-inputs-button"]').first.click()
+        element.locator('[data-testid="advanced-inputs-button"]').first.click(timeout=30_000)
         page.wait_for_function("([id, h]) => Math.abs(document.querySelector(`[data-node-id=\"${id}\"]`)"
                                ".getBoundingClientRect().height - h) > 2", arg=[node_id, before], timeout=30_000)
         time.sleep(1.0)  # the room below is made once the node has its new height

@@ -6,20 +6,27 @@
 //    folds such widgets away by itself; on the classic canvas (both frontends) this extension marks the widgets
 //    `advanced`, which LiteGraph hides until the node's `showAdvanced` is on, and adds one summary button per node
 //    ("certified settings · ▸ 16 tuning inputs") that toggles them. Values are untouched: hidden widgets still
-//    serialise into the workflow and the API prompt.
+//    serialise into the workflow and the API prompt. A node that opens its inputs (this button, or the Vue nodes'
+//    own "Show advanced inputs") moves what is below it down, and back when it folds: nothing is covered. A text
+//    box fed by a link (the Early Probe's prompt) keeps one row for its socket, no blank band.
 // 2. Reuse badge: after a Carnator Joint Reuse Sampler runs, the server sends ui = {carnator_report: [report]}
 //    (nodes/sampler.py). The badge is a DOM widget of a FIXED height (three rows: the decision, a one-line summary,
 //    the rule's state), reserved when the node is created, so a report never makes the node grow onto the node
-//    below. A click opens the full details (every axis with its unit, the whole reason, timings) in a popover that
+//    below. Each row shows the longest of its forms that fits (never cut; the whole row is its tooltip), and the
+//    sampler is never narrower than its shortest forms need. ComfyUI's own node cache answering an unchanged graph
+//    reads NOT RUN, never a hit (the one definition of a hit and a lookup: isHit / isLookup, nodes/_history.py).
+//    A click opens the full details (every axis with its unit, the whole reason, timings) in a popover that
 //    floats above the canvas and closes on the next click or Escape. The report arrives through the node's
 //    onExecuted and, independently, the API's "executed" event (either alone is enough; the same report object is
 //    shown once). The last report stays on the node as `node.carnatorReport` and every report of the session in
 //    `window.carnator.reports`.
-// 3. Panel: a "Carnator" sidebar tab: the cache's totals, then per namespace (model × generation config) the rule's
-//    state, hits and misses over the last requests and the compute they saved (a small plot), and the last requests
-//    with their decision and a thumbnail; Purge empties the cache, and ComfyUI then runs the same graph again
-//    (the Cache node's change fingerprint follows the cache's purge count). Backed by GET /carnator/cache/stats,
-//    GET /carnator/requests and POST /carnator/cache/purge (nodes/routes.py).
+// 3. Panel: a "Carnator" sidebar tab: the cache's totals (since purge) and a help that says what counts as a hit and
+//    a lookup, then per namespace (named in words: the MODEL's loader and patches, the probe's schedule) the rule's
+//    state and learning's progress, hits of lookups since purge and since the server started, the compute they
+//    saved (a small plot), and the last requests with their decision and a thumbnail; Purge empties the cache, and
+//    ComfyUI then runs the same graph again (the Cache node's change fingerprint follows the cache's purge count).
+//    Backed by GET /carnator/cache/stats, GET /carnator/requests, GET /carnator/rules and POST /carnator/cache/purge
+//    (nodes/routes.py).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -225,7 +232,8 @@ function kindShort(stratum) {
 export function learningProgress(rs) {
   const pilot = rs?.pilot && !rs.pilot.done ? rs.pilot : null;
   const rates = rs?.requests_per_label || {};
-  const kinds = Object.entries(rs?.strata || {}).filter(([, x]) => x && x.state !== "certified" && x.state !== "audited")
+  const on = (x) => x?.state === "certified" || x?.state === "audited";
+  const kinds = Object.entries(rs?.strata || {}).filter(([, x]) => x && !on(x))
     .map(([stratum, x]) => {
       const counted = pilot ? 0 : x.sequence?.n ?? 0;
       const needed = Number.isFinite(x.needed) ? x.needed : null;
@@ -235,8 +243,7 @@ export function learningProgress(rs) {
         toGo: !pilot && left != null && typeof rate === "number" && isFinite(rate) ? Math.ceil(left * rate) : null };
     })
     .sort((p, q) => (p.rank < 0 ? 99 : p.rank) - (q.rank < 0 ? 99 : q.rank) || p.stratum.localeCompare(q.stratum));
-  const certified = Object.entries(rs?.strata || {}).filter(([, x]) => x?.state === "certified" ||
-    x?.state === "audited").map(([k]) => k);
+  const certified = Object.entries(rs?.strata || {}).filter(([, x]) => on(x)).map(([k]) => k);
   return { pilot, kinds, certified, counted: kinds.reduce((t, x) => t + x.counted, 0) };
 }
 
@@ -325,7 +332,8 @@ function summaryLine(report, k, verdict) {
       const head = prog.kinds[0];
       if (head?.toGo != null) {
         return row(`${kindWords(head.stratum)}: about ${head.toGo} requests to go → ran dense`,
-          `${kindShort(head.stratum)}: ~${head.toGo} requests to go → dense`, `~${head.toGo} requests to go → dense`);
+          `${kindShort(head.stratum)}: ~${head.toGo} requests to go → dense`,
+          `~${head.toGo} requests to go → dense`);
       }
       return row(`served dense: the rule is ${rs.state} · ${t}`, `the rule is ${rs.state} → dense`);
     }
@@ -337,7 +345,9 @@ function summaryLine(report, k, verdict) {
     }
     const skipped = notCompared(verdict);
     const failed = (verdict.checks || []).find((c) => !c.passed && !skipped.has(c.axis));
-    if (/one side only/.test(verdict.reason || "")) return row("objects differ from the closest entry", "objects differ");
+    if (/one side only/.test(verdict.reason || "")) {
+      return row("objects differ from the closest entry", "objects differ");
+    }
     if (failed) {
       const a = AXES[failed.axis] || { label: failed.axis, unit: "" };
       return row(`${a.label} ${a.unit} ${num(failed.value)} > ${num(failed.threshold)}`.replace(/\s+/g, " "),
