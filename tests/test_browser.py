@@ -19,7 +19,12 @@ that the frontend turns them into exactly the API-format files, and queue them w
   dense run — real runs of the embedded workflows, injected reports for the model workflows (the test server has
   no model files);
 - the Carnator sidebar panel: per namespace the rule, the last requests with decision and thumbnail, and a purge
-  after which the same graph really runs again.
+  after which the same graph really runs again;
+- what a person reads: ComfyUI's node cache as NOT RUN (never a hit), one definition of a hit and a lookup across
+  badge, panel, routes and the cache's counters (stated in the panel's help, counts "since purge"), a refused kind
+  of change in words, learning's progress from the first request (the pilot), no badge row cut at 75-100 % zoom or
+  at the node's minimum width, tuning inputs that open without covering a node in every workflow, no blank band in
+  the Early Probe, namespace cards named in words.
 
 Screenshots go to ``artifacts/browser/<ui>/``; with ``CARNATOR_UPDATE_README_IMG=1`` the newest frontend's badge
 screenshots replace ``docs/img/badge.png`` (canvas) and ``docs/img/badge_vue.png`` (Vue nodes), and its panel
