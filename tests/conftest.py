@@ -42,6 +42,15 @@ def _keep_freed_memory_for_reuse() -> None:
 
 _keep_freed_memory_for_reuse()
 
+# The key that seals learned rules written "here" (learn/rulefile.py) defaults to the user's ~/.config; the suite
+# keeps its own, in a fresh temporary folder per run (servers started by the tests inherit it), so a run neither
+# reads nor writes the machine's key.
+if not os.environ.get("CARNATOR_RULE_KEY_FILE"):
+    import tempfile
+
+    os.environ["CARNATOR_RULE_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="carnator-key-"),
+                                                        "learned-rule-hmac.key")
+
 
 def comfy_path() -> Path:
     """Where the host's ComfyUI tree is (written by scripts/setup/setup_host.sh)."""

@@ -24,7 +24,7 @@ import pytest
 
 from carnator.carnator_core.learn import rulefile, runtime
 from carnator.carnator_core.learn.labels import Covariate, Label, LabelStore
-from carnator.carnator_core.learn.learner import Learner, LearnSettings, rule_namespace
+from carnator.carnator_core.learn.learner import Learner, LearnSettings, label_draw, rule_namespace
 from carnator.carnator_core.risk.rule import RuleFormatError
 from carnator.carnator_core.types import Candidates, GenConfig
 
@@ -244,7 +244,11 @@ def test_the_nodes_budget_and_audit_share_are_honoured_with_a_learned_file(certi
     assert got.budget == 0.0 and got.audit_share == 0.5 and got.alpha == learned.settings.alpha
     ln = Learner(tmp_path / "cache", got)
     ln.store.charge(NS, served_s=100.0, requests=10)
-    assert not ln.budget_allows(NS, False)  # learn_budget = 0: never label
+    # learn_budget = 0: the label coin never comes up and the ledger is over budget as soon as anything was served
+    assert got.label_share == 0.0 and not any(label_draw(got.label_share, f"r{i}") for i in range(200))
+    assert ln.over_budget(NS) is False and LearnSettings(budget=0.2).label_share > 0
+    ln.store.charge(NS, label_s=0.5)
+    assert ln.over_budget(NS)
 
 
 def test_the_badge_says_a_copy_was_imported_once(certified, tmp_path) -> None:
