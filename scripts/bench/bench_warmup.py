@@ -16,7 +16,8 @@ warm-up, the comparison.
 
 The report: kinds on before the stream (provisional or certified), warm-up labels and compute, requests to the
 first hit, the stream's speed against dense over its first 100 and 300 requests (every request's server latency —
-labelling and audits included — against the dense twins' mean latency), hits.
+labelling and audits included — against the dense twins' mean latency), hits, and the hits' excess judged offline
+against their dense twins by the embedded checker (``bench_learn.offline_label``).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from repo_package import register_package  # noqa: E402
 register_package()
 
 from api_client import ComfyClient  # noqa: E402
-from bench_learn import graphs, latency_s, run_one, saved  # noqa: E402
+from bench_learn import graphs, latency_s, offline_label, run_one, saved  # noqa: E402
 from harness_server import ComfyServer  # noqa: E402
 from workload import add_workload_args, spec_from_args  # noqa: E402
 
@@ -139,6 +140,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         summary[f"ratio_first_{n}"] = round(statistics.mean(dense) * len(part) / served, 3)
         summary[f"hits_first_{n}"] = sum(r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache")
                                          for r in part)
+    hits = [r for r in stream if r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache")]
+    if hits:  # each hit judged against its dense twin by the embedded checker (the judge the labels used)
+        summary["hits_offline_excess"] = offline_label(out, hits)
     return summary
 
 
