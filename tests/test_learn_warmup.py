@@ -101,3 +101,30 @@ def test_without_warm_up_labels_the_state_is_the_traffic_s(tmp_path: Path) -> No
         add(ln, NS, f"t{i}", "reseed", rng, 0.0, "shadow")
     before = ln.rule_state(NS)
     assert overlay_state(ln, NS, before) == before and provisional(NS, "reseed") is None
+
+
+def test_a_burst_of_audits_of_one_scene_confirms_nothing(tmp_path: Path) -> None:
+    """The confirmation on traffic audits counts each cached entry once (the entry is the unit, as in the learner):
+    200 clean audits of one scene are one piece of evidence; audits of as many scenes as a test needs confirm."""
+    settings = LearnSettings(min_fit=20, level=1.0, pilot=30)
+    ln = Learner(tmp_path, settings)
+    wl = warm_learner(ln)
+    wns = warmup_namespace(NS)
+    rng = np.random.default_rng(7)
+    wl.state(wns)
+    for i in range(400):
+        add(wl, wns, f"w{i}", "reseed", rng, 0.0, "shadow")
+        if wl.state(wns)["reseed"].on:
+            break
+    assert wl.state(wns)["reseed"].on
+    for i in range(200):  # a user iterating on one scene: every audit recalls the same cached entry
+        vec = tuple(float(v) for v in rng.uniform(0.0, 0.5, 4))
+        ln.store.add_covariate(NS, Covariate(f"s{i}", "reseed", "e-same", 0.9, vec, False))
+        ln.store.add_label(NS, Label(f"s{i}", "reseed", "e-same", 0.9, vec, False, True, 0, "audit", "test-judge"))
+    reseed = overlay_state(ln, NS, ln.rule_state(NS))["strata"]["reseed"]
+    assert reseed["state"] == "provisional" and reseed["warmup"]["audits"] == 1, reseed
+    for i in range(300):
+        add(ln, NS, f"a{i}", "reseed", rng, 0.0, "audit")  # each on its own scene
+    reseed = overlay_state(ln, NS, ln.rule_state(NS))["strata"]["reseed"]
+    assert reseed["state"] == "confirmed", reseed
+    assert reseed["warmup"]["audits"] == labels_needed(settings.alpha, WarmupSettings().confirm_share * settings.delta)

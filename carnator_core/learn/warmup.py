@@ -140,11 +140,16 @@ def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumS
         th = w.fit.thresholds
         confirm, drift = BettingSequence(s.alpha, level), DriftDetector(s.alpha, s.drift_arl)
         verdict = ""
+        # The confirmation counts each cached entry once (the entry is the unit, as in the learner: a burst of audits
+        # of one scene is one piece of evidence); the drift detector sees every audit (an alarm only switches off).
+        audited: set[str] = set()
         for lab in sorted(labels, key=lambda x: x.id):
             if lab.stratum != st or lab.id <= w.switched_on_at or not lab.reusable or \
                     not accepts(th, lab.vector, lab.missing) or not same_label(lab, latest_warm):
                 continue
-            confirm.update(lab.x)
+            if lab.entry_id not in audited:
+                audited.add(lab.entry_id)
+                confirm.update(lab.x)
             drift.update(lab.x)
             if drift.drifted:
                 verdict = "off"
