@@ -7,8 +7,7 @@ Not a node module: ``NODES`` is empty.
   callback), the worker asks ``busy()`` and raises ``Preempted`` when the queue is not empty: a queued prompt stops
   the warm-up at the worker's next model call.
 * ComfyUI's prompt worker, having taken a prompt from the queue, waits until the warm-up label in flight has
-  unwound (``hold_prompts_for_worker``: the queue's ``get`` wrapped on this instance, once warm-up is switched on;
-  with warm-up off the queue is ComfyUI's as it is) — at most one model call.
+  unwound (``hold_prompts_for_worker``: the queue's ``get`` wrapped on this instance) — at most one model call.
 * The Joint Reuse Sampler hands each served learning request to :func:`remember_request`: its model, text encoder,
   settings and cache are what the worker edits and labels with.
 
@@ -73,17 +72,6 @@ def hold_prompts_for_worker(queue: Any) -> None:
     queue._carnator_warmup_hold = True
 
 
-def _hold_if_on(settings: Any) -> None:
-    """Install ``hold_prompts_for_worker`` on the running server's queue once warm-up is switched on (a user who
-    never switches it on runs ComfyUI's queue exactly as it is)."""
-    if getattr(settings, "mode", "off") == "off":
-        return
-    server = sys.modules.get("server")
-    queue = getattr(getattr(getattr(server, "PromptServer", None), "instance", None), "prompt_queue", None)
-    if queue is not None:
-        hold_prompts_for_worker(queue)
-
-
 def settings_from_env(value: str | None) -> Any:
     """``CARNATOR_WARMUP`` -> ``IdleSettings`` ("off", "idle", "budget:MINUTES"); ValueError for anything else."""
     from ..carnator_core.learn.idle import IdleSettings
@@ -107,7 +95,6 @@ def worker() -> Any:
         except ValueError as e:
             log.warning("carnator warm-up: CARNATOR_WARMUP is not understood (%s); warm-up is off", e)
             w.configure(IdleSettings())
-        _hold_if_on(w.settings)
         w.start()
         _WORKER = w
     return _WORKER
@@ -171,7 +158,6 @@ def configure(body: Any) -> dict[str, Any]:
         ws = replace(ws, audit_share=float(body.get("provisional_audit_share", ws.audit_share)))
     except (TypeError, ValueError) as e:
         raise ValueError(str(e)) from None
-    _hold_if_on(new)  # before the worker can start a label
     worker().configure(new)
     warmup.configure(ws)
     log.info("carnator warm-up: set to %s, provisional audit share %s", new.to_dict(), ws.audit_share)
@@ -218,7 +204,11 @@ def _register_with_running_server() -> None:
     if queue is None:
         log.warning("carnator warm-up: ComfyUI's prompt queue is not there; warm-up stays off")
         return
-    worker()  # wraps the queue's ``get`` only when warm-up is on (``_hold_if_on``)
+    # At start, not when warm-up is switched on: ComfyUI's prompt worker may then already be waiting inside the
+    # queue's own ``get``, and the first prompt after would not wait for a label in flight. With warm-up off the
+    # wrapper only checks that no label is in flight.
+    hold_prompts_for_worker(queue)
+    worker()
 
 
 _register_with_running_server()
