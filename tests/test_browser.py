@@ -1053,10 +1053,18 @@ def toggle_advanced(page: Any, node_id: str) -> None:
     page.evaluate("() => app.canvas.draw(true, true)")
 
 
+#: Where opening the tuning inputs covered the next node (the Cache Writer in ``embedded``, the low-noise sampler in
+#: ``wan22_t2v_14b``): checked on every UI; the other workflows on the 1.58.1 canvas, whose layout code is the
+#: same for every workflow (each workflow on each UI costs 15-40 s of the suite's time).
+TUNING_ON_EVERY_UI = ("embedded", "wan22_t2v_14b")
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "workflows").glob("*.json")))
 def test_tuning_inputs_open_without_covering_any_node(page: Any, ui: str, name: str) -> None:
     """Every node's advanced inputs opened, one after the other, with real clicks: what is below a node that grows
     moves down, so no two nodes overlap; folded again, every node is back where the workflow put it."""
+    if ui != "new-canvas" and name not in TUNING_ON_EVERY_UI:
+        pytest.skip(f"{name}: checked on the 1.58.1 canvas; on {ui} only {', '.join(TUNING_ON_EVERY_UI)}")
     open_workflow(page, name)
     page.keyboard.press("Escape")  # close a missing-models dialog, if any
     fit_whole_graph(page)

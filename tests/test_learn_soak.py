@@ -1,5 +1,5 @@
 """A learning-mode soak through a real ComfyUI server: the embedded workflow with a rule file that does not exist yet
-(learning mode, label budget 1.0), ``CARNATOR_LEARN_SOAK_N`` requests (default 40) of a generated stream, the
+(learning mode, label budget 1.0), ``CARNATOR_LEARN_SOAK_N`` requests (default 30) of a generated stream, the
 server SIGKILLed while a learning request's sampler runs, restarted on the same folders, the stream finished.
 
 Afterwards: the stats route's lookups and hits equal what the reports say; every label a report says was made is
@@ -78,9 +78,9 @@ def test_learning_soak_with_a_kill_and_a_restart(tmp_path) -> None:
     from carnator.carnator_core.learn.labels import LabelStore
     from carnator.carnator_core.learn.runtime import _ident
 
-    # 40 requests in the suite (a kill at the 20th: about 3 minutes on a quiet 2-core machine); the 100-request soak
+    # 30 requests in the suite (a kill at the 15th: about 2 minutes on a quiet 2-core machine); the 100-request soak
     # of docs/LEARNING.md is CARNATOR_LEARN_SOAK_N=100
-    n = int(os.environ.get("CARNATOR_LEARN_SOAK_N", "40"))
+    n = int(os.environ.get("CARNATOR_LEARN_SOAK_N", "30"))
     stream = list(build_workload(WorkloadSpec(n_warm=0, n_stream=n, n_templates=3, seed=11)).stream)
     api, sampler = soak_graph()
     base, reports = tmp_path / "base", []
