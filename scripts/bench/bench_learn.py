@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-from workload import add_workload_args, register_package, spec_from_args  # noqa: E402
+from workload import add_learning_run_args, add_workload_args, register_package, spec_from_args  # noqa: E402
 
 register_package()
 
@@ -315,13 +315,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap, warm=0, stream=300)
-    ap.add_argument("--out", default="artifacts/learn_e2e", help="work folder (kept; the run resumes from it)")
-    ap.add_argument("--weights", default=str(ROOT / "carnator_core" / "embedded" / "weights"
-                                             / "carnator_embedded_v3.safetensors"))
-    ap.add_argument("--budget", type=float, default=0.2, help="learning budget (share of the compute served)")
-    ap.add_argument("--audit", type=float, default=0.05, help="audit share of a learned rule's hits")
-    ap.add_argument("--dense-every", type=int, default=3, help="a dense twin after every k-th request (and every "
-                                                               "hit and audit)")
+    add_learning_run_args(ap, out="artifacts/learn_e2e", dense_every=3,
+                          dense_help="a dense twin after every k-th request (and every hit and audit)")
     ap.add_argument("--report", action="store_true", help="only print the report of the requests done so far")
     ap.add_argument("--look-hits", default="", help="with the report: a folder for strips (dense twin | hit | "
                     "difference) of every hit the offline label calls b or c and of six it calls 0")

@@ -41,7 +41,7 @@ register_package()
 from api_client import ComfyClient  # noqa: E402
 from bench_learn import graphs, latency_s, offline_label, run_one, saved  # noqa: E402
 from harness_server import ComfyServer  # noqa: E402
-from workload import add_workload_args, spec_from_args  # noqa: E402
+from workload import add_learning_run_args, add_workload_args, spec_from_args  # noqa: E402
 
 from carnator.carnator_core.lab.workload import build_workload  # noqa: E402
 
@@ -149,12 +149,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap, warm=24, stream=300)
-    ap.add_argument("--out", default="artifacts/warmup_e2e", help="work folder (kept; the run resumes from it)")
-    ap.add_argument("--weights", default=str(ROOT / "carnator_core" / "embedded" / "weights"
-                                             / "carnator_embedded_v3.safetensors"))
-    ap.add_argument("--budget", type=float, default=0.2, help="learning budget (share of the compute served)")
-    ap.add_argument("--audit", type=float, default=0.05, help="audit share of a learned rule's hits")
-    ap.add_argument("--dense-every", type=int, default=6, help="a dense twin after every k-th stream request")
+    add_learning_run_args(ap, out="artifacts/warmup_e2e", dense_every=6,
+                          dense_help="a dense twin after every k-th stream request")
     ap.add_argument("--warmup-minutes", type=float, default=20.0, help="idle warm-up between warm set and stream")
     ap.add_argument("--report", action="store_true", help="only print the report of what is done so far")
     args = ap.parse_args(argv)

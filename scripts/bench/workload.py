@@ -39,6 +39,17 @@ def add_workload_args(ap: argparse.ArgumentParser, warm: int = 24, stream: int =
     g.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator")
 
 
+def add_learning_run_args(ap: argparse.ArgumentParser, *, out: str, dense_every: int, dense_help: str) -> None:
+    """The flags of an end-to-end learning-mode run over HTTP shared by bench_learn.py and bench_warmup.py: its
+    resumable work folder, the embedded weights, the learning budget and audit share, and the dense twins."""
+    weights = Path(__file__).resolve().parents[2] / "carnator_core" / "embedded" / "weights"
+    ap.add_argument("--out", default=out, help="work folder (kept; the run resumes from it)")
+    ap.add_argument("--weights", default=str(weights / "carnator_embedded_v3.safetensors"))
+    ap.add_argument("--budget", type=float, default=0.2, help="learning budget (share of the compute served)")
+    ap.add_argument("--audit", type=float, default=0.05, help="audit share of a learned rule's hits")
+    ap.add_argument("--dense-every", type=int, default=dense_every, help=dense_help)
+
+
 def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
     try:
         exact, reroll, para, edit = (float(x) for x in args.mix.split(","))
