@@ -46,10 +46,14 @@ _keep_freed_memory_for_reuse()
 # keeps its own, in a fresh temporary folder per run (servers started by the tests inherit it), so a run neither
 # reads nor writes the machine's key.
 if not os.environ.get("CARNATOR_RULE_KEY_FILE"):
+    import atexit
+    import shutil
     import tempfile
 
-    os.environ["CARNATOR_RULE_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="carnator-key-"),
-                                                        "learned-rule-hmac.key")
+    _key_dir = tempfile.mkdtemp(prefix="carnator-key-")
+    os.environ["CARNATOR_RULE_KEY_FILE"] = os.path.join(_key_dir, "learned-rule-hmac.key")
+    # Removed when the process that made it exits (servers the tests start inherit the path, not the folder's life).
+    atexit.register(shutil.rmtree, _key_dir, ignore_errors=True)
 
 
 def comfy_path() -> Path:
