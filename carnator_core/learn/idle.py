@@ -66,7 +66,7 @@ MODES = ("off", "idle", "budget")
 MAX_MISSES = 4
 #: A scene's population of edits of a word kind: ``edits.make_edit``'s salts 0 .. MAX_EDITS − 1 that give an edit,
 #: each equally likely (a reseed edit is a fresh random seed: its population has no bound).
-MAX_EDITS = 4
+MAX_EDITS = 8
 #: Entries drawn (with replacement) for one label before the worker gives up on the kind for this attempt: an entry
 #: that admits no edit of the kind is rejected and another drawn (``draw_edit``).
 MAX_DRAWS = 256
