@@ -289,7 +289,9 @@ def test_the_worker_draws_with_replacement_and_independently_of_outcomes(monkeyp
     settings = LearnSettings(min_fit=20, level=1.0, fail_after=10**9)  # no refit: one test counts every label
     ln = Learner("memory", settings, store=MemoryRecord())
     scenes = {f"e{i}": (f"a red cube number {i}", 100 + i) for i in range(6)}
-    by_prompt = {p: e for e, (p, _) in scenes.items()}
+    def by_prompt(prompt: str) -> str:  # the scene an edit was made of (its number ends every prompt)
+        return f"e{prompt.split()[-1]}"
+
     outcomes = np.random.default_rng(11)  # the judge's: never seen by the draw
     fail = {"e0": 0.5}
 
@@ -299,7 +301,7 @@ def test_the_worker_draws_with_replacement_and_independently_of_outcomes(monkeyp
                                                         cached_run=lambda: None))
 
     def serve(model, te, positive, negative, latent, spec, store, opts, progress=None):
-        entry = by_prompt[spec.prompt]
+        entry = by_prompt(spec.prompt)
         return SimpleNamespace(signature=None, candidates=[entry], probe=SimpleNamespace(request_key="k"),
                                latent={"samples": None})
 
@@ -309,7 +311,7 @@ def test_the_worker_draws_with_replacement_and_independently_of_outcomes(monkeyp
                 "candidate": SimpleNamespace(entry_id=entry, prompt=scenes[entry][0])}
 
     def label_counterfactual(judge, decode, probe, cand_prompt, samples, out):
-        return SimpleNamespace(b=bool(outcomes.random() < fail.get(by_prompt[cand_prompt], 0.0)), c=False)
+        return SimpleNamespace(b=bool(outcomes.random() < fail.get(by_prompt(cand_prompt), 0.0)), c=False)
 
     monkeypatch.setattr(learner_mod, "learner_for", lambda directory, s=None: ln)
     monkeypatch.setattr(idle, "_open_store", lambda handle: store)

@@ -205,9 +205,9 @@ def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumS
                    f"traffic so far, b {confirm.b}, c {confirm.c}; {settings.audit_share:.0%} of its hits audited)")
             guarantee = (f"about warm-up edits of your cached scenes only (random edits of this kind of the scenes "
                          f"cached when warm-up ran, each scene equally likely): P(a kind switches on although its "
-                         f"warm-up edits' excess is ≥ α = {s.alpha}) ≤ {s.delta}; nothing is certified about your own traffic "
-                         f"yet — {settings.audit_share:.0%} of its hits are audited, and the audits' drift test "
-                         f"switches it off when they show an excess above α")
+                         f"warm-up edits' excess is ≥ α = {s.alpha}) ≤ {s.delta}; nothing is certified about your "
+                         f"own traffic yet — {settings.audit_share:.0%} of its hits are audited, and the audits' "
+                         f"drift test switches it off when they show an excess above α")
             share = settings.audit_share
         out[st] = KindState(st, verdict or "provisional", th, w.switched_on_at, confirm, drift, share, n_warm, msg,
                             guarantee)
