@@ -27,17 +27,28 @@ draws from one population, "a random edit of kind k of a uniformly random cached
 drawn many times (sampling with replacement from a finite population is i.i.d.); a burst on one scene occurs only by
 chance, which the i.i.d. model already contains. So the betting supermartingale Π(1 + λ_i(α − X_i)) (X = b − c,
 λ_i predictable) is valid *at label level* for the null "that population's excess is ≥ α at every draw", and the
-warm-up learner (``warm_learner``: ``Learner(unit="label")``) counts every such label: a cache of 24 scenes can
-certify a kind on 86 labels, where one scene a label could never (a test needs 63–86 units). The row of a drawn
-label carries the draw (``Label.draw``: its marker, the entry and edit drawn); a warm-up label without the marker
-(written by older code, which walked the entries round-robin) is counted once per entry, as it was then.
+warm-up learner (``warm_learner``: ``Learner(unit="label")``) counts every such label: a cache of 24 scenes
+certifies a safe kind on 86 labels, where counting each scene once it never could (a test needs 63–86 units).
+What else selects a counted label looks at the draw and the clock, never at an outcome — the attempt gives no label
+when the candidate recalled is of another kind or outside the current fit (so the population is that of the
+accepted draws: an i.i.d. sequence thinned by a rule on the draw alone stays i.i.d.), the kind's turn comes when the
+kinds before it are on or off, and a queued prompt abandons the label in flight — so each counted label's
+conditional mean given the past is the population's. The randomness is the condition: labels that cluster on one
+scene (a scene drawn once and labelled again and again) or a pick that avoids scenes once they failed switch a
+kind on at an excess of α in most streams, where the draw holds the level (``tests/test_learn_warmup_iid.py``).
+The row of a drawn label carries the draw (``Label.draw``: its marker, the entry and edit drawn); a warm-up label
+without the marker (written by older code, which walked the entries round-robin) is counted once per entry, and
+not at all once its entry is counted, as it was then — an old record never gets a weaker test.
 
 What that certificate is about — precisely: **random edits of kind k of the scenes cached when warm-up ran, each
-scene equally likely** (the edits ``edits.make_edit`` gives, the first ``idle.MAX_EDITS`` valid ones of a scene
-equally likely; inside the warm-up fit's thresholds, recalled as that kind). A certificate on 5 cached scenes is
-about those 5 scenes, however many labels it took; nothing in it speaks of the user's other or future scenes, nor
-of how the user's own requests weigh them. That is what the provisional state is for: the traffic's confirmation
-test and its drift detector (below) and the traffic's own learning keep the **entry** as their unit, unchanged.
+scene equally likely** — a scene uniform among the cached entries that admit an edit of kind k, then uniform among
+its edits (``edits.make_edit``'s salts below ``idle.MAX_EDITS`` that give one; a fresh random seed for reseed),
+restricted to the draws whose recalled candidate is of kind k inside the warm-up fit's thresholds. Where the cache
+changed while warm-up ran, the null is about the population at each draw ("≥ α at every draw"). A certificate on
+5 cached scenes is about those 5 scenes, however many labels it took; nothing in it speaks of the user's other or
+future scenes, nor of how often the user's own requests recall each one. That is what the provisional state is
+for: the traffic's confirmation test, its drift detector (below) and the traffic's own learning keep the **entry**
+as their unit, unchanged.
 
 What each state guarantees, plainly (``KindState.guarantee``):
 
