@@ -84,6 +84,9 @@ def test_the_worker_labels_cached_scenes_while_idle_and_a_queued_prompt_preempts
         store = LabelStore(server.base_dir / "output" / CACHE)
         warm = store.labels(warmup_namespace(ns))
         assert len(warm) == 2 and all(lab.judge == "embedded-checker" and lab.kind == "shadow" for lab in warm)
+        # each drawn i.i.d. (a uniformly random cached scene, then a random edit), the draw recorded in its row
+        assert all(lab.iid and lab.draw["entry"] and lab.draw["population"] == 3 for lab in warm), \
+            [lab.draw for lab in warm]
         assert all(lab.prompt not in prompts[:3] or lab.seed not in (100, 101, 102) for lab in warm)
         assert not any(lab.request_key.startswith("warmup:") for lab in store.labels(ns))  # populations apart
         rules = server.get(f"/carnator/rules?directory={CACHE}")

@@ -25,6 +25,19 @@ flight (and the sampler's unwinding): ComfyUI's prompt worker asks ``wait_unwoun
 from the queue, since two samplings of one model at once break each other's state. The worker's partial label is
 discarded, never written, and its compute counted as ``preempted_s``.
 
+Which request (``draw_edit``): for the kind chosen, a cached entry of the namespace **uniformly at random, with
+replacement**, among the entries that admit an edit of that kind (rejection: an entry the generator gives no valid
+edit is drawn again, at most ``MAX_DRAWS`` times, after which the attempt gives no label and says why), then a
+random edit of that kind — a fresh random seed for reseed, one of the scene's valid edits (``MAX_EDITS`` salts of
+``edits.make_edit``), each equally likely, for the others. The generator is ``random.SystemRandom`` (the OS's
+entropy): no draw depends on a label, on an outcome, on which entries the kind's test has counted or on what was
+drawn before; an entry may be drawn again and again, and an edit may repeat (it is served and labelled again: a
+with-replacement draw is not skipped). The label row records the draw (``Label.draw``: the marker ``IID_DRAW``,
+the entry, the salt, how many edits the scene offers and how many entries were in the population). That is what
+lets the warm-up learner count each label (``warmup`` module docstring, "The unit"): given the cache's entries at
+each draw, a kind's warm-up labels are i.i.d. draws from "a random edit of kind k of a uniformly random cached
+scene". (Before, the worker walked the entries round-robin and passed over those the kind's test had counted.)
+
 What a label needs (``WarmContext``): the model, text encoder, negative conditioning, latent, probe and reuse
 settings of a request of that namespace; the sampler hook (``remember``) keeps the last served one's. Nothing is
 remembered across restarts: after one, warm-up starts with the first learning request served.
@@ -35,23 +48,84 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
+import secrets
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping, Sequence
 
-from .edits import KINDS, make_edit
+from .edits import KINDS, Edit, make_edit
+from .labels import IID_DRAW
 
 log = logging.getLogger("carnator")
 
 MODES = ("off", "idle", "budget")
 #: Attempts of one kind in a row that gave no label before the worker moves on to the next kind for a while.
 MAX_MISSES = 4
-#: Salts tried for one (entry, kind) before the entry is passed over (each salt is another edit); a new seed is
-#: always another edit, so reseed may use many.
-MAX_SALTS = 4
-MAX_RESEEDS = 64
+#: A scene's population of edits of a word kind: ``edits.make_edit``'s salts 0 .. MAX_EDITS − 1 that give an edit,
+#: each equally likely (a reseed edit is a fresh random seed: its population has no bound).
+MAX_EDITS = 8
+#: Entries drawn (with replacement) for one label before the worker gives up on the kind for this attempt: an entry
+#: that admits no edit of the kind is rejected and another drawn (``draw_edit``).
+MAX_DRAWS = 256
+#: Scenes (prompt, seed) and edit counts the worker remembers (entry ids do not change content; recomputed past it).
+_MEMO_MAX = 20_000
+
+
+def draw_edit(entries: Sequence[str], scene: Callable[[str], tuple[str, int]], kind: str, *, vocabulary: str,
+              rng: random.Random, make: Callable[..., Edit | None] = make_edit, max_draws: int = MAX_DRAWS,
+              memo: MutableMapping[Any, tuple[int, ...]] | None = None) -> tuple[Edit, dict[str, Any]] | str:
+    """One warm-up request of kind ``kind``, drawn i.i.d. (module docstring, "Which request"): (the edit, the draw's
+    record for ``Label.draw``), or why there is none.
+
+    ``entries``: the namespace's cached entry ids now (the population); ``scene(entry_id)`` → (prompt, seed);
+    ``rng``: the generator (``random.SystemRandom`` in the worker; a seeded one in tests) — the only source of
+    randomness, and nothing here reads a label; ``make``: the edit generator (``edits.make_edit``); ``memo``: the
+    valid salts of a (prompt, seed, kind, vocabulary), kept between calls (a deterministic function of the scene).
+
+    An entry is drawn uniformly with replacement; it is rejected (another drawn) when it admits no edit of the kind
+    — its valid salts (``make`` not None among 0 .. ``MAX_EDITS`` − 1; reseed: a non-empty prompt) are none — or
+    cannot be read; otherwise a salt is drawn uniformly among its valid ones (reseed: 64 random bits, i.e. a fresh
+    random seed). So the entry is uniform among the entries that admit the kind, and the edit uniform among that
+    entry's edits, whatever was drawn or labelled before."""
+    if not entries:
+        return "the cache holds no entry of this namespace"
+    memo = {} if memo is None else memo
+    unreadable = 0
+    for tries in range(1, int(max_draws) + 1):
+        entry_id = entries[rng.randrange(len(entries))]
+        try:
+            prompt, seed = scene(entry_id)
+        except Exception:  # noqa: BLE001 — an entry removed meanwhile (eviction): rejected like one with no edit
+            unreadable += 1
+            continue
+        if kind == "reseed":
+            salt = rng.getrandbits(64)
+            edit = make(prompt, int(seed), kind, vocabulary=vocabulary, salt=salt)
+            valid = None
+        else:
+            key = (prompt, int(seed), kind, vocabulary)
+            valid = memo.get(key)
+            if valid is None:
+                valid = tuple(s for s in range(MAX_EDITS)
+                              if make(prompt, int(seed), kind, vocabulary=vocabulary, salt=s) is not None)
+                if len(memo) >= _MEMO_MAX:
+                    memo.clear()
+                memo[key] = valid
+            if not valid:
+                continue
+            salt = valid[rng.randrange(len(valid))]
+            edit = make(prompt, int(seed), kind, vocabulary=vocabulary, salt=salt)
+        if edit is None:
+            continue
+        return edit, {"rule": IID_DRAW, "entry": str(entry_id), "salt": int(salt),
+                      "edits": len(valid) if valid is not None else None, "population": len(entries),
+                      "draws": tries}
+    return (f"no {kind} edit drawn: {max_draws} draws among the {len(entries)} cached entries found none that admits "
+            f"one" + (f" ({unreadable} could not be read)" if unreadable else "")
+            + "; the worker moves on to the next kind after a few such attempts")
 
 
 class Preempted(Exception):
@@ -120,8 +194,13 @@ class _Stats:
 class IdleWorker:
     """The worker (module docstring). ``busy()``: whether ComfyUI's queue holds a prompt (running or waiting)."""
 
-    def __init__(self, *, busy: Callable[[], bool], poll_s: float = 1.0):
+    def __init__(self, *, busy: Callable[[], bool], poll_s: float = 1.0, rng: random.Random | None = None):
+        """``rng``: the generator of the warm-up draws (``draw_edit``); the OS's entropy (``random.SystemRandom``)
+        unless a test passes a seeded one."""
         self._busy = busy
+        self._rng = random.SystemRandom() if rng is None else rng
+        self._scenes: dict[tuple[str, str], tuple[str, int]] = {}
+        self._edit_memo: dict[Any, tuple[int, ...]] = {}
         self.poll_s = float(poll_s)
         self.settings = IdleSettings()
         self._contexts: dict[str, WarmContext] = {}
@@ -135,9 +214,7 @@ class IdleWorker:
         self.error = ""
         self._spent: deque = deque()  # (monotonic end, seconds) of the last hour's work
         self._misses: dict[tuple[str, str], int] = {}
-        self._cursor = 0
         self._in_flight = threading.Lock()  # held while a label runs (``wait_unwound``)
-        self._tried: set[str] = set()  # edits served in this process (labelled or not): not served again
 
     # ------------------------------------------------------------------ settings and state
     def configure(self, settings: IdleSettings) -> None:
@@ -303,8 +380,25 @@ class IdleWorker:
         with self._lock:
             self._spent.append((time.monotonic(), float(seconds)))
 
-    def _entries(self, ctx: WarmContext, store: Any) -> list[Any]:
-        return [e for e in store.entry_ids(ctx.store_namespace)]
+    def _entries(self, ctx: WarmContext, store: Any) -> list[str]:
+        return [str(e) for e in store.entry_ids(ctx.store_namespace)]
+
+    def _scene(self, ctx: WarmContext, store: Any, entry_id: str) -> tuple[str, int]:
+        """(prompt, seed) of a cached entry (remembered: an entry id's content never changes)."""
+        key = (ctx.store_namespace, entry_id)
+        got = self._scenes.get(key)
+        if got is None:
+            entry = store.load(entry_id, count_hit=False)
+            got = (str(entry.prompt), int(entry.seed))
+            if len(self._scenes) >= _MEMO_MAX:
+                self._scenes.clear()
+            self._scenes[key] = got
+        return got
+
+    def draw(self, ctx: WarmContext, store: Any, kind: str) -> tuple[Edit, dict[str, Any]] | str:
+        """The next warm-up request of ``kind`` (``draw_edit`` on the namespace's entries now, this worker's rng)."""
+        return draw_edit(self._entries(ctx, store), lambda e: self._scene(ctx, store, e), kind,
+                         vocabulary=ctx.vocabulary, rng=self._rng, memo=self._edit_memo)
 
     def _label(self, ctx: WarmContext, kind: str, learning: list[str]) -> dict[str, Any]:
         from ..request import ServeOptions, finish_stages, serve
@@ -325,38 +419,16 @@ class IdleWorker:
         learner = learner_for(ctx.directory, ctx.settings)
         wl = warm_learner(learner)
         wns = warmup_namespace(ctx.namespace)
-        entries = self._entries(ctx, store)
-        if not entries:
-            return {"result": "no label", "why": "the cache holds no entry of this namespace", "kind": kind}
         encode = text_encode_fn(ctx.text_encoder)
         if encode is None:
             return {"result": "no label", "why": "no text encoder to encode an edited prompt with", "kind": kind}
-        # the next (entry, salt) whose edit of this kind was not labelled yet, from a rotating start; an entry whose
-        # label the kind's test has already counted is passed over: the cached entry is the test's unit (learner
-        # module docstring), so a second label of it would cost a dense and a reuse run and count for nothing
-        counted = wl.state(wns, update=False).get(kind)
-        seen = counted.entries if counted is not None else frozenset()
-        entries = [e for e in entries if str(e) not in seen]
-        if not entries:
-            return {"result": "no label", "kind": kind,
-                    "why": f"every cached scene has given {kind} its one counted label (each scene counts once)"}
-        edit = None
-        self._cursor += 1
-        for i in range(len(entries)):
-            entry = store.load(entries[(self._cursor + i) % len(entries)], count_hit=False)
-            for salt in range(MAX_RESEEDS if kind == "reseed" else MAX_SALTS):
-                e = make_edit(entry.prompt, int(entry.seed), kind, vocabulary=ctx.vocabulary, salt=salt)
-                if e is None:
-                    break
-                key = _edit_key(wns, e.prompt, e.seed)
-                if key not in self._tried and not learner.store.has_label(wns, key):
-                    edit = e
-                    break
-            if edit is not None:
-                break
-        if edit is None:
-            return {"result": "no label", "why": f"no cached scene offers a new {kind} edit", "kind": kind}
-        self._tried.add(_edit_key(wns, edit.prompt, edit.seed))
+        # an i.i.d. draw (``draw_edit``): no entry is passed over for having been labelled or counted, no edit for
+        # having been served before — the warm-up learner counts each label (``warmup``, "The unit")
+        drawn = self.draw(ctx, store, kind)
+        if isinstance(drawn, str):
+            return {"result": "no label", "why": drawn, "kind": kind}
+        edit, how_drawn = drawn
+        key = _edit_key(wns, edit.prompt, edit.seed)
         self.doing = f"labelling {kind}: {edit.prompt[:120]!r} (from {edit.source[:80]!r})"
         calls = [0]
 
@@ -378,11 +450,12 @@ class IdleWorker:
         res = serve(model, ctx.text_encoder, positive, ctx.negative, ctx.latent, spec, store, opts, progress=step)
         options = candidate_options(res.signature, res.candidates, res.probe) if res.candidates is not None else []
         chosen = choose(options, wl.order(wns))
-        base = {"kind": kind, "prompt": edit.prompt, "source": edit.source, "how": edit.how}
+        base = {"kind": kind, "prompt": edit.prompt, "source": edit.source, "how": edit.how,
+                "entry": how_drawn["entry"]}
         if chosen is None:
             return {**base, "result": "no label", "why": "no candidate recalled"}
         stratum = str(chosen["stratum"])
-        cov = Covariate(_edit_key(wns, edit.prompt, edit.seed), stratum, str(chosen["entry_id"]),
+        cov = Covariate(key, stratum, str(chosen["entry_id"]),
                         float(chosen["similarity"]), tuple(chosen["vector"]), bool(chosen["missing"]), time.time())
         learner.store.add_covariate(wns, cov)
         warm = wl.state(wns)
@@ -415,7 +488,8 @@ class IdleWorker:
         cost = time.perf_counter() - t0
         label = Label(cov.request_key, stratum, str(cand.entry_id), cov.similarity, cov.vector, cov.missing,
                       reusable, x, "shadow", str(judge.name), dict(getattr(judge, "settings", {}) or {}),
-                      round(cost, 4), edit.prompt, str(cand.prompt), int(edit.seed), time.time())
+                      round(cost, 4), edit.prompt, str(cand.prompt), int(edit.seed), time.time(),
+                      draw={**how_drawn, "how": edit.how})
         if learner.store.add_label(wns, label):
             learner.store.charge(wns, label_s=cost, requests=1)
         wl.state(wns)  # record what the new label implies (a fit, a certificate)
@@ -424,7 +498,10 @@ class IdleWorker:
 
 
 def _edit_key(wns: str, prompt: str, seed: int) -> str:
-    return "warmup:" + hashlib.sha256(f"{wns}|{prompt}|{int(seed)}".encode("utf-8")).hexdigest()[:40]
+    """A warm-up request's key: the edit and a nonce (a draw with replacement may repeat an edit; each draw is its
+    own request, covariate and label)."""
+    nonce = secrets.token_hex(8)
+    return "warmup:" + hashlib.sha256(f"{wns}|{prompt}|{int(seed)}|{nonce}".encode("utf-8")).hexdigest()[:40]
 
 
 def _open_store(handle: Any) -> Any:
@@ -433,4 +510,4 @@ def _open_store(handle: Any) -> Any:
     return open_store(handle)
 
 
-__all__ = ["IdleSettings", "IdleWorker", "MODES", "Preempted", "WarmContext"]
+__all__ = ["IdleSettings", "IdleWorker", "MAX_DRAWS", "MAX_EDITS", "MODES", "Preempted", "WarmContext", "draw_edit"]

@@ -101,6 +101,12 @@ def _dump(obj: Mapping[str, Any]) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+#: The marker of a warm-up label drawn i.i.d. (``Label.draw["rule"]``): its cached entry uniformly at random, with
+#: replacement, among the namespace's entries that admit an edit of its kind, then a random edit of that kind, by a
+#: generator independent of every label (``idle.draw_edit``).
+IID_DRAW = "uniform-entry-with-replacement"
+
+
 @dataclass(frozen=True)
 class Covariate:
     """A served request with a recalled candidate: the chosen one's stratum and discrepancies (no outcome)."""
@@ -117,7 +123,13 @@ class Covariate:
 @dataclass(frozen=True)
 class Label:
     """One excess label. ``x``: +1 = b (reuse fails where dense passes), −1 = c, 0 = agree. ``reusable`` False:
-    the counterfactual continued dense (its changed region exceeded ``max_active``): a miss, never accepted."""
+    the counterfactual continued dense (its changed region exceeded ``max_active``): a miss, never accepted.
+
+    ``draw``: how the request was drawn, for a warm-up label made by an i.i.d. draw (``idle``: {"rule":
+    :data:`IID_DRAW`, the drawn entry, the edit, the population's size}); empty for every other label (traffic,
+    audits, and warm-up labels written before the draw existed). A warm-up learner counts a label at label level
+    only when it carries ``rule`` = ``IID_DRAW`` (``learner`` module docstring, "The unit"); the row stores it only
+    when set, so every other row is as before."""
 
     request_key: str
     stratum: str
@@ -136,12 +148,22 @@ class Label:
     seed: int = 0
     t: float = 0.0
     id: int = 0
+    draw: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def iid(self) -> bool:
+        """Whether the label was made by the warm-up worker's i.i.d. draw (``draw``'s marker)."""
+        return isinstance(self.draw, Mapping) and self.draw.get("rule") == IID_DRAW
 
     def to_row(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("id")
         d["vector"] = [float(v) for v in self.vector]
         d["judge_settings"] = dict(self.judge_settings)
+        if self.draw:
+            d["draw"] = dict(self.draw)
+        else:
+            d.pop("draw")  # a row without a draw is byte for byte a row of before
         return d
 
     @classmethod
@@ -149,7 +171,8 @@ class Label:
         d = dict(d)
         d["vector"] = tuple(float(v) for v in d["vector"])
         x = int(d["x"])
-        if x not in (-1, 0, 1) or d.get("kind") not in ("shadow", "audit") or len(d["vector"]) != 4:
+        if x not in (-1, 0, 1) or d.get("kind") not in ("shadow", "audit") or len(d["vector"]) != 4 or \
+                not isinstance(d.get("draw", {}), Mapping):
             raise ValueError(f"not a label row: x={x!r}, kind={d.get('kind')!r}")
         return cls(**{**d, "x": x, "id": row_id})
 

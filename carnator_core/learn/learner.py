@@ -53,6 +53,7 @@ one population, and its test counts exactly a fair sample of it:
   draw. The excess certified is the excess over the cached entries the kind's requests recall — each entry once —
   not over requests: a workload whose risky entries are recalled more often than its safe ones is served with a
   request-weighted excess the test does not see (the entries' risks, not their popularity, are certified);
+  (The warm-up population's learner is the one exception, "The unit" below.)
 * **which of them**: a coin at a share fixed by the settings (``label_draw``, paused only while the ledger is over
   budget), never the queue, the request's risk or an outcome — so a queued batch is labelled as often as a single
   request;
@@ -65,6 +66,21 @@ selects it (the current fit, the entries already counted, the order, the coin) i
 says nothing about it, and the capital is a supermartingale (``sequence``). Drift after a switch-on is watched
 separately (``sequence.DriftDetector``): a switch-off, never a switch-on, so it spends none of δ; its false
 alarms are bounded by an average run length (``drift_arl`` audits at excess α).
+The unit (``Learner(unit=...)``): "entry" — the above — for every traffic namespace, where the requests come as the
+user sends them and cluster on cached entries. "label" only for the warm-up population (``warmup.warm_learner``),
+whose requests are not the user's but drawn by the idle worker (``idle.draw_edit``): each warm-up label's cached
+entry uniformly at random *with replacement* among the namespace's entries that admit an edit of its kind, then a
+random edit of that kind, by a generator that reads no label. Given the cache's entries at each draw, the draws
+are then i.i.d. from one population — "a random edit of kind k of a uniformly random cached scene" — and so are
+the labels (the outcome is a function of the draw and the cache), however often one entry is drawn: sampling with
+replacement from a finite population is i.i.d. sampling, and a run of one scene happens only as often as chance
+makes it, which the i.i.d. model contains. Under the null "that population's excess is ≥ α at every draw" each
+counted label's conditional mean given the past is ≥ α, and the capital is a supermartingale at label level (the
+fit's acceptance, the kind's turn and a pre-emption by the queue select draws on the draw and the time, never on
+an outcome). A label counts at label level only when its row carries the draw's marker (``Label.iid``): a warm-up
+label written before the draw existed (round-robin over entries not yet counted) is counted once per entry, as it
+was — and not at all when its entry is already counted — so an old record never gets a weaker test.
+
 One label at a time: the tests count only labels of the judge reading in force (``reading_in_force``: judge +
 settings, e.g. the pixel checker's ``checker_version``) — the newest reading the record has ever seen. A reading
 seen for the first time takes over, unless the judge's own version numbers say it is older; a reading once
@@ -116,6 +132,9 @@ except ImportError:  # pragma: no cover - exercised only on a tree without risk/
             return "exact" if same_seed else "reseed"
         return "mixed"
 
+
+#: What a test counts as one draw (``Learner``'s ``unit``; module docstring, "The unit").
+UNITS = ("entry", "label")
 
 #: A label's compute as a share of the dense request it labels: the counterfactual reuse run (about half a dense
 #: run) and the judge — the estimate the budget used before a label's cost was measured (``label_share``).
@@ -448,11 +467,19 @@ class Learner:
     cache). Stateless beyond the record: every question recomputes from the stored rows, so several processes on
     one folder (or one Redis) agree."""
 
-    def __init__(self, directory: str | Path, settings: LearnSettings | None = None, *, store: Any = None):
-        """``directory``: the cache folder (``LabelStore``), or, with ``store``, only a name for the record."""
+    def __init__(self, directory: str | Path, settings: LearnSettings | None = None, *, store: Any = None,
+                 unit: str = "entry"):
+        """``directory``: the cache folder (``LabelStore``), or, with ``store``, only a name for the record.
+        ``unit``: what a test counts as one draw (module docstring, "The unit"): "entry" (the default, every
+        traffic namespace: one label per cached entry and test) or "label" (the warm-up population's learner only,
+        ``warmup.warm_learner``: each label the worker drew i.i.d. — ``Label.iid`` — counts; a label without the
+        marker is still counted once per entry)."""
+        if unit not in UNITS:
+            raise ValueError(f"a learner's unit is one of {UNITS}, got {unit!r}")
         self.directory = Path(directory) if store is None else directory
         self.store = LabelStore(self.directory) if store is None else store
         self.settings = settings or LearnSettings()
+        self.unit = unit
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the record → state
@@ -535,8 +562,10 @@ class Learner:
                     continue
                 node = (lab.stratum, fit.index)
                 entries = counted.setdefault(node, set())
-                if lab.entry_id in entries:
-                    continue  # the cached entry is the unit: one label per entry and test (module docstring)
+                # the cached entry is the unit: one label per entry and test — unless the label was drawn i.i.d.
+                # (a warm-up label of a label-unit learner), which counts whatever entry it drew (module docstring)
+                if lab.entry_id in entries and not (self.unit == "label" and lab.iid):
+                    continue
                 entries.add(lab.entry_id)
                 seq = seqs.get(node)
                 if seq is None:
@@ -790,5 +819,5 @@ def learner_for(directory: str | Path, settings: LearnSettings | None = None) ->
         return ln
 
 
-__all__ = ["Fit", "LearnSettings", "Learner", "METHOD", "STRATA", "StratumState", "accepts", "audit_draw",
+__all__ = ["Fit", "LearnSettings", "Learner", "METHOD", "STRATA", "StratumState", "UNITS", "accepts", "audit_draw",
            "audit_share_now", "label_draw", "learner_for", "rule_namespace", "stratum_of"]

@@ -309,6 +309,36 @@ class BettingSequence:
         top = int(kept[-1])
         return float(grid[top + 1]) if top + 1 < len(grid) else 1.0
 
+    @staticmethod
+    def first_certified(xs: np.ndarray, alpha: float, delta: float, b_ceiling: float | None = None,
+                        c_max: float = C_MAX, fixed: tuple = FIXED_FRACTIONS) -> np.ndarray:
+        """For each row of ``xs`` (streams × labels, outcomes −1/0/+1) the label at which the test (with the b-rate
+        test at ``b_ceiling``, as ``update`` runs it) has first certified (T + 1: never within the row) — the same
+        bets and capitals as ``update``, vectorised (simulations): every bet is a function of the counts before its
+        label, so all are computed at once (the Kelly bisection once per distinct (n, b, c)) and the capitals are
+        running sums. Changes nothing of the scalar test."""
+        xs = np.asarray(xs, dtype=np.int64)
+        reps, horizon = xs.shape
+        threshold = math.log(1.0 / delta)
+        tests = [(float(alpha), xs)]
+        if b_ceiling is not None:
+            tests.append((float(b_ceiling), (xs == 1).astype(np.int64)))
+        ever = np.ones((reps, horizon), dtype=bool)
+        for a, ys in tests:
+            before = np.zeros((reps, 1), dtype=np.int64)
+            b = np.concatenate([before, np.cumsum(ys == 1, axis=1)[:, :-1]], axis=1)
+            c = np.concatenate([before, np.cumsum(ys == -1, axis=1)[:, :-1]], axis=1)
+            n = np.broadcast_to(np.arange(horizon, dtype=np.int64)[None, :], (reps, horizon))
+            lam = _kelly_vector(n, b, c, a, c_max)
+            y = ys.astype(np.float64)
+            parts = np.stack([np.cumsum(np.log1p(bet * (a - y)), axis=1)
+                              for bet in [lam] + [np.full((reps, horizon), f / (1.0 - a)) for f in fixed]])
+            top = parts.max(axis=0)
+            mix = top + np.log(np.exp(parts - top).sum(axis=0) / parts.shape[0])
+            ever &= np.maximum.accumulate(mix, axis=1) >= threshold
+        hit = ever.any(axis=1)
+        return np.where(hit, ever.argmax(axis=1) + 1, horizon + 1)
+
     def to_dict(self) -> dict:
         return {"n": self.n, "b": self.b, "c": self.c, "alpha": self.alpha, "delta": self.delta,
                 "log_capital": round(self.log_capital, 6), "max_log_capital": round(self.max_log_capital, 6),
@@ -318,6 +348,35 @@ class BettingSequence:
                 **({"b_ceiling": self.b_ceiling, "b_log_capital": round(self.b_test.log_capital, 6),
                     "b_max_log_capital": round(self.b_test.max_log_capital, 6), "b_certified": self.b_certified}
                    if self.b_test is not None else {})}
+
+
+def _kelly_vector(n: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float, c_max: float) -> np.ndarray:
+    """The plug-in gambler's bet (``update``: ``kelly_bet`` on ``_plug_in``'s rates) for each (n, b, c) of the
+    arrays, the bisection of ``_kelly_bet`` run once per distinct triple, in the same floating-point operations."""
+    base = int(max(n.max(initial=0), b.max(initial=0), c.max(initial=0))) + 1
+    keys, inverse = np.unique((n * base + b) * base + c, return_inverse=True)
+    un, ub, uc = keys // (base * base), (keys // base) % base, keys % base
+    w = PRIOR_WEIGHT
+    pb = (ub + w * (PRIOR_B * alpha)) / (un + w)
+    pc = uc / (un + w)
+    p0 = np.maximum(1.0 - pb - pc, 0.0)
+    values = (alpha - 1.0, alpha + 1.0, alpha)
+    cap = c_max / (1.0 - alpha)
+
+    def slope(lam: np.ndarray) -> np.ndarray:
+        total = np.zeros_like(pb)
+        for v, p in zip(values, (pb, pc, p0)):
+            total = total + np.where(p > 0.0, p * v / (1.0 + lam * v), 0.0)
+        return total
+
+    zero = np.zeros_like(pb)
+    lo, hi = zero.copy(), np.full_like(pb, cap)
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        up = slope(mid) > 0.0
+        lo, hi = np.where(up, mid, lo), np.where(up, hi, mid)
+    lam = np.where(slope(zero) <= 0.0, 0.0, np.where(slope(np.full_like(pb, cap)) >= 0.0, cap, lo))
+    return lam[inverse.reshape(n.shape)]
 
 
 METHOD = ("betting test supermartingale of H0: (b − c)/n ≥ α, the mean of three gamblers' capital (predictable "

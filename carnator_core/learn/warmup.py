@@ -16,11 +16,46 @@ detector (a rise of the excess above α, the ``DriftDetector``, whose false alar
 confirmed — the kind stays on, audited at the ordinary ``audit_share``; drift — the kind is **off** for that warm-up
 fit, for good (its traffic learning goes on as before). Every state is recomputed from the record: deterministic.
 
+The unit — the warm-up label, not the cached entry. The traffic's tests count each cached entry once (``learner``,
+"The guarantee"): a user's requests cluster on the scenes they iterate on, and their labels are not independent.
+Warm-up requests are not the user's: the worker draws them (``idle.draw_edit``) — for the kind it labels, a cached
+entry uniformly at random *with replacement* among the namespace's entries that admit an edit of that kind
+(rejection: another draw when the generator gives that entry none), then a random edit of that kind (a fresh random
+seed for reseed; one of the entry's valid edits, each equally likely, for the others), from ``random.SystemRandom``,
+which reads no label. Conditional on the cache's entries at each draw, the warm-up labels of a kind are then i.i.d.
+draws from one population, "a random edit of kind k of a uniformly random cached scene", even when one scene is
+drawn many times (sampling with replacement from a finite population is i.i.d.); a burst on one scene occurs only by
+chance, which the i.i.d. model already contains. So the betting supermartingale Π(1 + λ_i(α − X_i)) (X = b − c,
+λ_i predictable) is valid *at label level* for the null "that population's excess is ≥ α at every draw", and the
+warm-up learner (``warm_learner``: ``Learner(unit="label")``) counts every such label: a cache of 24 scenes
+certifies a safe kind on 86 labels, where counting each scene once it never could (a test needs 63–86 units).
+What else selects a counted label looks at the draw and the clock, never at an outcome — the attempt gives no label
+when the candidate recalled is of another kind or outside the current fit (so the population is that of the
+accepted draws: an i.i.d. sequence thinned by a rule on the draw alone stays i.i.d.), the kind's turn comes when the
+kinds before it are on or off, and a queued prompt abandons the label in flight — so each counted label's
+conditional mean given the past is the population's. The randomness is the condition: labels that cluster on one
+scene (a scene drawn once and labelled again and again) or a pick that avoids scenes once they failed switch a
+kind on at an excess of α in most streams, where the draw holds the level (``tests/test_learn_warmup_iid.py``).
+The row of a drawn label carries the draw (``Label.draw``: its marker, the entry and edit drawn); a warm-up label
+without the marker (written by older code, which walked the entries round-robin) is counted once per entry, and
+not at all once its entry is counted, as it was then — an old record never gets a weaker test.
+
+What that certificate is about — precisely: **random edits of kind k of the scenes cached when warm-up ran, each
+scene equally likely** — a scene uniform among the cached entries that admit an edit of kind k, then uniform among
+its edits (``edits.make_edit``'s salts below ``idle.MAX_EDITS`` that give one; a fresh random seed for reseed),
+restricted to the draws whose recalled candidate is of kind k inside the warm-up fit's thresholds. Where the cache
+changed while warm-up ran, the null is about the population at each draw ("≥ α at every draw"). A certificate on
+5 cached scenes is about those 5 scenes, however many labels it took; nothing in it speaks of the user's other or
+future scenes, nor of how often the user's own requests recall each one. That is what the provisional state is
+for: the traffic's confirmation test, its drift detector (below) and the traffic's own learning keep the **entry**
+as their unit, unchanged.
+
 What each state guarantees, plainly (``KindState.guarantee``):
 
-* provisional — about the warm-up edits only: P(some kind switches on provisionally although reuse on its warm-up
-  edits is worse than dense by α or more) ≤ δ. Nothing is certified about the user's own traffic yet; the audits
-  watch it, and a kind that is bad on traffic is switched off by its drift test once its audits show it.
+* provisional — about the warm-up edits only: P(some kind switches on provisionally although reuse on random edits
+  of its kind of the cached scenes, each scene equally likely, is worse than dense by α or more) ≤ δ. Nothing is
+  certified about the user's own traffic yet; the audits watch it, and a kind that is bad on traffic is switched
+  off by its drift test once its audits show it.
 * confirmed — about the user's traffic: the audited hits (a draw independent of their outcome) certify excess < α
   within the warm-up thresholds; P(some kind is confirmed while its traffic excess is ≥ α) ≤ δ (``confirm_share``
   ≤ 1/10 of δ per kind, ten kinds at most).
@@ -91,8 +126,9 @@ def warm_settings(settings: LearnSettings) -> LearnSettings:
 
 
 def warm_learner(learner: Learner) -> Learner:
-    """A Learner of the warm-up population on the same record as ``learner`` (its own namespace, its own tests)."""
-    return Learner(learner.directory, warm_settings(learner.settings), store=learner.store)
+    """A Learner of the warm-up population on the same record as ``learner`` (its own namespace, its own tests),
+    counting at label level the labels the worker drew i.i.d. (``unit="label"``; module docstring, "The unit")."""
+    return Learner(learner.directory, warm_settings(learner.settings), store=learner.store, unit="label")
 
 
 @dataclass
@@ -178,10 +214,11 @@ def kind_states(learner: Learner, namespace: str, traffic: Mapping[str, StratumS
         else:
             msg = (f"{st}: on — warm-up certified, checking on your traffic ({head}; {confirm.n} audits of your "
                    f"traffic so far, b {confirm.b}, c {confirm.c}; {settings.audit_share:.0%} of its hits audited)")
-            guarantee = (f"about warm-up edits of your cached scenes only: P(a kind switches on although its warm-up "
-                         f"edits' excess is ≥ α = {s.alpha}) ≤ {s.delta}; nothing is certified about your own traffic "
-                         f"yet — {settings.audit_share:.0%} of its hits are audited, and the audits' drift test "
-                         f"switches it off when they show an excess above α")
+            guarantee = (f"about warm-up edits of your cached scenes only (random edits of this kind of the scenes "
+                         f"cached when warm-up ran, each scene equally likely): P(a kind switches on although its "
+                         f"warm-up edits' excess is ≥ α = {s.alpha}) ≤ {s.delta}; nothing is certified about your "
+                         f"own traffic yet — {settings.audit_share:.0%} of its hits are audited, and the audits' "
+                         f"drift test switches it off when they show an excess above α")
             share = settings.audit_share
         out[st] = KindState(st, verdict or "provisional", th, w.switched_on_at, confirm, drift, share, n_warm, msg,
                             guarantee)
