@@ -360,8 +360,8 @@ def test_shipped_rule_on_fresh_stream(embedded_ready, tmp_path):
     from carnator.carnator_core.lab import pairs
     from carnator.carnator_core.risk.rule import RiskRule
 
-    # certified on average (test_shipped_rule_is_certified); its per-stratum section (attempt 20: size, colour,
-    # rewording, reseed, position; tests/test_risk_strata_cert.py) is left out here: this checks the thresholds
+    # certified on average (test_shipped_rule_is_certified); its per-stratum section (attempt 21: size, colour;
+    # tests/test_risk_strata_cert.py) is left out here: this checks the thresholds
     rule = dataclasses.replace(RiskRule.load(RULE_PATH), strata=None)
     alpha = rule.certificate.alpha
     # Prompt-only at the threshold calibrated the same way (rule.comparison), or — when no prompt-only threshold
