@@ -224,6 +224,130 @@ def replay(store: Any, ns: str) -> dict[str, Any]:
     return out
 
 
+def labelling_detail(store: Any, ns: str, budget: float, audit: float) -> dict[str, Any]:
+    """What the coin and the cached entry as the unit did, from the record alone (report only; nothing here feeds
+    the run). The record is replayed in time order into a fresh learner with the run's settings (as ``replay``
+    does), and each served request with a candidate is classified the way ``runtime.observe`` decides a label:
+    whether it could be labelled then (its kind not on, not missing, inside the kind's current fit, its cached
+    entry not yet counted by that fit's test), whether the coin (``label_draw``) drew it, whether it was labelled.
+    Then each kind's shadow labels: made, on how many distinct cached entries, counted by its current fit's test
+    (one per entry), and why the others are not counted (the pilot, not reusable, an older judge reading, a fit
+    replaced since, an entry already counted)."""
+    from carnator.carnator_core.learn.learner import (
+        STRATA,
+        Fit,
+        Learner,
+        LearnSettings,
+        accepts,
+        fit_window,
+        label_draw,
+        reading_in_force,
+        same_label,
+    )
+
+    settings = LearnSettings(budget=budget, audit_share=audit)
+    covs = store.covariates(ns)
+    labels = store.labels(ns)
+    audit_keys = {lab.request_key for lab in labels if lab.kind == "audit"}
+    labelled = {lab.request_key for lab in labels if lab.kind == "shadow"}
+    ln = Learner(":memory:", settings)
+    merged = sorted([(c.t, 0, i) for i, c in enumerate(covs)] + [(lab.t, 1, i) for i, lab in enumerate(labels)])
+    cls: dict[str, dict[str, int]] = {}
+    mismatch = 0
+    for _, what, i in merged:
+        if what == 1:
+            ln.store.add_label(ns, labels[i])
+            continue
+        cov = covs[i]
+        ln.store.add_covariate(ns, cov)
+        if cov.request_key in audit_keys:
+            continue
+        st = ln.state(ns).get(cov.stratum)
+        if st is not None and st.on:
+            why = "kind on"
+        elif cov.stratum not in STRATA:
+            why = "not a kind"
+        elif cov.missing:
+            why = "missing"
+        elif st is not None and st.fit is not None and not accepts(st.fit.thresholds, cov.vector, cov.missing):
+            why = "outside the current fit"
+        elif st is not None and cov.entry_id in st.entries:
+            why = "entry already counted"
+        else:
+            why = "labelable"
+        c = cls.setdefault(cov.stratum, {})
+        drawn = label_draw(settings.label_share, cov.request_key)
+        made = cov.request_key in labelled
+        key = why if why != "labelable" else ("labelled" if made else ("drawn, not labelled (budget)" if drawn
+                                                                        else "not drawn"))
+        c[key] = c.get(key, 0) + 1
+        mismatch += int(made and why != "labelable") + int(made and not drawn)
+    lab_n = sum(sum(v for k, v in c.items() if k in ("labelled", "not drawn", "drawn, not labelled (budget)"))
+                for c in cls.values())
+    lab_drawn = sum(c.get("labelled", 0) + c.get("drawn, not labelled (budget)", 0) for c in cls.values())
+    plain = [c for c in covs if c.request_key not in audit_keys]
+    # each kind's shadow labels against its tests (``Learner._derive``'s counting, read back)
+    events = store.events(ns)  # the run's own record (the replay above only classifies the requests)
+    fits: dict[str, list[Any]] = {}
+    for e in events:
+        if e.get("kind") == "fit":
+            f = Fit.from_dict(e["fit"])
+            fits.setdefault(f.stratum, []).append(f)
+    replayed = {st: [f.to_dict() for f in fs] for st, fs in ln.fits(ns).items()}
+    mismatch += int(replayed != {st: [f.to_dict() for f in fs] for st, fs in fits.items()})
+    order = next(((list(e["order"]), int(e["since"])) for e in events if e.get("kind") == "order"), None)
+    since = order[1] if order else None
+    latest = reading_in_force(labels)
+    per_kind: dict[str, dict[str, Any]] = {}
+    counted: dict[tuple[str, int], set[str]] = {}
+    for lab in sorted((x for x in labels if x.kind == "shadow"), key=lambda x: x.id):
+        k = per_kind.setdefault(lab.stratum, {"made": 0, "entries": set(), "counted_current_fit": 0,
+                                              "counted_replaced_fits": 0, "not_counted": {}})
+        k["made"] += 1
+        k["entries"].add(lab.entry_id)
+        fs = fits.get(lab.stratum, [])
+        if since is None or lab.id <= since:
+            why = "pilot"
+        elif not lab.reusable:
+            why = "not reusable (region > max_active)"
+        elif not same_label(lab, latest):
+            why = "older judge reading"
+        else:
+            why = "outside every fit's window"
+            win = fit_window(fs)
+            for fit in fs:
+                lo, hi = win[fit.index]
+                if not lo < lab.id <= hi or not accepts(fit.thresholds, lab.vector, lab.missing):
+                    continue
+                seen = counted.setdefault((lab.stratum, fit.index), set())
+                if lab.entry_id in seen:
+                    why = "entry already counted"
+                    continue
+                seen.add(lab.entry_id)
+                why = ""
+                k["counted_current_fit" if fit is fs[-1] else "counted_replaced_fits"] += 1
+        if why:
+            k["not_counted"][why] = k["not_counted"].get(why, 0) + 1
+    for st, k in per_kind.items():
+        k["distinct_entries_of_labels"] = len(k.pop("entries"))
+        k["fits"] = len(fits.get(st, []))
+        cur = fits.get(st, [])[-1:] or [None]
+        k["distinct_entries_counted_current_fit"] = len(counted.get((st, cur[0].index), ())) if cur[0] else 0
+        k["requests_with_candidate"] = sum(c.stratum == st for c in plain)
+        k["distinct_entries_recalled"] = len({c.entry_id for c in plain if c.stratum == st})
+    return {
+        "label_share_setting": settings.label_share,
+        "coin_share_over_requests_with_a_candidate": (sum(label_draw(settings.label_share, c.request_key)
+                                                          for c in plain) / len(plain)) if plain else None,
+        "labelable": lab_n, "labelable_drawn": lab_drawn,
+        "coin_share_over_labelable": lab_drawn / lab_n if lab_n else None,
+        "requests_with_a_candidate": len(plain),
+        "classified_per_kind": cls, "replay_mismatches": mismatch,
+        "order": order[0] if order else None, "pilot_last_label_id": since,
+        "per_kind": per_kind,
+    }
+
+
 def paired_ratio(rows: list[dict[str, Any]]) -> float | None:
     """Σ dense twin latency / Σ served latency over requests that have a twin (the same server, moments apart)."""
     served = sum(r["latency_s"] for r in rows)
@@ -307,6 +431,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "hits_offline_label": hit_labels[0],
         "hits_offline_label_current_judge": hit_labels[1] if len(hit_labels) > 1 else None,
         "replay": replay(store, ns) if labels else {},
+        "labelling": labelling_detail(store, ns, args.budget, args.audit) if labels else {},
     }
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     return summary
