@@ -205,3 +205,26 @@ def test_learning_benchmark_counts_labels_per_cached_entry_and_the_coin(tmp_path
     assert d["classified_per_kind"]["reseed"]["entry already counted"] >= 1
     assert d["label_share_setting"] == pytest.approx(1 / 3)
     assert 0.2 < d["coin_share_over_requests_with_a_candidate"] < 0.5
+
+
+def test_learning_benchmark_ratio_is_over_requests_twinned_for_their_position():
+    """Every hit gets a dense twin but only every k-th miss: the ratio over all twinned requests would weigh a hit
+    k times a miss. The headline is over the requests twinned for their position, whatever was served."""
+    sys.path.insert(0, str(BENCH))
+    import bench_learn
+
+    rows = []
+    for i in range(60):
+        hit = i % 5 in (1, 2)  # 24 hits of 60; of the every-6th requests 4 of 10
+        r = {"i": i, "decision": "hit" if hit else "miss", "mode": "joint" if hit else "dense", "audit": False,
+             "latency_s": 1.0 if hit else 4.0}
+        if hit or i % 6 == 0:
+            r["dense_latency_s"] = 4.0
+        rows.append(r)
+    assert bench_learn.twin_step(rows) == 6
+    sample = bench_learn.position_sample(rows)
+    assert [r["i"] for r in sample] == list(range(0, 60, 6))
+    stream = 60 / (24 * 0.25 + 36 * 1.0)  # every request against a 4 s dense run
+    assert bench_learn.per_request_ratio(sample) == pytest.approx(stream)
+    twinned = [r for r in rows if r.get("dense_latency_s")]  # 24 hits and 6 misses
+    assert bench_learn.per_request_ratio(twinned) == pytest.approx(30 / (24 * 0.25 + 6 * 1.0))  # 2.5, not 1.43

@@ -191,14 +191,30 @@ def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = No
                        f"request {r['i']} x={x:+d} {r['prompt'][:70]} | reuse fails: {why}",
                        rows=("dense", "dense", "hit", "diff"))
     n = len(seen)
-    return [{"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
-             "settings": dict(judge.settings)} for judge, (b, c) in zip(judges, counts)]
+    out = [{"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
+            "settings": dict(judge.settings)} for judge, (b, c) in zip(judges, counts)]
+    if out:  # which hits the first judge calls b or c, and why (its reasons for the hit's and the twin's clip)
+        out[0]["flagged"] = [{"i": r["i"], "kind": r["kind"], "prompt": r["prompt"], "x": x,
+                              "reuse_fails": [str(v) for v in lab.reuse.reasons],
+                              "dense_fails": [str(v) for v in lab.dense.reasons]}
+                             for r, _, x, lab in seen if x != 0]
+    return out
 
 
 def replay(store: Any, ns: str) -> dict[str, Any]:
-    """When other settings would have switched on, replaying the same labels (the label policy unchanged)."""
+    """When other settings would have switched on, replaying the same labels (the label policy unchanged).
+
+    The record is replayed in time order (covariates and labels by their time stamps) and the state derived after
+    each, as ``runtime.observe`` derives it while serving: the pilot then ends at the same label and the fits are
+    recorded at the same points, so the default settings reproduce the run's own switch-on. (Before 2026-12-08 it
+    added a request's covariates only when a label needed them and derived after labels only: the pilot's last
+    label and so the counted labels could differ by one, and a switch-on on the run's last label of the kind was
+    not reproduced.)"""
     from carnator.carnator_core.learn.learner import Learner, LearnSettings
 
+    labels = store.labels(ns)
+    covs = store.covariates(ns)
+    merged = sorted([(c.t, 0, i) for i, c in enumerate(covs)] + [(lab.t, 1, i) for i, lab in enumerate(labels)])
     out = {}
     for name, kw in {"default (graph over the pilot's order, α 0.05, δ 0.1)": {},
                      "Bonferroni over 10 strata, fits halving (the earlier procedure)": {"strata": "bonferroni"},
@@ -206,20 +222,16 @@ def replay(store: Any, ns: str) -> dict[str, Any]:
                      "α 0.1, graph": {"alpha": 0.1}}.items():
         ln = Learner(":memory:", LearnSettings(**kw))
         first: dict[str, int] = {}
-        labels = store.labels(ns)
-        covs = store.covariates(ns)
-        ci = 0
-        for j, lab in enumerate(labels):
-            while ci < len(covs) and covs[ci].request_key != lab.request_key:
-                ln.store.add_covariate(ns, covs[ci])
-                ci += 1
-            if ci < len(covs):
-                ln.store.add_covariate(ns, covs[ci])
-                ci += 1
-            ln.store.add_label(ns, lab)
+        n_labels = 0
+        for _, what, i in merged:
+            if what == 0:
+                ln.store.add_covariate(ns, covs[i])
+            else:
+                ln.store.add_label(ns, labels[i])
+                n_labels += 1
             for st, v in ln.state(ns).items():
                 if v.on and st not in first:
-                    first[st] = j + 1
+                    first[st] = n_labels
         out[name] = {"labels": len(labels), "switched_on_after_labels": first}
     return out
 
@@ -362,6 +374,28 @@ def per_request_ratio(rows: list[dict[str, Any]]) -> float | None:
     return len(ratios) / sum(ratios) if ratios and sum(ratios) > 0 else None
 
 
+def twin_step(rows: list[dict[str, Any]]) -> int:
+    """The run's ``--dense-every`` read back from its record: the gcd of the positions of the requests that got a
+    dense twin for their position alone (neither a hit nor an audit)."""
+    import math
+
+    k = 0
+    for r in rows:
+        if r.get("dense_latency_s") is not None and not r.get("audit") and not (
+                r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache")):
+            k = math.gcd(k, int(r["i"]))
+    return k or 1
+
+
+def position_sample(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests twinned for their position (every ``--dense-every``-th, whatever was served): a sample of the
+    stream that does not depend on the outcome. Every hit and audit also has a twin, so the twinned requests as a
+    whole over-weight hits (with a twin every 6th request, a hit weighs six times a miss) and their ratio is not the
+    stream's; the per-request ratio over this sample is."""
+    k = twin_step(rows)
+    return [r for r in rows if r.get("dense_latency_s") and r["latency_s"] and r["i"] % k == 0]
+
+
 def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | None,
                  dense_med: float | None) -> dict[str, Any] | None:
     """What the first certificate cost: the requests served and the shadow labels made up to the request that
@@ -379,6 +413,15 @@ def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | Non
             "c": sum(lab.x == -1 for lab in before), "label_s": round(label_s, 2), "served_s": round(served_s, 2),
             "extra_share": label_s / served_s if served_s else None, "offline_equivalent_s": round(offline, 2),
             "online_over_offline": label_s / offline if offline else None}
+
+
+def window_speedup(rows: list[dict[str, Any]], on_at: int | None) -> float | None:
+    """After switch-on: the median of the dense twins of that window × its requests / Σ served (every request
+    served counts; the twins give only the dense time of the same stretch of a shared machine)."""
+    after = [r for r in rows if on_at and r["i"] + 1 > on_at]
+    dense = [r["dense_latency_s"] for r in after if r.get("dense_latency_s")]
+    served = sum(r["latency_s"] for r in after if r["latency_s"])
+    return statistics.median(dense) * len(after) / served if dense and served else None
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
@@ -399,6 +442,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         return (dense_med * len(rs) / served) if rs and dense_med and served else None
 
     paired = [r for r in rows if r.get("dense_latency_s") and r["latency_s"]]
+    sample = position_sample(rows)
     label_s = sum(lab.cost_s for lab in labels if lab.kind == "shadow")
     n_shadow = sum(lab.kind == "shadow" for lab in labels)
     mean_label = label_s / n_shadow if n_shadow else None
@@ -416,16 +460,27 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "dense_median_s": dense_med, "dense_twins": len(dense),
         "speedup_whole_run_vs_dense_median": speedup(rows),
         "speedup_after_switch_on": speedup([r for r in rows if on_at and r["i"] + 1 > on_at]) if on_at else None,
-        "paired_ratio_dense_over_served": paired_ratio(paired),
-        "per_request_ratio_vs_dense_twin": per_request_ratio(paired),
-        "per_request_ratio_after_switch_on": per_request_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
+        # the headline ratios over the requests twinned for their position (``position_sample``); the ratios over
+        # every twinned request (hits and audits always twinned: hits over-weighted) beside them, marked so
+        "dense_every_read_back": twin_step(rows),
+        "paired_ratio_dense_over_served": paired_ratio(sample),
+        "per_request_ratio_vs_dense_twin": per_request_ratio(sample),
+        "per_request_ratio_before_switch_on": per_request_ratio([r for r in sample
+                                                                 if not on_at or r["i"] + 1 <= on_at]),
+        "per_request_ratio_after_switch_on": per_request_ratio([r for r in sample if on_at and r["i"] + 1 > on_at]),
+        "twinned_requests_after_switch_on_sampled_by_position": len([r for r in sample if on_at
+                                                                      and r["i"] + 1 > on_at]),
+        "per_request_ratio_all_twins_hits_overweighted": per_request_ratio(paired),
+        "per_request_ratio_after_switch_on_all_twins_hits_overweighted": per_request_ratio(
+            [r for r in paired if on_at and r["i"] + 1 > on_at]),
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "mean_label_s": mean_label,
         # the offline protocol labels a request with a dense run and a reuse run (its pairs file), on warm caches
         "offline_equivalent_s": n_shadow * ((dense_med or 0) + (mean_label or 0)),
         "online_label_s": label_s,
         "to_switch_on": to_switch_on(rows, labels, on_at, dense_med),
-        "paired_ratio_after_switch_on": paired_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
+        "paired_ratio_after_switch_on": paired_ratio([r for r in sample if on_at and r["i"] + 1 > on_at]),
+        "speedup_after_switch_on_vs_window_dense_median": window_speedup(rows, on_at),
         "audits_b_c": [sum(lab.x == 1 for lab in labels if lab.kind == "audit"),
                        sum(lab.x == -1 for lab in labels if lab.kind == "audit")],
         "hits_offline_label": hit_labels[0],
