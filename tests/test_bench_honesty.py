@@ -167,3 +167,64 @@ def test_learning_benchmark_reports_the_per_request_ratio_beside_the_sum():
     assert bench_learn.per_request_ratio(rows) == pytest.approx(2 / 1.5)
     assert bench_learn.paired_ratio(rows) == pytest.approx(5.0 / 4.5)
     assert bench_learn.per_request_ratio([]) is None
+
+
+def test_learning_benchmark_counts_labels_per_cached_entry_and_the_coin(tmp_path):
+    """The report's labelling figures read a record the way the learner counts it: pilot labels count for nothing,
+    each cached entry once per fit, and the coin's share is the setting's (1/3 at the default budget)."""
+    sys.path.insert(0, str(BENCH))
+    import bench_learn
+
+    from carnator.carnator_core.learn.labels import Covariate, Label
+    from carnator.carnator_core.learn.learner import Learner, LearnSettings, label_draw
+
+    settings = LearnSettings()
+    ln = Learner(tmp_path, settings)
+    ns, vec = "ns", (0.01, 0.01, 0.01, 0.01)
+    made, forced, pilot_labels = [], None, 0
+    for i in range(160):
+        key, entry = f"k{i}", f"e{i if i < 120 else i - 60}"  # requests 120-159 recall entries 60-99 again
+        ln.store.add_covariate(ns, Covariate(key, "reseed", entry, 0.9, vec, False, float(i)))
+        st = ln.state(ns)["reseed"]
+        labelable = entry not in st.entries
+        again = not labelable and forced is None and label_draw(settings.label_share, key)
+        if (labelable and label_draw(settings.label_share, key)) or again:
+            forced = i if again else forced
+            pilot_labels += int(ln.order(ns) is None)
+            ln.store.add_label(ns, Label(key, "reseed", entry, 0.9, vec, False, True, 0, t=i + 0.5))
+            made.append(entry)
+            ln.state(ns)
+    assert forced is not None  # a label of an entry its test had counted: made here by hand, never by the runtime
+    d = bench_learn.labelling_detail(ln.store, ns, 0.2, 0.05)
+    k = d["per_kind"]["reseed"]
+    assert k["made"] == len(made) and k["not_counted"]["pilot"] == pilot_labels > 0
+    assert k["not_counted"]["entry already counted"] == 1
+    assert k["counted_current_fit"] == k["distinct_entries_counted_current_fit"] == len(made) - pilot_labels - 1
+    assert k["distinct_entries_of_labels"] == len(set(made))
+    assert d["replay_mismatches"] == 1  # the forced label, which the runtime would not have made
+    assert d["classified_per_kind"]["reseed"]["entry already counted"] >= 1
+    assert d["label_share_setting"] == pytest.approx(1 / 3)
+    assert 0.2 < d["coin_share_over_requests_with_a_candidate"] < 0.5
+
+
+def test_learning_benchmark_ratio_is_over_requests_twinned_for_their_position():
+    """Every hit gets a dense twin but only every k-th miss: the ratio over all twinned requests would weigh a hit
+    k times a miss. The headline is over the requests twinned for their position, whatever was served."""
+    sys.path.insert(0, str(BENCH))
+    import bench_learn
+
+    rows = []
+    for i in range(60):
+        hit = i % 5 in (1, 2)  # 24 hits of 60; of the every-6th requests 4 of 10
+        r = {"i": i, "decision": "hit" if hit else "miss", "mode": "joint" if hit else "dense", "audit": False,
+             "latency_s": 1.0 if hit else 4.0}
+        if hit or i % 6 == 0:
+            r["dense_latency_s"] = 4.0
+        rows.append(r)
+    assert bench_learn.twin_step(rows) == 6
+    sample = bench_learn.position_sample(rows)
+    assert [r["i"] for r in sample] == list(range(0, 60, 6))
+    stream = 60 / (24 * 0.25 + 36 * 1.0)  # every request against a 4 s dense run
+    assert bench_learn.per_request_ratio(sample) == pytest.approx(stream)
+    twinned = [r for r in rows if r.get("dense_latency_s")]  # 24 hits and 6 misses
+    assert bench_learn.per_request_ratio(twinned) == pytest.approx(30 / (24 * 0.25 + 6 * 1.0))  # 2.5, not 1.43

@@ -191,14 +191,30 @@ def offline_label(base: Path, rows: list[dict[str, Any]], look: Path | None = No
                        f"request {r['i']} x={x:+d} {r['prompt'][:70]} | reuse fails: {why}",
                        rows=("dense", "dense", "hit", "diff"))
     n = len(seen)
-    return [{"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
-             "settings": dict(judge.settings)} for judge, (b, c) in zip(judges, counts)]
+    out = [{"hits": n, "b": b, "c": c, "excess": (b - c) / n if n else None, "judge": judge.name,
+            "settings": dict(judge.settings)} for judge, (b, c) in zip(judges, counts)]
+    if out:  # which hits the first judge calls b or c, and why (its reasons for the hit's and the twin's clip)
+        out[0]["flagged"] = [{"i": r["i"], "kind": r["kind"], "prompt": r["prompt"], "x": x,
+                              "reuse_fails": [str(v) for v in lab.reuse.reasons],
+                              "dense_fails": [str(v) for v in lab.dense.reasons]}
+                             for r, _, x, lab in seen if x != 0]
+    return out
 
 
 def replay(store: Any, ns: str) -> dict[str, Any]:
-    """When other settings would have switched on, replaying the same labels (the label policy unchanged)."""
+    """When other settings would have switched on, replaying the same labels (the label policy unchanged).
+
+    The record is replayed in time order (covariates and labels by their time stamps) and the state derived after
+    each, as ``runtime.observe`` derives it while serving: the pilot then ends at the same label and the fits are
+    recorded at the same points, so the default settings reproduce the run's own switch-on. (Before 2026-12-08 it
+    added a request's covariates only when a label needed them and derived after labels only: the pilot's last
+    label and so the counted labels could differ by one, and a switch-on on the run's last label of the kind was
+    not reproduced.)"""
     from carnator.carnator_core.learn.learner import Learner, LearnSettings
 
+    labels = store.labels(ns)
+    covs = store.covariates(ns)
+    merged = sorted([(c.t, 0, i) for i, c in enumerate(covs)] + [(lab.t, 1, i) for i, lab in enumerate(labels)])
     out = {}
     for name, kw in {"default (graph over the pilot's order, α 0.05, δ 0.1)": {},
                      "Bonferroni over 10 strata, fits halving (the earlier procedure)": {"strata": "bonferroni"},
@@ -206,22 +222,142 @@ def replay(store: Any, ns: str) -> dict[str, Any]:
                      "α 0.1, graph": {"alpha": 0.1}}.items():
         ln = Learner(":memory:", LearnSettings(**kw))
         first: dict[str, int] = {}
-        labels = store.labels(ns)
-        covs = store.covariates(ns)
-        ci = 0
-        for j, lab in enumerate(labels):
-            while ci < len(covs) and covs[ci].request_key != lab.request_key:
-                ln.store.add_covariate(ns, covs[ci])
-                ci += 1
-            if ci < len(covs):
-                ln.store.add_covariate(ns, covs[ci])
-                ci += 1
-            ln.store.add_label(ns, lab)
+        n_labels = 0
+        for _, what, i in merged:
+            if what == 0:
+                ln.store.add_covariate(ns, covs[i])
+            else:
+                ln.store.add_label(ns, labels[i])
+                n_labels += 1
             for st, v in ln.state(ns).items():
                 if v.on and st not in first:
-                    first[st] = j + 1
+                    first[st] = n_labels
         out[name] = {"labels": len(labels), "switched_on_after_labels": first}
     return out
+
+
+def labelling_detail(store: Any, ns: str, budget: float, audit: float) -> dict[str, Any]:
+    """What the coin and the cached entry as the unit did, from the record alone (report only; nothing here feeds
+    the run). The record is replayed in time order into a fresh learner with the run's settings (as ``replay``
+    does), and each served request with a candidate is classified the way ``runtime.observe`` decides a label:
+    whether it could be labelled then (its kind not on, not missing, inside the kind's current fit, its cached
+    entry not yet counted by that fit's test), whether the coin (``label_draw``) drew it, whether it was labelled.
+    Then each kind's shadow labels: made, on how many distinct cached entries, counted by its current fit's test
+    (one per entry), and why the others are not counted (the pilot, not reusable, an older judge reading, a fit
+    replaced since, an entry already counted)."""
+    from carnator.carnator_core.learn.learner import (
+        STRATA,
+        Fit,
+        Learner,
+        LearnSettings,
+        accepts,
+        fit_window,
+        label_draw,
+        reading_in_force,
+        same_label,
+    )
+
+    settings = LearnSettings(budget=budget, audit_share=audit)
+    covs = store.covariates(ns)
+    labels = store.labels(ns)
+    audit_keys = {lab.request_key for lab in labels if lab.kind == "audit"}
+    labelled = {lab.request_key for lab in labels if lab.kind == "shadow"}
+    ln = Learner(":memory:", settings)
+    merged = sorted([(c.t, 0, i) for i, c in enumerate(covs)] + [(lab.t, 1, i) for i, lab in enumerate(labels)])
+    cls: dict[str, dict[str, int]] = {}
+    mismatch = 0
+    for _, what, i in merged:
+        if what == 1:
+            ln.store.add_label(ns, labels[i])
+            continue
+        cov = covs[i]
+        ln.store.add_covariate(ns, cov)
+        if cov.request_key in audit_keys:
+            continue
+        st = ln.state(ns).get(cov.stratum)
+        if st is not None and st.on:
+            why = "kind on"
+        elif cov.stratum not in STRATA:
+            why = "not a kind"
+        elif cov.missing:
+            why = "missing"
+        elif st is not None and st.fit is not None and not accepts(st.fit.thresholds, cov.vector, cov.missing):
+            why = "outside the current fit"
+        elif st is not None and cov.entry_id in st.entries:
+            why = "entry already counted"
+        else:
+            why = "labelable"
+        c = cls.setdefault(cov.stratum, {})
+        drawn = label_draw(settings.label_share, cov.request_key)
+        made = cov.request_key in labelled
+        key = why if why != "labelable" else ("labelled" if made else ("drawn, not labelled (budget)" if drawn
+                                                                        else "not drawn"))
+        c[key] = c.get(key, 0) + 1
+        mismatch += int(made and why != "labelable") + int(made and not drawn)
+    lab_n = sum(sum(v for k, v in c.items() if k in ("labelled", "not drawn", "drawn, not labelled (budget)"))
+                for c in cls.values())
+    lab_drawn = sum(c.get("labelled", 0) + c.get("drawn, not labelled (budget)", 0) for c in cls.values())
+    plain = [c for c in covs if c.request_key not in audit_keys]
+    # each kind's shadow labels against its tests (``Learner._derive``'s counting, read back)
+    events = store.events(ns)  # the run's own record (the replay above only classifies the requests)
+    fits: dict[str, list[Any]] = {}
+    for e in events:
+        if e.get("kind") == "fit":
+            f = Fit.from_dict(e["fit"])
+            fits.setdefault(f.stratum, []).append(f)
+    replayed = {st: [f.to_dict() for f in fs] for st, fs in ln.fits(ns).items()}
+    mismatch += int(replayed != {st: [f.to_dict() for f in fs] for st, fs in fits.items()})
+    order = next(((list(e["order"]), int(e["since"])) for e in events if e.get("kind") == "order"), None)
+    since = order[1] if order else None
+    latest = reading_in_force(labels)
+    per_kind: dict[str, dict[str, Any]] = {}
+    counted: dict[tuple[str, int], set[str]] = {}
+    for lab in sorted((x for x in labels if x.kind == "shadow"), key=lambda x: x.id):
+        k = per_kind.setdefault(lab.stratum, {"made": 0, "entries": set(), "counted_current_fit": 0,
+                                              "counted_replaced_fits": 0, "not_counted": {}})
+        k["made"] += 1
+        k["entries"].add(lab.entry_id)
+        fs = fits.get(lab.stratum, [])
+        if since is None or lab.id <= since:
+            why = "pilot"
+        elif not lab.reusable:
+            why = "not reusable (region > max_active)"
+        elif not same_label(lab, latest):
+            why = "older judge reading"
+        else:
+            why = "outside every fit's window"
+            win = fit_window(fs)
+            for fit in fs:
+                lo, hi = win[fit.index]
+                if not lo < lab.id <= hi or not accepts(fit.thresholds, lab.vector, lab.missing):
+                    continue
+                seen = counted.setdefault((lab.stratum, fit.index), set())
+                if lab.entry_id in seen:
+                    why = "entry already counted"
+                    continue
+                seen.add(lab.entry_id)
+                why = ""
+                k["counted_current_fit" if fit is fs[-1] else "counted_replaced_fits"] += 1
+        if why:
+            k["not_counted"][why] = k["not_counted"].get(why, 0) + 1
+    for st, k in per_kind.items():
+        k["distinct_entries_of_labels"] = len(k.pop("entries"))
+        k["fits"] = len(fits.get(st, []))
+        cur = fits.get(st, [])[-1:] or [None]
+        k["distinct_entries_counted_current_fit"] = len(counted.get((st, cur[0].index), ())) if cur[0] else 0
+        k["requests_with_candidate"] = sum(c.stratum == st for c in plain)
+        k["distinct_entries_recalled"] = len({c.entry_id for c in plain if c.stratum == st})
+    return {
+        "label_share_setting": settings.label_share,
+        "coin_share_over_requests_with_a_candidate": (sum(label_draw(settings.label_share, c.request_key)
+                                                          for c in plain) / len(plain)) if plain else None,
+        "labelable": lab_n, "labelable_drawn": lab_drawn,
+        "coin_share_over_labelable": lab_drawn / lab_n if lab_n else None,
+        "requests_with_a_candidate": len(plain),
+        "classified_per_kind": cls, "replay_mismatches": mismatch,
+        "order": order[0] if order else None, "pilot_last_label_id": since,
+        "per_kind": per_kind,
+    }
 
 
 def paired_ratio(rows: list[dict[str, Any]]) -> float | None:
@@ -236,6 +372,28 @@ def per_request_ratio(rows: list[dict[str, Any]]) -> float | None:
     ratio ``paired_ratio`` beside it)."""
     ratios = [r["latency_s"] / r["dense_latency_s"] for r in rows if r.get("dense_latency_s")]
     return len(ratios) / sum(ratios) if ratios and sum(ratios) > 0 else None
+
+
+def twin_step(rows: list[dict[str, Any]]) -> int:
+    """The run's ``--dense-every`` read back from its record: the gcd of the positions of the requests that got a
+    dense twin for their position alone (neither a hit nor an audit)."""
+    import math
+
+    k = 0
+    for r in rows:
+        if r.get("dense_latency_s") is not None and not r.get("audit") and not (
+                r["decision"] == "hit" and r["mode"] not in ("exact", "node_cache")):
+            k = math.gcd(k, int(r["i"]))
+    return k or 1
+
+
+def position_sample(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests twinned for their position (every ``--dense-every``-th, whatever was served): a sample of the
+    stream that does not depend on the outcome. Every hit and audit also has a twin, so the twinned requests as a
+    whole over-weight hits (with a twin every 6th request, a hit weighs six times a miss) and their ratio is not the
+    stream's; the per-request ratio over this sample is."""
+    k = twin_step(rows)
+    return [r for r in rows if r.get("dense_latency_s") and r["latency_s"] and r["i"] % k == 0]
 
 
 def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | None,
@@ -257,6 +415,15 @@ def to_switch_on(rows: list[dict[str, Any]], labels: list[Any], on_at: int | Non
             "online_over_offline": label_s / offline if offline else None}
 
 
+def window_speedup(rows: list[dict[str, Any]], on_at: int | None) -> float | None:
+    """After switch-on: the median of the dense twins of that window × its requests / Σ served (every request
+    served counts; the twins give only the dense time of the same stretch of a shared machine)."""
+    after = [r for r in rows if on_at and r["i"] + 1 > on_at]
+    dense = [r["dense_latency_s"] for r in after if r.get("dense_latency_s")]
+    served = sum(r["latency_s"] for r in after if r["latency_s"])
+    return statistics.median(dense) * len(after) / served if dense and served else None
+
+
 def report(args: argparse.Namespace) -> dict[str, Any]:
     from carnator.carnator_core.learn.labels import LabelStore
 
@@ -275,6 +442,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         return (dense_med * len(rs) / served) if rs and dense_med and served else None
 
     paired = [r for r in rows if r.get("dense_latency_s") and r["latency_s"]]
+    sample = position_sample(rows)
     label_s = sum(lab.cost_s for lab in labels if lab.kind == "shadow")
     n_shadow = sum(lab.kind == "shadow" for lab in labels)
     mean_label = label_s / n_shadow if n_shadow else None
@@ -292,21 +460,33 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "dense_median_s": dense_med, "dense_twins": len(dense),
         "speedup_whole_run_vs_dense_median": speedup(rows),
         "speedup_after_switch_on": speedup([r for r in rows if on_at and r["i"] + 1 > on_at]) if on_at else None,
-        "paired_ratio_dense_over_served": paired_ratio(paired),
-        "per_request_ratio_vs_dense_twin": per_request_ratio(paired),
-        "per_request_ratio_after_switch_on": per_request_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
+        # the headline ratios over the requests twinned for their position (``position_sample``); the ratios over
+        # every twinned request (hits and audits always twinned: hits over-weighted) beside them, marked so
+        "dense_every_read_back": twin_step(rows),
+        "paired_ratio_dense_over_served": paired_ratio(sample),
+        "per_request_ratio_vs_dense_twin": per_request_ratio(sample),
+        "per_request_ratio_before_switch_on": per_request_ratio([r for r in sample
+                                                                 if not on_at or r["i"] + 1 <= on_at]),
+        "per_request_ratio_after_switch_on": per_request_ratio([r for r in sample if on_at and r["i"] + 1 > on_at]),
+        "twinned_requests_after_switch_on_sampled_by_position": len([r for r in sample if on_at
+                                                                      and r["i"] + 1 > on_at]),
+        "per_request_ratio_all_twins_hits_overweighted": per_request_ratio(paired),
+        "per_request_ratio_after_switch_on_all_twins_hits_overweighted": per_request_ratio(
+            [r for r in paired if on_at and r["i"] + 1 > on_at]),
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "mean_label_s": mean_label,
         # the offline protocol labels a request with a dense run and a reuse run (its pairs file), on warm caches
         "offline_equivalent_s": n_shadow * ((dense_med or 0) + (mean_label or 0)),
         "online_label_s": label_s,
         "to_switch_on": to_switch_on(rows, labels, on_at, dense_med),
-        "paired_ratio_after_switch_on": paired_ratio([r for r in paired if on_at and r["i"] + 1 > on_at]),
+        "paired_ratio_after_switch_on": paired_ratio([r for r in sample if on_at and r["i"] + 1 > on_at]),
+        "speedup_after_switch_on_vs_window_dense_median": window_speedup(rows, on_at),
         "audits_b_c": [sum(lab.x == 1 for lab in labels if lab.kind == "audit"),
                        sum(lab.x == -1 for lab in labels if lab.kind == "audit")],
         "hits_offline_label": hit_labels[0],
         "hits_offline_label_current_judge": hit_labels[1] if len(hit_labels) > 1 else None,
         "replay": replay(store, ns) if labels else {},
+        "labelling": labelling_detail(store, ns, args.budget, args.audit) if labels else {},
     }
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     return summary
