@@ -348,3 +348,31 @@ def test_the_worker_draws_with_replacement_and_independently_of_outcomes(monkeyp
     st = warm_learner(ln).state(WNS)["reseed"]
     assert st.sequence.n == sum(lab.reusable for lab in labels) == 150 and len(st.entries) == 6
     assert st.sequence.b == sum(lab.x == 1 for lab in labels) > 0
+
+
+def test_warm_up_fits_each_kind_from_its_own_covariates():
+    """The worker labels one kind at a time, reseed first, so the namespace's first 20 covariates are all re-rolls
+    with small discrepancies. A colour edit's candidate differs more (its appearance axis). Fits taken from the
+    namespace's first covariates (the traffic's rule) give colour reseed's thresholds, which no colour candidate
+    passes: warm-up could never label a second kind by its own covariates (seen end to end: after reseed and
+    rewording certified, every later draw was 'outside what is still learned'). The warm-up learner fits each kind
+    from its own first covariates, which its candidates pass at the fit's level."""
+    from carnator_core.learn.learner import accepts
+
+    colour_vecs = [(0.1 + 0.01 * k, 0.0, 0.0, 5.0 + 0.1 * k) for k in range(20)]
+
+    def record(ln: Learner) -> Learner:
+        for k in range(20):
+            ln.store.add_covariate(WNS, Covariate(f"r{k}", "reseed", f"r{k}", 0.9, (0.1, 0.0, 0.0, 0.01 * k), False))
+        for k, v in enumerate(colour_vecs):
+            ln.store.add_covariate(WNS, Covariate(f"c{k}", "colour", f"c{k}", 0.9, v, False))
+        return ln
+
+    wl = record(warm_learner(Learner("memory", SETTINGS, store=MemoryRecord())))
+    fit = wl.state(WNS)["colour"].fit
+    assert fit is not None
+    passed = sum(accepts(fit.thresholds, v, False) for v in colour_vecs)
+    assert passed >= 0.8 * len(colour_vecs), (fit.thresholds, passed)
+    # the traffic's rule on the same record: colour's fit is reseed's, and no colour candidate passes it
+    ns_fit = record(Learner("memory", SETTINGS, store=MemoryRecord(), unit="label")).state(WNS)["colour"].fit
+    assert ns_fit is not None and not any(accepts(ns_fit.thresholds, v, False) for v in colour_vecs)

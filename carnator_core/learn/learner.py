@@ -10,7 +10,8 @@ against the candidate, ``risk.strata``):
    reuse run the rule-to-be would make with its chosen candidate (``runtime.choose``: among the recalled
    candidates, the one whose kind of change comes first in the order), judged b/c against the clip just served.
 2. **Fit.** A stratum's thresholds are fitted from covariates alone: fit j takes per-axis quantiles at level
-   ``level·tighten^(j−1)`` of the namespace's first ``min_fit·2^(j−1)`` covariates (or a seed rule's thresholds
+   ``level·tighten^(j−1)`` of the namespace's first ``min_fit·2^(j−1)`` covariates (the warm-up learner: of the
+   stratum's own first that many, ``fit_from``) (or a seed rule's thresholds
    for fit 1). No label outcome enters a fit. A fit whose accepted labels show an excess ≥ α after
    ``fail_after`` labels is replaced by the next, stricter one; a drift (below) replaces it by the next one on
    labels after the drift only.
@@ -468,14 +469,22 @@ class Learner:
     one folder (or one Redis) agree."""
 
     def __init__(self, directory: str | Path, settings: LearnSettings | None = None, *, store: Any = None,
-                 unit: str = "entry"):
+                 unit: str = "entry", fit_from: str = "namespace"):
         """``directory``: the cache folder (``LabelStore``), or, with ``store``, only a name for the record.
         ``unit``: what a test counts as one draw (module docstring, "The unit"): "entry" (the default, every
         traffic namespace: one label per cached entry and test) or "label" (the warm-up population's learner only,
         ``warmup.warm_learner``: each label the worker drew i.i.d. — ``Label.iid`` — counts; a label without the
-        marker is still counted once per entry)."""
+        marker is still counted once per entry).
+        ``fit_from``: which covariates a stratum's fit j is taken from (module docstring, "Fit"): "namespace" (the
+        default: the namespace's first ``min_fit·2^(j−1)``, whatever their stratum) or "stratum" (the first that many
+        of that stratum — the warm-up learner's: warm-up draws one kind at a time, so the namespace's first
+        covariates are all of the first kind, and fits taken from them would leave every later kind's candidates
+        outside its thresholds). Either way a fit reads covariates only, never an outcome."""
         if unit not in UNITS:
             raise ValueError(f"a learner's unit is one of {UNITS}, got {unit!r}")
+        if fit_from not in ("namespace", "stratum"):
+            raise ValueError(f"a learner's fit_from is 'namespace' or 'stratum', got {fit_from!r}")
+        self.fit_from = fit_from
         self.directory = Path(directory) if store is None else directory
         self.store = LabelStore(self.directory) if store is None else store
         self.settings = settings or LearnSettings()
@@ -503,6 +512,8 @@ class Learner:
             th, source = Thresholds(*s.seed_thresholds), "seed"
         else:
             need = s.min_fit * 2 ** (index - 1)
+            if self.fit_from == "stratum":
+                covs = [c for c in covs if c.stratum == stratum]
             if len(covs) < need:
                 return None
             th, source = _quantile_thresholds(covs[:need], level), "covariates"

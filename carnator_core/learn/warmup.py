@@ -127,8 +127,12 @@ def warm_settings(settings: LearnSettings) -> LearnSettings:
 
 def warm_learner(learner: Learner) -> Learner:
     """A Learner of the warm-up population on the same record as ``learner`` (its own namespace, its own tests),
-    counting at label level the labels the worker drew i.i.d. (``unit="label"``; module docstring, "The unit")."""
-    return Learner(learner.directory, warm_settings(learner.settings), store=learner.store, unit="label")
+    counting at label level the labels the worker drew i.i.d. (``unit="label"``; module docstring, "The unit"), each
+    kind's fits taken from that kind's own warm-up covariates (``fit_from="stratum"``: the worker labels one kind at a
+    time, reseed first, so the namespace's first covariates are all reseeds — fits taken from them shut every later
+    kind out of its own thresholds)."""
+    return Learner(learner.directory, warm_settings(learner.settings), store=learner.store, unit="label",
+                   fit_from="stratum")
 
 
 @dataclass
