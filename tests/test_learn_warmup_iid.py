@@ -376,3 +376,29 @@ def test_warm_up_fits_each_kind_from_its_own_covariates():
     # the traffic's rule on the same record: colour's fit is reseed's, and no colour candidate passes it
     ns_fit = record(Learner("memory", SETTINGS, store=MemoryRecord(), unit="label")).state(WNS)["colour"].fit
     assert ns_fit is not None and not any(accepts(ns_fit.thresholds, v, False) for v in colour_vecs)
+
+
+def test_a_head_kind_that_missed_a_few_times_gets_its_turn_back_after_the_next_label():
+    """Warm-up labels go to the head of the order: a few misses in a row (candidates outside the head's fit by
+    chance) send the worker to the next kind for one label, then back — not on around the whole order (seen end to
+    end with per-kind fits: reseed 52, rewording 53, colour 32, size 27 labels after ten minutes, none complete)."""
+    from carnator_core.learn.idle import MAX_MISSES, count_attempt, next_kind
+
+    order = ["reseed", "rewording", "colour", "size"]
+    misses: dict[str, int] = {}
+    picks = []
+    # reseed misses MAX_MISSES times, then every attempt of any kind gives a label
+    for _ in range(MAX_MISSES):
+        k = next_kind(order, misses)
+        picks.append(k)
+        count_attempt(misses, k, labelled=False)
+    for _ in range(3):
+        k = next_kind(order, misses)
+        picks.append(k)
+        count_attempt(misses, k, labelled=True)
+    assert picks == ["reseed"] * MAX_MISSES + ["rewording", "reseed", "reseed"], picks
+    # every kind missing: nothing fresh (the worker then starts over at the head)
+    for k in order:
+        for _ in range(MAX_MISSES):
+            count_attempt(misses, k, labelled=False)
+    assert next_kind(order, misses) is None

@@ -10,8 +10,9 @@ namespace (``warmup.warmup_namespace``). It costs one dense run, one reuse run a
 cost (``cost_s``), charged to the warm-up namespace's ledger, none to the traffic's budget.
 
 Which kind: the first kind of the warm-up order (``STRATA``'s, reseed first) that is neither on (by either
-population) nor off, and for which the last ``MAX_MISSES`` attempts did not all fail to give a label (a kind whose
-edits are never recalled as that kind — no cached scene offers it — yields to the next one).
+population) nor off, and for which the last ``MAX_MISSES`` attempts since any label did not all fail to give one
+(a kind whose edits are never recalled as that kind — no cached scene offers it — yields to the next one; any label
+gives the head of the order its turn back: ``count_attempt``).
 
 When (``IdleSettings``): ``mode`` "off" (never), "idle" (whenever the queue is empty) or "budget" (while the queue
 is empty, at most ``minutes_per_hour`` minutes of warm-up compute in any 60 minutes). The worker asks ``busy()``
@@ -54,7 +55,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 from .edits import KINDS, Edit, make_edit
 from .labels import IID_DRAW
@@ -127,6 +128,24 @@ def draw_edit(entries: Sequence[str], scene: Callable[[str], tuple[str, int]], k
             f"one" + (f" ({unreadable} could not be read)" if unreadable else "")
             + "; the worker moves on to the next kind after a few such attempts")
 
+
+
+def next_kind(learning: Sequence[str], misses: Mapping[str, int]) -> str | None:
+    """The kind the worker labels next: the first of ``learning`` (the warm-up order's kinds still learning) whose
+    last ``MAX_MISSES`` attempts did not all give no label; None when every one has missed lately."""
+    return next((k for k in learning if misses.get(k, 0) < MAX_MISSES), None)
+
+
+def count_attempt(misses: dict[str, int], kind: str, labelled: bool) -> None:
+    """Book one attempt of ``kind`` in ``misses`` (one namespace's). A label — of any kind — gives every kind a
+    fresh start, so the next pick is the head of the order again: a head kind that missed a few times in a row (its
+    candidates outside its fit by chance) yields for one label, not for good; before, it waited until every later
+    kind had missed too, and the labels spread over the order instead of completing its head. An attempt without a
+    label counts against its kind. Neither reads an outcome (a miss is a candidate outside the fit: covariates)."""
+    if labelled:
+        misses.clear()
+    else:
+        misses[kind] = misses.get(kind, 0) + 1
 
 class Preempted(Exception):
     """A prompt was queued: the warm-up label in flight is abandoned at its next model call."""
@@ -213,7 +232,7 @@ class IdleWorker:
         self.last: dict[str, Any] = {}
         self.error = ""
         self._spent: deque = deque()  # (monotonic end, seconds) of the last hour's work
-        self._misses: dict[tuple[str, str], int] = {}
+        self._misses: dict[str, dict[str, int]] = {}  # namespace → kind → attempts without a label since one
         self._in_flight = threading.Lock()  # held while a label runs (``wait_unwound``)
 
     # ------------------------------------------------------------------ settings and state
@@ -331,12 +350,12 @@ class IdleWorker:
                         and not (k in warm and warm[k].state == "off")]
             if not learning:
                 continue
-            fresh = [k for k in learning if self._misses.get((ctx.namespace, k), 0) < MAX_MISSES]
-            if not fresh:  # every kind missed lately: start over
-                for k in learning:
-                    self._misses[(ctx.namespace, k)] = 0
-                fresh = learning
-            return ctx, fresh[0], learning
+            misses = self._misses.setdefault(ctx.namespace, {})
+            kind = next_kind(learning, misses)
+            if kind is None:  # every kind missed lately: start over
+                misses.clear()
+                kind = learning[0]
+            return ctx, kind, learning
         return None
 
     def run_once(self) -> dict[str, Any]:
@@ -368,10 +387,9 @@ class IdleWorker:
             self.stats.labels += 1
             k = out["stratum"]
             self.stats.by_kind[k] = self.stats.by_kind.get(k, 0) + 1
-            self._misses[(ctx.namespace, kind)] = 0
         else:
             self.stats.no_label += 1
-            self._misses[(ctx.namespace, kind)] = self._misses.get((ctx.namespace, kind), 0) + 1
+        count_attempt(self._misses.setdefault(ctx.namespace, {}), kind, out.get("result") == "label")
         self.last = {**out, "seconds": round(spent, 3)}
         return dict(self.last)
 
