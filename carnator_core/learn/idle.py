@@ -63,7 +63,8 @@ from .labels import IID_DRAW
 log = logging.getLogger("carnator")
 
 MODES = ("off", "idle", "budget")
-#: Attempts of one kind in a row that gave no label before the worker moves on to the next kind for a while.
+#: Attempts of one kind without a label (since the last label of any kind) before the worker moves on to the next
+#: kind; the next label gives it its turn back (``count_attempt``).
 MAX_MISSES = 4
 #: A scene's population of edits of a word kind: ``edits.make_edit``'s salts 0 .. MAX_EDITS − 1 that give an edit,
 #: each equally likely (a reseed edit is a fresh random seed: its population has no bound).
@@ -129,7 +130,6 @@ def draw_edit(entries: Sequence[str], scene: Callable[[str], tuple[str, int]], k
             + "; the worker moves on to the next kind after a few such attempts")
 
 
-
 def next_kind(learning: Sequence[str], misses: Mapping[str, int]) -> str | None:
     """The kind the worker labels next: the first of ``learning`` (the warm-up order's kinds still learning) whose
     last ``MAX_MISSES`` attempts did not all give no label; None when every one has missed lately."""
@@ -146,6 +146,7 @@ def count_attempt(misses: dict[str, int], kind: str, labelled: bool) -> None:
         misses.clear()
     else:
         misses[kind] = misses.get(kind, 0) + 1
+
 
 class Preempted(Exception):
     """A prompt was queued: the warm-up label in flight is abandoned at its next model call."""
